@@ -1,0 +1,13 @@
+"""The one error a user sees: `file:line: message`."""
+from __future__ import annotations
+
+
+class SpecError(Exception):
+    """A problem with a spec, located at a file and line."""
+
+    def __init__(self, path: str, line: int | None, message: str):
+        self.path = path
+        self.line = line
+        self.message = message
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {message}")

@@ -1,0 +1,93 @@
+"""The expression language's functions, each defined once as a sympy expression.
+
+A function's sympy form is its whole definition: simplification, differentiation and
+every printed spelling (Triton, PyTorch) derive from it. Printers only know how to
+spell sympy's own primitives (exp, tanh, Max, Piecewise, ...) plus `sigmoid` below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import sympy
+
+
+class sigmoid(sympy.Function):
+    """The logistic function 1 / (1 + exp(-x)), kept whole so targets print their fused op."""
+
+    nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_zero:
+            return sympy.Rational(1, 2)
+        return None
+
+    def fdiff(self, argindex=1):
+        s = sigmoid(self.args[0])
+        return s * (1 - s)
+
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return 1 / (1 + sympy.exp(-x))
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    arity: int
+    sympy_form: Callable[..., sympy.Expr]
+    doc: str
+
+
+_SQRT_2_OVER_PI = sympy.sqrt(2 / sympy.pi)
+# Kept as the literal the GELU paper and PyTorch use; sympy.Float keeps it exact to print.
+_GELU_TANH_CUBIC = sympy.Float("0.044715")
+_QUICK_GELU_SLOPE = sympy.Float("1.702")
+
+
+def _relu(x):
+    return sympy.Max(x, 0)
+
+
+FUNCTIONS: dict[str, Function] = {
+    f.name: f
+    for f in [
+        Function("identity", 1, lambda x: x, "x"),
+        Function("abs", 1, sympy.Abs, "|x|"),
+        Function("exp", 1, sympy.exp, "e**x"),
+        Function("log", 1, sympy.log, "natural logarithm"),
+        Function("sqrt", 1, sympy.sqrt, "square root"),
+        Function("rsqrt", 1, lambda x: 1 / sympy.sqrt(x), "1 / sqrt(x)"),
+        Function("tanh", 1, sympy.tanh, "hyperbolic tangent"),
+        Function("erf", 1, sympy.erf, "error function"),
+        Function("sigmoid", 1, sigmoid, "1 / (1 + exp(-x))"),
+        Function("min", 2, sympy.Min, "smaller of a and b"),
+        Function("max", 2, sympy.Max, "larger of a and b"),
+        Function("relu", 1, _relu, "max(x, 0)"),
+        Function("squared_relu", 1, lambda x: _relu(x) ** 2, "max(x, 0)**2 (Primer)"),
+        Function(
+            "leaky_relu",
+            2,
+            lambda x, slope: sympy.Piecewise((x, x > 0), (slope * x, True)),
+            "x if x > 0 else slope * x",
+        ),
+        Function("gelu", 1, lambda x: x / 2 * (1 + sympy.erf(x / sympy.sqrt(2))), "exact GELU, x * Phi(x)"),
+        Function(
+            "gelu_tanh",
+            1,
+            # 0.5 x (1 + tanh(u)) == x sigmoid(2u): one transcendental instead of two.
+            lambda x: x * sigmoid(2 * _SQRT_2_OVER_PI * (x + _GELU_TANH_CUBIC * x**3)),
+            "tanh-approximated GELU, in its sigmoid form",
+        ),
+        Function("silu", 1, lambda x: x * sigmoid(x), "x * sigmoid(x) (swish)"),
+        Function("quick_gelu", 1, lambda x: x * sigmoid(_QUICK_GELU_SLOPE * x), "x * sigmoid(1.702 x)"),
+    ]
+}
+
+# Built into the language rather than the registry: `where` takes a comparison and
+# `dropout` is stochastic, so neither is a plain sympy function of its arguments.
+BUILTINS = {"where": 3, "dropout": 2}
+
+
+def known_function_names() -> list[str]:
+    return sorted([*FUNCTIONS, *BUILTINS])

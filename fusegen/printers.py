@@ -1,0 +1,254 @@
+"""sympy printers, one per target: Triton (kernel bodies) and PyTorch (the eager reference).
+
+Both share the structure of elementwise code (numbers, + - * /, small integer powers as
+multiplications, where, max/min); each target supplies only its spellings. `strict` makes
+anything without a spelling an error at build time instead of silent garbage.
+"""
+from __future__ import annotations
+
+import sympy
+from sympy.printing.codeprinter import CodePrinter
+from sympy.printing.precedence import PRECEDENCE, precedence
+
+_SMALL_POWERS = (2, 3, 4)
+
+
+class _ElementwisePrinter(CodePrinter):
+    language = "Python"
+    printmethod = "_fusegen_print"
+    _default_settings = {
+        **CodePrinter._default_settings,
+        "strict": True,
+        "precision": 17,
+        "user_functions": {},
+        "contract": False,
+    }
+    _operators = {"and": "&", "or": "|", "not": "~"}
+
+    # A target's spellings: sympy function name → call, and the structural helpers.
+    known_functions: dict[str, str] = {}
+    where = sqrt = rsqrt = power = ""
+    helper_suffix = ""  # appended to a choice helper's name, so both targets fit in one module
+
+    def _format_code(self, lines):
+        return lines  # expressions only: no statements to indent
+
+    def _get_comment(self, text):
+        return f"# {text}"
+
+    def maximum(self, a: str, b: str) -> str:
+        raise NotImplementedError
+
+    def minimum(self, a: str, b: str) -> str:
+        raise NotImplementedError
+
+    def choice_argument(self, param: str) -> str:
+        """How a helper for a choice param is told which choice to compute."""
+        raise NotImplementedError
+
+    # -- atoms -------------------------------------------------------------
+
+    def _print_Symbol(self, expr):
+        return expr.name  # spec names are validated identifiers
+
+    def _print_Integer(self, expr):
+        return str(expr.p)
+
+    def _print_Float(self, expr):
+        # repr is the shortest text that reads back as the same double, e.g. 0.044715.
+        return repr(float(expr))
+
+    def _print_Rational(self, expr):
+        return repr(expr.p / expr.q)
+
+    def _print_NumberSymbol(self, expr):
+        return repr(float(expr))
+
+    _print_Pi = _print_Exp1 = _print_NumberSymbol
+
+    def parenthesize(self, item, level, strict=False):
+        if item.is_number and not item.is_negative:
+            return self._number(item)  # a literal needs no parentheses
+        return super().parenthesize(item, level, strict)
+
+    def _print(self, expr, **kwargs):
+        # A numeric subexpression (sqrt(2), 2/pi, ...) prints as one literal.
+        if isinstance(expr, sympy.Expr) and expr.is_number and not expr.is_Number:
+            value = self._number(abs(expr))
+            return f"-{value}" if expr.is_negative else value
+        return super()._print(expr, **kwargs)
+
+    # -- arithmetic --------------------------------------------------------
+
+    def _print_Mul(self, expr):
+        # All numeric factors (2, sqrt(2), pi**-0.5, ...) fold into one literal, printed first.
+        numeric = sympy.Mul(*[f for f in expr.args if f.is_number])
+        sign = ""
+        if numeric.is_negative:
+            numeric, sign = -numeric, "-"
+        numerator, denominator = [], []
+        for factor in expr.as_ordered_factors():
+            if factor.is_number:
+                continue
+            if factor.is_Pow and factor.exp.is_Number and factor.exp < 0 and factor.exp != -sympy.Rational(1, 2):
+                denominator.append(sympy.Pow(factor.base, -factor.exp))
+            else:
+                numerator.append(factor)
+        prec = precedence(expr)
+        parts = [] if numeric == 1 else [self._number(numeric)]
+        parts += [self.parenthesize(f, prec) for f in numerator]
+        text = " * ".join(parts) or "1.0"
+        if denominator:
+            under = " * ".join(self.parenthesize(f, prec) for f in denominator)
+            if len(denominator) > 1 or not _is_atom_text(under):
+                under = f"({under})"
+            text = f"{text} / {under}"
+        return sign + text
+
+    def _number(self, value) -> str:
+        if value.is_Integer:
+            return str(value.p)
+        if value.is_Float:
+            return repr(float(value))
+        return repr(float(value.evalf(30)))
+
+    def _print_Pow(self, expr):
+        base, exp = expr.base, expr.exp
+        if exp.is_Number:
+            value = float(exp)
+            if value == 0.5:
+                return f"{self.sqrt}({self._print(base)})"
+            if value == -0.5:
+                return f"{self.rsqrt}({self._print(base)})"
+            if value == -1:
+                return f"1.0 / {self._wrapped(base)}"
+            if value in _SMALL_POWERS:
+                return " * ".join([self._wrapped(base)] * int(value))
+            if -value in _SMALL_POWERS:
+                return f"1.0 / ({' * '.join([self._wrapped(base)] * int(-value))})"
+        return f"{self.power}({self._print(base)}, {self._print(exp)})"
+
+    def _wrapped(self, expr) -> str:
+        text = self._print(expr)
+        return text if _is_atom_text(text) else f"({text})"
+
+    # -- selection ---------------------------------------------------------
+
+    def _print_Relational(self, expr):
+        prec = precedence(expr)
+        return f"{self.parenthesize(expr.lhs, prec)} {expr.rel_op} {self.parenthesize(expr.rhs, prec)}"
+
+    def _print_Piecewise(self, expr):
+        *pieces, (last_value, last_cond) = expr.args
+        if last_cond is not sympy.true:
+            raise ValueError(f"a Piecewise without an otherwise branch cannot be printed: {expr}")
+        text = self._print(last_value)
+        for value, cond in reversed(pieces):
+            text = f"{self.where}({self._print(cond)}, {self._print(value)}, {text})"
+        return text
+
+    def _print_Max(self, expr):
+        return self._fold(expr.args, self.maximum)
+
+    def _print_Min(self, expr):
+        return self._fold(expr.args, self.minimum)
+
+    def _fold(self, args, combine) -> str:
+        # Numbers last, so a target may spell max(x, 0) as a clamp.
+        ordered = sorted(args, key=lambda a: a.is_Number)
+        text = self._print(ordered[0])
+        for arg in ordered[1:]:
+            text = combine(text, self._print(arg))
+        return text
+
+    def _print_Heaviside(self, expr):
+        # d/dx max(x, 0): 1 above, 0 below, and sympy's 1/2 at the tie (as torch.maximum splits).
+        x = self._print(expr.args[0])
+        at_zero = self._print(expr.pargs[1]) if len(expr.pargs) > 1 else "0.5"
+        return f"{self.where}({x} > 0, 1.0, {self.where}({x} < 0, 0.0, {at_zero}))"
+
+    def _print_sign(self, expr):
+        x = self._print(expr.args[0])
+        return f"{self.where}({x} > 0, 1.0, {self.where}({x} < 0, -1.0, 0.0))"
+
+    def _print_Function(self, expr):
+        param = getattr(expr.func, "choice_param", None)
+        if param is not None:
+            args = ", ".join(self._print(a) for a in expr.args)
+            return f"{expr.func.__name__}{self.helper_suffix}({args}, {self.choice_argument(param)})"
+        return super()._print_Function(expr)
+
+
+def _is_atom_text(text: str) -> bool:
+    """A name, a number or a call: safe as an operand without parentheses."""
+    if text.replace("_", "").replace(".", "").isalnum():
+        return True
+    if text.endswith(")") and "(" in text:
+        head = text[: text.index("(")]
+        depth = 0
+        for i, ch in enumerate(text[len(head):]):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0 and i != len(text) - len(head) - 1:
+                return False
+        return head.replace(".", "").replace("_", "").isalnum()
+    return False
+
+
+class TritonPrinter(_ElementwisePrinter):
+    """Triton: values are fp32 (or fp64) blocks; `tl.` ops, libdevice where tl has none."""
+
+    known_functions = {
+        "exp": "tl.exp",
+        "log": "tl.log",
+        "tanh": "libdevice.tanh",
+        "erf": "tl.erf",
+        "Abs": "tl.abs",
+        "sigmoid": "tl.sigmoid",
+    }
+    where, sqrt, rsqrt, power = "tl.where", "tl.sqrt_rn", "tl.rsqrt", "libdevice.pow"
+
+    def maximum(self, a, b):
+        return f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+
+    def minimum(self, a, b):
+        return f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+
+    def choice_argument(self, param):
+        return param.upper()
+
+
+class TorchPrinter(_ElementwisePrinter):
+    """PyTorch eager: tensors in the compute dtype; Python floats where sympy has numbers."""
+
+    known_functions = {
+        "exp": "torch.exp",
+        "log": "torch.log",
+        "tanh": "torch.tanh",
+        "erf": "torch.erf",
+        "Abs": "torch.abs",
+        "sigmoid": "torch.sigmoid",
+    }
+    where, sqrt, rsqrt, power = "torch.where", "torch.sqrt", "torch.rsqrt", "torch.pow"
+    helper_suffix = "_torch"
+
+    def maximum(self, a, b):
+        return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"
+
+    def minimum(self, a, b):
+        return f"torch.clamp_max({a}, {b})" if _is_number_text(b) else f"torch.minimum({a}, {b})"
+
+    def choice_argument(self, param):
+        return param
+
+
+def _is_number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def uses_libdevice(code: str) -> bool:
+    return "libdevice." in code

@@ -1,0 +1,43 @@
+"""What generated modules share at run time (they import it as `fusegen.runtime`)."""
+from .dropout import dropout_mask_reference, dropout_scale, dropout_threshold
+from .launch import (
+    ELEMENTWISE_CONFIGS,
+    Call,
+    FusegenArgumentError,
+    Problem,
+    autotune_do_bench,
+    broadcast_problem,
+    check_choice,
+    check_scalar,
+    draw_seed,
+    grid_2d,
+    is_interpreting,
+    needs_int64,
+    prune_configs,
+    view_2d,
+)
+
+if is_interpreting():
+    from .interpreter import patch_bfloat16_rounding
+
+    patch_bfloat16_rounding()
+
+__all__ = [
+    "ELEMENTWISE_CONFIGS",
+    "Call",
+    "FusegenArgumentError",
+    "Problem",
+    "autotune_do_bench",
+    "broadcast_problem",
+    "check_choice",
+    "check_scalar",
+    "draw_seed",
+    "dropout_mask_reference",
+    "dropout_scale",
+    "dropout_threshold",
+    "grid_2d",
+    "is_interpreting",
+    "needs_int64",
+    "prune_configs",
+    "view_2d",
+]

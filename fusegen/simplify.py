@@ -1,0 +1,177 @@
+"""IR → sympy: one expression per output, gradients by differentiation, CSE'd into blocks.
+
+A compile-time choice (activation) stays an opaque sympy function in the op's body, so
+the kernel holds one body and each choice becomes a small helper with its own CSE'd
+forward and derivative. Dropout becomes a multiplication by a per-element mask symbol
+(scale where kept, 0 where dropped); with dropout off it disappears.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import sympy
+
+from . import ir
+from .functions import FUNCTIONS
+
+_RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
+_BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "**": operator.pow}
+_HELPER_ARGS = ("x", "y", "z")
+
+
+@dataclass(frozen=True)
+class Block:
+    """Straight-line code: temporaries in order, then named results."""
+
+    temps: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
+    results: tuple[tuple[str, sympy.Expr], ...]
+
+
+@dataclass(frozen=True)
+class ChoiceHelper:
+    """The functions a choice param can name, each CSE'd, with their partial derivatives."""
+
+    param: str
+    args: tuple[sympy.Symbol, ...]
+    forward: tuple[tuple[str, Block], ...]  # (choice, block with result "out")
+    grads: tuple[tuple[str, Block], ...]  # (choice, block with results "d0", "d1", ...)
+
+
+@dataclass(frozen=True)
+class Gradient:
+    input: str
+    # Set when the gradient is exactly one output's incoming gradient: passed through, no kernel work.
+    passthrough_of: str | None
+
+
+@dataclass(frozen=True)
+class SimplifiedOp:
+    ir: ir.OpIR
+    inputs: tuple[sympy.Symbol, ...]
+    scalar_params: tuple[sympy.Symbol, ...]  # those the kernel needs as values
+    masks: tuple[sympy.Symbol, ...]  # one per dropout stream
+    grad_outputs: tuple[sympy.Symbol, ...]  # incoming gradient per output
+    forward: Block  # dropout on
+    forward_no_dropout: Block
+    backward: Block  # results named grad_<input>, pass-throughs left out
+    backward_no_dropout: Block
+    gradients: tuple[Gradient, ...]
+    helpers: tuple[ChoiceHelper, ...]
+
+    def forward_for(self, has_dropout: bool) -> Block:
+        return self.forward if has_dropout else self.forward_no_dropout
+
+
+@functools.lru_cache(maxsize=None)
+def choice_function(param: str, arity: int, derivative: int | None = None) -> type[sympy.Function]:
+    """The opaque sympy function standing for `param(...)`; derivative k is ∂/∂arg_k.
+
+    Cached so that the same name always is the same class (sympy compares by class).
+    """
+    if derivative is None:
+        name = f"_{param}"
+    else:
+        name = f"_{param}_grad" if arity == 1 else f"_{param}_grad{derivative}"
+
+    def fdiff(self, argindex=1):
+        if derivative is not None:
+            raise NotImplementedError("fusegen derives first derivatives only")
+        return choice_function(param, arity, argindex - 1)(*self.args)
+
+    return type(name, (sympy.Function,), {"nargs": arity, "fdiff": fdiff, "choice_param": param})
+
+
+def simplify(op: ir.OpIR) -> SimplifiedOp:
+    spec = op.spec
+    inputs = {i.name: sympy.Symbol(i.name, real=True) for i in spec.inputs}
+    params = {p.name: sympy.Symbol(p.name, real=True) for p in spec.scalar_params}
+    masks = tuple(sympy.Symbol(f"dropout_mask{d.stream}", real=True) for d in op.dropouts)
+    symbols = {**inputs, **params}
+
+    outputs = {}
+    for has_dropout in (True, False):
+        lower = _Lowering(symbols, masks if has_dropout else None)
+        outputs[has_dropout] = [(name, lower(expr)) for name, expr in op.outputs]
+
+    grad_outputs = tuple(sympy.Symbol(f"grad_{name}", real=True) for name, _ in op.outputs)
+    backward, gradients = {}, ()
+    for has_dropout in (True, False):
+        backward[has_dropout], gradients = _differentiate(outputs[has_dropout], inputs, grad_outputs)
+
+    used = set().union(*(e.free_symbols for _, e in outputs[True] + outputs[False]))
+    used |= set().union(*(e.free_symbols for _, e in backward[True] + backward[False]))
+    taken = set(symbols) | {m.name for m in masks} | {g.name for g in grad_outputs}
+    return SimplifiedOp(
+        ir=op,
+        inputs=tuple(inputs.values()),
+        scalar_params=tuple(s for s in params.values() if s in used),
+        masks=masks,
+        grad_outputs=grad_outputs,
+        forward=_cse(outputs[True], taken),
+        forward_no_dropout=_cse(outputs[False], taken),
+        backward=_cse(backward[True], taken),
+        backward_no_dropout=_cse(backward[False], taken),
+        gradients=gradients,
+        helpers=tuple(_choice_helper(p) for p in spec.choice_params),
+    )
+
+
+class _Lowering:
+    def __init__(self, symbols: dict[str, sympy.Symbol], masks: tuple[sympy.Symbol, ...] | None):
+        self.symbols = symbols
+        self.masks = masks
+
+    def __call__(self, e: ir.Expr) -> sympy.Basic:
+        if isinstance(e, ir.Const):
+            return sympy.Integer(e.value) if isinstance(e.value, int) else sympy.Float(e.value)
+        if isinstance(e, (ir.InputRef, ir.ParamRef)):
+            return self.symbols[e.name]
+        if isinstance(e, ir.Unary):
+            return -self(e.operand)
+        if isinstance(e, ir.Binary):
+            return _BINARY[e.op](self(e.left), self(e.right))
+        if isinstance(e, ir.Compare):
+            return _RELATIONS[e.op](self(e.left), self(e.right))
+        if isinstance(e, ir.Call):
+            return FUNCTIONS[e.func].sympy_form(*(self(a) for a in e.args))
+        if isinstance(e, ir.ChoiceCall):
+            return choice_function(e.param, len(e.args))(*(self(a) for a in e.args))
+        if isinstance(e, ir.Where):
+            return sympy.Piecewise((self(e.if_true), self(e.cond)), (self(e.if_false), True))
+        if isinstance(e, ir.Dropout):
+            value = self(e.value)
+            return value * self.masks[e.stream] if self.masks is not None else value
+        raise TypeError(f"unknown IR node {type(e).__name__}")
+
+
+def _differentiate(outputs, inputs, grad_outputs) -> tuple[list[tuple[str, sympy.Expr]], tuple[Gradient, ...]]:
+    """grad_input = Σ_outputs grad_output · ∂output/∂input; pure pass-throughs noted, not computed."""
+    results, gradients = [], []
+    for name, symbol in inputs.items():
+        total = sympy.Add(*(g * sympy.diff(expr, symbol) for g, (_, expr) in zip(grad_outputs, outputs)))
+        passthrough = next((g.name[len("grad_"):] for g in grad_outputs if total == g), None)
+        gradients.append(Gradient(name, passthrough))
+        if passthrough is None:
+            results.append((f"grad_{name}", total))
+    return results, tuple(gradients)
+
+
+def _cse(results: list[tuple[str, sympy.Expr]], taken: set) -> Block:
+    names = {s.name if isinstance(s, sympy.Symbol) else s for s in taken}
+    temps = sympy.numbered_symbols("t", real=True, exclude=[sympy.Symbol(n, real=True) for n in names])
+    replacements, reduced = sympy.cse([e for _, e in results], symbols=temps)
+    return Block(tuple(replacements), tuple((n, e) for (n, _), e in zip(results, reduced)))
+
+
+def _choice_helper(param) -> ChoiceHelper:
+    arity = FUNCTIONS[param.choices[0]].arity
+    args = tuple(sympy.Symbol(n, real=True) for n in _HELPER_ARGS[:arity])
+    forward, grads = [], []
+    for choice in param.choices:
+        expr = FUNCTIONS[choice].sympy_form(*args)
+        forward.append((choice, _cse([("out", expr)], set(args))))
+        partials = [(f"d{k}", sympy.diff(expr, a)) for k, a in enumerate(args)]
+        grads.append((choice, _cse(partials, set(args))))
+    return ChoiceHelper(param.name, args, tuple(forward), tuple(grads))

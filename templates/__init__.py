@@ -1,0 +1,1 @@
+"""Lets setuptools ship templates/ as the package fusegen.templates (see pyproject.toml)."""
