@@ -122,13 +122,17 @@ def cmd_show(args) -> int:
             print(f"grad_{g.input} = grad_{g.passthrough_of}  (passed through, no copy)")
     for helper in s.helpers:
         print(f"\n## choice '{helper.param}'")
-        for (choice, block), (_, grads) in zip(helper.forward, helper.grads):
-            body = "; ".join(f"{t} = {e}" for t, e in (*block.temps, *block.results))
-            dbody = "; ".join(f"{t} = {e}" for t, e in (*grads.temps, *grads.results))
-            print(f"{choice}: {body}\n  derivative: {dbody}")
+        for index, (choice, block) in enumerate(helper.forward):
+            print(f"{choice}: {_inline(block)}")
+            for k, partials in enumerate(helper.grads):
+                print(f"  d/d{helper.args[k]}: {_inline(partials[index][1])}")
     print("\n## generated module\n")
     print(op.text)
     return 0
+
+
+def _inline(block: simplify.Block) -> str:
+    return "; ".join(f"{t} = {e}" for t, e in (*block.temps, *block.results))
 
 
 def main(argv: list[str] | None = None) -> int:

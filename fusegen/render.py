@@ -17,7 +17,7 @@ import jinja2
 import sympy
 
 from .printers import TorchPrinter, TritonPrinter, _ElementwisePrinter, uses_libdevice
-from .simplify import Block, ChoiceHelper, SimplifiedOp
+from .simplify import Block, ChoiceHelper, SimplifiedOp, choice_function
 from .spec import ChoiceParam, OpSpec, ScalarParam
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -64,84 +64,124 @@ def render_op_module(op: SimplifiedOp) -> str:
     spec = op.ir.spec
     triton, torch_printer = TritonPrinter(), TorchPrinter()
     outputs = [b.name for b in spec.outputs]
+    inputs = [i.name for i in spec.inputs]
+    has_dropout = bool(op.ir.dropouts)
     kernel_params = [s.name for s in op.scalar_params]
     dropout_params = sorted({d.p for d in op.ir.dropouts})
-
-    has_dropout = bool(op.ir.dropouts)
     tensors = {*op.inputs, *op.masks, *op.grad_outputs}
-    kernel_dropout = _print_block(op.forward, triton, outputs, _triton_constant, tensors)
-    kernel_plain = _print_block(op.forward_no_dropout, triton, outputs, _triton_constant, tensors)
-    for d in op.ir.dropouts:
-        kernel_dropout.insert(
-            0,
-            f"dropout_mask{d.stream} = dropout_mask(seed, rows, cols, {d.stream}, "
-            f"dropout_threshold_{d.p}, dropout_scale_{d.p})",
-        )
-    triton_helpers = [_helper_function(h, triton, "forward") for h in op.helpers]
-    torch_helpers = [_helper_function(h, torch_printer, "forward") for h in op.helpers]
+    grad_names = [g.name for g in op.grad_outputs]
+    kernel_grads = [g.input for g in op.gradients if g.passthrough_of is None]
+    backward_symbols = _free_symbols(op.backward) | _free_symbols(op.backward_no_dropout)
+    backward_inputs = [i for i in spec.inputs if sympy.Symbol(i.name, real=True) in backward_symbols]
+    mask_lines = [
+        f"dropout_mask{d.stream} = dropout_mask(seed, rows, cols, {d.stream}, dropout_threshold_{d.p}, dropout_scale_{d.p})"
+        for d in op.ir.dropouts
+    ]
 
-    all_code = "\n".join(kernel_dropout + kernel_plain + [ln for h in triton_helpers for b in h.branches for ln in b.lines])
+    def lines(block: Block, printer, names, constant, with_masks: bool) -> list[str]:
+        return (mask_lines if with_masks else []) + _print_block(block, printer, names, constant, tensors)
+
+    grad_results = [f"grad_{name}" for name in kernel_grads]
+    kernel_dropout = lines(op.forward, triton, outputs, _triton_constant, True)
+    kernel_plain = lines(op.forward_no_dropout, triton, outputs, _triton_constant, False)
+    backward_dropout = lines(op.backward, triton, grad_results, _triton_constant, True)
+    backward_plain = lines(op.backward_no_dropout, triton, grad_results, _triton_constant, False)
+    triton_helpers = [f for h in op.helpers for f in _helper_functions(h, triton, with_grads=True)]
+    torch_helpers = [f for h in op.helpers for f in _helper_functions(h, torch_printer, with_grads=False)]
+    triton_code = kernel_dropout + kernel_plain + backward_dropout + backward_plain
+    triton_code += [line for h in triton_helpers for b in h.branches for line in b.lines]
+
+    params = [p.name for p in spec.params]
+    arguments = inputs + params + ["training", "seed"]
+    public = inputs + [f"{p.name}={p.default!r}" for p in spec.params]
+    public += ["training=True", "seed=None"] if has_dropout else []
+    internal = inputs + params + (["training", "seed"] if has_dropout else ["False", "None"])
+    typed = [f"{n}: torch.Tensor" for n in inputs]
+    typed += [f"{p.name}: {'str' if isinstance(p, ChoiceParam) else p.type}" for p in spec.params]
+    passthroughs = [g for g in op.gradients if g.passthrough_of]
     context = dict(
         op=spec.name,
-        doc=spec.doc,
+        doc=_docstring_text(spec.doc),
         spec_path=spec.path,
         spec_sha256=spec.sha256,
-        signature=_signature(spec, has_dropout, defaults=True),
-        signature_bare=_signature(spec, has_dropout, defaults=False),
-        call_arguments=", ".join(_argument_names(spec, has_dropout)),
+        public_signature=", ".join(public),
+        arguments=", ".join(arguments),
+        internal_arguments=", ".join(internal),
+        typed_arguments=", ".join(typed + ["training: bool", "seed: Optional[int]"]),
+        typed_grad_names=", ".join(f"{g}: torch.Tensor" for g in grad_names),
+        typed_tensor_arguments=", ".join(typed),
+        tensor_and_param_names=", ".join(inputs + params + ["training"]),
+        problem_arguments=", ".join(inputs + [c.name for c in spec.choice_params]),
+        tensor_names=", ".join(inputs),
+        tensor_tuple=_tuple(inputs),
+        param_tuple=_tuple(params + ["training"]),
+        grad_names=", ".join(grad_names),
+        grad_tuple=_tuple(grad_names),
+        kernel_grad_names=", ".join(kernel_grads) or "no input",
+        kernel_grad_tuple=_tuple(kernel_grads),
+        kernel_grad_needs=", ".join(f"needs[{inputs.index(n)}]" for n in kernel_grads),
+        backward_input_tuple=_tuple([i.name for i in backward_inputs]),
+        output_names=", ".join(outputs),
+        public_returns="outputs[0]" if len(outputs) == 1 else "tuple(outputs)",
+        forward_op_returns=", ".join(["torch.Tensor"] * (len(outputs) + 1)),
+        reference_returns=", ".join(f"{name}.to(problem.out_dtype)" for name in outputs),
+        autograd_returns=", ".join([f"grad_{n}" for n in inputs] + ["None"] * (len(params) + 2)),
         inputs_doc=", ".join(f"{i.name} {i.shape_text}" for i in spec.inputs),
         outputs_doc=", ".join(f"{name} [{', '.join(spec.out_dims)}]" for name in outputs),
         params_doc=_params_doc(spec, has_dropout),
+        passthrough_doc=" ".join(
+            f"The gradient of {g.input} is the gradient of {g.passthrough_of}, passed on without a copy"
+            f" (summed only where {g.input} was broadcast)." for g in passthroughs
+        ),
         has_dropout=has_dropout,
-        uses_libdevice=uses_libdevice(all_code),
-        choices=[
-            dict(name=c.name, constant=c.name.upper(), choices=repr(tuple(c.choices)))
-            for c in spec.choice_params
-        ],
+        uses_libdevice=uses_libdevice("\n".join(triton_code)),
+        choices=[dict(name=c.name, constant=c.name.upper(), choices=repr(tuple(c.choices))) for c in spec.choice_params],
         triton_helpers=triton_helpers,
         torch_helpers=torch_helpers,
-        inputs=[
-            dict(name=i.name, dims=i.shape_text, dims_tuple=repr(tuple(i.dims)))
-            for i in spec.inputs
-        ],
-        input_names=", ".join(i.name for i in spec.inputs) + ("," if len(spec.inputs) == 1 else ""),
+        inputs=[dict(name=i.name, dims=i.shape_text, dims_tuple=repr(tuple(i.dims))) for i in spec.inputs],
+        backward_inputs=[dict(name=i.name, dims=i.shape_text) for i in backward_inputs],
         outputs=outputs,
-        returns=", ".join(outputs),
-        returns_reference=", ".join(f"{name}.to(problem.out_dtype)" for name in outputs),
+        kernel_grads=[dict(name=n, constant=n.upper()) for n in kernel_grads],
+        gradients=[dict(input=g.input, passthrough_of=g.passthrough_of, index=inputs.index(g.input)) for g in op.gradients],
         kernel_params=kernel_params,
         dropout_params=dropout_params,
         kernel_dropout_lines=kernel_dropout,
         kernel_plain_lines=kernel_plain,
+        backward_dropout_lines=backward_dropout,
+        backward_plain_lines=backward_plain,
         masks=[dict(name=f"dropout_mask{d.stream}", stream=d.stream, p=d.p) for d in op.ir.dropouts],
         torch_dropout_lines=_print_block(op.forward, torch_printer, outputs, _torch_constant, tensors),
         torch_plain_lines=_print_block(op.forward_no_dropout, torch_printer, outputs, _torch_constant, tensors),
-        scalar_params=[
-            dict(name=p.name, kind=p.type, low=repr(p.min), high=repr(p.max)) for p in spec.scalar_params
-        ],
+        scalar_params=[dict(name=p.name, kind=p.type, low=repr(p.min), high=repr(p.max)) for p in spec.scalar_params],
         any_dropout=" or ".join(f"{p} > 0" for p in dropout_params) or "False",
         call_fields=", ".join(f"{p.name}={p.name}" for p in spec.params),
     )
     return _template_environment().get_template("op.py.jinja").render(**context)
 
 
+def _tuple(names: list[str]) -> str:
+    """Python tuple syntax for names: `a, b` or `a,` (one) or `()` (none)."""
+    if not names:
+        return "()"
+    return ", ".join(names) + ("," if len(names) == 1 else "")
+
+
+def _free_symbols(block: Block) -> set:
+    found = set()
+    for _, expr in (*block.temps, *block.results):
+        found |= expr.free_symbols
+    return found
+
+
+def _docstring_text(text: str) -> str:
+    """Text safe inside a triple-quoted docstring: backslashes and quotes escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 def render_package_init(specs: list[OpSpec]) -> str:
     return _template_environment().get_template("init.py.jinja").render(
         ops=[dict(name=s.name, doc=s.doc) for s in sorted(specs, key=lambda s: s.name)]
     )
-
-
-def _signature(spec: OpSpec, has_dropout: bool, defaults: bool) -> str:
-    parts = [i.name for i in spec.inputs]
-    for p in spec.params:
-        parts.append(f"{p.name}={p.default!r}" if defaults else p.name)
-    if has_dropout:
-        parts += ["training=True", "seed=None"] if defaults else ["training", "seed"]
-    return ", ".join(parts)
-
-
-def _argument_names(spec: OpSpec, has_dropout: bool) -> list[str]:
-    names = [i.name for i in spec.inputs] + [p.name for p in spec.params]
-    return names + (["training", "seed"] if has_dropout else [])
 
 
 def _params_doc(spec: OpSpec, has_dropout: bool) -> list[str]:
@@ -160,23 +200,30 @@ def _params_doc(spec: OpSpec, has_dropout: bool) -> list[str]:
     return lines
 
 
-def _helper_function(helper: ChoiceHelper, printer: _ElementwisePrinter, kind: str) -> HelperFunction:
-    blocks = helper.forward if kind == "forward" else helper.grads
-    results = ["out"] if kind == "forward" else [f"d{k}" for k in range(len(helper.args))]
+def _helper_functions(helper: ChoiceHelper, printer: _ElementwisePrinter, with_grads: bool) -> list[HelperFunction]:
+    """One function per choice param (and per partial derivative), branching on the choice."""
     is_triton = isinstance(printer, TritonPrinter)
-    name = f"_{helper.param}" + ("_grad" if kind == "grad" else "") + ("" if is_triton else "_torch")
-    branches = []
-    for index, (choice, block) in enumerate(blocks):
-        lines = tuple(_print_block(block, printer, results, None, set()))
-        branches.append(HelperBranch("if" if index == 0 else "elif", repr(choice), lines))
-    return HelperFunction(
-        name=name,
-        param=helper.param,
-        args=", ".join(a.name for a in helper.args),
-        selector=helper.param.upper() if is_triton else helper.param,
-        returns=", ".join(results),
-        branches=tuple(branches),
-    )
+    arity = len(helper.args)
+    variants = [(choice_function(helper.param, arity), helper.forward)]
+    if with_grads:
+        variants += [(choice_function(helper.param, arity, k), blocks) for k, blocks in enumerate(helper.grads)]
+    functions = []
+    for function, blocks in variants:
+        branches = tuple(
+            HelperBranch("if" if i == 0 else "elif", repr(choice), tuple(_print_block(block, printer, ["out"], None, set())))
+            for i, (choice, block) in enumerate(blocks)
+        )
+        functions.append(
+            HelperFunction(
+                name=function.__name__ + printer.helper_suffix,
+                param=helper.param,
+                args=", ".join(a.name for a in helper.args),
+                selector=helper.param.upper() if is_triton else helper.param,
+                returns="out",
+                branches=branches,
+            )
+        )
+    return functions
 
 
 def _print_block(block: Block, printer: _ElementwisePrinter, names: list[str], constant, tensors: set) -> list[str]:

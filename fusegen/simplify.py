@@ -36,7 +36,7 @@ class ChoiceHelper:
     param: str
     args: tuple[sympy.Symbol, ...]
     forward: tuple[tuple[str, Block], ...]  # (choice, block with result "out")
-    grads: tuple[tuple[str, Block], ...]  # (choice, block with results "d0", "d1", ...)
+    grads: tuple[tuple[tuple[str, Block], ...], ...]  # per argument k: (choice, block for ∂out/∂arg_k)
 
 
 @dataclass(frozen=True)
@@ -162,16 +162,20 @@ def _cse(results: list[tuple[str, sympy.Expr]], taken: set) -> Block:
     names = {s.name if isinstance(s, sympy.Symbol) else s for s in taken}
     temps = sympy.numbered_symbols("t", real=True, exclude=[sympy.Symbol(n, real=True) for n in names])
     replacements, reduced = sympy.cse([e for _, e in results], symbols=temps)
-    return Block(tuple(replacements), tuple((n, e) for (n, _), e in zip(results, reduced)))
+    # A temporary that is only a number (2*sqrt(2/pi)) reads better as the literal it prints to.
+    numbers = {t: e for t, e in replacements if e.is_number}
+    kept = [(t, e.xreplace(numbers)) for t, e in replacements if t not in numbers]
+    return Block(tuple(kept), tuple((n, e.xreplace(numbers)) for (n, _), e in zip(results, reduced)))
 
 
 def _choice_helper(param) -> ChoiceHelper:
     arity = FUNCTIONS[param.choices[0]].arity
     args = tuple(sympy.Symbol(n, real=True) for n in _HELPER_ARGS[:arity])
-    forward, grads = [], []
+    forward = []
+    grads: list[list[tuple[str, Block]]] = [[] for _ in args]
     for choice in param.choices:
         expr = FUNCTIONS[choice].sympy_form(*args)
         forward.append((choice, _cse([("out", expr)], set(args))))
-        partials = [(f"d{k}", sympy.diff(expr, a)) for k, a in enumerate(args)]
-        grads.append((choice, _cse(partials, set(args))))
-    return ChoiceHelper(param.name, args, tuple(forward), tuple(grads))
+        for k, a in enumerate(args):
+            grads[k].append((choice, _cse([("out", sympy.diff(expr, a))], set(args))))
+    return ChoiceHelper(param.name, args, tuple(forward), tuple(tuple(g) for g in grads))

@@ -11,12 +11,21 @@ Param activation: one of gelu_tanh, gelu, relu, silu, sigmoid, identity; default
 training=False, or every dropout p == 0, takes a kernel with no random numbers.
 seed=None draws the dropout seed from torch's default generator (torch.manual_seed).
 
-The Triton kernel loads every input once, computes in fp32 (fp64 for fp64 inputs) and
-writes every output once, in the dtype torch's type promotion gives.
+The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and
+write every output once, in the dtype torch's type promotion gives.
 Dropout draws Philox4x32-10 keyed by `seed` at each element's logical (row, column):
 the mask does not depend on the kernel's block shape, and `reference` reproduces it.
+
+Backward: one fused kernel recomputes the forward from the saved inputs, draws
+the same dropout masks again from the seed and writes every input gradient in one
+pass; gradients of inputs broadcast along rows are summed per program in fp32 and
+then across programs, in a fixed order (no atomics). Memory: saved for backward are
+the inputs and the seed, nothing else: no mask, no intermediates.
+The gradient of residual is the gradient of y, passed on without a copy (summed only where residual was broadcast).
 `reference` is the same computation in eager PyTorch, generated from the same spec.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -50,10 +59,33 @@ def _activation(x, ACTIVATION: tl.constexpr):
     return out
 
 
+@triton.jit
+def _activation_grad(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 'gelu_tanh':
+        t1 = tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+        out = 1.5957691216057308 * t1 * x * (1 - t1) * (0.134145 * x * x + 1) + t1
+    elif ACTIVATION == 'gelu':
+        t0 = 0.7071067811865476 * x
+        out = 0.5641895835477563 * t0 * tl.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
+    elif ACTIVATION == 'relu':
+        out = tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0.5))
+    elif ACTIVATION == 'silu':
+        t0 = tl.sigmoid(x)
+        out = t0 * x * (1 - t0) + t0
+    elif ACTIVATION == 'sigmoid':
+        t0 = tl.sigmoid(x)
+        out = t0 * (1 - t0)
+    elif ACTIVATION == 'identity':
+        out = 1
+    else:
+        tl.static_assert(False, "unknown activation")
+    return out
+
+
 @triton.autotune(
-    configs=runtime.ELEMENTWISE_CONFIGS,
+    configs=runtime.FORWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": runtime.prune_configs},
+    prune_configs_by={"early_config_prune": runtime.prune_forward_configs},
     do_bench=runtime.autotune_do_bench(),
 )
 @triton.jit(do_not_specialize=["seed"])
@@ -92,16 +124,95 @@ def bias_gelu_dropout_add_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+@triton.autotune(
+    configs=runtime.BACKWARD_CONFIGS,
+    key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
+    prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
+    do_bench=runtime.autotune_do_bench(),
+)
+@triton.jit(do_not_specialize=["seed"])
+def bias_gelu_dropout_add_backward_kernel(
+    x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
+    bias_ptr, bias_stride_m, bias_stride_n,  # bias [N], as [M, N]
+    grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
+    grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
+    grad_bias_ptr,  # gradient of bias: [M, N], or with SUM_GRAD_BIAS column sums [programs along M, N]
+    M, N,
+    dropout_threshold_p, dropout_scale_p,
+    seed,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    ACTIVATION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    COMPUTE_FP64: tl.constexpr,
+    NEEDS_GRAD_X: tl.constexpr,
+    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_BIAS: tl.constexpr,
+    SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
+    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M, fixed before launch (it sizes the sums)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    if INDEX_64:
+        cols = cols.to(tl.int64)
+        first_row = first_row.to(tl.int64)
+    grad_x_sum = tl.zeros((BLOCK_N,), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_bias_sum = tl.zeros((BLOCK_N,), tl.float64 if COMPUTE_FP64 else tl.float32)
+    for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+        rows = first_row + row_offset + tl.arange(0, BLOCK_M)
+        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
+        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+        bias = tl.load(bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds)
+        bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+        grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
+        grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+        if HAS_DROPOUT:
+            dropout_mask0 = dropout_mask(seed, rows, cols, 0, dropout_threshold_p, dropout_scale_p)
+            t0 = dropout_mask0 * grad_y * _activation_grad(bias + x, ACTIVATION)
+            grad_x = t0
+            grad_bias = t0
+        else:
+            t0 = grad_y * _activation_grad(bias + x, ACTIVATION)
+            grad_x = t0
+            grad_bias = t0
+        if NEEDS_GRAD_X:
+            if SUM_GRAD_X:
+                grad_x_sum += tl.sum(tl.where(in_bounds, grad_x, 0.0), axis=0)
+            else:
+                tl.store(grad_x_ptr + rows[:, None] * N + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
+        if NEEDS_GRAD_BIAS:
+            if SUM_GRAD_BIAS:
+                grad_bias_sum += tl.sum(tl.where(in_bounds, grad_bias, 0.0), axis=0)
+            else:
+                tl.store(grad_bias_ptr + rows[:, None] * N + cols[None, :], grad_bias.to(grad_bias_ptr.dtype.element_ty), mask=in_bounds)
+    if NEEDS_GRAD_X and SUM_GRAD_X:
+        tl.store(grad_x_ptr + tl.program_id(0) * N + cols, grad_x_sum, mask=cols < N)
+    if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
+        tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, grad_bias_sum, mask=cols < N)
+
+
 def bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None):
     """y = dropout(activation(x + bias), p) + residual
 
-    Runs the fused Triton kernel; see the module docstring for shapes and dtypes.
+    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
+    backward. Differentiable; a torch.library op (fusegen::bias_gelu_dropout_add) under torch.compile.
     """
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias, residual)):
+        *outputs, _ = _forward_op(x, bias, residual, p, activation, training, seed)
+    else:
+        *outputs, _ = _forward(x, bias, residual, p, activation, training, seed)
+    return outputs[0]
+
+
+def _forward(x, bias, residual, p, activation, training, seed):
+    """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, bias, residual, p, activation, training, seed, needs_kernel=True)
     problem = call.problem
     y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
     if problem.m * problem.n == 0:
-        return y
+        return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(t, problem) for t in (x, bias, residual)]
     bias_gelu_dropout_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -119,7 +230,96 @@ def bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', trai
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y
+    return y, call.seed
+
+
+def _backward(grad_y, x, bias, residual, p, activation, training, seed, needs_grad):
+    """Launch the backward kernel; returns the gradients of x, bias for which needs_grad is set."""
+    call = _arguments(x, bias, residual, p, activation, training, seed, needs_kernel=True)
+    problem = call.problem
+    rows_per_program = runtime.backward_rows_per_program(problem)
+    targets = [
+        runtime.GradTarget(t, problem, rows_per_program) if need else None
+        for t, need in zip((x, bias), needs_grad)
+    ]
+    if problem.m * problem.n > 0 and any(needs_grad):
+        views = [runtime.view_2d(t, problem) for t in (x, bias)]
+        grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
+        bias_gelu_dropout_add_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+            *views[0],
+            *views[1],
+            *grad_views[0],
+            runtime.GradTarget.buffer_of(targets[0]),
+            runtime.GradTarget.buffer_of(targets[1]),
+            problem.m,
+            problem.n,
+            runtime.dropout_threshold(call.p),
+            runtime.dropout_scale(call.p),
+            call.seed,
+            ACTIVATION=call.activation,
+            HAS_DROPOUT=call.has_dropout,
+            INDEX_64=runtime.needs_int64(problem, views + grad_views),
+            COMPUTE_FP64=problem.compute_dtype == torch.float64,
+            NEEDS_GRAD_X=targets[0] is not None,
+            SUM_GRAD_X=runtime.GradTarget.sums_rows(targets[0]),
+            NEEDS_GRAD_BIAS=targets[1] is not None,
+            SUM_GRAD_BIAS=runtime.GradTarget.sums_rows(targets[1]),
+            ROWS_PER_PROGRAM=rows_per_program,
+        )
+    return [t.result() for t in targets if t is not None]
+
+
+# torch.library registration: autograd and torch.compile each see one opaque op.
+# Saved for backward: the inputs and the seed, nothing else (no mask, no intermediates).
+
+
+@torch.library.custom_op("fusegen::bias_gelu_dropout_add", mutates_args=())
+def _forward_op(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, activation: str, training: bool, seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    *outputs, seed = _forward(x, bias, residual, p, activation, training, seed)
+    return (*outputs, torch.tensor(seed, dtype=torch.int64))
+
+
+@_forward_op.register_fake
+def _forward_fake(x, bias, residual, p, activation, training, seed):
+    problem = _problem(x, bias, residual, activation, needs_kernel=False)
+    outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in range(1)]
+    return (*outputs, torch.empty((), dtype=torch.int64))
+
+
+def _setup_context(ctx, inputs, output):
+    x, bias, residual, p, activation, training, seed = inputs
+    ctx.save_for_backward(x, bias, residual, output[-1])
+    ctx.params = (p, activation, training)
+
+
+def _backward_autograd(ctx, grad_y, _grad_seed):
+    x, bias, residual, seed = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    kernel_grads = iter(_backward_op(grad_y, x, bias, residual, *ctx.params, seed, [needs[0], needs[1]]))
+    grad_x = next(kernel_grads) if needs[0] else None
+    grad_bias = next(kernel_grads) if needs[1] else None
+    grad_residual = runtime.sum_to_input(grad_y, residual) if needs[2] else None
+    return grad_x, grad_bias, grad_residual, None, None, None, None
+
+
+_forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+@torch.library.custom_op("fusegen::bias_gelu_dropout_add_backward", mutates_args=())
+def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, activation: str, training: bool, seed: torch.Tensor, needs_grad: list[bool]) -> list[torch.Tensor]:
+    return _backward(grad_y, x, bias, residual, p, activation, training, int(seed), needs_grad)
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_y, x, bias, residual, p, activation, training, seed, needs_grad):
+    return [torch.empty_like(t) for t, need in zip((x, bias), needs_grad) if need]
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("fusegen::bias_gelu_dropout_add: double backward is not supported")
+
+
+_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def _activation_torch(x, activation):
@@ -142,7 +342,10 @@ def _activation_torch(x, activation):
 
 
 def reference(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None):
-    """Eager PyTorch twin of bias_gelu_dropout_add: same arguments, same values, same dropout mask."""
+    """Eager PyTorch twin of bias_gelu_dropout_add: same arguments, same values, same dropout mask.
+
+    Differentiable through autograd: the oracle for the generated backward.
+    """
     call = _arguments(x, bias, residual, p, activation, training, seed, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
@@ -157,10 +360,19 @@ def reference(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, s
 
 
 def _arguments(x, bias, residual, p, activation, training, seed, needs_kernel):
-    """Checks and defaults shared by bias_gelu_dropout_add and reference."""
+    """Checks and defaults shared by the kernels and reference; draws the seed if needed."""
+    problem = _problem(x, bias, residual, activation, needs_kernel=needs_kernel)
     p = runtime.check_scalar(_OP, "p", p, "float", 0.0, 1.0)
+    has_dropout = bool(training) and (p > 0)
+    if has_dropout and seed is None:
+        seed = runtime.draw_seed()
+    return runtime.Call(problem, has_dropout, 0 if seed is None else int(seed), p=p, activation=activation)
+
+
+def _problem(x, bias, residual, activation, needs_kernel):
+    """The checks that draw nothing: tensors, shapes, dtypes, devices, choices."""
     runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
-    problem = runtime.broadcast_problem(
+    return runtime.broadcast_problem(
         _OP,
         {
             "x": (x, ('...', 'N')),
@@ -169,7 +381,3 @@ def _arguments(x, bias, residual, p, activation, training, seed, needs_kernel):
         },
         needs_kernel=needs_kernel,
     )
-    has_dropout = bool(training) and (p > 0)
-    if has_dropout and seed is None:
-        seed = runtime.draw_seed()
-    return runtime.Call(problem, has_dropout, 0 if seed is None else int(seed), p=p, activation=activation)

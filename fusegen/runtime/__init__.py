@@ -1,11 +1,15 @@
 """What generated modules share at run time (they import it as `fusegen.runtime`)."""
 from .dropout import dropout_mask_reference, dropout_scale, dropout_threshold
 from .launch import (
-    ELEMENTWISE_CONFIGS,
+    BACKWARD_CONFIGS,
+    FORWARD_CONFIGS,
     Call,
     FusegenArgumentError,
+    GradTarget,
     Problem,
+    any_requires_grad,
     autotune_do_bench,
+    backward_rows_per_program,
     broadcast_problem,
     check_choice,
     check_scalar,
@@ -13,7 +17,9 @@ from .launch import (
     grid_2d,
     is_interpreting,
     needs_int64,
-    prune_configs,
+    prune_backward_configs,
+    prune_forward_configs,
+    sum_to_input,
     view_2d,
 )
 
@@ -23,11 +29,15 @@ if is_interpreting():
     patch_bfloat16_rounding()
 
 __all__ = [
-    "ELEMENTWISE_CONFIGS",
+    "BACKWARD_CONFIGS",
+    "FORWARD_CONFIGS",
     "Call",
     "FusegenArgumentError",
+    "GradTarget",
     "Problem",
+    "any_requires_grad",
     "autotune_do_bench",
+    "backward_rows_per_program",
     "broadcast_problem",
     "check_choice",
     "check_scalar",
@@ -38,6 +48,8 @@ __all__ = [
     "grid_2d",
     "is_interpreting",
     "needs_int64",
-    "prune_configs",
+    "prune_backward_configs",
+    "prune_forward_configs",
+    "sum_to_input",
     "view_2d",
 ]

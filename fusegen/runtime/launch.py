@@ -26,7 +26,7 @@ def is_interpreting() -> bool:
 # ---------------------------------------------------------------------------
 # Autotuning
 
-ELEMENTWISE_CONFIGS = [
+FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 2048}, num_warps=8),
     triton.Config({"BLOCK_M": 2, "BLOCK_N": 1024}, num_warps=4),
     triton.Config({"BLOCK_M": 4, "BLOCK_N": 1024}, num_warps=8),
@@ -38,45 +38,84 @@ ELEMENTWISE_CONFIGS = [
     triton.Config({"BLOCK_M": 1024, "BLOCK_N": 1}, num_warps=4),
 ]
 
+# The backward walks ROWS_PER_PROGRAM rows per program, BLOCK_M at a time.
+BACKWARD_CONFIGS = [
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 2048}, num_warps=8),
+    triton.Config({"BLOCK_M": 2, "BLOCK_N": 1024}, num_warps=8),
+    triton.Config({"BLOCK_M": 4, "BLOCK_N": 512}, num_warps=4),
+    triton.Config({"BLOCK_M": 8, "BLOCK_N": 256}, num_warps=4),
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 64}, num_warps=4),
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=2),
+]
+MIN_ROWS_PER_PROGRAM = 16  # >= every backward config's BLOCK_M
+MAX_ROWS_PER_PROGRAM = 256
+
 # The interpreter runs one Python step per program: few, mid-sized tiles are fastest.
 _INTERPRETER_BLOCK_ELEMENTS = 1024
 
 
-def prune_configs(configs, named_args, **kwargs):
-    """Keep the tiles that fit the problem; under the interpreter keep exactly one.
+def _interpreter_config(m: int, n: int, max_block_m: int | None = None) -> triton.Config:
+    block_n = min(triton.next_power_of_2(n), _INTERPRETER_BLOCK_ELEMENTS)
+    block_m = min(triton.next_power_of_2(m), max(1, _INTERPRETER_BLOCK_ELEMENTS // block_n))
+    if max_block_m is not None:
+        block_m = min(block_m, max_block_m)
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4)
 
-    Tiles much wider than N only mask lanes off, and the grid's second axis is limited
-    to 65535 tiles, so those go. Under the interpreter there is nothing to time.
-    """
-    m, n = named_args["M"], named_args["N"]
-    if is_interpreting():
-        block_n = min(triton.next_power_of_2(n), _INTERPRETER_BLOCK_ELEMENTS)
-        block_m = min(triton.next_power_of_2(m), max(1, _INTERPRETER_BLOCK_ELEMENTS // block_n))
-        return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4)]
+
+def _fitting(configs, m: int, n: int, max_block_m: int):
+    """Tiles no much wider than N nor taller than M, within the grid's 65535 column tiles."""
     width = max(triton.next_power_of_2(n), 8)
     fitting = [
         c
         for c in configs
         if c.kwargs["BLOCK_N"] <= width
-        and c.kwargs["BLOCK_M"] <= max(triton.next_power_of_2(m), 1)
+        and c.kwargs["BLOCK_M"] <= min(max(triton.next_power_of_2(m), 1), max_block_m)
         and triton.cdiv(n, c.kwargs["BLOCK_N"]) <= GRID_Y_LIMIT
     ]
     return fitting or [max(configs, key=lambda c: c.kwargs["BLOCK_N"])]
 
 
+def prune_forward_configs(configs, named_args, **kwargs):
+    """Keep the tiles that fit the problem; under the interpreter keep exactly one."""
+    m, n = named_args["M"], named_args["N"]
+    if is_interpreting():
+        return [_interpreter_config(m, n)]
+    return _fitting(configs, m, n, max_block_m=m)
+
+
+def prune_backward_configs(configs, named_args, **kwargs):
+    m, n, rows = named_args["M"], named_args["N"], kwargs["ROWS_PER_PROGRAM"]
+    if is_interpreting():
+        return [_interpreter_config(m, n, max_block_m=rows)]
+    return _fitting(configs, m, n, max_block_m=rows)
+
+
 def autotune_do_bench():
     """The autotuner's timer: Triton's own on a GPU; none needed under the interpreter.
 
-    With no GPU, Triton 3.6's default benchmarker fails ("0 active drivers"); there
-    `prune_configs` leaves a single config, whose timing is never compared.
+    With no GPU, Triton 3.6's default benchmarker fails ("0 active drivers"); there the
+    pruners leave a single config, whose timing is never compared.
     """
     if is_interpreting():
         return lambda kernel_call, quantiles: [0.0 for _ in quantiles]
     return None
 
 
-def grid_2d(meta, m: int, n: int):
-    return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+def grid_2d(meta, m: int, n: int, rows_per_program: int | None = None):
+    rows = rows_per_program or meta["BLOCK_M"]
+    return (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]))
+
+
+def backward_rows_per_program(problem: "Problem") -> int:
+    """Rows each backward program walks: enough programs to fill a GPU (~1024), but as few
+    as that allows, since each writes one row of partial column sums per reduced input."""
+    if is_interpreting():
+        return max(MIN_ROWS_PER_PROGRAM, min(MAX_ROWS_PER_PROGRAM, triton.next_power_of_2(problem.m)))
+    column_tiles = triton.cdiv(problem.n, 1024)
+    rows = MIN_ROWS_PER_PROGRAM
+    while rows < MAX_ROWS_PER_PROGRAM and triton.cdiv(problem.m, 2 * rows) * column_tiles >= 1024:
+        rows *= 2
+    return rows
 
 
 # ---------------------------------------------------------------------------
@@ -205,3 +244,55 @@ class Call:
         self.has_dropout = has_dropout
         self.seed = seed
         self.__dict__.update(params)
+
+
+def any_requires_grad(*tensors) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def sum_to_input(grad: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """An output's gradient as the gradient of an input it passes through: itself (no copy)
+    where shapes agree, else summed over the broadcast dims."""
+    if grad.shape == tensor.shape:
+        return grad
+    return grad.sum_to_size(tensor.shape)
+
+
+class GradTarget:
+    """Where the backward kernel writes one input's gradient, and how it becomes that gradient.
+
+    - same shape as the output: written in place, in the input's dtype;
+    - broadcast along rows (bias [N] against [..., N]): per-program column sums in fp32
+      [programs along M, N], summed across programs here, in a fixed order;
+    - any other broadcast: a full fp32 gradient, summed to the input's shape here.
+    """
+
+    def __init__(self, tensor: torch.Tensor, problem: Problem, rows_per_program: int):
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+        accumulate = torch.float64 if problem.compute_dtype == torch.float64 else torch.float32
+        device = problem.device
+        if tensor.shape == problem.shape:
+            self.kind = "full"
+            self.buffer = torch.empty(problem.shape, dtype=tensor.dtype, device=device)
+        elif tensor.numel() == problem.n and tensor.dim() >= 1 and tensor.shape[-1] == problem.n:
+            self.kind = "rows"
+            programs = triton.cdiv(problem.m, rows_per_program)
+            self.buffer = torch.empty((programs, problem.n), dtype=accumulate, device=device)
+        else:
+            self.kind = "sum"
+            self.buffer = torch.empty(problem.shape, dtype=accumulate, device=device)
+
+    @staticmethod
+    def buffer_of(target: "GradTarget | None"):
+        return None if target is None else target.buffer
+
+    @staticmethod
+    def sums_rows(target: "GradTarget | None") -> bool:
+        return target is not None and target.kind == "rows"
+
+    def result(self) -> torch.Tensor:
+        if self.kind == "full":
+            return self.buffer
+        if self.kind == "rows":
+            return self.buffer.sum(dim=0).reshape(self.shape).to(self.dtype)
+        return self.buffer.sum_to_size(self.shape).to(self.dtype)
