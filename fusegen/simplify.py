@@ -42,7 +42,8 @@ class ChoiceHelper:
 @dataclass(frozen=True)
 class Gradient:
     input: str
-    # Set when the gradient is exactly one output's incoming gradient: passed through, no kernel work.
+    # Set when the gradient is exactly one output's incoming gradient, with dropout on and
+    # off: then it is passed through, with no kernel work.
     passthrough_of: str | None
 
 
@@ -96,9 +97,15 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
         outputs[has_dropout] = [(name, lower(expr)) for name, expr in op.outputs]
 
     grad_outputs = tuple(sympy.Symbol(f"grad_{name}", real=True) for name, _ in op.outputs)
-    backward, gradients = {}, ()
-    for has_dropout in (True, False):
-        backward[has_dropout], gradients = _differentiate(outputs[has_dropout], inputs, grad_outputs)
+    totals = {has_dropout: _input_gradients(outputs[has_dropout], inputs, grad_outputs) for has_dropout in (True, False)}
+    gradients = tuple(
+        Gradient(name, _passthrough(totals[True][name], grad_outputs) if totals[True][name] == totals[False][name] else None)
+        for name in inputs
+    )
+    backward = {
+        has_dropout: [(f"grad_{g.input}", totals[has_dropout][g.input]) for g in gradients if g.passthrough_of is None]
+        for has_dropout in (True, False)
+    }
 
     used = set().union(*(e.free_symbols for _, e in outputs[True] + outputs[False]))
     used |= set().union(*(e.free_symbols for _, e in backward[True] + backward[False]))
@@ -146,16 +153,17 @@ class _Lowering:
         raise TypeError(f"unknown IR node {type(e).__name__}")
 
 
-def _differentiate(outputs, inputs, grad_outputs) -> tuple[list[tuple[str, sympy.Expr]], tuple[Gradient, ...]]:
-    """grad_input = Σ_outputs grad_output · ∂output/∂input; pure pass-throughs noted, not computed."""
-    results, gradients = [], []
-    for name, symbol in inputs.items():
-        total = sympy.Add(*(g * sympy.diff(expr, symbol) for g, (_, expr) in zip(grad_outputs, outputs)))
-        passthrough = next((g.name[len("grad_"):] for g in grad_outputs if total == g), None)
-        gradients.append(Gradient(name, passthrough))
-        if passthrough is None:
-            results.append((f"grad_{name}", total))
-    return results, tuple(gradients)
+def _input_gradients(outputs, inputs, grad_outputs) -> dict[str, sympy.Expr]:
+    """grad_input = Σ_outputs grad_output · ∂output/∂input, for every input."""
+    return {
+        name: sympy.Add(*(g * sympy.diff(expr, symbol) for g, (_, expr) in zip(grad_outputs, outputs)))
+        for name, symbol in inputs.items()
+    }
+
+
+def _passthrough(total: sympy.Expr, grad_outputs) -> str | None:
+    """The output whose incoming gradient this gradient is, unchanged; else None."""
+    return next((g.name[len("grad_"):] for g in grad_outputs if total == g), None)
 
 
 def _cse(results: list[tuple[str, sympy.Expr]], taken: set) -> Block:

@@ -211,7 +211,8 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
         raise _Located(line, f"{what} name '{name}' must not start with '_' (reserved for generated code)")
     if name in RESERVED_NAMES or _RESERVED_PATTERN.fullmatch(name):
         raise _Located(line, f"{what} name '{name}' is reserved by the generated code")
-    if name in FUNCTIONS or name in BUILTINS:
+    # An op may share a function's name (op `gelu`): its module never calls that function.
+    if what != "op" and (name in FUNCTIONS or name in BUILTINS):
         raise _Located(line, f"{what} name '{name}' shadows the function '{name}'")
     return name
 
