@@ -149,8 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     show = commands.add_parser("show", help="print a spec's IR, simplified/CSE'd forms, gradients and generated code")
     show.add_argument("spec", type=Path)
 
+    # bench and profile bring torch in; their arguments are defined next to their code.
+    from . import bench, profile
+
+    bench_parser = commands.add_parser("bench", help="time ops against eager PyTorch and torch.compile (GPU)")
+    bench.add_bench_arguments(bench_parser)
+    profile_parser = commands.add_parser("profile", help="torch.profiler tables: eager, generated, compiled (GPU)")
+    profile.add_profile_arguments(profile_parser)
+
     args = parser.parse_args(argv)
-    handlers = {"build": cmd_build, "check": cmd_check, "show": cmd_show}
+    handlers = {
+        "build": cmd_build,
+        "check": cmd_check,
+        "show": cmd_show,
+        "bench": bench.run_bench,
+        "profile": profile.run_profile,
+    }
     try:
         return handlers[args.command](args)
     except SpecError as exc:

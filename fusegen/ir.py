@@ -7,13 +7,15 @@ calls are checked against the function registry, so later stages see only valid 
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass
 from typing import Union
 
 from .errors import SpecError
 from .functions import BUILTINS, FUNCTIONS, known_function_names
-from .spec import Binding, ChoiceParam, OpSpec, ScalarParam
+from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, OpSpec, ScalarParam
 
+# Bounds on one expression, intermediates inlined: later stages recurse over the whole tree.
 MAX_DEPTH = 64
 MAX_NODES = 1000
 
@@ -98,7 +100,16 @@ _UNARY_OPS = {ast.USub: "-", ast.UAdd: "+"}
 
 
 class _Located(Exception):
-    pass
+    """A problem inside one expression; `_Scope.parse` adds the file and the binding's line."""
+
+
+@dataclass(frozen=True)
+class _Let:
+    """An intermediate's tree, with the depth and size it adds wherever it is inlined."""
+
+    expr: Expr
+    depth: int
+    nodes: int
 
 
 def build_ir(spec: OpSpec) -> OpIR:
@@ -108,7 +119,7 @@ def build_ir(spec: OpSpec) -> OpIR:
     for binding in spec.lets:
         scope.lets[binding.name] = scope.parse(binding)
     for binding in spec.outputs:
-        outputs.append((binding.name, scope.parse(binding)))
+        outputs.append((binding.name, scope.parse(binding).expr))
     _check_all_used(spec, scope)
     return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts))
 
@@ -119,49 +130,63 @@ class _Scope:
         self.inputs = {i.name for i in spec.inputs}
         self.scalars = {p.name: p for p in spec.params if isinstance(p, ScalarParam)}
         self.choices = {p.name: p for p in spec.params if isinstance(p, ChoiceParam)}
-        self.lets: dict[str, Expr] = {}
+        self.outputs = {b.name for b in spec.outputs}
+        self.lets: dict[str, _Let] = {}
+        # Numbered in order of appearance: lets, then outputs, each read left to right,
+        # an outer dropout before the dropouts inside its argument.
         self.dropouts: list[Dropout] = []
         self.used: set[str] = set()
+        # Depth and size of the tree being built, intermediates counted in full: they are
+        # inlined, and later stages (sympy, printers) recurse over the whole tree.
         self._nodes = 0
+        self._depth = 0
 
-    def parse(self, binding: Binding) -> Expr:
-        self._nodes = 0
+    def parse(self, binding: Binding) -> _Let:
+        self._nodes = self._depth = 0
+        # A YAML block scalar may spread an expression over lines: newlines are spaces.
+        text = " ".join(binding.text.split("\n"))
         try:
-            tree = ast.parse(binding.text, mode="eval")
+            tree = ast.parse(text, mode="eval")
         except SyntaxError as exc:
-            raise self._error(binding, f"cannot parse expression for '{binding.name}': {exc.msg}") from None
-        except (RecursionError, MemoryError, ValueError):
-            raise self._error(binding, f"cannot parse expression for '{binding.name}': too complex") from None
+            raise self._error(binding, f"cannot parse '{_shorten(text)}': {exc.msg}") from None
+        except (RecursionError, MemoryError):
+            raise self._error(binding, f"cannot parse '{_shorten(text)}': too complex") from None
+        except ValueError as exc:  # null bytes, which spec.py already refuses
+            raise self._error(binding, f"cannot parse '{_shorten(text)}': {exc}") from None
         try:
-            return self._lower(tree.body, 0)
+            expr = self._value(tree.body, 0)
         except _Located as exc:
-            raise self._error(binding, f"in '{binding.name}': {exc}") from None
+            raise self._error(binding, str(exc)) from None
+        return _Let(expr, self._depth, self._nodes)
 
     def _error(self, binding: Binding, message: str) -> SpecError:
         return SpecError(self.spec.path, binding.line, message)
 
-    def _lower(self, node: ast.AST, depth: int) -> Expr:
-        self._nodes += 1
+    def _count(self, depth: int, nodes: int = 1) -> None:
+        """Account for `nodes` more nodes reaching down to `depth`; refuse trees too big."""
+        self._nodes += nodes
+        self._depth = max(self._depth, depth)
         if depth > MAX_DEPTH:
-            raise _Located(f"expression is nested more than {MAX_DEPTH} levels deep; split it with 'let'")
+            raise _Located(
+                f"expression is nested more than {MAX_DEPTH} levels deep, counting the intermediates it uses"
+            )
         if self._nodes > MAX_NODES:
-            raise _Located(f"expression has more than {MAX_NODES} terms; split it with 'let'")
+            raise _Located(f"expression has more than {MAX_NODES} terms, counting each use of an intermediate in full")
+
+    def _lower(self, node: ast.AST, depth: int) -> Expr:
+        self._count(depth)
         d = depth + 1
         if isinstance(node, ast.Constant):
-            if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
-                raise _Located(f"unsupported constant {node.value!r}: only numbers")
-            if isinstance(node.value, int) and abs(node.value) >= 2**53:
-                raise _Located(f"integer constant {node.value} is too large")
-            if node.value != node.value or abs(node.value) == float("inf"):
-                raise _Located(f"constant {node.value!r} is not finite")
-            return Const(node.value)
+            return _constant(node.value)
         if isinstance(node, ast.Name):
-            return self._resolve(node.id)
+            return self._resolve(node.id, depth)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
             operand = self._value(node.operand, d)
             return operand if isinstance(node.op, ast.UAdd) else Unary("-", operand)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
             return Binary(_BINARY_OPS[type(node.op)], self._value(node.left, d), self._value(node.right, d))
+        if isinstance(node, (ast.BinOp, ast.UnaryOp, ast.BoolOp)):
+            raise _Located(f"unsupported operator in {_snippet(node)} (supported: + - * / ** and comparisons)")
         if isinstance(node, ast.Compare):
             if len(node.ops) != 1 or type(node.ops[0]) not in _COMPARE_OPS:
                 raise _Located("only single comparisons (<, <=, >, >=, ==, !=) are supported")
@@ -170,7 +195,7 @@ class _Scope:
             )
         if isinstance(node, ast.Call):
             return self._call(node, d)
-        raise _Located(f"unsupported syntax '{_snippet(node)}'")
+        raise _Located(f"unsupported syntax: {_snippet(node)}")
 
     def _value(self, node: ast.AST, depth: int) -> Expr:
         """A numeric operand: comparisons only make sense as where's condition."""
@@ -179,7 +204,7 @@ class _Scope:
             raise _Located("a comparison can only be the first argument of where(...)")
         return expr
 
-    def _resolve(self, name: str) -> Expr:
+    def _resolve(self, name: str, depth: int) -> Expr:
         if name in self.inputs:
             self.used.add(name)
             return InputRef(name)
@@ -188,17 +213,21 @@ class _Scope:
             return ParamRef(name)
         if name in self.lets:
             self.used.add(name)
-            return self.lets[name]
+            let = self.lets[name]
+            self._count(depth + let.depth, let.nodes - 1)  # its root is this name's node
+            return let.expr
         if name in self.choices:
             raise _Located(f"'{name}' is a choice of function; call it, as in {name}(x)")
         if name in FUNCTIONS or name in BUILTINS:
             raise _Located(f"'{name}' is a function; call it, as in {name}(x)")
+        if name in self.outputs:
+            raise _Located(f"'{name}' is an output, which expressions cannot use; compute it in 'let' to reuse it")
         known = sorted([*self.inputs, *self.scalars, *self.lets])
         raise _Located(f"unknown name '{name}' (known: {', '.join(known)})")
 
     def _call(self, node: ast.Call, depth: int) -> Expr:
         if not isinstance(node.func, ast.Name):
-            raise _Located(f"unsupported call '{_snippet(node.func)}': call a function by name")
+            raise _Located(f"unsupported call: {_snippet(node)} (call a function by its name)")
         name = node.func.id
         if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
             raise _Located(f"{name}(...) takes positional arguments only")
@@ -215,15 +244,7 @@ class _Scope:
                 raise _Located("where's first argument must be a comparison, as in where(x > 0, x, 0)")
             return Where(cond, self._value(node.args[1], depth), self._value(node.args[2], depth))
         if name == "dropout":
-            self._check_arity(name, len(node.args), BUILTINS[name])
-            value = self._value(node.args[0], depth)
-            p_node = node.args[1]
-            if not (isinstance(p_node, ast.Name) and p_node.id in self.scalars and self.scalars[p_node.id].type == "float"):
-                raise _Located("dropout's second argument must be the name of a float param, as in dropout(x, p)")
-            self.used.add(p_node.id)
-            site = Dropout(value, p_node.id, len(self.dropouts))
-            self.dropouts.append(site)
-            return site
+            return self._dropout(node, depth)
         if name in FUNCTIONS:
             self._check_arity(name, len(node.args), FUNCTIONS[name].arity)
             return Call(name, tuple(self._value(a, depth) for a in node.args))
@@ -231,11 +252,42 @@ class _Scope:
             raise _Located(f"'{name}' is not a function")
         raise _Located(f"unknown function '{name}' (known: {', '.join(known_function_names())})")
 
+    def _dropout(self, node: ast.Call, depth: int) -> Dropout:
+        self._check_arity("dropout", len(node.args), BUILTINS["dropout"])
+        p_node = node.args[1]
+        param = self.scalars.get(p_node.id) if isinstance(p_node, ast.Name) else None
+        if param is None or param.type != "float":
+            raise _Located("dropout's second argument must be the name of a float param, as in dropout(x, p)")
+        # The kernel turns p into a keep threshold and a scale 1 / (1 - p): p must be a
+        # probability. The param's declaration is what to fix, so the error points there.
+        if param.min is None or param.max is None or param.min < 0 or param.max > 1:
+            raise SpecError(
+                self.spec.path,
+                param.line,
+                f"param '{param.name}' is dropout's p, so its range must lie in [0, 1]: give it min: 0.0 and max: 1.0",
+            )
+        self.used.add(param.name)
+        stream = len(self.dropouts)
+        self.dropouts.append(None)  # type: ignore[arg-type] - this dropout's place, filled below
+        self.dropouts[stream] = Dropout(self._value(node.args[0], depth), param.name, stream)
+        return self.dropouts[stream]
+
     @staticmethod
     def _check_arity(name: str, got: int, want: int) -> None:
         if got != want:
             plural = "argument" if want == 1 else "arguments"
             raise _Located(f"{name}() takes {want} {plural}, got {got}")
+
+
+def _constant(value: object) -> Const:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Located(f"unsupported constant {_shorten(repr(value))}: only numbers")
+    if isinstance(value, float) and not math.isfinite(value):  # isfinite(10**400) would overflow
+        raise _Located(f"constant {value!r} is not finite")
+    limit, limit_text = (MAX_INT_MAGNITUDE, "2**53") if isinstance(value, int) else (MAX_FLOAT_MAGNITUDE, "1e30")
+    if abs(value) > limit:
+        raise _Located(f"constant {_shorten(repr(value))} is out of range (at most {limit_text} in magnitude)")
+    return Const(value)
 
 
 def _check_all_used(spec: OpSpec, scope: _Scope) -> None:
@@ -248,12 +300,16 @@ def _check_all_used(spec: OpSpec, scope: _Scope) -> None:
             raise SpecError(spec.path, binding.line, f"intermediate '{binding.name}' is never used")
 
 
+def _shorten(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _snippet(node: ast.AST) -> str:
     try:
         text = ast.unparse(node)
     except Exception:  # noqa: BLE001 - only for the message
         text = type(node).__name__
-    return text if len(text) <= 30 else text[:27] + "..."
+    return _shorten(text)
 
 
 def walk(expr: Expr):

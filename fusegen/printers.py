@@ -184,14 +184,14 @@ def _is_atom_text(text: str) -> bool:
     if text.replace("_", "").replace(".", "").isalnum():
         return True
     if text.endswith(")") and "(" in text:
-        head = text[: text.index("(")]
+        head = text[: text.index("(")]  # "" for a parenthesized group, else a call's name
         depth = 0
         for i, ch in enumerate(text[len(head):]):
             depth += ch == "("
             depth -= ch == ")"
             if depth == 0 and i != len(text) - len(head) - 1:
                 return False
-        return head.replace(".", "").replace("_", "").isalnum()
+        return head == "" or head.replace(".", "").replace("_", "").isalnum()
     return False
 
 

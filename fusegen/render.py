@@ -74,7 +74,8 @@ def render_op_module(op: SimplifiedOp) -> str:
     backward_symbols = _free_symbols(op.backward) | _free_symbols(op.backward_no_dropout)
     backward_inputs = [i for i in spec.inputs if sympy.Symbol(i.name, real=True) in backward_symbols]
     mask_lines = [
-        f"dropout_mask{d.stream} = dropout_mask(seed, rows, cols, {d.stream}, dropout_threshold_{d.p}, dropout_scale_{d.p})"
+        f"dropout_mask{d.stream} = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, BLOCK_N, {d.stream}, "
+        f"dropout_threshold_{d.p}, dropout_scale_{d.p})"
         for d in op.ir.dropouts
     ]
 

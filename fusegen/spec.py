@@ -1,13 +1,14 @@
 """YAML spec → validated, frozen dataclasses.
 
-Parsing pops each key it knows, checks its type and rejects leftovers, so that every
-mistake is reported once, as `file:line: message`. Expressions stay text here; `ir`
+Each mapping's keys are checked first (unknown keys, then missing ones), then each value's
+type, so that every mistake is reported once, as `file:line: message`. Expressions stay text here; `ir`
 parses them.
 """
 from __future__ import annotations
 
 import hashlib
 import keyword
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +22,20 @@ from .functions import BUILTINS, FUNCTIONS
 ELLIPSIS = "..."
 
 # Names the generated module uses for itself; a spec name equal to one would shadow it.
+# tests/test_spec.py renders specs and checks that this list covers the generated code.
 RESERVED_NAMES = frozenset(
     {
-        "tl", "triton", "torch", "math", "runtime", "reference", "seed", "training", "out",
-        "grid", "meta", "M", "N", "pid_m", "pid_n", "rows", "cols", "in_bounds", "offsets",
-        "dropout_threshold", "dropout_scale", "dropout_mask", "inputs", "outputs", "self",
+        # modules and the module's own functions
+        "tl", "triton", "torch", "math", "runtime", "reference", "libdevice", "Optional",
+        # arguments and locals of the generated functions and kernels
+        "seed", "training", "out", "output", "outputs", "inputs", "grads", "grid", "meta", "M", "N",
+        "pid_m", "pid_n", "rows", "cols", "in_bounds", "offsets", "first_row", "row_offset",
+        "dropout_threshold", "dropout_scale", "dropout_mask", "has_dropout", "needs", "need",
+        "needs_grad", "needs_kernel", "kernel_grads", "targets", "rows_per_program", "self",
         "ctx", "args", "kwargs", "dtype", "device", "shape", "where", "call", "problem", "views",
-        "libdevice",
+        # Python builtins the generated functions call, next to the spec's names
+        "any", "bool", "float", "int", "iter", "len", "list", "next", "range", "str", "tuple", "zip",
+        "RuntimeError", "ValueError",
     }
 )
 
@@ -36,6 +44,10 @@ RESERVED_NAMES = frozenset(
 _RESERVED_PATTERN = re.compile(r"t\d+|dropout_\w*|grad_\w*|\w+_ptr|\w+_stride\w*|[A-Z][A-Z0-9_]+")
 
 MAX_EXPRESSION_CHARS = 2000
+# Numbers a spec may write (param bounds and defaults, expression constants): floats far
+# inside float32's range, integers exact in a float64.
+MAX_FLOAT_MAGNITUDE = 1e30
+MAX_INT_MAGNITUDE = 2**53
 
 
 @dataclass(frozen=True)
@@ -109,52 +121,6 @@ class OpSpec:
 # A YAML loader that remembers where each key and value came from.
 
 
-class _LineDict(dict):
-    line: int = 0
-
-    def __init__(self):
-        super().__init__()
-        self.key_lines: dict[Any, int] = {}
-        self.value_lines: dict[Any, int] = {}
-
-
-class _LineList(list):
-    line: int = 0
-    item_lines: list[int]
-
-
-class _LineLoader(yaml.SafeLoader):
-    """SafeLoader whose mappings and lists carry their source lines; duplicate keys are errors."""
-
-
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LineDict:
-    loader.flatten_mapping(node)
-    mapping = _LineDict()
-    mapping.line = node.start_mark.line + 1
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        line = key_node.start_mark.line + 1
-        if not isinstance(key, (str, int, float, bool)) and key is not None:
-            raise _Located(line, "mapping keys must be plain names")
-        if key in mapping:
-            raise _Located(line, f"duplicate key '{key}' (first at line {mapping.key_lines[key]})")
-        mapping[key] = loader.construct_object(value_node, deep=True)
-        mapping.key_lines[key] = line
-        mapping.value_lines[key] = value_node.start_mark.line + 1
-    return mapping
-
-
-def _construct_sequence(loader: _LineLoader, node: yaml.SequenceNode) -> _LineList:
-    items = _LineList(loader.construct_object(child, deep=True) for child in node.value)
-    items.line = node.start_mark.line + 1
-    items.item_lines = [child.start_mark.line + 1 for child in node.value]
-    return items
-
-
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
-
-
 class _Located(Exception):
     """An error with a line but not yet a file; `load_spec` adds the file."""
 
@@ -164,8 +130,128 @@ class _Located(Exception):
         self.message = message
 
 
+class _LineDict(dict):
+    line: int = 0
+
+    def __init__(self):
+        super().__init__()
+        self.key_lines: dict[str, int] = {}
+        self.value_lines: dict[str, int] = {}
+        # Each scalar value as written, for names and expressions: YAML 1.1 would read
+        # `on` as True and `1e5` as a string, `1.50` as 1.5.
+        self.texts: dict[str, str] = {}
+
+
+class _LineList(list):
+    line: int = 0
+    item_lines: list[int]
+    item_texts: list[str | None]  # as written, None where an item is not a scalar
+
+
+# Deeper than any spec needs (spec → params → p → choices is 4), and far below Python's
+# recursion limit, which PyYAML's recursive composer would otherwise hit.
+MAX_YAML_DEPTH = 16
+
+_YAML_TAG_PREFIX = "tag:yaml.org,2002:"
+
+
+def _shown_tag(tag: str) -> str:
+    return "!!" + tag[len(_YAML_TAG_PREFIX):] if tag.startswith(_YAML_TAG_PREFIX) else tag
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader for plain YAML only: strings, numbers, booleans, lists and mappings.
+
+    Mappings and lists carry their source lines; duplicate keys are errors. Anchors,
+    aliases and explicit tags are refused: a spec never needs them, and refusing them
+    rules out shared (aliased) objects, `<<` merges and constructors that raise plain
+    Python exceptions (`!!int abc`).
+    """
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise _Located(line, f"YAML alias '*{event.anchor}' is not supported in a spec: write the value out")
+        if event.anchor is not None:
+            raise _Located(line, f"YAML anchor '&{event.anchor}' is not supported in a spec")
+        if getattr(event, "tag", None) is not None:
+            tag = _shown_tag(event.tag)
+            raise _Located(line, f"YAML tag '{tag}' is not supported in a spec (quote a value to make it a string)")
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _Located(line, f"YAML is nested more than {MAX_YAML_DEPTH} levels deep")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LineDict:
+    mapping = _LineDict()
+    mapping.line = node.start_mark.line + 1
+    for key_node, value_node in node.value:
+        line = key_node.start_mark.line + 1
+        if not isinstance(key_node, yaml.ScalarNode):
+            raise _Located(line, "mapping keys must be plain names, not lists or mappings")
+        if key_node.tag == _YAML_TAG_PREFIX + "merge":
+            raise _Located(line, "YAML merge keys '<<' are not supported in a spec")
+        # Every key in a spec is a name: take it as written, so that `on:` or `null:` stay
+        # names instead of becoming True or None, as YAML 1.1 would have them.
+        key = key_node.value
+        if key in mapping:
+            raise _Located(line, f"duplicate key '{key}' (first at line {mapping.key_lines[key]})")
+        mapping[key] = loader.construct_object(value_node, deep=True)
+        mapping.key_lines[key] = line
+        mapping.value_lines[key] = value_node.start_mark.line + 1
+        if isinstance(value_node, yaml.ScalarNode):
+            mapping.texts[key] = value_node.value
+    return mapping
+
+
+def _construct_sequence(loader: _LineLoader, node: yaml.SequenceNode) -> _LineList:
+    items = _LineList(loader.construct_object(child, deep=True) for child in node.value)
+    items.line = node.start_mark.line + 1
+    items.item_lines = [child.start_mark.line + 1 for child in node.value]
+    items.item_texts = [child.value if isinstance(child, yaml.ScalarNode) else None for child in node.value]
+    return items
+
+
+def _construct_as_string(loader: _LineLoader, node: yaml.ScalarNode) -> str:
+    return loader.construct_scalar(node)
+
+
+def _construct_int(loader: _LineLoader, node: yaml.ScalarNode) -> int:
+    # Python refuses to convert ints of over 4300 digits from or to text, with a ValueError
+    # that PyYAML lets through; no spec needs a number anywhere near that.
+    try:
+        value = loader.construct_yaml_int(node)
+    except ValueError:
+        value = None
+    if value is None or value.bit_length() > 256:
+        raise _Located(node.start_mark.line + 1, f"integer {_describe(node.value)} is too large")
+    return value
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
+_LineLoader.add_constructor(_YAML_TAG_PREFIX + "int", _construct_int)
+# Plain scalars that YAML 1.1 resolves to dates, `=` or `<<` stay the strings they look like.
+for _tag in ("timestamp", "value", "merge"):
+    _LineLoader.add_constructor(_YAML_TAG_PREFIX + _tag, _construct_as_string)
+# YAML 1.1 reads `1e-5` and `1.0e5` as strings (its floats need a dot and a signed
+# exponent); a spec author means numbers, as YAML 1.2 and Python have them.
+_LineLoader.add_implicit_resolver(
+    _YAML_TAG_PREFIX + "float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 # ---------------------------------------------------------------------------
-# Field helpers in torchgen's style: pop what is known, reject what is left.
+# Field helpers in torchgen's style: reject unknown keys, require the required ones.
 
 
 _TYPE_NAMES = {str: "a string", dict: "a mapping", list: "a list", float: "a number", int: "an integer"}
@@ -193,19 +279,32 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _reject_leftovers(mapping: _LineDict, known: list[str], where: str) -> None:
+def _check_keys(mapping: _LineDict, known: list[str], required: list[str], where: str, line: int) -> None:
+    """Unknown keys first: `output:` is a typo for `outputs:`, better named than missing."""
     for key in mapping:
-        raise _Located(
-            mapping.key_lines[key], f"unknown key '{key}' in {where} (known: {', '.join(known)})"
-        )
+        if key not in known:
+            raise _Located(mapping.key_lines[key], f"unknown key '{key}' in {where} (known: {', '.join(known)})")
+    for key in required:
+        if key not in mapping:
+            raise _Located(line, f"missing required key '{key}' in {where}")
+
+
+def _as_written(mapping: _LineDict, key: str) -> Any:
+    """A value: a scalar as the text written, anything else as YAML built it."""
+    return mapping.texts.get(key, mapping.get(key))
 
 
 def _check_identifier(name: Any, line: int, what: str) -> str:
     if not isinstance(name, str):
-        raise _Located(line, f"{what} name {_describe(name)} is not a string")
-    if not name.isidentifier() or not name.isascii():
+        raise _Located(line, f"{what} name must be a string, got {_describe(name)}")
+    if not name:
+        raise _Located(line, f"{what} name is empty")
+    if not name.isidentifier():
         raise _Located(line, f"{what} name '{name}' is not a Python identifier")
-    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+    if not name.isascii():
+        raise _Located(line, f"{what} name '{name}' must be ASCII")
+    # Soft keywords (match, case, type) are valid names, and differ between Python versions.
+    if keyword.iskeyword(name):
         raise _Located(line, f"{what} name '{name}' is a Python keyword")
     if name.startswith("_"):
         raise _Located(line, f"{what} name '{name}' must not start with '_' (reserved for generated code)")
@@ -217,6 +316,34 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
     return name
 
 
+class _Names:
+    """Every name a spec declares (inputs, params, intermediates, outputs) is unique.
+
+    Unique ignoring case, too: the generated code spells some names in upper case
+    (a choice `act` is the constexpr ACT, input x has NEEDS_GRAD_X), so `x` and `X` collide.
+    """
+
+    def __init__(self, op_name: str):
+        self._seen: dict[str, tuple[str, str, int]] = {}  # upper-cased → (name, kind, line)
+        self._op_name = op_name
+        # The generated module defines these for the op itself.
+        self._op_names = {op_name, f"{op_name}_kernel", f"{op_name}_backward_kernel"}
+
+    def claim(self, name: str, kind: str, line: int) -> None:
+        if name in self._op_names:
+            raise _Located(line, f"name '{name}' is reserved by the generated code for op '{self._op_name}'")
+        if name.upper() in self._seen:
+            other, other_kind, other_line = self._seen[name.upper()]
+            if other == name:
+                raise _Located(line, f"duplicate name '{name}' (already {other_kind} at line {other_line})")
+            raise _Located(
+                line,
+                f"name '{name}' differs only in case from '{other}' ({other_kind} at line {other_line}); "
+                "the generated code's upper-case constants would collide",
+            )
+        self._seen[name.upper()] = (name, kind, line)
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -224,6 +351,9 @@ def load_spec(path: str | Path) -> OpSpec:
     """Read and validate one spec file; raise SpecError naming file and line."""
     path = Path(path)
     shown = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+    if not shown.isprintable():
+        # The path is written into the generated module's header comment.
+        raise SpecError(ascii(shown), None, "spec path must be printable")
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -234,53 +364,45 @@ def load_spec(path: str | Path) -> OpSpec:
         raise SpecError(shown, exc.line, exc.message) from None
 
 
-def _parse(data: bytes, shown: str) -> OpSpec:
+def _load_yaml(data: bytes) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _Located(1, f"spec is not UTF-8 ({exc.reason})") from None
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise _Located(line, f"spec is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise _Located(line, f"YAML cannot hold the character {chr(exc.character)!r}") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or exc.context or "invalid YAML"
+        # PyYAML splits some messages in two: "expected a single document in the stream",
+        # "but found another document".
+        if exc.context and problem.startswith("but "):
+            problem = f"{exc.context}, {problem}"
         line = mark.line + 1 if mark else 1
-        raise _Located(line, f"YAML syntax error: {exc.problem or exc.context}") from None
+        raise _Located(line, "YAML syntax error: " + " ".join(problem.split())) from None
     except yaml.YAMLError as exc:
-        raise _Located(1, f"YAML error: {exc}") from None
-    except RecursionError:
-        raise _Located(1, "YAML nesting is too deep") from None
+        raise _Located(1, "YAML error: " + " ".join(str(exc).split())) from None
+
+
+def _parse(data: bytes, shown: str) -> OpSpec:
+    doc = _load_yaml(data)
     if not isinstance(doc, _LineDict):
         raise _Located(1, f"a spec must be a mapping with keys name, doc, inputs, outputs; got {_describe(doc)}")
 
     known = ["name", "doc", "inputs", "params", "let", "outputs"]
-    for key in ("name", "doc", "inputs", "outputs"):
-        if key not in doc:
-            raise _Located(doc.line, f"missing required key '{key}'")
-    lines = dict(doc.value_lines)
-    name = _check_identifier(doc.pop("name"), lines["name"], "op")
-    doc_text = _expect(doc.pop("doc"), str, "'doc'", lines["doc"]).strip()
-    if not doc_text or "\n" in doc_text:
-        raise _Located(lines["doc"], "'doc' must be one non-empty line")
-    if not doc_text.isprintable():
-        raise _Located(lines["doc"], "'doc' must be printable text")
-    inputs_raw = doc.pop("inputs")
-    params_raw = doc.pop("params", None)
-    lets_raw = doc.pop("let", None)
-    outputs_raw = doc.pop("outputs")
-    _reject_leftovers(doc, known, "the spec")
-
-    seen: dict[str, tuple[str, int]] = {}
-
-    def claim(item_name: str, kind: str, line: int) -> None:
-        if item_name in seen:
-            other_kind, other_line = seen[item_name]
-            raise _Located(line, f"duplicate name '{item_name}' (already {other_kind} at line {other_line})")
-        seen[item_name] = (kind, line)
-
-    inputs = _parse_inputs(inputs_raw, lines["inputs"], claim)
-    params = _parse_params(params_raw, lines.get("params", doc.line), claim)
-    lets = _parse_bindings(lets_raw, lines.get("let", doc.line), "let", "an intermediate", claim, required=False)
-    outputs = _parse_bindings(outputs_raw, lines["outputs"], "outputs", "an output", claim, required=True)
+    _check_keys(doc, known, ["name", "doc", "inputs", "outputs"], "the spec", doc.line)
+    lines = doc.value_lines
+    name = _check_identifier(_as_written(doc, "name"), lines["name"], "op")
+    doc_text = _parse_doc(_as_written(doc, "doc"), lines["doc"])
+    names = _Names(name)
+    inputs = _parse_inputs(doc["inputs"], lines["inputs"], names)
+    params = _parse_params(doc.get("params"), lines.get("params", doc.line), names)
+    lets = _parse_bindings(doc.get("let"), lines.get("let", doc.line), "let", "intermediate", names, required=False)
+    outputs = _parse_bindings(doc["outputs"], lines["outputs"], "outputs", "output", names, required=True)
     out_dims = _broadcast_dims(inputs)
     return OpSpec(
         name=name,
@@ -295,37 +417,45 @@ def _parse(data: bytes, shown: str) -> OpSpec:
     )
 
 
-def _parse_inputs(raw: Any, line: int, claim) -> tuple[InputSpec, ...]:
+def _parse_doc(raw: Any, line: int) -> str:
+    text = _expect(raw, str, "'doc'", line).strip()
+    if not text or "\n" in text:
+        raise _Located(line, "'doc' must be one non-empty line")
+    if not text.isprintable():
+        raise _Located(line, "'doc' must be printable text")
+    # It is written into docstrings as is: a backslash would be an escape, '"""' would end them.
+    if "\\" in text or '"""' in text:
+        raise _Located(line, """'doc' must not contain a backslash or '\"\"\"'""")
+    return text
+
+
+def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
     _expect(raw, dict, "'inputs'", line)
     if not raw:
         raise _Located(line, "'inputs' must name at least one input")
     inputs = []
-    for name, dims in raw.items():
+    for name in raw:
         key_line = raw.key_lines[name]
         _check_identifier(name, key_line, "input")
-        claim(name, "an input", key_line)
+        names.claim(name, "an input", key_line)
         value_line = raw.value_lines[name]
-        _expect(dims, list, f"the shape of input '{name}'", value_line)
+        dims = _expect(_as_written(raw, name), list, f"the shape of input '{name}'", value_line)
         checked = []
-        for i, dim in enumerate(dims):
-            if dim == ELLIPSIS:
+        for i, (dim, text) in enumerate(zip(dims, dims.item_texts)):
+            if text == ELLIPSIS:
                 if i != 0:
                     raise _Located(value_line, f"input '{name}': '...' may only be the first dim")
                 checked.append(ELLIPSIS)
-            elif dim == 1 and not isinstance(dim, bool):
-                checked.append("1")
-            elif isinstance(dim, str) and dim.isidentifier() and dim.isascii() and not keyword.iskeyword(dim):
-                checked.append(dim)
+            elif text == "1" or (text and text.isidentifier() and text.isascii() and not keyword.iskeyword(text)):
+                checked.append(text)
             else:
-                raise _Located(
-                    value_line,
-                    f"input '{name}': dim {_describe(dim)} must be '...', a dim name such as N, or 1",
-                )
+                shown = _describe(dim) if text is None else repr(text)
+                raise _Located(value_line, f"input '{name}': dim {shown} must be '...', a dim name such as N, or 1")
         inputs.append(InputSpec(name, tuple(checked), key_line))
     return tuple(inputs)
 
 
-def _parse_params(raw: Any, line: int, claim) -> tuple[ScalarParam | ChoiceParam, ...]:
+def _parse_params(raw: Any, line: int, names: _Names) -> tuple[ScalarParam | ChoiceParam, ...]:
     if raw is None:
         return ()
     _expect(raw, dict, "'params'", line)
@@ -333,7 +463,7 @@ def _parse_params(raw: Any, line: int, claim) -> tuple[ScalarParam | ChoiceParam
     for name, body in raw.items():
         key_line = raw.key_lines[name]
         _check_identifier(name, key_line, "param")
-        claim(name, "a param", key_line)
+        names.claim(name, "a param", key_line)
         _expect(body, dict, f"param '{name}'", raw.value_lines[name])
         if "choices" in body:
             params.append(_parse_choice_param(name, body, key_line))
@@ -343,79 +473,96 @@ def _parse_params(raw: Any, line: int, claim) -> tuple[ScalarParam | ChoiceParam
 
 
 def _parse_choice_param(name: str, body: _LineDict, line: int) -> ChoiceParam:
-    lines = dict(body.value_lines)
-    choices = _expect(body.pop("choices"), list, f"param '{name}': 'choices'", lines["choices"])
+    _check_keys(body, ["choices", "default"], ["choices", "default"], f"param '{name}'", line)
+    lines = body.value_lines
+    choices = _expect(body["choices"], list, f"param '{name}': 'choices'", lines["choices"])
     if not choices:
         raise _Located(lines["choices"], f"param '{name}': 'choices' must not be empty")
-    for choice, choice_line in zip(choices, choices.item_lines):
+    for i, (choice, choice_line) in enumerate(zip(choices.item_texts, choices.item_lines)):
+        if choice is None:
+            raise _Located(choice_line, f"param '{name}': choices must be function names, got {_describe(choices[i])}")
         if choice not in FUNCTIONS:
             raise _Located(
                 choice_line,
-                f"param '{name}': unknown function {_describe(choice)} in choices (known: {', '.join(sorted(FUNCTIONS))})",
+                f"param '{name}': unknown function '{choice}' in choices (known: {', '.join(sorted(FUNCTIONS))})",
             )
     if len(set(choices)) != len(choices):
         raise _Located(lines["choices"], f"param '{name}': duplicate entries in 'choices'")
     arities = {FUNCTIONS[c].arity for c in choices}
     if len(arities) != 1:
         raise _Located(lines["choices"], f"param '{name}': all choices must take the same number of arguments")
-    if "default" not in body:
-        raise _Located(line, f"param '{name}': missing required key 'default'")
-    default = body.pop("default")
+    choices = choices.item_texts
+    default = _as_written(body, "default")
     if default not in choices:
         raise _Located(lines["default"], f"param '{name}': default {_describe(default)} is not one of its choices")
-    _reject_leftovers(body, ["choices", "default"], f"param '{name}'")
     return ChoiceParam(name, tuple(choices), default, line)
 
 
 def _parse_scalar_param(name: str, body: _LineDict, line: int) -> ScalarParam:
-    lines = dict(body.value_lines)
+    _check_keys(body, ["type", "default", "min", "max"], ["default"], f"param '{name}'", line)
     if "type" not in body:
-        raise _Located(line, f"param '{name}': missing required key 'type' (float or int), or 'choices'")
-    kind = body.pop("type")
+        raise _Located(line, f"missing required key 'type' in param '{name}' (float or int; or 'choices' instead)")
+    lines = body.value_lines
+    kind = _as_written(body, "type")
     if kind not in ("float", "int"):
         raise _Located(lines["type"], f"param '{name}': type must be float or int, got {_describe(kind)}")
     number = float if kind == "float" else int
-    if "default" not in body:
-        raise _Located(line, f"param '{name}': missing required key 'default'")
+    limit, limit_text = (MAX_FLOAT_MAGNITUDE, "1e30") if kind == "float" else (MAX_INT_MAGNITUDE, "2**53")
     values = {}
     for key in ("default", "min", "max"):
         if key not in body:
             values[key] = None
             continue
-        value = _expect(body.pop(key), number, f"param '{name}': '{key}'", lines[key])
-        if isinstance(value, float) and value != value:
-            raise _Located(lines[key], f"param '{name}': '{key}' must not be NaN")
-        if kind == "float" and abs(value) > 1e30:
-            raise _Located(lines[key], f"param '{name}': '{key}' {value} is out of range")
+        value = _expect(body[key], number, f"param '{name}': '{key}'", lines[key])
+        if isinstance(value, float) and not math.isfinite(value):  # isfinite(10**400) would overflow
+            raise _Located(lines[key], f"param '{name}': '{key}' must be a finite number, got {value}")
+        if abs(value) > limit:
+            message = f"'{key}' {_describe(value)} is out of range (at most {limit_text} in magnitude)"
+            raise _Located(lines[key], f"param '{name}': {message}")
         values[key] = float(value) if kind == "float" else value
-    _reject_leftovers(body, ["type", "default", "min", "max"], f"param '{name}'")
     low, high, default = values["min"], values["max"], values["default"]
     if low is not None and high is not None and low > high:
         raise _Located(lines["min"], f"param '{name}': min {low} is greater than max {high}")
-    if (low is not None and default < low) or (high is not None and default > high):
-        raise _Located(lines["default"], f"param '{name}': default {default} is outside [{low}, {high}]")
+    if low is not None and default < low:
+        raise _Located(lines["default"], f"param '{name}': default {default} is less than min {low}")
+    if high is not None and default > high:
+        raise _Located(lines["default"], f"param '{name}': default {default} is greater than max {high}")
     return ScalarParam(name, kind, default, low, high, line)
 
 
-def _parse_bindings(raw: Any, line: int, section: str, kind: str, claim, required: bool) -> tuple[Binding, ...]:
+def _parse_bindings(raw: Any, line: int, section: str, what: str, names: _Names, required: bool) -> tuple[Binding, ...]:
     if raw is None and not required:
         return ()
     _expect(raw, dict, f"'{section}'", line)
     if required and not raw:
         raise _Located(line, f"'{section}' must name at least one expression")
     bindings = []
-    for name, text in raw.items():
+    for name in raw:
         key_line = raw.key_lines[name]
-        _check_identifier(name, key_line, section.rstrip("s") if section == "outputs" else "intermediate")
-        claim(name, kind, key_line)
+        _check_identifier(name, key_line, what)
+        names.claim(name, "an intermediate" if what == "intermediate" else "an output", key_line)
         value_line = raw.value_lines[name]
-        if isinstance(text, (int, float)) and not isinstance(text, bool):
-            text = repr(text)
-        _expect(text, str, f"'{name}'", value_line)
-        if len(text) > MAX_EXPRESSION_CHARS:
-            raise _Located(value_line, f"expression for '{name}' is longer than {MAX_EXPRESSION_CHARS} characters")
-        bindings.append(Binding(name, text.strip(), value_line))
+        text = _as_written(raw, name)
+        bindings.append(Binding(name, _expression_text(name, text, what, value_line), value_line))
     return tuple(bindings)
+
+
+def _expression_text(name: str, text: Any, what: str, line: int) -> str:
+    if not isinstance(text, str):
+        raise _Located(line, f"{what} '{name}' must be an expression (a string), got {_describe(text)}")
+    text = text.strip()
+    if not text:
+        raise _Located(line, f"{what} '{name}' has an empty expression")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise _Located(line, f"expression for '{name}' is longer than {MAX_EXPRESSION_CHARS} characters")
+    # Python would read a full-width 'ｘ' as x (NFKC) and stop at a NUL: spell expressions in ASCII.
+    odd = next((c for c in text if not (c.isascii() and (c.isprintable() or c in "\n\t"))), None)
+    if odd is not None:
+        raise _Located(line, f"expression for '{name}' contains the character {odd!r}: expressions are plain ASCII")
+    # A '#' would silently comment out the rest of a (possibly multi-line) expression.
+    if "#" in text:
+        raise _Located(line, f"expression for '{name}' contains '#': comments are not allowed inside an expression")
+    return text
 
 
 def _broadcast_dims(inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:

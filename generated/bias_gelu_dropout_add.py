@@ -117,7 +117,7 @@ def bias_gelu_dropout_add_kernel(
     residual = tl.load(residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n, mask=in_bounds)
     residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
-        dropout_mask0 = dropout_mask(seed, rows, cols, 0, dropout_threshold_p, dropout_scale_p)
+        dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
         y = dropout_mask0 * _activation(bias + x, ACTIVATION) + residual
     else:
         y = residual + _activation(bias + x, ACTIVATION)
@@ -157,8 +157,8 @@ def bias_gelu_dropout_add_backward_kernel(
     if INDEX_64:
         cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
-    grad_x_sum = tl.zeros((BLOCK_N,), tl.float64 if COMPUTE_FP64 else tl.float32)
-    grad_bias_sum = tl.zeros((BLOCK_N,), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
@@ -169,7 +169,7 @@ def bias_gelu_dropout_add_backward_kernel(
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         if HAS_DROPOUT:
-            dropout_mask0 = dropout_mask(seed, rows, cols, 0, dropout_threshold_p, dropout_scale_p)
+            dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
             t0 = dropout_mask0 * grad_y * _activation_grad(bias + x, ACTIVATION)
             grad_x = t0
             grad_bias = t0
@@ -179,18 +179,20 @@ def bias_gelu_dropout_add_backward_kernel(
             grad_bias = t0
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
-                grad_x_sum += tl.sum(tl.where(in_bounds, grad_x, 0.0), axis=0)
+                grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
             else:
                 tl.store(grad_x_ptr + rows[:, None] * N + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
         if NEEDS_GRAD_BIAS:
             if SUM_GRAD_BIAS:
-                grad_bias_sum += tl.sum(tl.where(in_bounds, grad_bias, 0.0), axis=0)
+                grad_bias_sum += tl.where(in_bounds, grad_bias, 0.0)
             else:
                 tl.store(grad_bias_ptr + rows[:, None] * N + cols[None, :], grad_bias.to(grad_bias_ptr.dtype.element_ty), mask=in_bounds)
     if NEEDS_GRAD_X and SUM_GRAD_X:
-        tl.store(grad_x_ptr + tl.program_id(0) * N + cols, grad_x_sum, mask=cols < N)
+        # One reduction across rows per program, after the loop.
+        tl.store(grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N)
     if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
-        tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, grad_bias_sum, mask=cols < N)
+        # One reduction across rows per program, after the loop.
+        tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
 
 
 def bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None):

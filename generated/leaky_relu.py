@@ -89,7 +89,7 @@ def leaky_relu_backward_kernel(
     if INDEX_64:
         cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
-    grad_x_sum = tl.zeros((BLOCK_N,), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
@@ -100,11 +100,12 @@ def leaky_relu_backward_kernel(
         grad_x = grad_y * tl.where(x > 0, 1, slope)
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
-                grad_x_sum += tl.sum(tl.where(in_bounds, grad_x, 0.0), axis=0)
+                grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
             else:
                 tl.store(grad_x_ptr + rows[:, None] * N + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
     if NEEDS_GRAD_X and SUM_GRAD_X:
-        tl.store(grad_x_ptr + tl.program_id(0) * N + cols, grad_x_sum, mask=cols < N)
+        # One reduction across rows per program, after the loop.
+        tl.store(grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N)
 
 
 def leaky_relu(x, slope=0.01):

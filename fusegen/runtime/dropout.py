@@ -24,7 +24,10 @@ def dropout_mask_reference(seed: int, problem, stream: int, p: float) -> torch.T
     row = torch.arange(problem.m, device=device, dtype=torch.int64)[:, None]
     col = torch.arange(problem.n, device=device, dtype=torch.int64)[None, :]
     zero = torch.zeros((), device=device, dtype=torch.int64)
-    r, _, _, _ = philox4x32(seed, col, row & 0xFFFFFFFF, row >> 32, zero + stream)
+    # Column 4g + k takes word k of the Philox call for group g (see dropout_mask).
+    words = philox4x32(seed, col >> 2, row & 0xFFFFFFFF, row >> 32, zero + stream)
+    r = torch.stack(torch.broadcast_tensors(*words), dim=-1)
+    r = r.gather(-1, (col & 3).expand(problem.m, problem.n).unsqueeze(-1)).squeeze(-1)
     keep = (r >> 8) >= dropout_threshold(p)
     scale = torch.tensor(dropout_scale(p), dtype=torch.float32).to(dtype)
     mask = torch.where(keep, scale.to(device), torch.zeros((), dtype=dtype, device=device))

@@ -35,8 +35,9 @@ FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4),
     triton.Config({"BLOCK_M": 256, "BLOCK_N": 8}, num_warps=4),
-    triton.Config({"BLOCK_M": 1024, "BLOCK_N": 1}, num_warps=4),
+    triton.Config({"BLOCK_M": 512, "BLOCK_N": 4}, num_warps=4),
 ]
+MIN_BLOCK_N = 4  # dropout draws one Philox call per four columns
 
 # The backward walks ROWS_PER_PROGRAM rows per program, BLOCK_M at a time.
 BACKWARD_CONFIGS = [
@@ -55,7 +56,7 @@ _INTERPRETER_BLOCK_ELEMENTS = 1024
 
 
 def _interpreter_config(m: int, n: int, max_block_m: int | None = None) -> triton.Config:
-    block_n = min(triton.next_power_of_2(n), _INTERPRETER_BLOCK_ELEMENTS)
+    block_n = max(MIN_BLOCK_N, min(triton.next_power_of_2(n), _INTERPRETER_BLOCK_ELEMENTS))
     block_m = min(triton.next_power_of_2(m), max(1, _INTERPRETER_BLOCK_ELEMENTS // block_n))
     if max_block_m is not None:
         block_m = min(block_m, max_block_m)
@@ -64,7 +65,7 @@ def _interpreter_config(m: int, n: int, max_block_m: int | None = None) -> trito
 
 def _fitting(configs, m: int, n: int, max_block_m: int):
     """Tiles no much wider than N nor taller than M, within the grid's 65535 column tiles."""
-    width = max(triton.next_power_of_2(n), 8)
+    width = max(triton.next_power_of_2(n), MIN_BLOCK_N)
     fitting = [
         c
         for c in configs

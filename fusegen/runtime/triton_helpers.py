@@ -8,22 +8,27 @@ import triton.language as tl
 
 
 @triton.jit
-def dropout_mask(seed, rows, cols, stream: tl.constexpr, threshold, scale):
-    """Per-element dropout multiplier for a [BLOCK_M, BLOCK_N] tile: `scale` where kept, else 0.
+def dropout_mask(seed, rows, first_col, BLOCK_N: tl.constexpr, stream: tl.constexpr, threshold, scale):
+    """Dropout multiplier for the tile of `rows` × [first_col, first_col + BLOCK_N): `scale` where kept, else 0.
 
-    The random number of element (row, col) is Philox4x32-10 keyed by `seed` with counter
-    (col, row_lo, row_hi, stream): it depends on the element's logical position only,
-    never on the block shape the autotuner picked, so the backward regenerates it exactly.
-    An element is kept when the top 24 bits of the random word are >= `threshold`
-    (= round(p * 2**24)), so p is honoured to 1/16777216.
+    Element (row, col) takes word `col % 4` of Philox4x32-10 keyed by `seed` with counter
+    (col // 4, row_lo, row_hi, stream): one Philox call serves four neighbouring columns,
+    and the mask depends on the element's logical position only, never on the block
+    shape the autotuner picked, so the backward regenerates it exactly. An element is kept
+    when the top 24 bits of its word are >= `threshold` (= round(p * 2**24)).
+    BLOCK_N must be a multiple of 4 (tiles then never split a group of four).
     """
+    BLOCK_M: tl.constexpr = rows.shape[0]
     rows64 = rows.to(tl.int64)[:, None]
-    c0 = cols.to(tl.uint32)[None, :]
-    c1 = rows64.to(tl.uint32)
-    c2 = (rows64 >> 32).to(tl.uint32)
-    c0, c1 = tl.broadcast(c0, c1)
-    c2 = tl.broadcast_to(c2, c0.shape)
+    first_group = (first_col // 4).to(tl.uint32)
+    groups = (first_group + tl.arange(0, BLOCK_N // 4).to(tl.uint32))[None, :]
+    c1 = tl.broadcast_to(rows64.to(tl.uint32), (BLOCK_M, BLOCK_N // 4))
+    c2 = tl.broadcast_to((rows64 >> 32).to(tl.uint32), (BLOCK_M, BLOCK_N // 4))
+    c0 = tl.broadcast_to(groups, (BLOCK_M, BLOCK_N // 4))
     c3 = tl.zeros_like(c0) + stream
-    r, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    keep = (r >> 8).to(tl.int32) >= threshold
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    # Interleave so that column 4g + k gets word k of group g. join adds a new last axis,
+    # so the outer join picks the low bit of k and the inner one the high bit.
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
+    keep = (words >> 8).to(tl.int32) >= threshold
     return tl.where(keep, scale, 0.0)

@@ -1,0 +1,447 @@
+"""Shared machinery for tests over every spec in specs/: discovery, inputs, params, errors.
+
+Everything here is derived from the spec (fusegen.spec.load_spec) and the generated
+module (generated.<name>), so that a spec added to specs/ is tested without new code.
+Import this module only after conftest has set TRITON_INTERPRET (pytest does that).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fusegen import ir, runtime
+from fusegen.spec import ChoiceParam, OpSpec, ScalarParam, load_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC_DIR = ROOT / "specs"
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Bounds for fp32/fp64 results against the float64 truth (relative error, in norm).
+TIGHT = {torch.float32: 1e-5, torch.float64: 1e-12}
+# The floor added to 2x the low-precision reference's error: a tenth of the dtype's eps.
+FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+
+# ---------------------------------------------------------------------------
+# Discovery
+
+
+@dataclass(frozen=True)
+class Op:
+    """One spec and its generated module."""
+
+    spec: OpSpec
+    module: object
+    dropout_params: tuple[str, ...]  # float params that are some dropout's p
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def fn(self):
+        return getattr(self.module, self.name)
+
+    @property
+    def reference(self):
+        return self.module.reference
+
+    @property
+    def has_dropout(self) -> bool:
+        return bool(self.dropout_params)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.spec.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.spec.outputs)
+
+    @property
+    def forward_kernel(self):
+        return getattr(self.module, f"{self.name}_kernel")
+
+    @property
+    def backward_kernel(self):
+        return getattr(self.module, f"{self.name}_backward_kernel")
+
+    def __repr__(self) -> str:  # pytest ids
+        return self.name
+
+
+@functools.lru_cache(maxsize=None)
+def _discover() -> tuple[tuple[Op, ...], tuple[tuple[str, str], ...]]:
+    ops, broken = [], []
+    for path in sorted(SPEC_DIR.glob("*.yaml")) + sorted(SPEC_DIR.glob("*.yml")):
+        try:
+            spec = load_spec(path)
+            module = importlib.import_module(f"generated.{spec.name}")
+            dropouts = tuple(sorted({d.p for d in ir.build_ir(spec).dropouts}))
+        except Exception as exc:  # noqa: BLE001 - reported by test_every_spec_loads
+            broken.append((path.name, f"{type(exc).__name__}: {exc}"))
+            continue
+        ops.append(Op(spec, module, dropouts))
+    return tuple(ops), tuple(broken)
+
+
+def all_ops() -> tuple[Op, ...]:
+    """Every spec in specs/ that loads, with its generated module."""
+    return _discover()[0]
+
+
+def broken_specs() -> tuple[tuple[str, str], ...]:
+    """(file, error) for each spec that does not load or has no importable generated module."""
+    return _discover()[1]
+
+
+def op_by_name(name: str) -> Op:
+    return next(op for op in all_ops() if op.name == name)
+
+
+# ---------------------------------------------------------------------------
+# Params
+
+
+def scalar_value(param: ScalarParam, is_dropout_p: bool):
+    """A value strictly inside [min, max] (never exactly 0 for a dropout p), not the default."""
+    low, high = param.min, param.max
+    if is_dropout_p:
+        low = 0.0 if low is None else low
+        high = 1.0 if high is None else high
+        value = low + 0.3 * (high - low)
+    elif low is not None and high is not None:
+        value = low + 0.37 * (high - low)
+    elif low is not None:
+        value = low + 0.7310585786
+    elif high is not None:
+        value = high - 0.7310585786
+    else:
+        # Not a short binary fraction: multiplier * inp then never cancels another
+        # low-precision input exactly (which would land on relu's kink).
+        value = 0.7310585786
+    if param.type == "int":
+        value = int(round(value))
+        if low is not None:
+            value = max(value, int(low))
+        if high is not None:
+            value = min(value, int(high))
+    return value
+
+
+def params_for(op: Op, choices: dict | None = None, p: float | None = None, **overrides) -> dict:
+    """Keyword params: every choice param at its default (or `choices`), scalars drawn inside
+    their range; every dropout p set to `p` when given."""
+    params = {}
+    for param in op.spec.params:
+        if isinstance(param, ChoiceParam):
+            params[param.name] = (choices or {}).get(param.name, param.default)
+        else:
+            is_p = param.name in op.dropout_params
+            params[param.name] = p if (is_p and p is not None) else scalar_value(param, is_p)
+    params.update(overrides)
+    return params
+
+
+def choice_cases(op: Op) -> list[dict]:
+    """Every choice of every choice param, the others at their defaults; [{}] without any."""
+    cases = []
+    for param in op.spec.choice_params:
+        for choice in param.choices:
+            cases.append({param.name: choice})
+    return cases or [{}]
+
+
+def choice_id(choices: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in choices.items()) or "-"
+
+
+def with_seed(op: Op, kwargs: dict, seed=None, training=None) -> dict:
+    """Add training/seed only for ops that take them."""
+    kwargs = dict(kwargs)
+    if op.has_dropout:
+        if seed is not None:
+            kwargs["seed"] = seed
+        if training is not None:
+            kwargs["training"] = training
+    return kwargs
+
+
+# ---------------------------------------------------------------------------
+# Shapes and inputs
+
+
+@dataclass(frozen=True)
+class ShapeCase:
+    """Leading dims for '...', the size of the output's last named dim, and of other named dims."""
+
+    id: str
+    lead: tuple[int, ...]
+    n: int | None
+    other: int = 3
+    # "full": each '...' input gets all leading dims; "bcast": the first gets all, the
+    # others leading 1s or none (so they broadcast against it).
+    layout: str = "full"
+
+
+def _named_sizes(spec: OpSpec, case: ShapeCase) -> dict[str, int]:
+    out_explicit = [d for d in spec.out_dims if d != "..."]
+    sizes = {}
+    last_named = next((d for d in reversed(out_explicit) if d != "1"), None)
+    for inp in spec.inputs:
+        for d in inp.dims:
+            if d not in ("...", "1") and d not in sizes:
+                sizes[d] = case.n if d == last_named else case.other
+    return sizes
+
+
+def _lead(spec: OpSpec, case: ShapeCase) -> tuple[int, ...]:
+    """What '...' stands for in the output. An output that is all '...' (x: [...]) takes the
+    case's N as its last dim too, unless N is None (then it is 0-d when lead is empty)."""
+    if not (spec.out_dims and spec.out_dims[0] == "..."):
+        return ()
+    if len(spec.out_dims) == 1:
+        return tuple(case.lead) + (() if case.n is None else (case.n,))
+    return tuple(case.lead)
+
+
+def applies(spec: OpSpec, case: ShapeCase) -> bool:
+    """A case with n=None (0-d) only makes sense for specs whose output is all '...'."""
+    return case.n is not None or tuple(spec.out_dims) == ("...",)
+
+
+def output_shape(spec: OpSpec, case: ShapeCase) -> tuple[int, ...]:
+    sizes = _named_sizes(spec, case)
+    return _lead(spec, case) + tuple(1 if d == "1" else sizes[d] for d in spec.out_dims if d != "...")
+
+
+def input_shapes(spec: OpSpec, case: ShapeCase) -> dict[str, tuple[int, ...]]:
+    sizes = _named_sizes(spec, case)
+    out = output_shape(spec, case)
+    shapes = {}
+    ellipsis_index = 0
+    for inp in spec.inputs:
+        explicit = [d for d in inp.dims if d != "..."]
+        own = tuple(1 if d == "1" else sizes[d] for d in explicit)
+        if inp.has_ellipsis:
+            prefix = out[: len(out) - len(explicit)]
+            if case.layout == "bcast" and ellipsis_index > 0 and prefix:
+                prefix = (1,) * (len(prefix) - 1) + prefix[-1:] if ellipsis_index % 2 else ()
+            ellipsis_index += 1
+            shapes[inp.name] = tuple(prefix) + own
+        else:
+            shapes[inp.name] = own
+    return shapes
+
+
+def _break_ties(t: torch.Tensor, odd: bool) -> torch.Tensor:
+    """16-bit values with the last mantissa bit forced to 1 (odd) or 0: a value of one input
+    then never equals minus a value of another, so x + bias never lands exactly on a kink
+    (relu at 0). A tie at the kink has its own test: here it would only add noise."""
+    bits = t.view(torch.int16)
+    bits = (bits | 1) if odd else (bits & ~1)
+    return bits.view(t.dtype)
+
+
+def make_inputs(op: Op, case: ShapeCase, dtype=torch.float32, device="cpu", seed=0, dtypes: dict | None = None):
+    """Random inputs (torch.randn, never zeros) in the case's shapes; `dtypes` overrides per input."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for index, (name, shape) in enumerate(input_shapes(op.spec, case).items()):
+        t = torch.randn(shape, generator=g, dtype=torch.float64).to((dtypes or {}).get(name, dtype))
+        if t.dtype in LOW_PRECISION:
+            t = _break_ties(t, odd=index == 0)
+        tensors[name] = t.to(device)
+    return tensors
+
+
+def float64_copies(tensors: dict, requires_grad: dict | None = None) -> dict:
+    out = {}
+    for name, t in tensors.items():
+        c = t.detach().to(torch.float64)
+        if requires_grad and requires_grad.get(name):
+            c.requires_grad_(True)
+        out[name] = c
+    return out
+
+
+def as_tuple(result) -> tuple[torch.Tensor, ...]:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def expected_out_dtype(tensors: dict) -> torch.dtype:
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors.values()))
+
+
+def rel_error(out: torch.Tensor, truth: torch.Tensor) -> float:
+    """‖out − truth‖ / ‖truth‖ over every element, in float64 (0 when both are empty)."""
+    out, truth = out.to(torch.float64), truth.to(torch.float64)
+    diff = torch.linalg.vector_norm(out - truth).item()
+    norm = torch.linalg.vector_norm(truth).item()
+    if norm == 0.0:
+        return diff
+    return diff / norm
+
+
+def check_against_truth(got: torch.Tensor, truth: torch.Tensor, low_precision_ref: torch.Tensor | None = None, what=""):
+    """fp32/fp64: tight; fp16/bf16: at most 2x the error of the same computation done by
+    `reference` in that dtype, plus a small floor."""
+    assert got.shape == truth.shape, f"{what}: shape {tuple(got.shape)} != {tuple(truth.shape)}"
+    assert not torch.isnan(got).any(), f"{what}: NaN in the result ({int(torch.isnan(got).sum())} of {got.numel()})"
+    err = rel_error(got, truth)
+    if got.dtype in TIGHT:
+        bound = TIGHT[got.dtype]
+        assert err <= bound, f"{what}: relative error {err:.3g} > {bound:g} ({got.dtype})"
+        # Element by element too, so that one bad element cannot hide in the norm: each
+        # within bound x (its own magnitude + the rms magnitude).
+        t64, g64 = truth.to(torch.float64), got.to(torch.float64)
+        if t64.numel():
+            rms = torch.linalg.vector_norm(t64).item() / t64.numel() ** 0.5
+            diff, scale = (g64 - t64).abs(), t64.abs() + rms
+            worst = torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff * float("inf")).nan_to_num(0.0).max().item()
+            assert worst <= bound, f"{what}: an element is off by {worst:.3g} (relative to |truth| + rms) > {bound:g}"
+    else:
+        assert low_precision_ref is not None, f"{what}: a {got.dtype} result needs a low-precision reference"
+        ref_err = rel_error(low_precision_ref, truth)
+        bound = 2 * ref_err + FLOOR[got.dtype]
+        assert err <= bound, (
+            f"{what}: relative error {err:.3g} > 2 x reference's {ref_err:.3g} + {FLOOR[got.dtype]:g} ({got.dtype})"
+        )
+    return err
+
+
+# ---------------------------------------------------------------------------
+# Non-contiguous inputs with the same shapes
+
+
+def non_contiguous(t: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """A tensor of t's shape, dtype and device laid out differently, with fresh random values."""
+    shape, dtype, device = tuple(t.shape), t.dtype, t.device
+
+    def randn(*s):
+        return torch.randn(s, generator=generator, dtype=torch.float64).to(dtype).to(device)
+
+    if kind == "transposed" and len(shape) >= 2:
+        return randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+    if kind == "sliced" and len(shape) >= 1:
+        return randn(*shape[:-1], 2 * shape[-1])[..., ::2]
+    if kind == "expanded" and len(shape) >= 1:
+        return randn(1, *shape[1:]).expand(shape)
+    return randn(*shape)
+
+
+# ---------------------------------------------------------------------------
+# Poisoned allocations: every float buffer the launcher allocates starts as NaN
+
+
+@dataclass
+class Poison:
+    count: int = 0
+
+    def install(self, monkeypatch):
+        original = torch.empty
+
+        def poisoned_empty(*args, **kwargs):
+            t = original(*args, **kwargs)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+                self.count += 1
+            return t
+
+        monkeypatch.setattr(torch, "empty", poisoned_empty)
+        return self
+
+
+# ---------------------------------------------------------------------------
+# Direct kernel launches (bypassing the autotuner) with a chosen tile
+
+
+def signature_has(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+def _call_of(op: Op, tensors: dict, params: dict, training: bool, seed):
+    args = [tensors[n] for n in op.input_names] + [params[p.name] for p in op.spec.params]
+    return op.module._arguments(*args, training, seed, needs_kernel=True)
+
+
+def _scalar_args(op: Op, call) -> dict:
+    kwargs = {}
+    for param in op.spec.scalar_params:
+        kwargs[param.name] = getattr(call, param.name)
+    for p in op.dropout_params:
+        kwargs[f"dropout_threshold_{p}"] = runtime.dropout_threshold(getattr(call, p))
+        kwargs[f"dropout_scale_{p}"] = runtime.dropout_scale(getattr(call, p))
+    for param in op.spec.choice_params:
+        kwargs[param.name.upper()] = getattr(call, param.name)
+    return kwargs
+
+
+def launch_forward(op: Op, tensors: dict, params: dict, seed: int, block_m: int, block_n: int, training=True):
+    """Run the forward kernel itself (not the autotuner) with one tile shape; returns the outputs."""
+    call = _call_of(op, tensors, params, training, seed)
+    problem = call.problem
+    fn = op.forward_kernel.fn
+    names = fn.arg_names
+    kwargs = _scalar_args(op, call)
+    for name in op.input_names:
+        view, sm, sn = runtime.view_2d(tensors[name], problem)
+        kwargs.update({f"{name}_ptr": view, f"{name}_stride_m": sm, f"{name}_stride_n": sn})
+    outputs = []
+    for name in op.output_names:
+        out = torch.full(problem.shape, float("nan"), dtype=problem.out_dtype, device=problem.device)
+        kwargs[f"{name}_ptr"] = out
+        outputs.append(out)
+    kwargs.update(
+        M=problem.m, N=problem.n, seed=call.seed, HAS_DROPOUT=call.has_dropout, INDEX_64=False,
+        COMPUTE_FP64=problem.compute_dtype == torch.float64, BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    kwargs = {k: v for k, v in kwargs.items() if k in names}
+    missing = [n for n in names if n not in kwargs]
+    assert not missing, f"test harness cannot fill forward kernel args {missing}"
+    grid = (-(-problem.m // block_m), -(-problem.n // block_n))
+    fn[grid](**kwargs)
+    return outputs
+
+
+def launch_backward(op: Op, grads_out: dict, tensors: dict, params: dict, seed: int, block_m: int, block_n: int,
+                    rows_per_program: int, training=True):
+    """Run the backward kernel itself with one tile shape; returns {input name: gradient} for the
+    inputs whose gradient the kernel computes (pass-through gradients are not the kernel's)."""
+    call = _call_of(op, tensors, params, training, seed)
+    problem = call.problem
+    fn = op.backward_kernel.fn
+    names = fn.arg_names
+    kwargs = _scalar_args(op, call)
+    for name in op.input_names:
+        if f"{name}_ptr" in names:
+            view, sm, sn = runtime.view_2d(tensors[name], problem)
+            kwargs.update({f"{name}_ptr": view, f"{name}_stride_m": sm, f"{name}_stride_n": sn})
+    for name in op.output_names:
+        view, sm, sn = runtime.view_2d(grads_out[name], problem)
+        kwargs.update({f"grad_{name}_ptr": view, f"grad_{name}_stride_m": sm, f"grad_{name}_stride_n": sn})
+    targets = {}
+    for name in op.input_names:
+        if f"grad_{name}_ptr" in names:
+            target = runtime.GradTarget(tensors[name], problem, rows_per_program)
+            target.buffer.fill_(float("nan"))
+            targets[name] = target
+            kwargs[f"grad_{name}_ptr"] = target.buffer
+            kwargs[f"NEEDS_GRAD_{name.upper()}"] = True
+            kwargs[f"SUM_GRAD_{name.upper()}"] = runtime.GradTarget.sums_rows(target)
+    kwargs.update(
+        M=problem.m, N=problem.n, seed=call.seed, HAS_DROPOUT=call.has_dropout, INDEX_64=False,
+        COMPUTE_FP64=problem.compute_dtype == torch.float64, ROWS_PER_PROGRAM=rows_per_program,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    kwargs = {k: v for k, v in kwargs.items() if k in names}
+    missing = [n for n in names if n not in kwargs]
+    assert not missing, f"test harness cannot fill backward kernel args {missing}"
+    grid = (-(-problem.m // rows_per_program), -(-problem.n // block_n))
+    fn[grid](**kwargs)
+    return {name: t.result() for name, t in targets.items()}

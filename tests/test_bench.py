@@ -1,0 +1,284 @@
+"""`fusegen bench` / `fusegen profile` on CPU: shape mapping, bytes model, rows, arguments, no-GPU exit.
+
+Nothing here launches a kernel or times anything: the GPU parts are exercised on a GPU.
+"""
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusegen import bench, profile
+from fusegen.errors import SpecError
+from fusegen.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED_SPEC = ROOT / "specs" / "bias_gelu_dropout_add.yaml"
+BSH = (8, 2048, 4096)
+ROWS = 8 * 2048
+H = 4096
+
+
+@pytest.fixture(scope="module")
+def seed_spec():
+    return load_spec(SEED_SPEC)
+
+
+def bench_parser():
+    parser = argparse.ArgumentParser(prog="fusegen bench")
+    bench.add_bench_arguments(parser)
+    return parser
+
+
+def profile_parser():
+    parser = argparse.ArgumentParser(prog="fusegen profile")
+    profile.add_profile_arguments(parser)
+    return parser
+
+
+# ---------------------------------------------------------------------------
+# Shapes
+
+
+def test_seed_spec_shapes(seed_spec):
+    assert bench.input_shapes(seed_spec, BSH) == {"x": (8, 2048, H), "bias": (H,), "residual": (8, 2048, H)}
+    assert bench.output_shape(seed_spec, BSH) == (8, 2048, H)
+
+
+@pytest.mark.parametrize(
+    "dims, expected",
+    [
+        (("...", "N"), (8, 2048, H)),
+        (("N",), (H,)),
+        (("M", "N"), (ROWS, H)),
+        (("M", "1"), (ROWS, 1)),
+        (("...", "1"), (8, 2048, 1)),
+        (("...", "2N"), (8, 2048, 2 * H)),  # a split input holding two N-wide halves
+    ],
+)
+def test_shape_for_dims(dims, expected):
+    assert bench.shape_for_dims(dims, BSH, "N") == expected
+
+
+def test_hidden_dim_is_last_named_output_dim():
+    assert bench.hidden_dim_name(("...", "N")) == "N"
+    assert bench.hidden_dim_name(("M", "N", "1")) == "N"
+    assert bench.hidden_dim_name(("...", "2N")) == "N"
+    assert bench.hidden_dim_name(("...", "1")) is None
+
+
+# ---------------------------------------------------------------------------
+# Bytes model
+
+
+def test_bytes_model_fp32(seed_spec):
+    model = bench.bytes_model(seed_spec, BSH, torch.float32)
+    big = 8 * 2048 * 4096 * 4
+    assert model.read == big + 4096 * 4 + big  # x, bias (read once at its own size), residual
+    assert model.written == big  # y
+    assert model.total == 3 * big + 4096 * 4
+    assert model.output_elements == 8 * 2048 * 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bytes_model_half_precision(seed_spec, dtype):
+    fp32 = bench.bytes_model(seed_spec, BSH, torch.float32)
+    half = bench.bytes_model(seed_spec, BSH, dtype)
+    assert half.read * 2 == fp32.read and half.written * 2 == fp32.written
+    assert half.output_elements == fp32.output_elements
+
+
+# ---------------------------------------------------------------------------
+# Cases, kwargs and rows
+
+
+def fake_op(has_dropout=True):
+    return SimpleNamespace(name="bias_gelu_dropout_add", has_dropout=has_dropout, dropout_params=("p",))
+
+
+def test_plan_cases_covers_every_combination():
+    cases = bench.plan_cases([fake_op()], [torch.float32, torch.bfloat16], bench.SWEEP_SHAPES, [0.0, 0.1])
+    assert len(cases) == 2 * len(bench.SWEEP_SHAPES) * 2
+    assert len(set(cases)) == len(cases)
+
+
+def test_plan_cases_without_dropout_ignores_p():
+    cases = bench.plan_cases([fake_op(has_dropout=False)], [torch.float32], [BSH], [0.0, 0.1])
+    assert [c.p for c in cases] == [None]
+
+
+def test_op_kwargs_fix_the_seed_and_train():
+    assert bench.op_kwargs(fake_op(), 0.1) == {"p": 0.1, "training": True, "seed": bench.DROPOUT_SEED}
+    assert bench.op_kwargs(fake_op(has_dropout=False), None) == {}
+
+
+def test_dropout_param_names(seed_spec):
+    assert bench.dropout_param_names(seed_spec) == ("p",)
+
+
+def test_load_bench_op_by_name_and_path():
+    by_name = bench.load_bench_op("bias_gelu_dropout_add", ROOT / "specs", ROOT / "generated")
+    by_path = bench.load_bench_op(str(SEED_SPEC), ROOT / "specs", ROOT / "generated")
+    assert by_name.name == by_path.name == "bias_gelu_dropout_add"
+    assert by_name.has_dropout and by_name.dropout_params == ("p",)
+    assert callable(by_name.op) and callable(by_name.reference)
+
+
+def test_load_bench_op_unknown_name():
+    with pytest.raises(SpecError):
+        bench.load_bench_op("no_such_op", ROOT / "specs", ROOT / "generated")
+
+
+def test_case_rows_rates_and_speedups(seed_spec):
+    case = bench.Case("bias_gelu_dropout_add", torch.float32, BSH, 0.1)
+    model = bench.bytes_model(seed_spec, BSH, torch.float32)
+
+    def result(name, ms, fb_ms=None, fb_error=None):
+        fb = None if fb_ms is None and fb_error is None else bench.Measurement(
+            timing=None if fb_ms is None else bench.Timing(fb_ms, fb_ms, fb_ms), error=fb_error)
+        return bench.ProviderResult(name, bench.Measurement(bench.Timing(ms, ms * 0.9, ms * 1.1), 2**20), fb)
+
+    results = [result("fusegen", 0.5, fb_error="RuntimeError: no grad_fn"), result("eager", 2.0, 6.0),
+               result("compile", 1.0, 3.0)]
+    rows = bench.case_rows(case, model, results, copy_gbs=3000.0)
+    ours = rows[0]
+    assert ours["provider"] == "fusegen"
+    assert ours["gb_per_s"] == pytest.approx(model.total / 0.5e-3 / 1e9)
+    assert ours["gelem_per_s"] == pytest.approx(model.output_elements / 0.5e-3 / 1e9)
+    assert ours["copy_fraction"] == pytest.approx(ours["gb_per_s"] / 3000.0)
+    assert ours["speedup_vs_eager"] == pytest.approx(4.0)
+    assert ours["speedup_vs_compile"] == pytest.approx(2.0)
+    assert ours["peak_fwd_mib"] == 1.0
+    assert ours["fwd_bwd_ms"] is None and ours["fwd_bwd_error"] == "RuntimeError: no grad_fn"
+    assert rows[2]["fwd_bwd_speedup_vs_eager"] == pytest.approx(2.0)
+    assert set(ours) == set(bench.ROW_FIELDS)
+
+
+def test_case_rows_keep_errors(seed_spec):
+    case = bench.Case("bias_gelu_dropout_add", torch.float32, BSH, 0.0)
+    model = bench.bytes_model(seed_spec, BSH, torch.float32)
+    results = [bench.ProviderResult("fusegen", bench.Measurement(error="OutOfMemoryError: CUDA out of memory")),
+               bench.ProviderResult("eager", bench.Measurement(bench.Timing(1.0, 1.0, 1.0)))]
+    rows = bench.case_rows(case, model, results, copy_gbs=None)
+    assert rows[0]["ms"] is None and rows[0]["error"].startswith("OutOfMemoryError")
+    assert rows[1]["speedup_vs_eager"] == pytest.approx(1.0) and rows[1]["copy_fraction"] is None
+    table, notes = bench.results_table(rows, backward=False, copy_gbs=None)
+    assert len(notes) == 1 and "OutOfMemoryError" in notes[0]
+
+
+def test_measure_turns_exceptions_into_errors():
+    def boom():
+        raise RuntimeError("element 0 of tensors does not require grad\nmore detail")
+
+    def timer(fn, grad_to_none):
+        fn()
+
+    measurement = bench.measure(boom, timer=timer, peak=lambda fn: 0)
+    assert measurement.timing is None
+    assert measurement.error == "RuntimeError: element 0 of tensors does not require grad"
+
+
+def test_host_overhead_is_a_median_of_calls():
+    calls = []
+    us = bench.host_overhead_us(lambda: calls.append(1), calls=20, warmup=5, synchronize=lambda: None)
+    assert len(calls) == 25 and us >= 0
+
+
+def test_plot_series_groups_by_dtype_and_p():
+    rows = [
+        {"op": "a", "dtype": "fp32", "p": 0.1, "provider": "fusegen", "output_elements": 100, "gb_per_s": 2.0},
+        {"op": "a", "dtype": "fp32", "p": 0.1, "provider": "fusegen", "output_elements": 10, "gb_per_s": 1.0},
+        {"op": "a", "dtype": "bf16", "p": 0.0, "provider": "eager", "output_elements": 10, "gb_per_s": None},
+    ]
+    assert bench.plot_series(rows) == {("fp32", 0.1): {"fusegen": [(10, 1.0), (100, 2.0)]}}
+
+
+def test_cuda_kernel_names_skip_copies_and_cpu_events():
+    from torch.autograd import DeviceType
+
+    events = [
+        SimpleNamespace(name="bias_gelu_dropout_add_kernel", device_type=DeviceType.CUDA),
+        SimpleNamespace(name="bias_gelu_dropout_add_kernel", device_type=DeviceType.CUDA),
+        SimpleNamespace(name="Memcpy HtoD (Pageable -> Device)", device_type=DeviceType.CUDA),
+        SimpleNamespace(name="aten::empty", device_type=DeviceType.CPU),
+    ]
+    counts = profile.cuda_kernel_names(events)
+    assert counts == {"bias_gelu_dropout_add_kernel": 2}
+    line = profile.kernel_summary({"fusegen": counts, "compile": "BackendCompilerFailed: x"}, calls=2)
+    assert line == "distinct CUDA kernels: fusegen 1 (1 launches per call), compile failed"
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+
+
+def test_bench_defaults_are_the_sweep():
+    args = bench_parser().parse_args(["bias_gelu_dropout_add"])
+    assert args.ops == ["bias_gelu_dropout_add"]
+    assert bench.selected_shapes(args) == list(bench.SWEEP_SHAPES)
+    assert args.ps == [0.0, 0.1]
+    assert args.dtypes == [torch.float32, torch.bfloat16, torch.float16]
+    assert not args.backward and args.json is None and args.csv is None and args.plot is None
+    assert args.specs == Path("specs") and args.generated == Path("generated")
+
+
+def test_bench_explicit_arguments():
+    args = bench_parser().parse_args([
+        "bias_gelu_dropout_add", "specs/other.yaml", "--dtype", "bf16,fp16", "--shapes", "8x2048x4096,1x128x1024",
+        "--p", "0.1", "--backward", "--json", "out.json", "--csv", "out.csv", "--plot", "out.png",
+        "--specs", "s", "--generated", "g",
+    ])
+    assert args.ops == ["bias_gelu_dropout_add", "specs/other.yaml"]
+    assert args.dtypes == [torch.bfloat16, torch.float16]
+    assert bench.selected_shapes(args) == [(8, 2048, 4096), (1, 128, 1024)]
+    assert args.ps == [0.1] and args.backward
+    assert (args.json, args.csv, args.plot) == (Path("out.json"), Path("out.csv"), Path("out.png"))
+    assert (args.specs, args.generated) == (Path("s"), Path("g"))
+
+
+def test_bench_sweep_flag():
+    assert bench.selected_shapes(bench_parser().parse_args(["op", "--sweep"])) == list(bench.SWEEP_SHAPES)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # no op
+        ["op", "--shapes", "8x2048"],
+        ["op", "--shapes", "8x0x4096"],
+        ["op", "--shapes", "1x2x3", "--sweep"],
+        ["op", "--dtype", "int8"],
+        ["op", "--p", "1.0"],
+        ["op", "--p", "half"],
+    ],
+)
+def test_bench_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+
+
+def test_profile_arguments():
+    args = profile_parser().parse_args(["bias_gelu_dropout_add"])
+    assert args.shape == (8, 2048, 4096) and args.dtype == torch.bfloat16 and args.p == 0.1
+    args = profile_parser().parse_args(["x.yaml", "--shape", "1x128x1024", "--dtype", "fp32", "--p", "0"])
+    assert (args.op, args.shape, args.dtype, args.p) == ("x.yaml", (1, 128, 1024), torch.float32, 0.0)
+
+
+# ---------------------------------------------------------------------------
+# No GPU: exit 1 with one line on stderr
+
+
+@pytest.mark.parametrize(
+    "parser, run, command",
+    [(bench_parser, bench.run_bench, "bench"), (profile_parser, profile.run_profile, "profile")],
+)
+def test_no_gpu_exit(parser, run, command, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = parser().parse_args(["bias_gelu_dropout_add"])
+    assert run(args) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fusegen {command}: no CUDA GPU here")

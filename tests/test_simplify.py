@@ -1,0 +1,64 @@
+"""simplify: IR → sympy, dropout as a mask symbol, gradients, CSE."""
+import sympy
+
+from fusegen import ir, simplify, spec
+
+
+def _op(tmp_path, outputs: str, inputs: str = "  x: [..., N]\n  bias: [N]\n", params: str = ""):
+    path = tmp_path / "op.yaml"
+    path.write_text(f"name: op\ndoc: test\ninputs:\n{inputs}{params}outputs:\n{outputs}")
+    return simplify.simplify(ir.build_ir(spec.load_spec(path)))
+
+
+def test_dropout_is_a_mask_symbol_that_vanishes_without_dropout(tmp_path):
+    op = _op(tmp_path, "  y: dropout(x + bias, p)\n", params="params:\n  p: {type: float, default: 0.1, min: 0.0, max: 1.0}\n")
+    x, bias = sympy.symbols("x bias", real=True)
+    mask = sympy.Symbol("dropout_mask0", real=True)
+    assert dict(op.forward.results)["y"] == mask * (x + bias)
+    assert dict(op.forward_no_dropout.results)["y"] == x + bias
+    assert op.scalar_params == ()  # p reaches the kernel as a threshold and a scale only
+
+
+def test_gradients_and_passthrough(tmp_path):
+    op = _op(
+        tmp_path,
+        "  y: x * bias + residual\n",
+        inputs="  x: [..., N]\n  bias: [N]\n  residual: [..., N]\n",
+    )
+    x, bias, grad_y = sympy.symbols("x bias grad_y", real=True)
+    grads = {g.input: g for g in op.gradients}
+    assert grads["residual"].passthrough_of == "y"
+    assert grads["x"].passthrough_of is None
+    results = dict(op.backward.results)
+    assert sympy.simplify(results["grad_x"].xreplace(dict(op.backward.temps)) - grad_y * bias) == 0
+    assert sympy.simplify(results["grad_bias"].xreplace(dict(op.backward.temps)) - grad_y * x) == 0
+
+
+def test_cse_shares_work_between_gradients(tmp_path):
+    op = _op(tmp_path, "  y: tanh(x + bias)\n")
+    # d/dx and d/dbias are the same expression: computed once.
+    assert len(op.backward.temps) == 1
+    results = dict(op.backward.results)
+    assert results["grad_x"] == results["grad_bias"] == op.backward.temps[0][0]
+
+
+def test_choice_stays_opaque_with_a_derivative_helper(tmp_path):
+    op = _op(
+        tmp_path,
+        "  y: act(x + bias)\n",
+        params="params:\n  act: {choices: [relu, silu], default: relu}\n",
+    )
+    (helper,) = op.helpers
+    assert [c for c, _ in helper.forward] == ["relu", "silu"]
+    x = helper.args[0]
+    silu_grad = dict(helper.grads[0])["silu"]
+    derivative = silu_grad.results[0][1].xreplace(dict(silu_grad.temps))
+    expected = sympy.diff(x / (1 + sympy.exp(-x)), x)
+    value = {x: 0.7}
+    assert abs(float(derivative.rewrite(sympy.exp).subs(value)) - float(expected.subs(value))) < 1e-12
+
+
+def test_user_constants_are_kept_exactly(tmp_path):
+    op = _op(tmp_path, "  y: x * 0.044715 + bias\n")
+    (expr,) = [e for _, e in op.forward.results]
+    assert sympy.Float(0.044715) in expr.atoms(sympy.Float)
