@@ -31,6 +31,25 @@ class sigmoid(sympy.Function):
         return 1 / (1 + sympy.exp(-x))
 
 
+class relu(sympy.Function):
+    """max(x, 0), kept whole: its derivative at 0 is 0, as torch.relu's is (sympy's Max
+    would give 1/2 there), and NaN passes through as torch.relu lets it."""
+
+    nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return sympy.Max(x, 0)
+        return None
+
+    def fdiff(self, argindex=1):
+        return sympy.Heaviside(self.args[0], 0)
+
+    def _eval_rewrite_as_Max(self, x, **kwargs):
+        return sympy.Max(x, 0)
+
+
 @dataclass(frozen=True)
 class Function:
     name: str
@@ -43,10 +62,6 @@ _SQRT_2_OVER_PI = sympy.sqrt(2 / sympy.pi)
 # Kept as the literal the GELU paper and PyTorch use; sympy.Float keeps it exact to print.
 _GELU_TANH_CUBIC = sympy.Float("0.044715")
 _QUICK_GELU_SLOPE = sympy.Float("1.702")
-
-
-def _relu(x):
-    return sympy.Max(x, 0)
 
 
 FUNCTIONS: dict[str, Function] = {
@@ -63,8 +78,8 @@ FUNCTIONS: dict[str, Function] = {
         Function("sigmoid", 1, sigmoid, "1 / (1 + exp(-x))"),
         Function("min", 2, sympy.Min, "smaller of a and b"),
         Function("max", 2, sympy.Max, "larger of a and b"),
-        Function("relu", 1, _relu, "max(x, 0)"),
-        Function("squared_relu", 1, lambda x: _relu(x) ** 2, "max(x, 0)**2 (Primer)"),
+        Function("relu", 1, relu, "max(x, 0)"),
+        Function("squared_relu", 1, lambda x: relu(x) ** 2, "max(x, 0)**2 (Primer)"),
         Function(
             "leaky_relu",
             2,
@@ -84,9 +99,10 @@ FUNCTIONS: dict[str, Function] = {
     ]
 }
 
-# Built into the language rather than the registry: `where` takes a comparison and
-# `dropout` is stochastic, so neither is a plain sympy function of its arguments.
-BUILTINS = {"where": 3, "dropout": 2}
+# Built into the language rather than the registry: `where` takes a comparison,
+# `dropout` is stochastic and `chunk(x, i)` names part of an input, so none is a plain
+# sympy function of its arguments.
+BUILTINS = {"where": 3, "dropout": 2, "chunk": 2}
 
 
 def known_function_names() -> list[str]:

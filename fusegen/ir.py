@@ -31,6 +31,14 @@ class InputRef:
 
 
 @dataclass(frozen=True)
+class ChunkRef:
+    """chunk(x, i): the i-th of x's chunks along its last dim (x declared [..., kN])."""
+
+    name: str
+    index: int
+
+
+@dataclass(frozen=True)
 class ParamRef:
     name: str
 
@@ -83,7 +91,7 @@ class Dropout:
     stream: int  # which dropout in the spec: each gets its own random numbers
 
 
-Expr = Union[Const, InputRef, ParamRef, Unary, Binary, Compare, Call, ChoiceCall, Where, Dropout]
+Expr = Union[Const, InputRef, ChunkRef, ParamRef, Unary, Binary, Compare, Call, ChoiceCall, Where, Dropout]
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,7 @@ class _Scope:
     def __init__(self, spec: OpSpec):
         self.spec = spec
         self.inputs = {i.name for i in spec.inputs}
+        self.chunks = {i.name: i.chunks for i in spec.inputs}
         self.scalars = {p.name: p for p in spec.params if isinstance(p, ScalarParam)}
         self.choices = {p.name: p for p in spec.params if isinstance(p, ChoiceParam)}
         self.outputs = {b.name for b in spec.outputs}
@@ -206,6 +215,11 @@ class _Scope:
 
     def _resolve(self, name: str, depth: int) -> Expr:
         if name in self.inputs:
+            if self.chunks[name] > 1:
+                raise _Located(
+                    f"'{name}' holds {self.chunks[name]} chunks along its last dim: use chunk({name}, 0) "
+                    f"... chunk({name}, {self.chunks[name] - 1})"
+                )
             self.used.add(name)
             return InputRef(name)
         if name in self.scalars:
@@ -245,6 +259,8 @@ class _Scope:
             return Where(cond, self._value(node.args[1], depth), self._value(node.args[2], depth))
         if name == "dropout":
             return self._dropout(node, depth)
+        if name == "chunk":
+            return self._chunk(node)
         if name in FUNCTIONS:
             self._check_arity(name, len(node.args), FUNCTIONS[name].arity)
             return Call(name, tuple(self._value(a, depth) for a in node.args))
@@ -271,6 +287,17 @@ class _Scope:
         self.dropouts.append(None)  # type: ignore[arg-type] - this dropout's place, filled below
         self.dropouts[stream] = Dropout(self._value(node.args[0], depth), param.name, stream)
         return self.dropouts[stream]
+
+    def _chunk(self, node: ast.Call) -> ChunkRef:
+        self._check_arity("chunk", len(node.args), BUILTINS["chunk"])
+        source, index = node.args
+        if not (isinstance(source, ast.Name) and self.chunks.get(source.id, 1) > 1):
+            raise _Located("chunk's first argument must be an input declared with a chunked last dim, as x: [..., 2N]")
+        count = self.chunks[source.id]
+        if not (isinstance(index, ast.Constant) and type(index.value) is int and 0 <= index.value < count):
+            raise _Located(f"chunk's second argument must be a whole number from 0 to {count - 1}")
+        self.used.add(source.id)
+        return ChunkRef(source.id, index.value)
 
     @staticmethod
     def _check_arity(name: str, got: int, want: int) -> None:

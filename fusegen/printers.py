@@ -211,6 +211,9 @@ class TritonPrinter(_ElementwisePrinter):
     def maximum(self, a, b):
         return f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
 
+    def _print_relu(self, expr):
+        return self.maximum(self._print(expr.args[0]), "0.0")
+
     def minimum(self, a, b):
         return f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
 
@@ -228,6 +231,7 @@ class TorchPrinter(_ElementwisePrinter):
         "erf": "torch.erf",
         "Abs": "torch.abs",
         "sigmoid": "torch.sigmoid",
+        "relu": "torch.relu",
     }
     where, sqrt, rsqrt, power = "torch.where", "torch.sqrt", "torch.rsqrt", "torch.pow"
     helper_suffix = "_torch"

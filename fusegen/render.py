@@ -17,7 +17,7 @@ import jinja2
 import sympy
 
 from .printers import TorchPrinter, TritonPrinter, _ElementwisePrinter, uses_libdevice
-from .simplify import Block, ChoiceHelper, SimplifiedOp, choice_function
+from .simplify import Block, ChoiceHelper, SimplifiedOp, choice_function, value_names
 from .spec import ChoiceParam, OpSpec, ScalarParam
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -70,9 +70,13 @@ def render_op_module(op: SimplifiedOp) -> str:
     dropout_params = sorted({d.p for d in op.ir.dropouts})
     tensors = {*op.inputs, *op.masks, *op.grad_outputs}
     grad_names = [g.name for g in op.grad_outputs]
-    kernel_grads = [g.input for g in op.gradients if g.passthrough_of is None]
+    kernel_values = {g.input for g in op.gradients if g.passthrough_of is None}
+    kernel_grad_inputs = [i for i in spec.inputs if kernel_values & set(value_names(i))]
+    kernel_grads = [i.name for i in kernel_grad_inputs]
     backward_symbols = _free_symbols(op.backward) | _free_symbols(op.backward_no_dropout)
-    backward_inputs = [i for i in spec.inputs if sympy.Symbol(i.name, real=True) in backward_symbols]
+    backward_inputs = [
+        i for i in spec.inputs if any(sympy.Symbol(n, real=True) in backward_symbols for n in value_names(i))
+    ]
     mask_lines = [
         f"dropout_mask{d.stream} = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, BLOCK_N, {d.stream}, "
         f"dropout_threshold_{d.p}, dropout_scale_{d.p})"
@@ -82,7 +86,7 @@ def render_op_module(op: SimplifiedOp) -> str:
     def lines(block: Block, printer, names, constant, with_masks: bool) -> list[str]:
         return (mask_lines if with_masks else []) + _print_block(block, printer, names, constant, tensors)
 
-    grad_results = [f"grad_{name}" for name in kernel_grads]
+    grad_results = [f"grad_{g.input}" for g in op.gradients if g.passthrough_of is None]
     kernel_dropout = lines(op.forward, triton, outputs, _triton_constant, True)
     kernel_plain = lines(op.forward_no_dropout, triton, outputs, _triton_constant, False)
     backward_dropout = lines(op.backward, triton, grad_results, _triton_constant, True)
@@ -100,6 +104,7 @@ def render_op_module(op: SimplifiedOp) -> str:
     typed = [f"{n}: torch.Tensor" for n in inputs]
     typed += [f"{p.name}: {'str' if isinstance(p, ChoiceParam) else p.type}" for p in spec.params]
     passthroughs = [g for g in op.gradients if g.passthrough_of]
+    passthrough = {g.input: g.passthrough_of for g in passthroughs}  # chunks never pass through
     context = dict(
         op=spec.name,
         doc=_docstring_text(spec.doc),
@@ -121,7 +126,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         kernel_grad_names=", ".join(kernel_grads) or "no input",
         kernel_grad_tuple=_tuple(kernel_grads),
         kernel_grad_needs=", ".join(f"needs[{inputs.index(n)}]" for n in kernel_grads),
-        backward_input_tuple=_tuple([i.name for i in backward_inputs]),
+        backward_views=", ".join(_view_call(i) for i in backward_inputs),
         output_names=", ".join(outputs),
         public_returns="outputs[0]" if len(outputs) == 1 else "tuple(outputs)",
         forward_op_returns=", ".join(["torch.Tensor"] * (len(outputs) + 1)),
@@ -139,11 +144,15 @@ def render_op_module(op: SimplifiedOp) -> str:
         choices=[dict(name=c.name, constant=c.name.upper(), choices=repr(tuple(c.choices))) for c in spec.choice_params],
         triton_helpers=triton_helpers,
         torch_helpers=torch_helpers,
-        inputs=[dict(name=i.name, dims=i.shape_text, dims_tuple=repr(tuple(i.dims))) for i in spec.inputs],
-        backward_inputs=[dict(name=i.name, dims=i.shape_text) for i in backward_inputs],
+        inputs=[_input_context(i) for i in spec.inputs],
+        forward_views=", ".join(_view_call(i) for i in spec.inputs),
+        backward_inputs=[_input_context(i) for i in backward_inputs],
         outputs=outputs,
-        kernel_grads=[dict(name=n, constant=n.upper()) for n in kernel_grads],
-        gradients=[dict(input=g.input, passthrough_of=g.passthrough_of, index=inputs.index(g.input)) for g in op.gradients],
+        kernel_grads=[_input_context(i) for i in kernel_grad_inputs],
+        grad_target_pairs=_tuple([f"({i.name}, {i.chunks})" for i in kernel_grad_inputs]),
+        gradients=[
+            dict(input=i.name, passthrough_of=passthrough.get(i.name), index=index) for index, i in enumerate(spec.inputs)
+        ],
         kernel_params=kernel_params,
         dropout_params=dropout_params,
         kernel_dropout_lines=kernel_dropout,
@@ -158,6 +167,29 @@ def render_op_module(op: SimplifiedOp) -> str:
         call_fields=", ".join(f"{p.name}={p.name}" for p in spec.params),
     )
     return _template_environment().get_template("op.py.jinja").render(**context)
+
+
+def _input_context(spec_input) -> dict:
+    """An input as the kernels see it: its pointer, and each value it supplies with the
+    column expression where that value lives (chunk k of x [..., kN] at cols + k * N)."""
+    chunks = spec_input.chunks
+    columns = ["cols[None, :]"] + [f"(cols[None, :] + {'' if k == 1 else f'{k} * '}N)" for k in range(1, chunks)]
+    return dict(
+        name=spec_input.name,
+        constant=spec_input.name.upper(),
+        dims=spec_input.shape_text,
+        dims_tuple=repr(tuple(spec_input.dims)),
+        row_width="N" if chunks == 1 else f"{chunks} * N",
+        values=[dict(name=n, column=c) for n, c in zip(value_names(spec_input), columns)],
+        sum_columns=["cols"] + [f"cols + {'' if k == 1 else f'{k} * '}N" for k in range(1, chunks)],
+        reference_values=", ".join(value_names(spec_input)),
+        reference_split="" if chunks == 1 else f".chunk({chunks}, dim=-1)",
+    )
+
+
+def _view_call(spec_input) -> str:
+    chunks = f", chunks={spec_input.chunks}" if spec_input.chunks > 1 else ""
+    return f"runtime.view_2d({spec_input.name}, problem{chunks})"
 
 
 def _tuple(names: list[str]) -> str:

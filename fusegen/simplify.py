@@ -41,7 +41,7 @@ class ChoiceHelper:
 
 @dataclass(frozen=True)
 class Gradient:
-    input: str
+    input: str  # a value name: an input, or a chunk of one (x_chunk1)
     # Set when the gradient is exactly one output's incoming gradient, with dropout on and
     # off: then it is passed through, with no kernel work.
     passthrough_of: str | None
@@ -50,7 +50,7 @@ class Gradient:
 @dataclass(frozen=True)
 class SimplifiedOp:
     ir: ir.OpIR
-    inputs: tuple[sympy.Symbol, ...]
+    inputs: tuple[sympy.Symbol, ...]  # one per value: an input, or each chunk of a chunked input
     scalar_params: tuple[sympy.Symbol, ...]  # those the kernel needs as values
     masks: tuple[sympy.Symbol, ...]  # one per dropout stream
     grad_outputs: tuple[sympy.Symbol, ...]  # incoming gradient per output
@@ -84,9 +84,17 @@ def choice_function(param: str, arity: int, derivative: int | None = None) -> ty
     return type(name, (sympy.Function,), {"nargs": arity, "fdiff": fdiff, "choice_param": param})
 
 
+def value_names(input_spec) -> list[str]:
+    """The values an input supplies to expressions: itself, or each of its chunks."""
+    if input_spec.chunks == 1:
+        return [input_spec.name]
+    return [f"{input_spec.name}_chunk{k}" for k in range(input_spec.chunks)]
+
+
 def simplify(op: ir.OpIR) -> SimplifiedOp:
     spec = op.spec
-    inputs = {i.name: sympy.Symbol(i.name, real=True) for i in spec.inputs}
+    chunked = {n for i in spec.inputs if i.chunks > 1 for n in value_names(i)}
+    inputs = {n: sympy.Symbol(n, real=True) for i in spec.inputs for n in value_names(i)}
     params = {p.name: sympy.Symbol(p.name, real=True) for p in spec.scalar_params}
     masks = tuple(sympy.Symbol(f"dropout_mask{d.stream}", real=True) for d in op.dropouts)
     symbols = {**inputs, **params}
@@ -99,7 +107,12 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     grad_outputs = tuple(sympy.Symbol(f"grad_{name}", real=True) for name, _ in op.outputs)
     totals = {has_dropout: _input_gradients(outputs[has_dropout], inputs, grad_outputs) for has_dropout in (True, False)}
     gradients = tuple(
-        Gradient(name, _passthrough(totals[True][name], grad_outputs) if totals[True][name] == totals[False][name] else None)
+        Gradient(
+            name,
+            _passthrough(totals[True][name], grad_outputs)
+            if totals[True][name] == totals[False][name] and name not in chunked  # a chunk is never a whole tensor
+            else None,
+        )
         for name in inputs
     )
     backward = {
@@ -135,6 +148,8 @@ class _Lowering:
             return sympy.Integer(e.value) if isinstance(e.value, int) else sympy.Float(e.value)
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
             return self.symbols[e.name]
+        if isinstance(e, ir.ChunkRef):
+            return self.symbols[f"{e.name}_chunk{e.index}"]
         if isinstance(e, ir.Unary):
             return -self(e.operand)
         if isinstance(e, ir.Binary):

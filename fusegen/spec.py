@@ -20,6 +20,8 @@ from .errors import SpecError
 from .functions import BUILTINS, FUNCTIONS
 
 ELLIPSIS = "..."
+# "2N" as an input's last dim: two chunks of N side by side (swiglu's [..., 2N] input).
+CHUNKED_DIM = re.compile(r"([2-9]|[1-9][0-9])([A-Za-z_][A-Za-z0-9_]*)")  # 2 to 99 chunks
 
 # Names the generated module uses for itself; a spec name equal to one would shadow it.
 # tests/test_spec.py renders specs and checks that this list covers the generated code.
@@ -40,8 +42,9 @@ RESERVED_NAMES = frozenset(
 )
 
 # Name shapes the generated code derives for itself: CSE temporaries (t0), dropout masks
-# (dropout_mask0), gradients (grad_x), pointers (x_ptr), strides and constexprs (ACTIVATION).
-_RESERVED_PATTERN = re.compile(r"t\d+|dropout_\w*|grad_\w*|\w+_ptr|\w+_stride\w*|[A-Z][A-Z0-9_]+")
+# (dropout_mask0), gradients (grad_x), pointers (x_ptr), strides, chunks (x_chunk0) and
+# constexprs (ACTIVATION).
+_RESERVED_PATTERN = re.compile(r"t\d+|dropout_\w*|grad_\w*|\w+_ptr|\w+_stride\w*|\w+_chunk\d+|[A-Z][A-Z0-9_]+")
 
 MAX_EXPRESSION_CHARS = 2000
 # Numbers a spec may write (param bounds and defaults, expression constants): floats far
@@ -53,8 +56,21 @@ MAX_INT_MAGNITUDE = 2**53
 @dataclass(frozen=True)
 class InputSpec:
     name: str
-    dims: tuple[str, ...]  # "...", a dim name, or "1"
+    dims: tuple[str, ...]  # "...", a dim name, "1", or (last dim only) "2N": chunks of N
     line: int
+
+    @property
+    def chunks(self) -> int:
+        """k when the last dim is written kN: the input holds k chunks of N along it."""
+        match = CHUNKED_DIM.fullmatch(self.dims[-1]) if self.dims else None
+        return int(match.group(1)) if match else 1
+
+    @property
+    def value_dims(self) -> tuple[str, ...]:
+        """The dims of one chunk: what the input contributes to broadcasting."""
+        if self.chunks == 1:
+            return self.dims
+        return self.dims[:-1] + (CHUNKED_DIM.fullmatch(self.dims[-1]).group(2),)
 
     @property
     def has_ellipsis(self) -> bool:
@@ -448,9 +464,15 @@ def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
                 checked.append(ELLIPSIS)
             elif text == "1" or (text and text.isidentifier() and text.isascii() and not keyword.iskeyword(text)):
                 checked.append(text)
+            elif text and CHUNKED_DIM.fullmatch(text) and text.isascii():
+                if i != len(dims) - 1:
+                    raise _Located(value_line, f"input '{name}': a chunked dim such as {text} may only be the last dim")
+                checked.append(text)
             else:
                 shown = _describe(dim) if text is None else repr(text)
-                raise _Located(value_line, f"input '{name}': dim {shown} must be '...', a dim name such as N, or 1")
+                raise _Located(
+                    value_line, f"input '{name}': dim {shown} must be '...', a dim name such as N, 1, or (last) 2N"
+                )
         inputs.append(InputSpec(name, tuple(checked), key_line))
     return tuple(inputs)
 
@@ -567,7 +589,7 @@ def _expression_text(name: str, text: Any, what: str, line: int) -> str:
 
 def _broadcast_dims(inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:
     """The output's dims: the inputs' dims aligned right, as torch broadcasts them."""
-    explicit = {i.name: [d for d in i.dims if d != ELLIPSIS] for i in inputs}
+    explicit = {i.name: [d for d in i.value_dims if d != ELLIPSIS] for i in inputs}
     rank = max(len(d) for d in explicit.values())
     out: list[str] = []
     for pos in range(1, rank + 1):

@@ -4,28 +4,36 @@
 - add_mul_activation: y = activation(x + multiplier * inp + bias)
 - add_relu: y = relu(x + other)
 - bias_dropout_add: y = dropout(x + bias, p) + residual
+- bias_geglu: y = activation(a) * b, where x + bias = [a, b] along the last dim
 - bias_gelu: y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 - bias_gelu_dropout_add: y = dropout(activation(x + bias), p) + residual
 - bias_relu: y = relu(x + bias)
+- bias_swiglu: y = silu(a) * b, where x + bias = [a, b] along the last dim
+- geglu: y = activation(a) * b, where x = [a, b] along the last dim
 - gelu: y = gelu(x), exact (erf) form
 - gelu_tanh: y = gelu_tanh(x), the tanh approximation of GELU
 - leaky_relu: y = x if x > 0 else slope * x
 - quick_gelu: y = x * sigmoid(1.702 * x)
 - scale_add: y = x * scale + residual, with one scale per row
 - squared_relu: y = relu(x) ** 2
+- swiglu: y = silu(a) * b, where x = [a, b] along the last dim
 """
 
 OPS = (
     "add_mul_activation",
     "add_relu",
     "bias_dropout_add",
+    "bias_geglu",
     "bias_gelu",
     "bias_gelu_dropout_add",
     "bias_relu",
+    "bias_swiglu",
+    "geglu",
     "gelu",
     "gelu_tanh",
     "leaky_relu",
     "quick_gelu",
     "scale_add",
     "squared_relu",
+    "swiglu",
 )

@@ -35,7 +35,7 @@ ACTIVATION_CHOICES = ('relu', 'sigmoid', 'silu', 'gelu', 'gelu_tanh', 'identity'
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'relu':
-        out = tl.maximum(x, 0, propagate_nan=tl.PropagateNan.ALL)
+        out = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif ACTIVATION == 'sigmoid':
         out = tl.sigmoid(x)
     elif ACTIVATION == 'silu':
@@ -55,7 +55,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
 @triton.jit
 def _activation_grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'relu':
-        out = tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0.5))
+        out = tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0))
     elif ACTIVATION == 'sigmoid':
         t0 = tl.sigmoid(x)
         out = t0 * (1 - t0)
@@ -89,7 +89,7 @@ def add_mul_activation_kernel(
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
     multiplier,
-    seed,  # Philox key of the dropout masks
+    seed,  # unused: this op has no dropout
     ACTIVATION: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -130,7 +130,7 @@ def add_mul_activation_backward_kernel(
     grad_bias_ptr,  # gradient of bias: [M, N], or with SUM_GRAD_BIAS column sums [programs along M, N]
     M, N,
     multiplier,
-    seed,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    seed,  # unused: this op has no dropout
     ACTIVATION: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     INDEX_64: tl.constexpr,
@@ -215,7 +215,7 @@ def _forward(x, inp, bias, multiplier, activation, training, seed):
     if problem.m * problem.n == 0:
         return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(t, problem) for t in (x, inp, bias)]
+    views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
     add_mul_activation_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
@@ -239,11 +239,11 @@ def _backward(grad_y, x, inp, bias, multiplier, activation, training, seed, need
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program) if need else None
-        for t, need in zip((x, inp, bias), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
+        for (t, chunks), need in zip(((x, 1), (inp, 1), (bias, 1)), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
-        views = [runtime.view_2d(t, problem) for t in (x, inp, bias)]
+        views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
         add_mul_activation_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
@@ -327,7 +327,7 @@ _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, in
 
 def _activation_torch(x, activation):
     if activation == 'relu':
-        out = torch.clamp_min(x, 0)
+        out = torch.relu(x)
     elif activation == 'sigmoid':
         out = torch.sigmoid(x)
     elif activation == 'silu':

@@ -41,7 +41,7 @@ def add_relu_kernel(
     other_ptr, other_stride_m, other_stride_n,  # other [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
-    seed,  # Philox key of the dropout masks
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -58,7 +58,7 @@ def add_relu_kernel(
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     other = tl.load(other_ptr + rows[:, None] * other_stride_m + cols[None, :] * other_stride_n, mask=in_bounds)
     other = other.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    y = tl.maximum(other + x, 0, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.maximum(other + x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
@@ -76,7 +76,7 @@ def add_relu_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
     grad_other_ptr,  # gradient of other: [M, N], or with SUM_GRAD_OTHER column sums [programs along M, N]
     M, N,
-    seed,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
@@ -104,7 +104,7 @@ def add_relu_backward_kernel(
         other = other.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = grad_y * tl.where(other + x > 0, 1.0, tl.where(other + x < 0, 0.0, 0.5))
+        t0 = grad_y * tl.where(other + x > 0, 1.0, tl.where(other + x < 0, 0.0, 0))
         grad_x = t0
         grad_other = t0
         if NEEDS_GRAD_X:
@@ -146,7 +146,7 @@ def _forward(x, other, training, seed):
     if problem.m * problem.n == 0:
         return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(t, problem) for t in (x, other)]
+    views = [runtime.view_2d(x, problem), runtime.view_2d(other, problem)]
     add_relu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
@@ -167,11 +167,11 @@ def _backward(grad_y, x, other, training, seed, needs_grad):
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program) if need else None
-        for t, need in zip((x, other), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
+        for (t, chunks), need in zip(((x, 1), (other, 1)), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
-        views = [runtime.view_2d(t, problem) for t in (x, other)]
+        views = [runtime.view_2d(x, problem), runtime.view_2d(other, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
         add_relu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
@@ -255,7 +255,7 @@ def reference(x, other):
     problem = call.problem
     x = x.to(problem.compute_dtype)
     other = other.to(problem.compute_dtype)
-    y = torch.clamp_min(other + x, 0)
+    y = torch.relu(other + x)
     return y.to(problem.out_dtype)
 
 

@@ -162,7 +162,7 @@ def _forward(x, bias, residual, p, training, seed):
     if problem.m * problem.n == 0:
         return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(t, problem) for t in (x, bias, residual)]
+    views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem), runtime.view_2d(residual, problem)]
     bias_dropout_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
@@ -186,11 +186,11 @@ def _backward(grad_y, x, bias, residual, p, training, seed, needs_grad):
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program) if need else None
-        for t, need in zip((x, bias), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
+        for (t, chunks), need in zip(((x, 1), (bias, 1)), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
-        views = [runtime.view_2d(t, problem) for t in (())]
+        views = []
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
         bias_dropout_add_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *grad_views[0],

@@ -47,7 +47,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
         t0 = 0.5 * x
         out = t0 * (tl.erf(1.4142135623730951 * t0) + 1)
     elif ACTIVATION == 'relu':
-        out = tl.maximum(x, 0, propagate_nan=tl.PropagateNan.ALL)
+        out = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif ACTIVATION == 'silu':
         out = x * tl.sigmoid(x)
     elif ACTIVATION == 'sigmoid':
@@ -68,7 +68,7 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         t0 = 0.7071067811865476 * x
         out = 0.5641895835477563 * t0 * tl.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'relu':
-        out = tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0.5))
+        out = tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0))
     elif ACTIVATION == 'silu':
         t0 = tl.sigmoid(x)
         out = t0 * x * (1 - t0) + t0
@@ -216,7 +216,7 @@ def _forward(x, bias, residual, p, activation, training, seed):
     if problem.m * problem.n == 0:
         return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(t, problem) for t in (x, bias, residual)]
+    views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem), runtime.view_2d(residual, problem)]
     bias_gelu_dropout_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
@@ -241,11 +241,11 @@ def _backward(grad_y, x, bias, residual, p, activation, training, seed, needs_gr
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program) if need else None
-        for t, need in zip((x, bias), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
+        for (t, chunks), need in zip(((x, 1), (bias, 1)), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
-        views = [runtime.view_2d(t, problem) for t in (x, bias)]
+        views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
         bias_gelu_dropout_add_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
@@ -331,7 +331,7 @@ def _activation_torch(x, activation):
         t0 = 0.5 * x
         out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
     elif activation == 'relu':
-        out = torch.clamp_min(x, 0)
+        out = torch.relu(x)
     elif activation == 'silu':
         out = x * torch.sigmoid(x)
     elif activation == 'sigmoid':

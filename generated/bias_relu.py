@@ -41,7 +41,7 @@ def bias_relu_kernel(
     bias_ptr, bias_stride_m, bias_stride_n,  # bias [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
-    seed,  # Philox key of the dropout masks
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -58,7 +58,7 @@ def bias_relu_kernel(
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     bias = tl.load(bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds)
     bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    y = tl.maximum(bias + x, 0, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.maximum(bias + x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
@@ -76,7 +76,7 @@ def bias_relu_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
     grad_bias_ptr,  # gradient of bias: [M, N], or with SUM_GRAD_BIAS column sums [programs along M, N]
     M, N,
-    seed,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
@@ -104,7 +104,7 @@ def bias_relu_backward_kernel(
         bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = grad_y * tl.where(bias + x > 0, 1.0, tl.where(bias + x < 0, 0.0, 0.5))
+        t0 = grad_y * tl.where(bias + x > 0, 1.0, tl.where(bias + x < 0, 0.0, 0))
         grad_x = t0
         grad_bias = t0
         if NEEDS_GRAD_X:
@@ -146,7 +146,7 @@ def _forward(x, bias, training, seed):
     if problem.m * problem.n == 0:
         return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(t, problem) for t in (x, bias)]
+    views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
     bias_relu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
@@ -167,11 +167,11 @@ def _backward(grad_y, x, bias, training, seed, needs_grad):
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program) if need else None
-        for t, need in zip((x, bias), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
+        for (t, chunks), need in zip(((x, 1), (bias, 1)), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
-        views = [runtime.view_2d(t, problem) for t in (x, bias)]
+        views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
         bias_relu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
@@ -255,7 +255,7 @@ def reference(x, bias):
     problem = call.problem
     x = x.to(problem.compute_dtype)
     bias = bias.to(problem.compute_dtype)
-    y = torch.clamp_min(bias + x, 0)
+    y = torch.relu(bias + x)
     return y.to(problem.out_dtype)
 
 

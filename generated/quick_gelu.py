@@ -40,7 +40,7 @@ def quick_gelu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
-    seed,  # Philox key of the dropout masks
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -71,7 +71,7 @@ def quick_gelu_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
     M, N,
-    seed,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
@@ -128,7 +128,7 @@ def _forward(x, training, seed):
     if problem.m * problem.n == 0:
         return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(t, problem) for t in (x,)]
+    views = [runtime.view_2d(x, problem)]
     quick_gelu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         y,
@@ -148,11 +148,11 @@ def _backward(grad_y, x, training, seed, needs_grad):
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program) if need else None
-        for t, need in zip((x,), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
+        for (t, chunks), need in zip(((x, 1),), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
-        views = [runtime.view_2d(t, problem) for t in (x,)]
+        views = [runtime.view_2d(x, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
         quick_gelu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],

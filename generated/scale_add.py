@@ -43,7 +43,7 @@ def scale_add_kernel(
     residual_ptr, residual_stride_m, residual_stride_n,  # residual [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
-    seed,  # Philox key of the dropout masks
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -80,7 +80,7 @@ def scale_add_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
     grad_scale_ptr,  # gradient of scale: [M, N], or with SUM_GRAD_SCALE column sums [programs along M, N]
     M, N,
-    seed,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
@@ -149,7 +149,7 @@ def _forward(x, scale, residual, training, seed):
     if problem.m * problem.n == 0:
         return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(t, problem) for t in (x, scale, residual)]
+    views = [runtime.view_2d(x, problem), runtime.view_2d(scale, problem), runtime.view_2d(residual, problem)]
     scale_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
@@ -171,11 +171,11 @@ def _backward(grad_y, x, scale, residual, training, seed, needs_grad):
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program) if need else None
-        for t, need in zip((x, scale), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
+        for (t, chunks), need in zip(((x, 1), (scale, 1)), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
-        views = [runtime.view_2d(t, problem) for t in (x, scale)]
+        views = [runtime.view_2d(x, problem), runtime.view_2d(scale, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
         scale_add_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],

@@ -40,7 +40,7 @@ def squared_relu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
-    seed,  # Philox key of the dropout masks
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -55,7 +55,7 @@ def squared_relu_kernel(
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    y = tl.maximum(x, 0, propagate_nan=tl.PropagateNan.ALL) * tl.maximum(x, 0, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL) * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
@@ -71,7 +71,7 @@ def squared_relu_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
     M, N,
-    seed,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
@@ -94,7 +94,7 @@ def squared_relu_backward_kernel(
         x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_x = 2 * grad_y * tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0.5)) * tl.maximum(x, 0, propagate_nan=tl.PropagateNan.ALL)
+        grad_x = 2 * grad_y * tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0)) * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -126,7 +126,7 @@ def _forward(x, training, seed):
     if problem.m * problem.n == 0:
         return y, call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(t, problem) for t in (x,)]
+    views = [runtime.view_2d(x, problem)]
     squared_relu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         y,
@@ -146,11 +146,11 @@ def _backward(grad_y, x, training, seed, needs_grad):
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program) if need else None
-        for t, need in zip((x,), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
+        for (t, chunks), need in zip(((x, 1),), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
-        views = [runtime.view_2d(t, problem) for t in (x,)]
+        views = [runtime.view_2d(x, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
         squared_relu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
@@ -228,7 +228,7 @@ def reference(x):
     call = _arguments(x, False, None, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
-    y = torch.clamp_min(x, 0) * torch.clamp_min(x, 0)
+    y = torch.relu(x) * torch.relu(x)
     return y.to(problem.out_dtype)
 
 

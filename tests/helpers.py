@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,15 +190,36 @@ class ShapeCase:
     layout: str = "full"
 
 
+_CHUNKED = re.compile(r"([0-9]+)([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _split_dim(dim: str) -> tuple[int, str]:
+    """'2N' -> (2, 'N'): an input's last dim holding that many chunks of N; 'N' -> (1, 'N')."""
+    match = _CHUNKED.fullmatch(dim)
+    return (int(match.group(1)), match.group(2)) if match else (1, dim)
+
+
+def chunks_of(spec_input) -> int:
+    return _split_dim(spec_input.dims[-1])[0] if spec_input.dims else 1
+
+
 def _named_sizes(spec: OpSpec, case: ShapeCase) -> dict[str, int]:
     out_explicit = [d for d in spec.out_dims if d != "..."]
     sizes = {}
     last_named = next((d for d in reversed(out_explicit) if d != "1"), None)
     for inp in spec.inputs:
         for d in inp.dims:
+            _, d = _split_dim(d)
             if d not in ("...", "1") and d not in sizes:
                 sizes[d] = case.n if d == last_named else case.other
     return sizes
+
+
+def _size(dim: str, sizes: dict[str, int]) -> int:
+    if dim == "1":
+        return 1
+    count, name = _split_dim(dim)
+    return count * sizes[name]
 
 
 def _lead(spec: OpSpec, case: ShapeCase) -> tuple[int, ...]:
@@ -217,7 +239,7 @@ def applies(spec: OpSpec, case: ShapeCase) -> bool:
 
 def output_shape(spec: OpSpec, case: ShapeCase) -> tuple[int, ...]:
     sizes = _named_sizes(spec, case)
-    return _lead(spec, case) + tuple(1 if d == "1" else sizes[d] for d in spec.out_dims if d != "...")
+    return _lead(spec, case) + tuple(_size(d, sizes) for d in spec.out_dims if d != "...")
 
 
 def input_shapes(spec: OpSpec, case: ShapeCase) -> dict[str, tuple[int, ...]]:
@@ -227,7 +249,7 @@ def input_shapes(spec: OpSpec, case: ShapeCase) -> dict[str, tuple[int, ...]]:
     ellipsis_index = 0
     for inp in spec.inputs:
         explicit = [d for d in inp.dims if d != "..."]
-        own = tuple(1 if d == "1" else sizes[d] for d in explicit)
+        own = tuple(_size(d, sizes) for d in explicit)
         if inp.has_ellipsis:
             prefix = out[: len(out) - len(explicit)]
             if case.layout == "bcast" and ellipsis_index > 0 and prefix:
@@ -382,6 +404,10 @@ def _scalar_args(op: Op, call) -> dict:
     return kwargs
 
 
+def _view_2d(tensor, problem, chunks: int):
+    return runtime.view_2d(tensor, problem, chunks) if chunks > 1 else runtime.view_2d(tensor, problem)
+
+
 def launch_forward(op: Op, tensors: dict, params: dict, seed: int, block_m: int, block_n: int, training=True):
     """Run the forward kernel itself (not the autotuner) with one tile shape; returns the outputs."""
     call = _call_of(op, tensors, params, training, seed)
@@ -389,8 +415,9 @@ def launch_forward(op: Op, tensors: dict, params: dict, seed: int, block_m: int,
     fn = op.forward_kernel.fn
     names = fn.arg_names
     kwargs = _scalar_args(op, call)
-    for name in op.input_names:
-        view, sm, sn = runtime.view_2d(tensors[name], problem)
+    for spec_input in op.spec.inputs:
+        name = spec_input.name
+        view, sm, sn = _view_2d(tensors[name], problem, chunks_of(spec_input))
         kwargs.update({f"{name}_ptr": view, f"{name}_stride_m": sm, f"{name}_stride_n": sn})
     outputs = []
     for name in op.output_names:
@@ -418,17 +445,21 @@ def launch_backward(op: Op, grads_out: dict, tensors: dict, params: dict, seed: 
     fn = op.backward_kernel.fn
     names = fn.arg_names
     kwargs = _scalar_args(op, call)
-    for name in op.input_names:
+    for spec_input in op.spec.inputs:
+        name = spec_input.name
         if f"{name}_ptr" in names:
-            view, sm, sn = runtime.view_2d(tensors[name], problem)
+            view, sm, sn = _view_2d(tensors[name], problem, chunks_of(spec_input))
             kwargs.update({f"{name}_ptr": view, f"{name}_stride_m": sm, f"{name}_stride_n": sn})
     for name in op.output_names:
         view, sm, sn = runtime.view_2d(grads_out[name], problem)
         kwargs.update({f"grad_{name}_ptr": view, f"grad_{name}_stride_m": sm, f"grad_{name}_stride_n": sn})
     targets = {}
-    for name in op.input_names:
+    for spec_input in op.spec.inputs:
+        name = spec_input.name
         if f"grad_{name}_ptr" in names:
-            target = runtime.GradTarget(tensors[name], problem, rows_per_program)
+            chunks = chunks_of(spec_input)
+            extra = (chunks,) if chunks > 1 else ()
+            target = runtime.GradTarget(tensors[name], problem, rows_per_program, *extra)
             target.buffer.fill_(float("nan"))
             targets[name] = target
             kwargs[f"grad_{name}_ptr"] = target.buffer

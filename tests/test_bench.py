@@ -3,6 +3,7 @@
 Nothing here launches a kernel or times anything: the GPU parts are exercised on a GPU.
 """
 import argparse
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -177,6 +178,53 @@ def test_measure_turns_exceptions_into_errors():
     measurement = bench.measure(boom, timer=timer, peak=lambda fn: 0)
     assert measurement.timing is None
     assert measurement.error == "RuntimeError: element 0 of tensors does not require grad"
+
+
+def busy(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_time_limit_interrupts_a_long_first_call():
+    with pytest.raises(bench.FirstCallTimeout):
+        with bench.time_limit(0.05, "the first call"):
+            busy(2.0)
+    with bench.time_limit(1.0, "the first call"):  # a quick block passes, and the alarm is off afterwards
+        busy(0.01)
+    busy(0.05)
+
+
+def test_time_limit_fires_even_when_the_timeout_is_swallowed():
+    # torch.compile may catch the exception and fall back to eager; the run must still see a timeout.
+    with pytest.raises(bench.FirstCallTimeout):
+        with bench.time_limit(0.05, "the first call"):
+            try:
+                busy(2.0)
+            except bench.FirstCallTimeout:
+                pass
+
+
+def test_is_timeout_looks_through_wrapping():
+    try:
+        try:
+            raise bench.FirstCallTimeout("x")
+        except bench.FirstCallTimeout as inner:
+            raise RuntimeError("BackendCompilerFailed") from inner
+    except RuntimeError as outer:
+        assert bench.is_timeout(outer)
+    assert not bench.is_timeout(RuntimeError("other"))
+
+
+def test_measure_records_a_timeout_and_memo_skips_later_cases():
+    measurement = bench.measure(lambda: busy(2.0), timer=None, peak=None, first_call_timeout_s=0.05)
+    assert measurement.timed_out and measurement.error.startswith("timed out")
+    memo = bench.TimeoutMemo()
+    memo.record("op", 0.1, "compile", "forward", measurement)
+    assert memo.skip_reason("op", 0.2, "compile", "forward")  # any p > 0: the same dropout graph
+    assert memo.skip_reason("op", 0.1, "compile", "forward_backward")
+    assert memo.skip_reason("op", 0.0, "compile", "forward") is None  # p == 0 compiles a different graph
+    assert memo.skip_reason("op", 0.1, "eager", "forward") is None
 
 
 def test_host_overhead_is_a_median_of_calls():

@@ -7,7 +7,6 @@ Shapes stay small: without a GPU the kernels run on Triton's CPU interpreter.
 """
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
@@ -116,7 +115,7 @@ def test_forward_fp32(op, choices, case, device, monkeypatch):
     shape = output_shape(op.spec, case)
     assert len(outs) == len(op.output_names)
     for name, out, truth in zip(op.output_names, outs, truths):
-        assert out.shape == torch.broadcast_shapes(*(t.shape for t in tensors.values())) == shape
+        assert out.shape == truth.shape == shape, f"{op.name}.{name}: shape {tuple(out.shape)}, want {shape}"
         assert out.dtype == torch.float32 and out.device.type == torch.device(device).type
         assert out.is_contiguous()
         check_against_truth(out, truth, what=f"{op.name}.{name}")
@@ -140,19 +139,6 @@ def test_forward_low_precision(op, choices, dtype, device):
         check_against_truth(out, truth, ref, what=f"{op.name}.{name} {dtype}")
 
 
-INTERPRETER_FP64_SCALAR_BUG = (
-    "under TRITON_INTERPRET a float param reaches the kernel as a Python float (a weakly typed "
-    "double), not as the float32 scalar a GPU launch gets and reference assumes: with fp64 "
-    "compute the kernel uses the unrounded value (relative error ~1e-8 instead of ~1e-16)"
-)
-
-
-def _scalar_bug(op, dtypes, rest):
-    fp64 = torch.float64 in (rest, *dtypes.values())
-    plain = [p for p in op.spec.scalar_params if p.type == "float" and p.name not in op.dropout_params]
-    return fp64 and bool(plain) and runtime.is_interpreting()
-
-
 def _mixed_dtype_cases():
     cases = []
     for op in OPS:
@@ -162,13 +148,9 @@ def _mixed_dtype_cases():
             cases.append((op, {names[0]: torch.bfloat16}, torch.float32, "bf16+fp32"))
             cases.append((op, {names[0]: torch.float16, names[1]: torch.bfloat16}, torch.float16, "fp16+bf16"))
             cases.append((op, {names[-1]: torch.float64}, torch.float32, "fp32+fp64"))
-    return [
-        pytest.param(
-            *c, id=f"{c[0].name}-{c[3]}",
-            marks=[pytest.mark.xfail(strict=True, reason=INTERPRETER_FP64_SCALAR_BUG)] if _scalar_bug(*c[:3]) else [],
-        )
-        for c in cases
-    ]
+    # fp64 with a float param: the launcher rounds params to float32, as a GPU launch does,
+    # so the interpreter agrees with reference there too.
+    return [pytest.param(*c, id=f"{c[0].name}-{c[3]}") for c in cases]
 
 
 MIXED_CASES = _mixed_dtype_cases()
@@ -516,22 +498,11 @@ def _kink_cases():
         text = " ".join(b.text for b in op.spec.outputs)
         relu_choices = [c for c in choice_cases(op) if any("relu" in v for v in c.values())]
         if relu_choices:
-            cases += [(op, c, any(v == "relu" for v in c.values())) for c in relu_choices]
+            cases += [(op, c) for c in relu_choices]
         elif "relu" in text:
-            cases.append((op, {}, re.search(r"(?<![A-Za-z0-9_])relu\(", text) is not None))
-    return [
-        pytest.param(
-            op, c, id=_ids(op, c),
-            marks=[pytest.mark.xfail(strict=True, reason=RELU_KINK_BUG)] if plain_relu else [],
-        )
-        for op, c, plain_relu in cases
-    ]
-
-
-RELU_KINK_BUG = (
-    "relu's gradient at exactly 0: the kernel uses sympy's Heaviside(0) = 0.5, reference's "
-    "torch.clamp_min gives 1 (and torch.relu gives 0)"
-)
+            cases.append((op, {}))
+    # relu is its own sympy function whose derivative at 0 is 0, as torch.relu's is.
+    return [pytest.param(op, c, id=_ids(op, c)) for op, c in cases]
 
 
 def _put_on_kink(op, tensors):

@@ -332,12 +332,35 @@ def test_cpu_without_interpreter_raises_clear_error(monkeypatch):
 # 64-bit offsets (GPU only: the tensors are 4 GiB each)
 
 
+def _keep_for_rows(seed, rows, cols, stream, p):
+    """Which elements (rows [R, 1] x cols [1, C], int64) dropout keeps: the formula of
+    runtime.dropout_mask_reference, for any rows, not only 0..M-1 (all 2**31 elements
+    would not fit). Column 4g + k takes word k of Philox4x32-10 keyed by seed with
+    counter (g, row_lo, row_hi, stream)."""
+    from fusegen.runtime.philox import philox4x32
+
+    zero = torch.zeros((), dtype=torch.int64, device=rows.device)
+    words = philox4x32(seed, cols >> 2, rows & 0xFFFFFFFF, rows >> 32, zero + stream)
+    shape = torch.broadcast_shapes(rows.shape, cols.shape)
+    r = torch.stack([w.expand(shape) for w in words], dim=-1)
+    r = r.gather(-1, (cols & 3).expand(shape).unsqueeze(-1)).squeeze(-1)
+    return (r >> 8) >= runtime.dropout_threshold(p)
+
+
+def test_row_mask_formula_matches_reference():
+    """The GPU test below draws masks for rows past 2**31 / N by _keep_for_rows: it must be
+    dropout_mask_reference's formula (checked here, on rows 0..M-1, where both apply)."""
+    x = torch.empty(9, 70)
+    rows = torch.arange(9, dtype=torch.int64)[:, None]
+    cols = torch.arange(70, dtype=torch.int64)[None, :]
+    for seed, p in [(5, 0.1), (2**33 + 7, 0.5)]:
+        assert torch.equal(_keep_for_rows(seed, rows, cols, 0, p), _mask(seed, x, x[0], x, p) != 0)
+
+
 @pytest.mark.gpu
 def test_int64_offsets_past_2_31(device):
     """More than 2**31 elements: the launcher must switch to 64-bit index math (INDEX_64),
     and the dropout counter must carry the row's high bits, in forward and in backward."""
-    from fusegen.runtime.philox import philox4x32
-
     if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
         pytest.skip("needs about 30 GiB of GPU memory")
     n = 4096
@@ -353,12 +376,7 @@ def test_int64_offsets_past_2_31(device):
     def host_mask(selected):
         r_idx = torch.tensor(selected, dtype=torch.int64, device="cuda")[:, None]
         c_idx = torch.arange(n, dtype=torch.int64, device="cuda")[None, :]
-        # Column 4g + k takes word k of the Philox call for counter (g, row_lo, row_hi, stream).
-        zero = torch.zeros((), dtype=torch.int64, device="cuda")
-        words = philox4x32(seed, c_idx >> 2, r_idx & 0xFFFFFFFF, r_idx >> 32, zero)
-        r = torch.stack(torch.broadcast_tensors(*words), dim=-1)
-        r = r.gather(-1, (c_idx & 3).expand(len(selected), n).unsqueeze(-1)).squeeze(-1)
-        keep = (r >> 8) >= runtime.dropout_threshold(p)
+        keep = _keep_for_rows(seed, r_idx, c_idx, 0, p)
         return torch.where(keep, torch.tensor(runtime.dropout_scale(p), dtype=torch.float32, device="cuda"), 0.0)
 
     mask = host_mask(rows)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +13,7 @@ import triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT32_LIMIT = 2**31
+FLOAT32_MAX = 3.4028234663852886e38
 GRID_Y_LIMIT = 65535
 
 
@@ -123,6 +126,10 @@ def backward_rows_per_program(problem: "Problem") -> int:
 # Arguments
 
 
+def _float32(value) -> float:
+    return struct.unpack("f", struct.pack("f", float(value)))[0]
+
+
 def draw_seed() -> int:
     """A dropout seed from torch's default generator, so torch.manual_seed reproduces a run."""
     return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
@@ -145,7 +152,11 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
         raise FusegenArgumentError(f"{op}(): {name} must not be NaN")
     if (low is not None and value < low) or (high is not None and value > high):
         raise FusegenArgumentError(f"{op}(): {name}={value!r} is outside [{low}, {high}]")
-    return float(value) if kind == "float" else value
+    if kind == "float" and abs(value) > FLOAT32_MAX:
+        raise FusegenArgumentError(f"{op}(): {name}={value!r} does not fit a float32")
+    # Rounded to float32 here, as a GPU launch passes it: the interpreter would keep the
+    # double, and reference (which rounds) would then disagree in fp64.
+    return _float32(value) if kind == "float" else value
 
 
 @dataclass(frozen=True)
@@ -160,8 +171,35 @@ class Problem:
     device: torch.device
 
 
+# Problems already checked, by what the checks depend on (shapes, dtypes, devices): the
+# launcher runs on every call, and a training loop repeats a few shapes.
+_PROBLEMS: dict[tuple, Problem] = {}
+# Fake and functional tensors (torch.compile's) take the uncached path: their shapes may be symbolic.
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PROBLEM_CACHE_SIZE = 4096
+
+
 def broadcast_problem(op: str, inputs: dict[str, tuple[object, tuple[str, ...]]], needs_kernel: bool) -> Problem:
     """Check tensors against the spec's dims and broadcast them as torch would."""
+    if all(type(value) in _PLAIN_TENSOR_TYPES for value, _ in inputs.values()):
+        key = (op, *((v.shape, v.dtype, v.device, dims) for v, dims in inputs.values()))
+        problem = _PROBLEMS.get(key)
+        if problem is None:
+            problem = _check_and_broadcast(op, inputs)
+            if len(_PROBLEMS) >= _PROBLEM_CACHE_SIZE:
+                _PROBLEMS.clear()
+            _PROBLEMS[key] = problem
+    else:
+        problem = _check_and_broadcast(op, inputs)
+    if needs_kernel and problem.device.type != "cuda" and not is_interpreting():
+        raise FusegenArgumentError(
+            f"{op}(): tensors are on {problem.device.type}, but the Triton kernel needs a CUDA device; set "
+            "TRITON_INTERPRET=1 before importing triton to run it on the CPU, or call reference(...)"
+        )
+    return problem
+
+
+def _check_and_broadcast(op: str, inputs: dict[str, tuple[object, tuple[str, ...]]]) -> Problem:
     tensors = {}
     for name, (value, _) in inputs.items():
         if not isinstance(value, torch.Tensor):
@@ -176,14 +214,14 @@ def broadcast_problem(op: str, inputs: dict[str, tuple[object, tuple[str, ...]]]
         shown = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
         raise FusegenArgumentError(f"{op}(): all tensors must be on one device; got {shown}")
     device = devices.pop()
-    if needs_kernel and device.type != "cuda" and not is_interpreting():
-        raise FusegenArgumentError(
-            f"{op}(): tensors are on {device.type}, but the Triton kernel needs a CUDA device; set "
-            "TRITON_INTERPRET=1 before importing triton to run it on the CPU, or call reference(...)"
-        )
     _check_named_dims(op, inputs)
+    # A chunked input ([..., 2N]) broadcasts as one of its chunks ([..., N]).
+    value_shapes = [
+        t.shape[:-1] + (t.shape[-1] // chunk_count(dims),) if chunk_count(dims) > 1 else t.shape
+        for t, dims in inputs.values()
+    ]
     try:
-        shape = torch.broadcast_shapes(*(t.shape for t in tensors.values()))
+        shape = torch.broadcast_shapes(*value_shapes)
     except RuntimeError:
         shown = " and ".join(f"{n} {list(t.shape)}" for n, t in tensors.items())
         raise FusegenArgumentError(f"{op}(): shapes do not broadcast: {shown}") from None
@@ -205,6 +243,15 @@ def _check_named_dims(op: str, inputs: dict[str, tuple[torch.Tensor, tuple[str, 
                 f"{op}(): {name} must have shape {declared}, got {list(tensor.shape)}"
             )
         for dim, size in zip(explicit, tensor.shape[tensor.dim() - len(explicit):]):
+            chunked = _CHUNKED_DIM.fullmatch(dim)
+            if chunked:
+                count, dim = int(chunked.group(1)), chunked.group(2)
+                if size % count:
+                    raise FusegenArgumentError(
+                        f"{op}(): {name} must have shape {declared}, got {list(tensor.shape)} "
+                        f"({size} is not a multiple of {count})"
+                    )
+                size //= count
             if dim == "1":
                 if size != 1:
                     raise FusegenArgumentError(f"{op}(): {name} must have shape {declared}, got {list(tensor.shape)}")
@@ -219,21 +266,47 @@ def _check_named_dims(op: str, inputs: dict[str, tuple[torch.Tensor, tuple[str, 
                 bound.setdefault(dim, (size, name))
 
 
-def view_2d(tensor: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, int, int]:
-    """The tensor broadcast to the problem, as [M, N] with its strides (0 where broadcast).
+# The spec's "2N": an input's last dim holding that many chunks of N (see fusegen.spec).
+_CHUNKED_DIM = re.compile(r"([0-9]+)([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def chunk_count(dims: tuple[str, ...]) -> int:
+    match = _CHUNKED_DIM.fullmatch(dims[-1]) if dims else None
+    return int(match.group(1)) if match else 1
+
+
+# (shape, strides, problem shape, chunks) → (row stride, column stride), for layouts whose
+# [M, N] view needs no copy: the kernel then reads the tensor itself through those strides.
+_VIEW_STRIDES: dict[tuple, tuple[int, int]] = {}
+
+
+def view_2d(tensor: torch.Tensor, problem: Problem, chunks: int = 1) -> tuple[torch.Tensor, int, int]:
+    """The tensor broadcast to the problem, as [M, N] (or [M, chunks * N]) with its strides
+    (0 where broadcast).
 
     A view where the layout allows; when broadcast dims cannot merge into one row stride
     (e.g. [B, 1, N] against [B, S, N]) torch's reshape copies, which is then the only copy.
     """
-    flat = tensor.expand(problem.shape).reshape(problem.m, problem.n)
+    key = (tensor.shape, tensor.stride(), problem.shape, chunks)
+    strides = _VIEW_STRIDES.get(key)
+    if strides is not None:
+        return tensor, strides[0], strides[1]
+    width = problem.n * chunks
+    flat = tensor.expand(*problem.shape[:-1], width).reshape(problem.m, width)
+    if flat.data_ptr() == tensor.data_ptr() and flat.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        if len(_VIEW_STRIDES) >= _PROBLEM_CACHE_SIZE:
+            _VIEW_STRIDES.clear()
+        _VIEW_STRIDES[key] = (flat.stride(0), flat.stride(1))
     return flat, flat.stride(0), flat.stride(1)
 
 
 def needs_int64(problem: Problem, views: list[tuple[torch.Tensor, int, int]]) -> bool:
     """Whether any element offset can reach 2**31 (int32 index math would overflow)."""
     last = problem.m * problem.n
-    for _, stride_m, stride_n in views:
-        last = max(last, (problem.m - 1) * stride_m + (problem.n - 1) * stride_n + 1)
+    for tensor, stride_m, stride_n in views:
+        # A view's columns are N, or all chunks side by side: as many as the tensor's row.
+        width = tensor.shape[-1] if tensor.dim() else 1
+        last = max(last, (problem.m - 1) * stride_m + (width - 1) * stride_n + 1)
     return last >= INT32_LIMIT
 
 
@@ -268,20 +341,22 @@ class GradTarget:
     - any other broadcast: a full fp32 gradient, summed to the input's shape here.
     """
 
-    def __init__(self, tensor: torch.Tensor, problem: Problem, rows_per_program: int):
+    def __init__(self, tensor: torch.Tensor, problem: Problem, rows_per_program: int, chunks: int = 1):
         self.shape, self.dtype = tensor.shape, tensor.dtype
         accumulate = torch.float64 if problem.compute_dtype == torch.float64 else torch.float32
         device = problem.device
-        if tensor.shape == problem.shape:
+        width = problem.n * chunks  # a chunked input ([..., 2N]) has all its chunks side by side
+        full_shape = (*problem.shape[:-1], width) if len(problem.shape) else problem.shape
+        if tensor.shape == full_shape:
             self.kind = "full"
-            self.buffer = torch.empty(problem.shape, dtype=tensor.dtype, device=device)
-        elif tensor.numel() == problem.n and tensor.dim() >= 1 and tensor.shape[-1] == problem.n:
+            self.buffer = torch.empty(full_shape, dtype=tensor.dtype, device=device)
+        elif tensor.numel() == width and tensor.dim() >= 1 and tensor.shape[-1] == width:
             self.kind = "rows"
             programs = triton.cdiv(problem.m, rows_per_program)
-            self.buffer = torch.empty((programs, problem.n), dtype=accumulate, device=device)
+            self.buffer = torch.empty((programs, width), dtype=accumulate, device=device)
         else:
             self.kind = "sum"
-            self.buffer = torch.empty(problem.shape, dtype=accumulate, device=device)
+            self.buffer = torch.empty(full_shape, dtype=accumulate, device=device)
 
     @staticmethod
     def buffer_of(target: "GradTarget | None"):
