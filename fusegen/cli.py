@@ -131,6 +131,25 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_list(args) -> int:
+    for path in spec_files(args.paths):
+        op = ir.build_ir(spec.load_spec(path))
+        signature = render.public_signature(op.spec, has_dropout=bool(op.dropouts))
+        print(f"{op.spec.name}({signature})\n    {op.spec.doc}")
+    return 0
+
+
+def cmd_new(args) -> int:
+    target: Path = args.dir / f"{args.name}.yaml"
+    text = render.render_starter_spec(args.name)
+    spec.check_op_name(args.name, str(target))  # before anything is written
+    if target.exists():
+        raise SpecError(str(target), None, "already exists; choose another name or edit it")
+    render.write_if_changed(target, text)
+    print(f"wrote {target}: edit it, then `fusegen build`")
+    return 0
+
+
 def _inline(block: simplify.Block) -> str:
     return "; ".join(f"{t} = {e}" for t, e in (*block.temps, *block.results))
 
@@ -148,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("-o", "--out", type=Path, default=DEFAULT_OUT, help="output folder (default: generated)")
     show = commands.add_parser("show", help="print a spec's IR, simplified/CSE'd forms, gradients and generated code")
     show.add_argument("spec", type=Path)
+    listing = commands.add_parser("list", help="every op with its signature and doc")
+    listing.add_argument("paths", nargs="*", type=Path, default=[DEFAULT_SPECS], metavar="SPEC_OR_DIR")
+    new = commands.add_parser("new", help="write a commented starter spec that builds as it is")
+    new.add_argument("name", help="the op's name, a Python identifier")
+    new.add_argument("--dir", type=Path, default=DEFAULT_SPECS, help="where to write NAME.yaml (default: specs)")
 
     # bench and profile bring torch in; their arguments are defined next to their code.
     from . import bench, profile
@@ -162,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         "build": cmd_build,
         "check": cmd_check,
         "show": cmd_show,
+        "list": cmd_list,
+        "new": cmd_new,
         "bench": bench.run_bench,
         "profile": profile.run_profile,
     }

@@ -98,8 +98,6 @@ def render_op_module(op: SimplifiedOp) -> str:
 
     params = [p.name for p in spec.params]
     arguments = inputs + params + ["training", "seed"]
-    public = inputs + [f"{p.name}={p.default!r}" for p in spec.params]
-    public += ["training=True", "seed=None"] if has_dropout else []
     internal = inputs + params + (["training", "seed"] if has_dropout else ["False", "None"])
     typed = [f"{n}: torch.Tensor" for n in inputs]
     typed += [f"{p.name}: {'str' if isinstance(p, ChoiceParam) else p.type}" for p in spec.params]
@@ -110,7 +108,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         doc=_docstring_text(spec.doc),
         spec_path=spec.path,
         spec_sha256=spec.sha256,
-        public_signature=", ".join(public),
+        public_signature=public_signature(spec, has_dropout),
         arguments=", ".join(arguments),
         internal_arguments=", ".join(internal),
         typed_arguments=", ".join(typed + ["training: bool", "seed: Optional[int]"]),
@@ -128,6 +126,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         kernel_grad_needs=", ".join(f"needs[{inputs.index(n)}]" for n in kernel_grads),
         backward_views=", ".join(_view_call(i) for i in backward_inputs),
         output_names=", ".join(outputs),
+        output_tuple=_tuple(outputs),
         public_returns="outputs[0]" if len(outputs) == 1 else "tuple(outputs)",
         forward_op_returns=", ".join(["torch.Tensor"] * (len(outputs) + 1)),
         reference_returns=", ".join(f"{name}.to(problem.out_dtype)" for name in outputs),
@@ -192,6 +191,12 @@ def _view_call(spec_input) -> str:
     return f"runtime.view_2d({spec_input.name}, problem{chunks})"
 
 
+def public_signature(spec: OpSpec, has_dropout: bool) -> str:
+    """The generated op's parameters, as its `def` line writes them."""
+    parts = [i.name for i in spec.inputs] + [f"{p.name}={p.default!r}" for p in spec.params]
+    return ", ".join(parts + (["training=True", "seed=None"] if has_dropout else []) + ["*", "out=None"])
+
+
 def _tuple(names: list[str]) -> str:
     """Python tuple syntax for names: `a, b` or `a,` (one) or `()` (none)."""
     if not names:
@@ -209,6 +214,11 @@ def _free_symbols(block: Block) -> set:
 def _docstring_text(text: str) -> str:
     """Text safe inside a triple-quoted docstring: backslashes and quotes escaped."""
     return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def render_starter_spec(name: str) -> str:
+    """A commented spec for `fusegen new NAME` that builds as it is."""
+    return _template_environment().get_template("new_spec.yaml.jinja").render(name=name)
 
 
 def render_package_init(specs: list[OpSpec]) -> str:

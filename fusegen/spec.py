@@ -310,6 +310,14 @@ def _as_written(mapping: _LineDict, key: str) -> Any:
     return mapping.texts.get(key, mapping.get(key))
 
 
+def check_op_name(name: str, shown: str) -> None:
+    """The rules a spec's `name:` must follow, for names that come from elsewhere (fusegen new)."""
+    try:
+        _check_identifier(name, 0, "op")
+    except _Located as exc:
+        raise SpecError(shown, None, exc.message) from None
+
+
 def _check_identifier(name: Any, line: int, what: str) -> str:
     if not isinstance(name, str):
         raise _Located(line, f"{what} name must be a string, got {_describe(name)}")

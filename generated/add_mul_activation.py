@@ -2,7 +2,7 @@
 # spec sha256: a1e3d77fd4bd4c425a481ce3949b494ab52e1daddd0bffde0a8958e90758837f
 """y = activation(x + multiplier * inp + bias)
 
-    add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu')
+    add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [..., N], inp [..., N], bias [N]
 Outputs: y [..., N]
@@ -194,26 +194,29 @@ def add_mul_activation_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
 
 
-def add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu'):
+def add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
     """y = activation(x + multiplier * inp + bias)
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::add_mul_activation) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, inp, bias)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, inp, bias)
+        *outputs, _ = _forward(x, inp, bias, multiplier, activation, False, None, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, inp, bias)):
         *outputs, _ = _forward_op(x, inp, bias, multiplier, activation, False, None)
     else:
         *outputs, _ = _forward(x, inp, bias, multiplier, activation, False, None)
     return outputs[0]
 
 
-def _forward(x, inp, bias, multiplier, activation, training, seed):
+def _forward(x, inp, bias, multiplier, activation, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, inp, bias, multiplier, activation, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
     add_mul_activation_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -230,7 +233,7 @@ def _forward(x, inp, bias, multiplier, activation, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, inp, bias, multiplier, activation, training, seed, needs_grad):
@@ -344,11 +347,13 @@ def _activation_torch(x, activation):
     return out
 
 
-def reference(x, inp, bias, multiplier=1.0, activation='relu'):
+def reference(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
     """Eager PyTorch twin of add_mul_activation: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, inp, bias)
     call = _arguments(x, inp, bias, multiplier, activation, False, None, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
@@ -357,7 +362,7 @@ def reference(x, inp, bias, multiplier=1.0, activation='relu'):
     # A tensor in the compute dtype: the kernel receives multiplier as a float32 scalar.
     multiplier = torch.tensor(call.multiplier, dtype=torch.float32, device=problem.device).to(problem.compute_dtype)
     y = _activation_torch(bias + inp * multiplier + x, activation)
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, inp, bias, multiplier, activation, training, seed, needs_kernel):

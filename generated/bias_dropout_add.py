@@ -2,7 +2,7 @@
 # spec sha256: 73e65ee990ec2675f6278b599e11db03b824459a814518a1d522496fcae3f52e
 """y = dropout(x + bias, p) + residual
 
-    bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None)
+    bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None, *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N], residual [..., N]
 Outputs: y [..., N]
@@ -141,26 +141,29 @@ def bias_dropout_add_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
 
 
-def bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None):
+def bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):
     """y = dropout(x + bias, p) + residual
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::bias_dropout_add) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias, residual)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias, residual)
+        *outputs, _ = _forward(x, bias, residual, p, training, seed, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias, residual)):
         *outputs, _ = _forward_op(x, bias, residual, p, training, seed)
     else:
         *outputs, _ = _forward(x, bias, residual, p, training, seed)
     return outputs[0]
 
 
-def _forward(x, bias, residual, p, training, seed):
+def _forward(x, bias, residual, p, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, bias, residual, p, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem), runtime.view_2d(residual, problem)]
     bias_dropout_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -177,7 +180,7 @@ def _forward(x, bias, residual, p, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, bias, residual, p, training, seed, needs_grad):
@@ -266,11 +269,13 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def reference(x, bias, residual, p=0.1, training=True, seed=None):
+def reference(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):
     """Eager PyTorch twin of bias_dropout_add: same arguments, same values, same dropout mask.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias, residual)
     call = _arguments(x, bias, residual, p, training, seed, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
@@ -281,7 +286,7 @@ def reference(x, bias, residual, p=0.1, training=True, seed=None):
         y = dropout_mask0 * (bias + x) + residual
     else:
         y = bias + residual + x
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, bias, residual, p, training, seed, needs_kernel):

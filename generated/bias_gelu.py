@@ -2,7 +2,7 @@
 # spec sha256: 68aea0b2f997b20bcb9b4978ded92c463b6fac4d36f861ef08afe3d43a3b617f
 """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 
-    bias_gelu(x, bias, activation='gelu')
+    bias_gelu(x, bias, activation='gelu', *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N]
 Outputs: y [..., N]
@@ -154,26 +154,29 @@ def bias_gelu_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
 
 
-def bias_gelu(x, bias, activation='gelu'):
+def bias_gelu(x, bias, activation='gelu', *, out=None):
     """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::bias_gelu) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias)
+        *outputs, _ = _forward(x, bias, activation, False, None, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias)):
         *outputs, _ = _forward_op(x, bias, activation, False, None)
     else:
         *outputs, _ = _forward(x, bias, activation, False, None)
     return outputs[0]
 
 
-def _forward(x, bias, activation, training, seed):
+def _forward(x, bias, activation, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, bias, activation, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
     bias_gelu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -188,7 +191,7 @@ def _forward(x, bias, activation, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, bias, activation, training, seed, needs_grad):
@@ -288,17 +291,19 @@ def _activation_torch(x, activation):
     return out
 
 
-def reference(x, bias, activation='gelu'):
+def reference(x, bias, activation='gelu', *, out=None):
     """Eager PyTorch twin of bias_gelu: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias)
     call = _arguments(x, bias, activation, False, None, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
     bias = bias.to(problem.compute_dtype)
     y = _activation_torch(bias + x, activation)
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, bias, activation, training, seed, needs_kernel):

@@ -2,7 +2,7 @@
 # spec sha256: 27c3d6bd1b66c641c6e6c057c99c54ef116903769948db2b95cde6c3e2d665c4
 """y = dropout(activation(x + bias), p) + residual
 
-    bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None)
+    bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None, *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N], residual [..., N]
 Outputs: y [..., N]
@@ -195,26 +195,29 @@ def bias_gelu_dropout_add_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
 
 
-def bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None):
+def bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None, *, out=None):
     """y = dropout(activation(x + bias), p) + residual
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::bias_gelu_dropout_add) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias, residual)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias, residual)
+        *outputs, _ = _forward(x, bias, residual, p, activation, training, seed, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias, residual)):
         *outputs, _ = _forward_op(x, bias, residual, p, activation, training, seed)
     else:
         *outputs, _ = _forward(x, bias, residual, p, activation, training, seed)
     return outputs[0]
 
 
-def _forward(x, bias, residual, p, activation, training, seed):
+def _forward(x, bias, residual, p, activation, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, bias, residual, p, activation, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem), runtime.view_2d(residual, problem)]
     bias_gelu_dropout_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -232,7 +235,7 @@ def _forward(x, bias, residual, p, activation, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, bias, residual, p, activation, training, seed, needs_grad):
@@ -343,11 +346,13 @@ def _activation_torch(x, activation):
     return out
 
 
-def reference(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None):
+def reference(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None, *, out=None):
     """Eager PyTorch twin of bias_gelu_dropout_add: same arguments, same values, same dropout mask.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias, residual)
     call = _arguments(x, bias, residual, p, activation, training, seed, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
@@ -358,7 +363,7 @@ def reference(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, s
         y = dropout_mask0 * _activation_torch(bias + x, activation) + residual
     else:
         y = residual + _activation_torch(bias + x, activation)
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, bias, residual, p, activation, training, seed, needs_kernel):

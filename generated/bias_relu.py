@@ -2,7 +2,7 @@
 # spec sha256: cb1538f9faa11cfbbef8ee62d4895b3c3e6bfe92d656ac0c6c1afddbd5f15054
 """y = relu(x + bias)
 
-    bias_relu(x, bias)
+    bias_relu(x, bias, *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N]
 Outputs: y [..., N]
@@ -125,26 +125,29 @@ def bias_relu_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
 
 
-def bias_relu(x, bias):
+def bias_relu(x, bias, *, out=None):
     """y = relu(x + bias)
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::bias_relu) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias)
+        *outputs, _ = _forward(x, bias, False, None, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias)):
         *outputs, _ = _forward_op(x, bias, False, None)
     else:
         *outputs, _ = _forward(x, bias, False, None)
     return outputs[0]
 
 
-def _forward(x, bias, training, seed):
+def _forward(x, bias, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, bias, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
     bias_relu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -158,7 +161,7 @@ def _forward(x, bias, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, bias, training, seed, needs_grad):
@@ -246,17 +249,19 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def reference(x, bias):
+def reference(x, bias, *, out=None):
     """Eager PyTorch twin of bias_relu: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias)
     call = _arguments(x, bias, False, None, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
     bias = bias.to(problem.compute_dtype)
     y = torch.relu(bias + x)
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, bias, training, seed, needs_kernel):

@@ -2,7 +2,7 @@
 # spec sha256: 22f3c1424ad40f4ddaf983821cdab1fa1c129791e54da90af110061be021ee16
 """y = silu(a) * b, where x + bias = [a, b] along the last dim
 
-    bias_swiglu(x, bias)
+    bias_swiglu(x, bias, *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [..., 2N], bias [2N]
 Outputs: y [..., N]
@@ -148,26 +148,29 @@ def bias_swiglu_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * 2 * N + cols + N, tl.sum(grad_bias_chunk1_sum, axis=0), mask=cols < N)
 
 
-def bias_swiglu(x, bias):
+def bias_swiglu(x, bias, *, out=None):
     """y = silu(a) * b, where x + bias = [a, b] along the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::bias_swiglu) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias)
+        *outputs, _ = _forward(x, bias, False, None, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias)):
         *outputs, _ = _forward_op(x, bias, False, None)
     else:
         *outputs, _ = _forward(x, bias, False, None)
     return outputs[0]
 
 
-def _forward(x, bias, training, seed):
+def _forward(x, bias, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, bias, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem, chunks=2), runtime.view_2d(bias, problem, chunks=2)]
     bias_swiglu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -181,7 +184,7 @@ def _forward(x, bias, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, bias, training, seed, needs_grad):
@@ -269,18 +272,20 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def reference(x, bias):
+def reference(x, bias, *, out=None):
     """Eager PyTorch twin of bias_swiglu: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, bias)
     call = _arguments(x, bias, False, None, needs_kernel=False)
     problem = call.problem
     x_chunk0, x_chunk1 = x.to(problem.compute_dtype).chunk(2, dim=-1)
     bias_chunk0, bias_chunk1 = bias.to(problem.compute_dtype).chunk(2, dim=-1)
     t0 = bias_chunk0 + x_chunk0
     y = t0 * (bias_chunk1 + x_chunk1) * torch.sigmoid(t0)
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, bias, training, seed, needs_kernel):

@@ -2,7 +2,7 @@
 # spec sha256: be137ecc907b33e6c5dcb0150ac8164d210c11588561082461aff2dcb2182747
 """y = activation(a) * b, where x = [a, b] along the last dim
 
-    geglu(x, activation='gelu_tanh')
+    geglu(x, activation='gelu_tanh', *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [..., 2N]
 Outputs: y [..., N]
@@ -143,26 +143,29 @@ def geglu_backward_kernel(
         tl.store(grad_x_ptr + tl.program_id(0) * 2 * N + cols + N, tl.sum(grad_x_chunk1_sum, axis=0), mask=cols < N)
 
 
-def geglu(x, activation='gelu_tanh'):
+def geglu(x, activation='gelu_tanh', *, out=None):
     """y = activation(a) * b, where x = [a, b] along the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::geglu) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x)
+        *outputs, _ = _forward(x, activation, False, None, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x)):
         *outputs, _ = _forward_op(x, activation, False, None)
     else:
         *outputs, _ = _forward(x, activation, False, None)
     return outputs[0]
 
 
-def _forward(x, activation, training, seed):
+def _forward(x, activation, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, activation, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem, chunks=2)]
     geglu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -176,7 +179,7 @@ def _forward(x, activation, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, activation, training, seed, needs_grad):
@@ -271,16 +274,18 @@ def _activation_torch(x, activation):
     return out
 
 
-def reference(x, activation='gelu_tanh'):
+def reference(x, activation='gelu_tanh', *, out=None):
     """Eager PyTorch twin of geglu: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x)
     call = _arguments(x, activation, False, None, needs_kernel=False)
     problem = call.problem
     x_chunk0, x_chunk1 = x.to(problem.compute_dtype).chunk(2, dim=-1)
     y = x_chunk1 * _activation_torch(x_chunk0, activation)
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, activation, training, seed, needs_kernel):

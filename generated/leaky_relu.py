@@ -2,7 +2,7 @@
 # spec sha256: 69a9ddab54d5185fcadc02b0f7c7ecc4f90f75be839a243a818f36fa00854695
 """y = x if x > 0 else slope * x
 
-    leaky_relu(x, slope=0.01)
+    leaky_relu(x, slope=0.01, *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [...]
 Outputs: y [...]
@@ -108,26 +108,29 @@ def leaky_relu_backward_kernel(
         tl.store(grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N)
 
 
-def leaky_relu(x, slope=0.01):
+def leaky_relu(x, slope=0.01, *, out=None):
     """y = x if x > 0 else slope * x
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::leaky_relu) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x)
+        *outputs, _ = _forward(x, slope, False, None, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x)):
         *outputs, _ = _forward_op(x, slope, False, None)
     else:
         *outputs, _ = _forward(x, slope, False, None)
     return outputs[0]
 
 
-def _forward(x, slope, training, seed):
+def _forward(x, slope, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, slope, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem)]
     leaky_relu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -141,7 +144,7 @@ def _forward(x, slope, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, slope, training, seed, needs_grad):
@@ -225,18 +228,20 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def reference(x, slope=0.01):
+def reference(x, slope=0.01, *, out=None):
     """Eager PyTorch twin of leaky_relu: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x)
     call = _arguments(x, slope, False, None, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
     # A tensor in the compute dtype: the kernel receives slope as a float32 scalar.
     slope = torch.tensor(call.slope, dtype=torch.float32, device=problem.device).to(problem.compute_dtype)
     y = torch.where(x > 0, x, slope * x)
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, slope, training, seed, needs_kernel):

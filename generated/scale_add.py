@@ -2,7 +2,7 @@
 # spec sha256: 65e4be2564262787f6583f12fe81233e1ce12ffd91fa80b0e26843e02543766e
 """y = x * scale + residual, with one scale per row
 
-    scale_add(x, scale, residual)
+    scale_add(x, scale, residual, *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [..., N], scale [..., 1], residual [..., N]
 Outputs: y [..., N]
@@ -128,26 +128,29 @@ def scale_add_backward_kernel(
         tl.store(grad_scale_ptr + tl.program_id(0) * N + cols, tl.sum(grad_scale_sum, axis=0), mask=cols < N)
 
 
-def scale_add(x, scale, residual):
+def scale_add(x, scale, residual, *, out=None):
     """y = x * scale + residual, with one scale per row
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::scale_add) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, scale, residual)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, scale, residual)
+        *outputs, _ = _forward(x, scale, residual, False, None, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, scale, residual)):
         *outputs, _ = _forward_op(x, scale, residual, False, None)
     else:
         *outputs, _ = _forward(x, scale, residual, False, None)
     return outputs[0]
 
 
-def _forward(x, scale, residual, training, seed):
+def _forward(x, scale, residual, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, scale, residual, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(scale, problem), runtime.view_2d(residual, problem)]
     scale_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -162,7 +165,7 @@ def _forward(x, scale, residual, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, scale, residual, training, seed, needs_grad):
@@ -251,18 +254,20 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def reference(x, scale, residual):
+def reference(x, scale, residual, *, out=None):
     """Eager PyTorch twin of scale_add: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x, scale, residual)
     call = _arguments(x, scale, residual, False, None, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
     scale = scale.to(problem.compute_dtype)
     residual = residual.to(problem.compute_dtype)
     y = residual + scale * x
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, scale, residual, training, seed, needs_kernel):

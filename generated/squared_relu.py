@@ -2,7 +2,7 @@
 # spec sha256: 910fc42f87c6918263a4a3a0fdddf29d5ee338f6315a6208949c44154ba4f76b
 """y = relu(x) ** 2
 
-    squared_relu(x)
+    squared_relu(x, *, out=None)
 
 Inputs (broadcast as torch broadcasts): x [...]
 Outputs: y [...]
@@ -105,26 +105,29 @@ def squared_relu_backward_kernel(
         tl.store(grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N)
 
 
-def squared_relu(x):
+def squared_relu(x, *, out=None):
     """y = relu(x) ** 2
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; a torch.library op (fusegen::squared_relu) under torch.compile.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x)):
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x)
+        *outputs, _ = _forward(x, False, None, out=out)
+    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x)):
         *outputs, _ = _forward_op(x, False, None)
     else:
         *outputs, _ = _forward(x, False, None)
     return outputs[0]
 
 
-def _forward(x, training, seed):
+def _forward(x, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, training, seed, needs_kernel=True)
     problem = call.problem
-    y = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem)
     if problem.m * problem.n == 0:
-        return y, call.seed
+        return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem)]
     squared_relu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -137,7 +140,7 @@ def _forward(x, training, seed):
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return y, call.seed
+    return *runtime.write_out(out, (y,)), call.seed
 
 
 def _backward(grad_y, x, training, seed, needs_grad):
@@ -220,16 +223,18 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def reference(x):
+def reference(x, *, out=None):
     """Eager PyTorch twin of squared_relu: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
+    if out is not None:
+        runtime.check_out_without_grad(_OP, x)
     call = _arguments(x, False, None, needs_kernel=False)
     problem = call.problem
     x = x.to(problem.compute_dtype)
     y = torch.relu(x) * torch.relu(x)
-    return y.to(problem.out_dtype)
+    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
 def _arguments(x, training, seed, needs_kernel):

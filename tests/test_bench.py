@@ -180,6 +180,20 @@ def test_measure_turns_exceptions_into_errors():
     assert measurement.error == "RuntimeError: element 0 of tensors does not require grad"
 
 
+def test_quantiles_match_triton():
+    from triton.testing import _quantile
+
+    times = [0.9, 0.1, 0.5, 0.3, 0.7, 0.2]
+    assert bench.quantiles(times, bench.QUANTILES) == pytest.approx(_quantile(times, list(bench.QUANTILES)))
+    assert bench.quantiles([2.0], bench.QUANTILES) == [2.0, 2.0, 2.0]
+
+
+def test_host_cover_outlasts_the_host():
+    cycles_per_second = 1.8e9
+    cover = bench.host_cover_cycles(100e-6, cycles_per_second)
+    assert cover / cycles_per_second > 100e-6 * 1.5
+
+
 def busy(seconds):
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -268,6 +282,7 @@ def test_bench_defaults_are_the_sweep():
     assert args.ps == [0.0, 0.1]
     assert args.dtypes == [torch.float32, torch.bfloat16, torch.float16]
     assert not args.backward and args.json is None and args.csv is None and args.plot is None
+    assert args.timer == "device" and args.first_call_timeout == bench.DEFAULT_FIRST_CALL_TIMEOUT_S
     assert args.specs == Path("specs") and args.generated == Path("generated")
 
 
@@ -275,7 +290,7 @@ def test_bench_explicit_arguments():
     args = bench_parser().parse_args([
         "bias_gelu_dropout_add", "specs/other.yaml", "--dtype", "bf16,fp16", "--shapes", "8x2048x4096,1x128x1024",
         "--p", "0.1", "--backward", "--json", "out.json", "--csv", "out.csv", "--plot", "out.png",
-        "--specs", "s", "--generated", "g",
+        "--specs", "s", "--generated", "g", "--timer", "do_bench", "--first-call-timeout", "0",
     ])
     assert args.ops == ["bias_gelu_dropout_add", "specs/other.yaml"]
     assert args.dtypes == [torch.bfloat16, torch.float16]
@@ -283,6 +298,7 @@ def test_bench_explicit_arguments():
     assert args.ps == [0.1] and args.backward
     assert (args.json, args.csv, args.plot) == (Path("out.json"), Path("out.csv"), Path("out.png"))
     assert (args.specs, args.generated) == (Path("s"), Path("g"))
+    assert args.timer == "do_bench" and args.first_call_timeout == 0
 
 
 def test_bench_sweep_flag():
@@ -299,6 +315,7 @@ def test_bench_sweep_flag():
         ["op", "--dtype", "int8"],
         ["op", "--p", "1.0"],
         ["op", "--p", "half"],
+        ["op", "--timer", "wallclock"],
     ],
 )
 def test_bench_rejects_bad_arguments(argv, capsys):

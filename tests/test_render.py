@@ -30,6 +30,7 @@ def test_module_defines_what_the_spec_asks():
     assert {"bias_gelu_dropout_add", "reference", "bias_gelu_dropout_add_kernel", "bias_gelu_dropout_add_backward_kernel"} <= names
     public = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "bias_gelu_dropout_add")
     assert [a.arg for a in public.args.args] == ["x", "bias", "residual", "p", "activation", "training", "seed"]
+    assert [a.arg for a in public.args.kwonlyargs] == ["out"]
 
 
 def test_build_is_byte_identical_across_processes(tmp_path):

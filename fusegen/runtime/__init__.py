@@ -12,15 +12,18 @@ from .launch import (
     backward_rows_per_program,
     broadcast_problem,
     check_choice,
+    check_out_without_grad,
     check_scalar,
     draw_seed,
     grid_2d,
     is_interpreting,
     needs_int64,
+    output_buffer,
     prune_backward_configs,
     prune_forward_configs,
     sum_to_input,
     view_2d,
+    write_out,
 )
 
 if is_interpreting():
@@ -40,6 +43,7 @@ __all__ = [
     "backward_rows_per_program",
     "broadcast_problem",
     "check_choice",
+    "check_out_without_grad",
     "check_scalar",
     "draw_seed",
     "dropout_mask_reference",
@@ -48,8 +52,10 @@ __all__ = [
     "grid_2d",
     "is_interpreting",
     "needs_int64",
+    "output_buffer",
     "prune_backward_configs",
     "prune_forward_configs",
     "sum_to_input",
     "view_2d",
+    "write_out",
 ]

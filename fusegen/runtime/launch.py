@@ -372,3 +372,54 @@ class GradTarget:
         if self.kind == "rows":
             return self.buffer.sum(dim=0).reshape(self.shape).to(self.dtype)
         return self.buffer.sum_to_size(self.shape).to(self.dtype)
+
+
+def check_out_without_grad(op: str, *tensors) -> None:
+    if torch.is_grad_enabled() and any_requires_grad(*tensors):
+        raise FusegenArgumentError(f"{op}(): out= does not support autograd (an input requires grad)")
+
+
+def output_buffer(op: str, out, index: int, count: int, problem: Problem) -> torch.Tensor:
+    """Where the kernel writes output `index`: a new tensor, or `out` itself when it is
+    contiguous (the kernel writes [M, N] row-major); a strided `out` gets a copy after."""
+    if out is None:
+        return torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    target = _out_tensor(op, out, index, count)
+    if target.shape != problem.shape or target.dtype != problem.out_dtype or target.device != problem.device:
+        raise FusegenArgumentError(
+            f"{op}(): out{'' if count == 1 else f'[{index}]'} must be {problem.out_dtype} {list(problem.shape)} "
+            f"on {problem.device}, got {target.dtype} {list(target.shape)} on {target.device}"
+        )
+    if target.is_contiguous():
+        return target
+    return torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+
+
+def write_out(out, results: tuple[torch.Tensor, ...], copy: bool = False) -> tuple[torch.Tensor, ...]:
+    """The outputs to return: `results`, or with out= the out tensors, filled with them."""
+    if out is None:
+        return results
+    targets = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+    for target, result in zip(targets, results):
+        if target is not result:
+            if copy:
+                _check_out_matches(target, result)
+            target.copy_(result)
+    return targets
+
+
+def _out_tensor(op: str, out, index: int, count: int) -> torch.Tensor:
+    if count == 1 and isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and len(out) == count and all(isinstance(t, torch.Tensor) for t in out):
+        return out[index]
+    expected = "a tensor" if count == 1 else f"a tuple of {count} tensors"
+    raise FusegenArgumentError(f"{op}(): out must be {expected}")
+
+
+def _check_out_matches(target: torch.Tensor, result: torch.Tensor) -> None:
+    if target.shape != result.shape or target.dtype != result.dtype or target.device != result.device:
+        raise FusegenArgumentError(
+            f"out must be {result.dtype} {list(result.shape)} on {result.device}, "
+            f"got {target.dtype} {list(target.shape)} on {target.device}"
+        )
