@@ -7,7 +7,9 @@ written, written atomically, and only when their bytes changed.
 from __future__ import annotations
 
 import ast
+import builtins
 import os
+import symtable
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
@@ -315,11 +317,28 @@ class GeneratedCodeError(Exception):
 
 
 def check_module(text: str, filename: str) -> None:
+    """The generated module parses, compiles, and every name it reads is defined: by the
+    module, its imports, the enclosing function, or Python's builtins."""
     try:
         tree = ast.parse(text, filename=filename)
         compile(tree, filename, "exec")
+        table = symtable.symtable(text, filename, "exec")
     except SyntaxError as exc:
         raise GeneratedCodeError(f"{filename}:{exc.lineno}: generated code does not parse: {exc.msg}") from None
+    defined = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    defined |= set(dir(builtins))
+    for scope in _scopes(table):
+        for symbol in scope.get_symbols():
+            if symbol.is_referenced() and (symbol.is_global() or scope is table) and symbol.get_name() not in defined:
+                raise GeneratedCodeError(
+                    f"{filename}: generated code reads '{symbol.get_name()}', which nothing defines (in {scope.get_name()})"
+                )
+
+
+def _scopes(table: symtable.SymbolTable):
+    yield table
+    for child in table.get_children():
+        yield from _scopes(child)
 
 
 def write_if_changed(path: Path, text: str) -> bool:

@@ -75,3 +75,27 @@ def test_show_prints_ir_cse_gradients_and_code(capsys):
     for heading in ("## IR", "## forward (dropout on)", "## backward (dropout on)", "## generated module"):
         assert heading in out
     assert "grad_residual = grad_y  (passed through, no copy)" in out
+
+
+def test_check_module_rejects_unresolved_names():
+    import pytest
+
+    render.check_module("import torch\n\n\ndef f(x):\n    return torch.exp(x) + len([t for t in x])\n", "m.py")
+    with pytest.raises(render.GeneratedCodeError, match="reads 'torhc', which nothing defines"):
+        render.check_module("import torch\n\n\ndef f(x):\n    return torhc.exp(x)\n", "m.py")
+    with pytest.raises(render.GeneratedCodeError, match="does not parse"):
+        render.check_module("def f(:\n", "m.py")
+
+
+def test_a_module_that_fails_its_check_replaces_nothing(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "gen"
+    assert cli.main(["build", str(SEED_SPEC), "-o", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    spec_copy = tmp_path / "specs" / "bias_gelu_dropout_add.yaml"
+    spec_copy.parent.mkdir()
+    spec_copy.write_text(SEED_SPEC.read_text().replace("doc: y =", "doc: changed, y ="))
+    broken = render.render_op_module
+    monkeypatch.setattr(render, "render_op_module", lambda op: broken(op) + "\nundefined_name_here\n")
+    assert cli.main(["build", str(spec_copy.parent), "-o", str(out)]) == 3
+    assert "reads 'undefined_name_here'" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
