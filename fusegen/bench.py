@@ -1,23 +1,39 @@
-"""`fusegen bench`: time each generated op against its eager reference and torch.compile.
+"""`fusegen bench`: time each generated op against eager PyTorch and torch.compile.
 
-For every case (op × dtype × shape × p) three providers run the same work with the same
-dropout seed:
+For every case (op × dtype × shape × p) three providers run the same computation:
 
 - fusegen: the generated Triton op,
-- eager:   the generated `reference` (eager PyTorch, written independently of the kernel),
-- compile: torch.compile(reference, dynamic=False), compiled afresh for each case.
+- eager:   the generated `eager`: the spec as a PyTorch user writes it (F.gelu, F.silu,
+  torch's own F.dropout), independent of the kernel and of sympy,
+- compile: torch.compile(eager, dynamic=False), compiled afresh for each case.
 
-Timing is `triton.testing.do_bench` (median, with the 20th and 80th percentiles); its first
-call and warm-up runs are not timed, so compilation and autotuning never count.
+With dropout the baselines draw torch's own masks (the same distribution, other values),
+so they do the work a user's code does.
 
-Cache: we rely on do_bench's own L2 flush. In Triton 3.6 it zeroes a 256 MB buffer before
-every timed run, outside the timed events; that is 5× the H100's 50 MB L2, so every run
-reads its inputs from HBM, small cases included. Rotating copies of the inputs would do
-the same job at the cost of k× the memory and an extra index in the timed function.
+Timing follows `triton.testing.do_bench` (median, with the 20th and 80th percentiles); the
+first call and warm-up runs are not timed, so compilation and autotuning never count.
+Two timers (--timer):
+
+- do_bench (default): triton.testing.do_bench unchanged. Its timed region opens when the GPU has
+  finished the L2 flush (~85 µs on an H100); a call whose host work takes longer leaves
+  the GPU idle inside the region, so small and mid-size cases partly time the host (on
+  the H100 used, 4x512x4096 bf16 timed 59 µs where the profiler showed a 17 µs kernel).
+- device: the same flush, warm-up, repetitions and quantiles, plus a GPU sleep
+  (torch.cuda._sleep) before each timed run that lasts longer than the host needs to
+  enqueue the call: the time is the GPU's. Host cost is reported apart (host overhead).
+
+Cache: both rely on Triton's own L2 flush, not on rotating inputs. In Triton 3.6 do_bench
+zeroes a 256 MB buffer before every timed run, outside the timed events; that is 5× the
+H100's 50 MB L2, so every run reads its inputs from HBM, small cases included. Rotating
+copies of the inputs would do the same job at k× the memory and an extra index in the
+timed function.
 
 Bandwidth is judged against a bytes model derived from the spec: each input read once at
 its own size (broadcast inputs counted once), each output written once. The ceiling is
 a device-to-device copy measured in the same run (bytes read + written).
+
+First calls run under a time limit (--first-call-timeout), so a provider that cannot
+compile in reasonable time is reported as timed out rather than hanging the sweep.
 
 Everything per case lives in small functions (shape mapping, bytes model, timing, rows,
 rendering) so that the CPU-only tests can check the arithmetic without a GPU.
@@ -25,8 +41,8 @@ rendering) so that the CPU-only tests can check the arithmetic without a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
-import dataclasses
 import datetime
 import gc
 import importlib
@@ -35,8 +51,10 @@ import json
 import math
 import platform
 import re
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +105,9 @@ HOST_OVERHEAD_SHAPE = (1, 1, 8)  # (B, S, H): a launch whose GPU work is negligi
 HOST_OVERHEAD_WARMUP = 50
 HOST_OVERHEAD_CALLS = 500
 TRITON_FLUSH_BYTES = 256 * 1024 * 1024  # the buffer triton.testing.do_bench zeroes
+# A provider's first call (torch.compile, autotuning) gets this long. Inductor can grind for
+# many minutes on the eager dropout's Philox integer arithmetic; a bench run must go on.
+DEFAULT_FIRST_CALL_TIMEOUT_S = 120.0
 
 # A dim such as "2N": an input that holds two N-wide halves (split with chunk).
 _SCALED_DIM = re.compile(r"^(\d+)\*?([A-Za-z_]\w*)$")
@@ -183,6 +204,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated dropout probabilities (default: 0,0.1; ignored for ops without dropout)")
     parser.add_argument("--backward", action="store_true",
                         help="also time forward+backward and record peak memory")
+    parser.add_argument("--first-call-timeout", type=float, default=DEFAULT_FIRST_CALL_TIMEOUT_S, metavar="SECONDS",
+                        help="give up on a provider whose first call (compilation, autotuning) takes longer, and "
+                             "skip it for the op's later cases in the same dropout state "
+                             f"(default: {DEFAULT_FIRST_CALL_TIMEOUT_S:g}; 0: no limit)")
+    parser.add_argument("--timer", choices=sorted(TIMERS), default=DEFAULT_TIMER,
+                        help="device: do_bench's method with the host's launch cost hidden behind a GPU sleep, "
+                             "so small cases time the GPU; do_bench: triton.testing.do_bench unchanged "
+                             f"(default: {DEFAULT_TIMER})")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write rows and metadata as JSON")
     parser.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write rows as CSV")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
@@ -206,6 +235,7 @@ class BenchOp:
     module: Any
     op: Callable
     reference: Callable
+    eager: Callable
     dropout_params: tuple[str, ...]  # the scalar params that are dropout probabilities
     has_dropout: bool  # the op takes training= and seed=
 
@@ -279,6 +309,7 @@ def load_bench_op(spec_or_name: str, specs_dir: Path, generated_dir: Path, comma
         module=module,
         op=op,
         reference=module.reference,
+        eager=module.eager,
         dropout_params=dropout_param_names(op_spec),
         has_dropout="training" in inspect.signature(op).parameters,
     )
@@ -409,6 +440,7 @@ class Measurement:
     timing: Timing | None = None
     peak_bytes: int | None = None  # above what was allocated before the call
     error: str | None = None
+    timed_out: bool = False  # the first call ran past the limit (see FirstCallTimeout)
 
 
 @dataclass
@@ -418,12 +450,115 @@ class ProviderResult:
     forward_backward: Measurement | None = None  # None when --backward was not asked for
 
 
+class FirstCallTimeout(Exception):
+    """A provider's first call (compilation, autotuning) ran past its time limit."""
+
+
 def time_fn(fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor] | None = None) -> Timing:
-    """do_bench's median and 20/80th percentiles, L2 flushed before each timed run."""
+    """triton.testing.do_bench as it is: median and 20/80th percentiles, L2 flushed before each run.
+
+    Its timed region starts when the GPU reaches the start event, right after the flush
+    (~85 µs for 256 MB on an H100); a call whose host work takes longer than that leaves
+    the GPU waiting inside the region, so small cases partly time the host.
+    """
     from triton.testing import do_bench
 
     median, p20, p80 = do_bench(fn, quantiles=list(QUANTILES), grad_to_none=grad_to_none)
     return Timing(median, p20, p80)
+
+
+def quantiles(times: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """Linear-interpolated quantiles, as triton.testing.do_bench computes them."""
+    ordered = sorted(times)
+    last = len(ordered) - 1
+    values = []
+    for q in qs:
+        point = q * last
+        lower, upper = math.floor(point), math.ceil(point)
+        values.append(ordered[lower] + (point - lower) * (ordered[upper] - ordered[lower]))
+    return values
+
+
+_SLEEP_CYCLES_PER_S: float | None = None
+MAX_RUNS = 1000  # plenty for a median
+
+
+def sleep_cycles_per_second() -> float:
+    """How many torch.cuda._sleep cycles the GPU spins per second (measured once per process)."""
+    global _SLEEP_CYCLES_PER_S
+    if _SLEEP_CYCLES_PER_S is None:
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)  # warm the kernel up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_S = cycles / (start.elapsed_time(end) * 1e-3)
+    return _SLEEP_CYCLES_PER_S
+
+
+def host_cover_cycles(host_seconds: float, cycles_per_second: float) -> int:
+    """Sleep cycles that keep the GPU busy while the host enqueues one call: 1.5× its host time + 50 µs."""
+    return int((1.5 * host_seconds + 50e-6) * cycles_per_second)
+
+
+def time_fn_device(fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor] | None = None,
+                   warmup_ms: float = 25.0, rep_ms: float = 100.0) -> Timing:
+    """do_bench's method (same flush, warm-up, repetitions and quantiles), timing only the GPU.
+
+    Before each timed run the GPU also spins (torch.cuda._sleep) for longer than the
+    host needs to enqueue the call, so every kernel of the call is queued when the start
+    event fires: the time is the GPU's, host launch cost excluded (reported apart, as
+    host overhead). For large cases both timers agree; for small ones this one gives
+    the kernel time that the profiler shows.
+    """
+    from triton import runtime
+
+    driver = runtime.driver.active
+    flush_buffer = driver.get_empty_cache_for_benchmark()
+    fn()
+    torch.cuda.synchronize()
+
+    # The host cost of one call (no sync: the GPU work runs behind it), to size the sleep.
+    host_times = []
+    for _ in range(3):
+        begin = time.perf_counter()
+        fn()
+        host_times.append(time.perf_counter() - begin)
+    torch.cuda.synchronize()
+    cover = host_cover_cycles(max(host_times), sleep_cycles_per_second())
+
+    def timed_runs(count: int) -> list[float]:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+        for start, end in zip(starts, ends):
+            if grad_to_none is not None:
+                for tensor in grad_to_none:
+                    tensor.grad = None  # so that backward does not accumulate into .grad
+            driver.clear_cache(flush_buffer)
+            torch.cuda._sleep(cover)
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+
+    # Like do_bench, warm up for ~warmup_ms and time for ~rep_ms; but a timed run here costs
+    # flush + sleep + call, and a warm-up call at least its host time, so count those.
+    begin = time.perf_counter()
+    estimate_ms = statistics.median(timed_runs(5))
+    per_run_ms = (time.perf_counter() - begin) * 1e3 / 5
+    per_warmup_ms = max(estimate_ms, statistics.median(host_times) * 1e3, 1e-3)
+    for _ in range(min(MAX_RUNS, max(1, int(warmup_ms / per_warmup_ms)))):
+        fn()
+    times = timed_runs(min(MAX_RUNS, max(10, int(rep_ms / per_run_ms))))
+    median, p20, p80 = quantiles(times, QUANTILES)
+    return Timing(median, p20, p80)
+
+
+TIMERS: dict[str, Callable] = {"device": time_fn_device, "do_bench": time_fn}
+DEFAULT_TIMER = "do_bench"  # what the user sees, host cost included; "device" isolates the GPU
 
 
 def peak_memory_bytes(fn: Callable[[], Any]) -> int:
@@ -450,10 +585,58 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def measure(fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor] | None = None,
-            timer: Callable = time_fn, peak: Callable = peak_memory_bytes) -> Measurement:
-    """Time fn and record its peak memory; an exception becomes the measurement's error."""
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Raise FirstCallTimeout inside the block after `seconds` (SIGALRM; main thread, Unix only).
+
+    Inductor's compile is Python, so the alarm lands in it. Some layers catch and wrap
+    exceptions, or fall back to eager; so once the alarm has fired, leaving the block
+    raises FirstCallTimeout even if the block itself returned normally.
+    """
+    usable = seconds > 0 and hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+    fired = False
+
+    def on_alarm(signum, frame):
+        nonlocal fired
+        fired = True
+        raise FirstCallTimeout(f"{what} took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    if fired:
+        raise FirstCallTimeout(f"{what} took longer than {seconds:g} s")
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether a FirstCallTimeout is this exception or anywhere in its cause/context chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, FirstCallTimeout):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def measure(fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor] | None = None,
+            timer: Callable = time_fn_device, peak: Callable = peak_memory_bytes,
+            first_call_timeout_s: float = 0.0) -> Measurement:
+    """Time fn and record its peak memory; an exception becomes the measurement's error.
+
+    The first call (where torch.compile compiles and Triton autotunes) runs alone under
+    the time limit; do_bench then calls fn again untimed before it starts timing.
+    """
+    try:
+        with time_limit(first_call_timeout_s, "the first call"):
+            fn()
         timing = timer(fn, grad_to_none)
         if grad_to_none:
             for tensor in grad_to_none:
@@ -461,16 +644,48 @@ def measure(fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor] | None =
         return Measurement(timing=timing, peak_bytes=peak(fn))
     except Exception as exc:  # one failing provider or case must not end the whole run
         release_memory()
+        if is_timeout(exc):
+            return Measurement(error=f"timed out: the first call took longer than {first_call_timeout_s:g} s",
+                               timed_out=True)
         return Measurement(error=describe_error(exc))
+
+
+class TimeoutMemo:
+    """Providers whose first call timed out, so that later cases skip them instead of waiting again.
+
+    Keyed by (op, dropout on, provider, phase): with dynamic=False every shape and dtype
+    compiles afresh, and what made one compile run away (e.g. the Philox graph of the
+    eager dropout) is there in the next. A forward timeout skips fwd+bwd too.
+    """
+
+    def __init__(self):
+        self.reasons: dict[tuple, str] = {}
+
+    @staticmethod
+    def _key(op: str, p: float | None, provider: str, phase: str) -> tuple:
+        return (op, bool(p), provider, phase)
+
+    def skip_reason(self, op: str, p: float | None, provider: str, phase: str) -> str | None:
+        return self.reasons.get(self._key(op, p, provider, phase))
+
+    def record(self, op: str, p: float | None, provider: str, phase: str, measurement: Measurement) -> None:
+        if not measurement.timed_out:
+            return
+        reason = "skipped: its first call timed out on an earlier case"
+        for skipped_phase in (("forward", "forward_backward") if phase == "forward" else (phase,)):
+            self.reasons.setdefault(self._key(op, p, provider, skipped_phase), reason)
 
 
 def make_providers(bench_op: BenchOp) -> dict[str, Callable]:
     """The three providers; compile is a fresh torch.compile, with dynamo state reset first."""
     torch._dynamo.reset()  # no guards or recompile counts carried over from earlier cases
+    # The baselines are the op as a PyTorch user writes it (the generated `eager`: F.gelu,
+    # torch's own dropout), not `reference`, whose bit-exact host Philox is a test oracle:
+    # ~290 small kernels eagerly, and a graph inductor does not finish compiling.
     return {
         "fusegen": bench_op.op,
-        "eager": bench_op.reference,
-        "compile": torch.compile(bench_op.reference, dynamic=False),
+        "eager": bench_op.eager,
+        "compile": torch.compile(bench_op.eager, dynamic=False),
     }
 
 
@@ -492,13 +707,24 @@ def forward_backward_fn(provider: Callable, inputs: Sequence[torch.Tensor], kwar
 
 
 def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
-             timer: Callable = time_fn, peak: Callable = peak_memory_bytes) -> list[ProviderResult]:
+             timer: Callable = time_fn_device, peak: Callable = peak_memory_bytes,
+             first_call_timeout_s: float = 0.0, memo: TimeoutMemo | None = None) -> list[ProviderResult]:
     """All providers on one case: forward for each, then (with backward) forward+backward for each."""
+    memo = memo if memo is not None else TimeoutMemo()
     inputs = make_inputs(bench_op.spec, case.bsh, case.dtype, device)
     kwargs = op_kwargs(bench_op, case.p)
     providers = make_providers(bench_op)
+
+    def run(name: str, phase: str, fn: Callable, grad_to_none=None) -> Measurement:
+        reason = memo.skip_reason(case.op, case.p, name, phase)
+        if reason:
+            return Measurement(error=reason)
+        measurement = measure(fn, grad_to_none, timer=timer, peak=peak, first_call_timeout_s=first_call_timeout_s)
+        memo.record(case.op, case.p, name, phase, measurement)
+        return measurement
+
     results = {
-        name: ProviderResult(name, measure(forward_fn(fn, inputs, kwargs), timer=timer, peak=peak))
+        name: ProviderResult(name, run(name, "forward", forward_fn(fn, inputs, kwargs)))
         for name, fn in providers.items()
     }
     if backward:
@@ -508,14 +734,14 @@ def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
         grad_outputs = [torch.randn(out_shape, dtype=case.dtype, device=device) for _ in bench_op.spec.outputs]
         for name, fn in providers.items():
             step = forward_backward_fn(fn, inputs, kwargs, grad_outputs)
-            results[name].forward_backward = measure(step, grad_to_none=inputs, timer=timer, peak=peak)
+            results[name].forward_backward = run(name, "forward_backward", step, grad_to_none=inputs)
         del grad_outputs
     del inputs, providers
     release_memory()
     return list(results.values())
 
 
-def copy_bandwidth_gbs(nbytes: int = COPY_BANDWIDTH_BYTES, timer: Callable = time_fn, device="cuda") -> float:
+def copy_bandwidth_gbs(nbytes: int = COPY_BANDWIDTH_BYTES, timer: Callable = time_fn_device, device="cuda") -> float:
     """Device-to-device copy bandwidth in GB/s (1e9 bytes), counting bytes read and written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -542,18 +768,25 @@ def host_overhead_us(fn: Callable[[], Any], calls: int = HOST_OVERHEAD_CALLS, wa
 
 
 def measure_host_overhead(bench_op: BenchOp, dtype: torch.dtype, p: float | None, device="cuda",
-                          synchronize: Callable[[], None] = torch.cuda.synchronize) -> list[dict[str, Any]]:
-    """One row per provider: µs per call on a tiny input, or the error that call raised."""
+                          synchronize: Callable[[], None] = torch.cuda.synchronize,
+                          first_call_timeout_s: float = 0.0, memo: TimeoutMemo | None = None) -> list[dict[str, Any]]:
+    """One row per provider: µs per call on a tiny input, or why there is none."""
+    memo = memo if memo is not None else TimeoutMemo()
     inputs = make_inputs(bench_op.spec, HOST_OVERHEAD_SHAPE, dtype, device)
     kwargs = op_kwargs(bench_op, p)
     rows = []
-    for name, fn in make_providers(bench_op).items():
+    for name, provider in make_providers(bench_op).items():
         row: dict[str, Any] = {"op": bench_op.name, "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "p": p,
                                "provider": name, "us_per_call": None, "error": None}
-        try:
-            row["us_per_call"] = host_overhead_us(forward_fn(fn, inputs, kwargs), synchronize=synchronize)
-        except Exception as exc:
-            row["error"] = describe_error(exc)
+        fn = forward_fn(provider, inputs, kwargs)
+        row["error"] = memo.skip_reason(bench_op.name, p, name, "forward")
+        if row["error"] is None:
+            try:
+                with time_limit(first_call_timeout_s, "the first call"):
+                    fn()
+                row["us_per_call"] = host_overhead_us(fn, synchronize=synchronize)
+            except Exception as exc:
+                row["error"] = "timed out" if is_timeout(exc) else describe_error(exc)
         rows.append(row)
     return rows
 
@@ -696,7 +929,7 @@ def host_overhead_table(rows: Sequence[dict]):
     return table
 
 
-def run_metadata(copy_gbs: float | None) -> dict[str, Any]:
+def run_metadata(copy_gbs: float | None, timer: str = DEFAULT_TIMER) -> dict[str, Any]:
     import triton
 
     metadata: dict[str, Any] = {
@@ -706,7 +939,12 @@ def run_metadata(copy_gbs: float | None) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "command": sys.argv,
-        "timer": "triton.testing.do_bench median (20th/80th percentiles too); first call and warm-up untimed",
+        "timer": timer,
+        "timer_method": {
+            "device": "do_bench's method (flush, warm-up, repetitions, median and 20/80th percentiles) with a GPU "
+                      "sleep before each timed run that hides the host's launch cost",
+            "do_bench": "triton.testing.do_bench, median and 20/80th percentiles",
+        }[timer] + "; first call and warm-up untimed",
         "l2_handling": f"do_bench zeroes a {TRITON_FLUSH_BYTES >> 20} MB buffer before every timed run",
         "dropout_seed": DROPOUT_SEED,
         "copy_bandwidth_gbs": copy_gbs,
@@ -774,12 +1012,15 @@ def write_plot(path: Path, rows: Sequence[dict], copy_gbs: float | None, title: 
     keys = sorted(panels, key=lambda k: (k[0], -1.0 if k[1] is None else k[1]))
     dtypes = sorted({k[0] for k in keys})
     ps = sorted({k[1] for k in keys}, key=lambda p: -1.0 if p is None else p)
+    # One colour per line label in every panel, so a provider reads the same everywhere.
+    labels = sorted({label for lines in panels.values() for label in lines})
+    colours = {label: f"C{index % 10}" for index, label in enumerate(labels)}
     fig, axes = plt.subplots(len(dtypes), len(ps), figsize=(5.5 * len(ps), 4 * len(dtypes)), squeeze=False)
     for (dtype, p), lines in panels.items():
         ax = axes[dtypes.index(dtype)][ps.index(p)]
         for label, points in sorted(lines.items()):
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", label=label)
+            ax.plot(xs, ys, marker="o", label=label, color=colours[label])
         if copy_gbs:
             ax.axhline(copy_gbs, color="grey", linestyle="--", label=f"copy {copy_gbs:.0f} GB/s")
         ax.set_xscale("log")
@@ -799,7 +1040,7 @@ def write_plot(path: Path, rows: Sequence[dict], copy_gbs: float | None, title: 
     plt.close(fig)
 
 
-def _interpreter_refusal(command: str) -> int | None:
+def interpreter_refusal(command: str) -> int | None:
     from .runtime.launch import is_interpreting
 
     if is_interpreting():
@@ -808,7 +1049,7 @@ def _interpreter_refusal(command: str) -> int | None:
 
 
 def run_bench(args) -> int:
-    refusal = no_gpu_exit("bench", "benchmarks") or _interpreter_refusal("bench")
+    refusal = no_gpu_exit("bench", "benchmarks") or interpreter_refusal("bench")
     if refusal:
         return refusal
     from rich.console import Console
@@ -816,9 +1057,10 @@ def run_bench(args) -> int:
 
     console = Console()
     try:
-        ops = [load_bench_op(name, args.specs, args.generated) for name in args.ops]
-    except SpecError as exc:
+        loaded = [load_bench_op(name, args.specs, args.generated) for name in args.ops]
+    except (SpecError, ImportError) as exc:
         return _fail("bench", str(exc))
+    ops = list({bench_op.name: bench_op for bench_op in loaded}.values())  # an op named twice runs once
     plot_path = args.plot
     if plot_path is not None and matplotlib_missing():
         print("fusegen bench: --plot needs matplotlib (pip install 'fusegen[plot]'); no plot will be drawn",
@@ -827,12 +1069,14 @@ def run_bench(args) -> int:
 
     cases = plan_cases(ops, args.dtypes, selected_shapes(args), args.ps)
     by_name = {bench_op.name: bench_op for bench_op in ops}
-    copy_gbs = copy_bandwidth_gbs()
-    metadata = run_metadata(copy_gbs)
+    timer = TIMERS[args.timer]
+    copy_gbs = copy_bandwidth_gbs(timer=timer)
+    metadata = run_metadata(copy_gbs, args.timer)
     console.print(f"{metadata.get('device')} · torch {metadata['torch']} · triton {metadata['triton']} · "
-                  f"copy {copy_gbs:.0f} GB/s · {len(cases)} cases × {len(PROVIDERS)} providers")
+                  f"copy {copy_gbs:.0f} GB/s · timer {args.timer} · {len(cases)} cases × {len(PROVIDERS)} providers")
 
     rows: list[dict] = []
+    memo = TimeoutMemo()
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)
     with progress:
@@ -840,7 +1084,8 @@ def run_bench(args) -> int:
         for case in cases:
             progress.update(task, description=case.label)
             bench_op = by_name[case.op]
-            results = run_case(bench_op, case, args.backward)
+            results = run_case(bench_op, case, args.backward, timer=timer,
+                               first_call_timeout_s=args.first_call_timeout, memo=memo)
             rows += case_rows(case, bytes_model(bench_op.spec, case.bsh, case.dtype), results, copy_gbs)
             progress.advance(task)
 
@@ -848,7 +1093,8 @@ def run_bench(args) -> int:
     host_rows: list[dict] = []
     for bench_op in ops:
         for p in (args.ps if bench_op.has_dropout else [None]):
-            host_rows += measure_host_overhead(bench_op, args.dtypes[0], p)
+            host_rows += measure_host_overhead(bench_op, args.dtypes[0], p,
+                                               first_call_timeout_s=args.first_call_timeout, memo=memo)
 
     table, notes = results_table(rows, args.backward, copy_gbs)
     console.print(table)

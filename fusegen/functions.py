@@ -56,6 +56,9 @@ class Function:
     arity: int
     sympy_form: Callable[..., sympy.Expr]
     doc: str
+    # How a PyTorch user writes it (torch.nn.functional as F where torch has the op): the
+    # generated `eager` baseline that benchmarks time. A spelling, not the definition.
+    torch_idiom: str
 
 
 _SQRT_2_OVER_PI = sympy.sqrt(2 / sympy.pi)
@@ -67,35 +70,49 @@ _QUICK_GELU_SLOPE = sympy.Float("1.702")
 FUNCTIONS: dict[str, Function] = {
     f.name: f
     for f in [
-        Function("identity", 1, lambda x: x, "x"),
-        Function("abs", 1, sympy.Abs, "|x|"),
-        Function("exp", 1, sympy.exp, "e**x"),
-        Function("log", 1, sympy.log, "natural logarithm"),
-        Function("sqrt", 1, sympy.sqrt, "square root"),
-        Function("rsqrt", 1, lambda x: 1 / sympy.sqrt(x), "1 / sqrt(x)"),
-        Function("tanh", 1, sympy.tanh, "hyperbolic tangent"),
-        Function("erf", 1, sympy.erf, "error function"),
-        Function("sigmoid", 1, sigmoid, "1 / (1 + exp(-x))"),
-        Function("min", 2, sympy.Min, "smaller of a and b"),
-        Function("max", 2, sympy.Max, "larger of a and b"),
-        Function("relu", 1, relu, "max(x, 0)"),
-        Function("squared_relu", 1, lambda x: relu(x) ** 2, "max(x, 0)**2 (Primer)"),
+        Function("identity", 1, lambda x: x, "x", "{0}"),
+        Function("abs", 1, sympy.Abs, "|x|", "torch.abs({0})"),
+        Function("exp", 1, sympy.exp, "e**x", "torch.exp({0})"),
+        Function("log", 1, sympy.log, "natural logarithm", "torch.log({0})"),
+        Function("sqrt", 1, sympy.sqrt, "square root", "torch.sqrt({0})"),
+        Function("rsqrt", 1, lambda x: 1 / sympy.sqrt(x), "1 / sqrt(x)", "torch.rsqrt({0})"),
+        Function("tanh", 1, sympy.tanh, "hyperbolic tangent", "torch.tanh({0})"),
+        Function("erf", 1, sympy.erf, "error function", "torch.erf({0})"),
+        Function("sigmoid", 1, sigmoid, "1 / (1 + exp(-x))", "torch.sigmoid({0})"),
+        Function("min", 2, sympy.Min, "smaller of a and b", "torch.minimum({0}, torch.as_tensor({1}))"),
+        Function("max", 2, sympy.Max, "larger of a and b", "torch.maximum({0}, torch.as_tensor({1}))"),
+        Function("relu", 1, relu, "max(x, 0)", "F.relu({0})"),
+        Function("squared_relu", 1, lambda x: relu(x) ** 2, "max(x, 0)**2 (Primer)", "torch.square(F.relu({0}))"),
         Function(
             "leaky_relu",
             2,
             lambda x, slope: sympy.Piecewise((x, x > 0), (slope * x, True)),
             "x if x > 0 else slope * x",
+            "F.leaky_relu({0}, {1})",
         ),
-        Function("gelu", 1, lambda x: x / 2 * (1 + sympy.erf(x / sympy.sqrt(2))), "exact GELU, x * Phi(x)"),
+        Function(
+            "gelu",
+            1,
+            lambda x: x / 2 * (1 + sympy.erf(x / sympy.sqrt(2))),
+            "exact GELU, x * Phi(x)",
+            "F.gelu({0})",
+        ),
         Function(
             "gelu_tanh",
             1,
             # 0.5 x (1 + tanh(u)) == x sigmoid(2u): one transcendental instead of two.
             lambda x: x * sigmoid(2 * _SQRT_2_OVER_PI * (x + _GELU_TANH_CUBIC * x**3)),
             "tanh-approximated GELU, in its sigmoid form",
+            'F.gelu({0}, approximate="tanh")',
         ),
-        Function("silu", 1, lambda x: x * sigmoid(x), "x * sigmoid(x) (swish)"),
-        Function("quick_gelu", 1, lambda x: x * sigmoid(_QUICK_GELU_SLOPE * x), "x * sigmoid(1.702 x)"),
+        Function("silu", 1, lambda x: x * sigmoid(x), "x * sigmoid(x) (swish)", "F.silu({0})"),
+        Function(
+            "quick_gelu",
+            1,
+            lambda x: x * sigmoid(_QUICK_GELU_SLOPE * x),
+            "x * sigmoid(1.702 x)",
+            "{0} * torch.sigmoid(1.702 * {0})",
+        ),
     ]
 }
 

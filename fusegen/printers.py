@@ -256,3 +256,65 @@ def _is_number_text(text: str) -> bool:
 
 def uses_libdevice(code: str) -> bool:
     return "libdevice." in code
+
+
+class EagerPrinter:
+    """The spec's IR as a PyTorch user writes it: torch.nn.functional where torch has the op,
+    torch's own dropout. Prints the IR rather than sympy on purpose: the point is the user's
+    spelling (F.gelu, F.dropout), not fusegen's definitions."""
+
+    def __init__(self, dropout_training: str = "training"):
+        self.training = dropout_training
+
+    def doprint(self, expr) -> str:
+        return self._print(expr)
+
+    def _print(self, e) -> str:
+        from . import ir  # printers otherwise depend on sympy only
+
+        if isinstance(e, ir.Const):
+            return repr(e.value)
+        if isinstance(e, (ir.InputRef, ir.ParamRef)):
+            return e.name
+        if isinstance(e, ir.ChunkRef):
+            return f"{e.name}_chunks[{e.index}]"
+        if isinstance(e, ir.Unary):
+            return f"-{self._operand(e.operand)}"
+        if isinstance(e, (ir.Binary, ir.Compare)):
+            return f"{self._operand(e.left)} {e.op} {self._operand(e.right)}"
+        if isinstance(e, ir.Where):
+            return f"torch.where({self._print(e.cond)}, {self._print(e.if_true)}, {self._print(e.if_false)})"
+        if isinstance(e, ir.Call):
+            from .functions import FUNCTIONS
+
+            idiom = FUNCTIONS[e.func].torch_idiom
+            return idiom.format(*(self._argument(a, idiom, i) for i, a in enumerate(e.args)))
+        if isinstance(e, ir.ChoiceCall):
+            args = ", ".join(self._print(a) for a in e.args)
+            return f"_{e.param}_eager({args}, {e.param})"
+        if isinstance(e, ir.Dropout):
+            return f"F.dropout({self._print(e.value)}, {e.p}, training={self.training})"
+        raise TypeError(f"unknown IR node {type(e).__name__}")
+
+    def _argument(self, e, idiom: str, index: int) -> str:
+        """An argument bare where the idiom already sets it off as a call argument."""
+        slot = "{%d}" % index
+        enclosed = all(
+            idiom[max(0, at - 1)] in "(, " and idiom[at + len(slot):at + len(slot) + 1] in "),"
+            for at in _find_all(idiom, slot)
+        )
+        return self._print(e) if enclosed else self._operand(e)
+
+    def _operand(self, e) -> str:
+        from . import ir
+
+        text = self._print(e)
+        return f"({text})" if isinstance(e, (ir.Binary, ir.Compare, ir.Unary)) else text
+
+
+def _find_all(text: str, part: str) -> list[int]:
+    found, at = [], text.find(part)
+    while at != -1:
+        found.append(at)
+        at = text.find(part, at + 1)
+    return found

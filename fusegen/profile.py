@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections import Counter
 from typing import Any, Callable, Iterable
 
@@ -38,6 +39,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p", type=bench.parse_p, default=DEFAULT_P,
                         help=f"dropout probability (default: {DEFAULT_P}; ignored for ops without dropout)")
     parser.add_argument("--row-limit", type=int, default=ROW_LIMIT, help=f"rows per table (default: {ROW_LIMIT})")
+    parser.add_argument("--first-call-timeout", type=float, default=bench.DEFAULT_FIRST_CALL_TIMEOUT_S,
+                        metavar="SECONDS", help="give up on a provider whose first call (compilation, autotuning) "
+                                                f"takes longer (default: {bench.DEFAULT_FIRST_CALL_TIMEOUT_S:g}; 0: no limit)")
     bench.add_op_location_arguments(parser)
 
 
@@ -52,17 +56,22 @@ def cuda_kernel_names(events: Iterable[Any]) -> Counter:
     return launches
 
 
-def profile_provider(fn: Callable[[], Any], calls: int = PROFILED_CALLS):
-    """Warm up, then profile `calls` calls with CPU and CUDA activity."""
+def profile_provider(fn: Callable[[], Any], calls: int = PROFILED_CALLS, first_call_timeout_s: float = 0.0):
+    """Warm up (the first call under the time limit), then profile `calls` calls with CPU and CUDA activity."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(WARMUP_CALLS):
+    with bench.time_limit(first_call_timeout_s, "the first call"):
+        fn()
+    for _ in range(WARMUP_CALLS - 1):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        # One profile per provider, one cycle each: torch's note about clearing events between cycles is noise.
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
     return prof
 
 
@@ -79,12 +88,12 @@ def kernel_summary(counts: dict[str, Counter | str], calls: int = PROFILED_CALLS
 
 
 def run_profile(args) -> int:
-    refusal = bench.no_gpu_exit("profile", "profiles") or bench._interpreter_refusal("profile")
+    refusal = bench.no_gpu_exit("profile", "profiles") or bench.interpreter_refusal("profile")
     if refusal:
         return refusal
     try:
         bench_op = bench.load_bench_op(args.op, args.specs, args.generated, command="profile")
-    except SpecError as exc:
+    except (SpecError, ImportError) as exc:
         print(f"fusegen profile: {exc}", file=sys.stderr)
         return 1
     p = args.p if bench_op.has_dropout else None
@@ -97,9 +106,10 @@ def run_profile(args) -> int:
     for name in PROFILE_ORDER:
         print(f"\n== {name}: {case.label} ==")
         try:
-            prof = profile_provider(bench.forward_fn(providers[name], inputs, kwargs))
+            prof = profile_provider(bench.forward_fn(providers[name], inputs, kwargs),
+                                    first_call_timeout_s=args.first_call_timeout)
         except Exception as exc:  # e.g. a compile failure: the other providers still get profiled
-            counts[name] = bench.describe_error(exc)
+            counts[name] = "timed out" if bench.is_timeout(exc) else bench.describe_error(exc)
             print(f"{name} failed: {counts[name]}")
             continue
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.row_limit))

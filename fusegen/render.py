@@ -18,7 +18,8 @@ from pathlib import Path
 import jinja2
 import sympy
 
-from .printers import TorchPrinter, TritonPrinter, _ElementwisePrinter, uses_libdevice
+from .functions import FUNCTIONS
+from .printers import EagerPrinter, TorchPrinter, TritonPrinter, _ElementwisePrinter, uses_libdevice
 from .simplify import Block, ChoiceHelper, SimplifiedOp, choice_function, value_names
 from .spec import ChoiceParam, OpSpec, ScalarParam
 
@@ -111,6 +112,10 @@ def render_op_module(op: SimplifiedOp) -> str:
         spec_path=spec.path,
         spec_sha256=spec.sha256,
         public_signature=public_signature(spec, has_dropout),
+        eager_signature=public_signature(spec, has_dropout, with_out=False),
+        eager_chunks=[f"{i.name}_chunks = {i.name}.chunk({i.chunks}, dim=-1)" for i in spec.inputs if i.chunks > 1],
+        eager_returns=", ".join(EagerPrinter().doprint(expr) for _, expr in op.ir.outputs),
+        eager_helpers=[_eager_helper(c) for c in spec.choice_params],
         arguments=", ".join(arguments),
         internal_arguments=", ".join(internal),
         typed_arguments=", ".join(typed + ["training: bool", "seed: Optional[int]"]),
@@ -188,15 +193,30 @@ def _input_context(spec_input) -> dict:
     )
 
 
+def _eager_helper(param: ChoiceParam) -> dict:
+    arity = FUNCTIONS[param.choices[0]].arity
+    args = ["x", "y", "z"][:arity]
+    return dict(
+        name=f"_{param.name}_eager",
+        param=param.name,
+        args=", ".join(args),
+        branches=[
+            dict(keyword="if" if i == 0 else "elif", choice=repr(c), line=FUNCTIONS[c].torch_idiom.format(*args))
+            for i, c in enumerate(param.choices)
+        ],
+    )
+
+
 def _view_call(spec_input) -> str:
     chunks = f", chunks={spec_input.chunks}" if spec_input.chunks > 1 else ""
     return f"runtime.view_2d({spec_input.name}, problem{chunks})"
 
 
-def public_signature(spec: OpSpec, has_dropout: bool) -> str:
+def public_signature(spec: OpSpec, has_dropout: bool, with_out: bool = True) -> str:
     """The generated op's parameters, as its `def` line writes them."""
     parts = [i.name for i in spec.inputs] + [f"{p.name}={p.default!r}" for p in spec.params]
-    return ", ".join(parts + (["training=True", "seed=None"] if has_dropout else []) + ["*", "out=None"])
+    parts += ["training=True", "seed=None"] if has_dropout else []
+    return ", ".join(parts + (["*", "out=None"] if with_out else []))
 
 
 def _tuple(names: list[str]) -> str:

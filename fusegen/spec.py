@@ -28,15 +28,16 @@ CHUNKED_DIM = re.compile(r"([2-9]|[1-9][0-9])([A-Za-z_][A-Za-z0-9_]*)")  # 2 to 
 RESERVED_NAMES = frozenset(
     {
         # modules and the module's own functions
-        "tl", "triton", "torch", "math", "runtime", "reference", "libdevice", "Optional",
+        "tl", "triton", "torch", "F", "math", "runtime", "reference", "eager", "libdevice", "Optional",
         # arguments and locals of the generated functions and kernels
         "seed", "training", "out", "output", "outputs", "inputs", "grads", "grid", "meta", "M", "N",
         "pid_m", "pid_n", "rows", "cols", "in_bounds", "offsets", "first_row", "row_offset",
         "dropout_threshold", "dropout_scale", "dropout_mask", "has_dropout", "needs", "need",
-        "needs_grad", "needs_kernel", "kernel_grads", "targets", "rows_per_program", "self",
+        "needs_grad", "needs_kernel", "kernel_grads", "kernel_needs", "targets", "rows_per_program", "self",
         "ctx", "args", "kwargs", "dtype", "device", "shape", "where", "call", "problem", "views",
         # Python builtins the generated functions call, next to the spec's names
         "any", "bool", "float", "int", "iter", "len", "list", "next", "range", "str", "tuple", "zip",
+        "staticmethod",
         "RuntimeError", "ValueError",
     }
 )
@@ -44,7 +45,9 @@ RESERVED_NAMES = frozenset(
 # Name shapes the generated code derives for itself: CSE temporaries (t0), dropout masks
 # (dropout_mask0), gradients (grad_x), pointers (x_ptr), strides, chunks (x_chunk0) and
 # constexprs (ACTIVATION).
-_RESERVED_PATTERN = re.compile(r"t\d+|dropout_\w*|grad_\w*|\w+_ptr|\w+_stride\w*|\w+_chunk\d+|[A-Z][A-Z0-9_]+")
+_RESERVED_PATTERN = re.compile(
+    r"t\d+|dropout_\w*|grad_\w*|\w+_ptr|\w+_stride\w*|\w+_chunk\d+|\w+_chunks|[A-Z][A-Z0-9_]+"
+)
 
 MAX_EXPRESSION_CHARS = 2000
 # Numbers a spec may write (param bounds and defaults, expression constants): floats far

@@ -19,12 +19,13 @@ the inputs and the seed, nothing else: no mask, no intermediates.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from fusegen import runtime
 
-__all__ = ["bias_swiglu", "reference"]
+__all__ = ["bias_swiglu", "reference", "eager"]
 
 _OP = "bias_swiglu"
 
@@ -157,8 +158,10 @@ def bias_swiglu(x, bias, *, out=None):
     if out is not None:
         runtime.check_out_without_grad(_OP, x, bias)
         *outputs, _ = _forward(x, bias, False, None, out=out)
-    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x, bias)):
+    elif torch.compiler.is_compiling():
         *outputs, _ = _forward_op(x, bias, False, None)
+    elif torch.is_grad_enabled() and runtime.any_requires_grad(x, bias):
+        *outputs, _ = _Autograd.apply(x, bias, False, None)
     else:
         *outputs, _ = _forward(x, bias, False, None)
     return outputs[0]
@@ -246,13 +249,33 @@ def _setup_context(ctx, inputs, output):
 def _backward_autograd(ctx, grad_y, _grad_seed):
     x, bias, seed = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    kernel_grads = iter(_backward_op(grad_y, x, bias, *ctx.params, seed, [needs[0], needs[1]]))
+    kernel_needs = [needs[0], needs[1]]
+    # The op's own dispatch only where it is needed: under torch.compile, and under
+    # create_graph, where its autograd (which refuses double backward) must be recorded.
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+        kernel_grads = iter(_backward_op(grad_y, x, bias, *ctx.params, seed, kernel_needs))
+    else:
+        kernel_grads = iter(_backward(grad_y, x, bias, *ctx.params, int(seed), kernel_needs))
     grad_x = next(kernel_grads) if needs[0] else None
     grad_bias = next(kernel_grads) if needs[1] else None
     return grad_x, grad_bias, None, None
 
 
 _forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+class _Autograd(torch.autograd.Function):
+    """Eager autograd with the same forward, context and backward as the torch.library op,
+    without its dispatch, which costs hundreds of microseconds a call."""
+
+    @staticmethod
+    def forward(x, bias, training, seed):
+        *outputs, seed = _forward(x, bias, training, seed)
+        return (*outputs, torch.tensor(seed, dtype=torch.int64))
+
+    setup_context = staticmethod(_setup_context)
+
+    backward = staticmethod(_backward_autograd)
 
 
 @torch.library.custom_op("fusegen::bias_swiglu_backward", mutates_args=())
@@ -288,11 +311,21 @@ def reference(x, bias, *, out=None):
     return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
+def eager(x, bias):
+    """bias_swiglu as a PyTorch user writes it, with torch.nn.functional ops.
+
+    The baseline that `fusegen bench` times, eagerly and under torch.compile.
+    """
+    x_chunks = x.chunk(2, dim=-1)
+    bias_chunks = bias.chunk(2, dim=-1)
+    return F.silu(x_chunks[0] + bias_chunks[0]) * (x_chunks[1] + bias_chunks[1])
+
+
 def _arguments(x, bias, training, seed, needs_kernel):
     """Checks and defaults shared by the kernels and reference; draws the seed if needed."""
     problem = _problem(x, bias, needs_kernel=needs_kernel)
     has_dropout = False
-    return runtime.Call(problem, has_dropout, 0 if seed is None else int(seed), )
+    return runtime.Call(problem, has_dropout, 0 if seed is None else int(seed))
 
 
 def _problem(x, bias, needs_kernel):

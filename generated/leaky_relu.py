@@ -20,12 +20,13 @@ the inputs and the seed, nothing else: no mask, no intermediates.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from fusegen import runtime
 
-__all__ = ["leaky_relu", "reference"]
+__all__ = ["leaky_relu", "reference", "eager"]
 
 _OP = "leaky_relu"
 
@@ -117,8 +118,10 @@ def leaky_relu(x, slope=0.01, *, out=None):
     if out is not None:
         runtime.check_out_without_grad(_OP, x)
         *outputs, _ = _forward(x, slope, False, None, out=out)
-    elif torch.compiler.is_compiling() or (torch.is_grad_enabled() and runtime.any_requires_grad(x)):
+    elif torch.compiler.is_compiling():
         *outputs, _ = _forward_op(x, slope, False, None)
+    elif torch.is_grad_enabled() and runtime.any_requires_grad(x):
+        *outputs, _ = _Autograd.apply(x, slope, False, None)
     else:
         *outputs, _ = _forward(x, slope, False, None)
     return outputs[0]
@@ -203,12 +206,32 @@ def _setup_context(ctx, inputs, output):
 def _backward_autograd(ctx, grad_y, _grad_seed):
     x, seed = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    kernel_grads = iter(_backward_op(grad_y, x, *ctx.params, seed, [needs[0]]))
+    kernel_needs = [needs[0]]
+    # The op's own dispatch only where it is needed: under torch.compile, and under
+    # create_graph, where its autograd (which refuses double backward) must be recorded.
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+        kernel_grads = iter(_backward_op(grad_y, x, *ctx.params, seed, kernel_needs))
+    else:
+        kernel_grads = iter(_backward(grad_y, x, *ctx.params, int(seed), kernel_needs))
     grad_x = next(kernel_grads) if needs[0] else None
     return grad_x, None, None, None
 
 
 _forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+class _Autograd(torch.autograd.Function):
+    """Eager autograd with the same forward, context and backward as the torch.library op,
+    without its dispatch, which costs hundreds of microseconds a call."""
+
+    @staticmethod
+    def forward(x, slope, training, seed):
+        *outputs, seed = _forward(x, slope, training, seed)
+        return (*outputs, torch.tensor(seed, dtype=torch.int64))
+
+    setup_context = staticmethod(_setup_context)
+
+    backward = staticmethod(_backward_autograd)
 
 
 @torch.library.custom_op("fusegen::leaky_relu_backward", mutates_args=())
@@ -242,6 +265,14 @@ def reference(x, slope=0.01, *, out=None):
     slope = torch.tensor(call.slope, dtype=torch.float32, device=problem.device).to(problem.compute_dtype)
     y = torch.where(x > 0, x, slope * x)
     return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
+
+
+def eager(x, slope=0.01):
+    """leaky_relu as a PyTorch user writes it, with torch.nn.functional ops.
+
+    The baseline that `fusegen bench` times, eagerly and under torch.compile.
+    """
+    return F.leaky_relu(x, slope)
 
 
 def _arguments(x, slope, training, seed, needs_kernel):

@@ -282,7 +282,7 @@ def test_bench_defaults_are_the_sweep():
     assert args.ps == [0.0, 0.1]
     assert args.dtypes == [torch.float32, torch.bfloat16, torch.float16]
     assert not args.backward and args.json is None and args.csv is None and args.plot is None
-    assert args.timer == "device" and args.first_call_timeout == bench.DEFAULT_FIRST_CALL_TIMEOUT_S
+    assert args.timer == "do_bench" and args.first_call_timeout == bench.DEFAULT_FIRST_CALL_TIMEOUT_S
     assert args.specs == Path("specs") and args.generated == Path("generated")
 
 
@@ -290,7 +290,7 @@ def test_bench_explicit_arguments():
     args = bench_parser().parse_args([
         "bias_gelu_dropout_add", "specs/other.yaml", "--dtype", "bf16,fp16", "--shapes", "8x2048x4096,1x128x1024",
         "--p", "0.1", "--backward", "--json", "out.json", "--csv", "out.csv", "--plot", "out.png",
-        "--specs", "s", "--generated", "g", "--timer", "do_bench", "--first-call-timeout", "0",
+        "--specs", "s", "--generated", "g", "--timer", "device", "--first-call-timeout", "0",
     ])
     assert args.ops == ["bias_gelu_dropout_add", "specs/other.yaml"]
     assert args.dtypes == [torch.bfloat16, torch.float16]
@@ -298,7 +298,7 @@ def test_bench_explicit_arguments():
     assert args.ps == [0.1] and args.backward
     assert (args.json, args.csv, args.plot) == (Path("out.json"), Path("out.csv"), Path("out.png"))
     assert (args.specs, args.generated) == (Path("s"), Path("g"))
-    assert args.timer == "do_bench" and args.first_call_timeout == 0
+    assert args.timer == "device" and args.first_call_timeout == 0
 
 
 def test_bench_sweep_flag():

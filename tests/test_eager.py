@@ -1,0 +1,55 @@
+"""`eager`, the spec as a PyTorch user writes it (F.gelu, F.dropout, ...): an independent
+oracle for the reference without dropout, and its own dropout keeps the right fraction."""
+import importlib
+
+import pytest
+import torch
+
+from fusegen import ir, spec
+from tests.helpers import SPEC_DIR
+
+SPECS = sorted((spec.load_spec(p) for p in SPEC_DIR.glob("*.yaml")), key=lambda s: s.name)
+
+
+def _inputs(op_spec, generator):
+    sizes = {}
+    tensors = []
+    for item in op_spec.inputs:
+        shape = []
+        for dim in item.dims:
+            if dim == "...":
+                shape += [3, 2]
+            elif dim == "1":
+                shape.append(1)
+            else:
+                count = item.chunks if dim == item.dims[-1] else 1
+                name = item.value_dims[-1] if count > 1 else dim
+                shape.append(count * sizes.setdefault(name, 24))
+        tensors.append(torch.randn(shape, generator=generator, dtype=torch.float64))
+    return tensors
+
+
+@pytest.mark.parametrize("op_spec", SPECS, ids=[s.name for s in SPECS])
+def test_eager_matches_reference_without_dropout(op_spec):
+    module = importlib.import_module(f"generated.{op_spec.name}")
+    has_dropout = bool(ir.build_ir(op_spec).dropouts)
+    choices = [{}] + [{c.name: v} for c in op_spec.choice_params for v in c.choices]
+    for choice in choices:
+        tensors = _inputs(op_spec, torch.Generator().manual_seed(1))
+        kwargs = {**choice, **({"training": False} if has_dropout else {})}
+        for param in op_spec.scalar_params:
+            # 0.25 is exact in float32, the precision the kernels (and reference) take params in.
+            kwargs.setdefault(param.name, 0.25 if param.max is None or param.max >= 0.25 else param.max)
+        got = module.eager(*tensors, **kwargs)
+        want = module.reference(*tensors, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_eager_dropout_keeps_the_expected_fraction():
+    from generated.bias_dropout_add import eager
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 256, dtype=torch.float64) + 10  # never 0, so a zero means dropped
+    y = eager(x, torch.zeros(256, dtype=torch.float64), torch.zeros(256, 256, dtype=torch.float64), p=0.25)
+    kept = (y != 0).double().mean().item()
+    assert abs(kept - 0.75) < 5 * (0.75 * 0.25 / y.numel()) ** 0.5
