@@ -1055,7 +1055,8 @@ def run_bench(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console()
+    # Piped to a file or a log, rich would squeeze the table to 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     try:
         loaded = [load_bench_op(name, args.specs, args.generated) for name in args.ops]
     except (SpecError, ImportError) as exc:

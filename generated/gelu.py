@@ -204,9 +204,10 @@ def _backward_autograd(ctx, grad_y, _grad_seed):
     x, seed = ctx.saved_tensors
     needs = ctx.needs_input_grad
     kernel_needs = [needs[0]]
-    # The op's own dispatch only where it is needed: under torch.compile, and under
-    # create_graph, where its autograd (which refuses double backward) must be recorded.
-    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+    # The op's own dispatch only where it is needed: while torch.compile traces (its fake
+    # and functional tensors are Tensor subclasses), and under create_graph, where its
+    # autograd (which refuses double backward) must be recorded.
+    if type(seed) is not torch.Tensor or torch.is_grad_enabled():
         kernel_grads = iter(_backward_op(grad_y, x, *ctx.params, seed, kernel_needs))
     else:
         kernel_grads = iter(_backward(grad_y, x, *ctx.params, int(seed), kernel_needs))

@@ -181,9 +181,16 @@ def test_forward_non_contiguous(op, kind, device):
     outs = _run(op.fn, tensors, kwargs)
     dense = _run(op.fn, {n: t.contiguous() for n, t in tensors.items()}, kwargs)
     _, truths = _truth(op, tensors, kwargs)
+    # Elementwise: the layout of the inputs must not change a single bit on the interpreter.
+    # Compiled for a GPU, each layout is its own specialisation (stride 1 or not, aligned or
+    # not), and LLVM may fuse a multiply-add into an FMA in one and not the other.
+    # (Measured on an H100: scale_add differs by 2.4e-7 absolute, both sides within 1.5e-7
+    # of the float64 truth.) An FMA rounds once where mul + add round twice: the difference
+    # is an ulp of the product, so it is bounded relative to the output's scale.
+    eps = 0.0 if runtime.is_interpreting() else 4 * torch.finfo(torch.float32).eps
     for name, out, d, truth in zip(op.output_names, outs, dense, truths):
-        # Elementwise: the layout of the inputs must not change a single bit.
-        torch.testing.assert_close(out, d, rtol=0, atol=0, msg=f"{op.name}.{name}: {kind} != contiguous")
+        atol = eps * max(d.abs().max().item(), 1.0) if d.numel() else 0.0
+        torch.testing.assert_close(out, d, rtol=eps, atol=atol, msg=f"{op.name}.{name}: {kind} != contiguous")
         check_against_truth(out, truth, what=f"{op.name}.{name} {kind}")
 
 
