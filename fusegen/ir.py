@@ -18,6 +18,9 @@ from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, 
 # Bounds on one expression, intermediates inlined: later stages recurse over the whole tree.
 MAX_DEPTH = 64
 MAX_NODES = 1000
+# Functions nested in functions: sympy's derivative of such a chain grows exponentially with
+# its length (silu nested 10 deep builds in 0.5 s, 12 deep in 10 s, 14 deep in 40 s).
+MAX_CALL_NESTING = 10
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,13 @@ def build_ir(spec: OpSpec) -> OpIR:
         scope.lets[binding.name] = scope.parse(binding)
     for binding in spec.outputs:
         outputs.append((binding.name, scope.parse(binding).expr))
+        if _call_nesting(outputs[-1][1], {}) > MAX_CALL_NESTING:
+            raise SpecError(
+                spec.path,
+                binding.line,
+                f"'{binding.name}' nests functions more than {MAX_CALL_NESTING} deep (counting "
+                "intermediates): its gradient would be too large to simplify",
+            )
     _check_all_used(spec, scope)
     return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts))
 
@@ -317,6 +327,29 @@ def _constant(value: object) -> Const:
     return Const(value)
 
 
+def _call_nesting(expr: Expr, memo: dict) -> int:
+    """The longest chain of calls inside calls; trees share nodes through lets, hence memo."""
+    key = id(expr)
+    if key not in memo:
+        depth = max((_call_nesting(c, memo) for c in _children(expr)), default=0)
+        memo[key] = depth + isinstance(expr, (Call, ChoiceCall))
+    return memo[key]
+
+
+def _children(expr: Expr) -> tuple:
+    if isinstance(expr, Unary):
+        return (expr.operand,)
+    if isinstance(expr, (Binary, Compare)):
+        return (expr.left, expr.right)
+    if isinstance(expr, (Call, ChoiceCall)):
+        return expr.args
+    if isinstance(expr, Where):
+        return (expr.cond, expr.if_true, expr.if_false)
+    if isinstance(expr, Dropout):
+        return (expr.value,)
+    return ()
+
+
 def _check_all_used(spec: OpSpec, scope: _Scope) -> None:
     for item in (*spec.inputs, *spec.params):
         if item.name not in scope.used:
@@ -342,17 +375,5 @@ def _snippet(node: ast.AST) -> str:
 def walk(expr: Expr):
     """Every node of a tree, parents before children."""
     yield expr
-    if isinstance(expr, Unary):
-        yield from walk(expr.operand)
-    elif isinstance(expr, (Binary, Compare)):
-        yield from walk(expr.left)
-        yield from walk(expr.right)
-    elif isinstance(expr, (Call, ChoiceCall)):
-        for arg in expr.args:
-            yield from walk(arg)
-    elif isinstance(expr, Where):
-        yield from walk(expr.cond)
-        yield from walk(expr.if_true)
-        yield from walk(expr.if_false)
-    elif isinstance(expr, Dropout):
-        yield from walk(expr.value)
+    for child in _children(expr):
+        yield from walk(child)

@@ -347,8 +347,8 @@ def test_unused_intermediate(tmp_path):
 
 
 def test_depth_limit(tmp_path):
-    ok = "exp(" * (ir.MAX_DEPTH - 1) + "a" + ")" * (ir.MAX_DEPTH - 1)
-    assert isinstance(_op(tmp_path, f"  y: {ok}\n").outputs[0][1], Call)
+    ok = "-" * (ir.MAX_DEPTH - 1) + "a"  # unary minus: deep, but no function calls
+    assert isinstance(_op(tmp_path, f"  y: '{ok}'\n").outputs[0][1], Unary)
     message = f"specs/x.yaml:6: expression is nested more than {ir.MAX_DEPTH} levels deep, counting the intermediates it uses"
     for deep in ("-" * 1990 + "a", "-(" * 100 + "a" + ")" * 100, " + ".join(["a"] * 500)):
         with pytest.raises(SpecError) as info:
@@ -381,3 +381,26 @@ def test_too_many_parentheses(tmp_path):
     with pytest.raises(SpecError) as info:
         _op(tmp_path, f"  y: '{deep}'\n")
     assert str(info.value) == "specs/x.yaml:6: cannot parse '(((((((((((((((((((((((((((((((((((((...': too many nested parentheses"
+
+
+def test_deeply_nested_functions_are_refused_before_sympy_sees_them(tmp_path):
+    """silu nested 12 deep took sympy 10 s to differentiate; the IR refuses past 10."""
+    import time
+
+    from fusegen import ir as ir_module
+    from fusegen.errors import SpecError
+    from fusegen.spec import load_spec
+
+    def spec_with(depth):
+        expr = "x"
+        for _ in range(depth):
+            expr = f"silu({expr})"
+        path = tmp_path / f"op{depth}.yaml"
+        path.write_text(f"name: op\ndoc: d\ninputs:\n  x: [...]\nlet:\n  h: {expr}\noutputs:\n  y: silu(h)\n")
+        return load_spec(path)
+
+    ir_module.build_ir(spec_with(ir_module.MAX_CALL_NESTING - 1))
+    started = time.monotonic()
+    with pytest.raises(SpecError, match=r"op10\.yaml:8: 'y' nests functions more than 10 deep \(counting intermediates\)"):
+        ir_module.build_ir(spec_with(ir_module.MAX_CALL_NESTING))
+    assert time.monotonic() - started < 1.0
