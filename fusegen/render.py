@@ -11,6 +11,7 @@ import builtins
 import os
 import symtable
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -141,9 +142,12 @@ def render_op_module(op: SimplifiedOp) -> str:
         inputs_doc=", ".join(f"{i.name} {i.shape_text}" for i in spec.inputs),
         outputs_doc=", ".join(f"{name} [{', '.join(spec.out_dims)}]" for name in outputs),
         params_doc=_params_doc(spec, has_dropout),
-        passthrough_doc=" ".join(
-            f"The gradient of {g.input} is the gradient of {g.passthrough_of}, passed on without a copy"
-            f" (summed only where {g.input} was broadcast)." for g in passthroughs
+        passthrough_doc=textwrap.wrap(
+            " ".join(
+                f"The gradient of {g.input} is the gradient of {g.passthrough_of}, passed on without a copy"
+                f" (summed only where {g.input} was broadcast)." for g in passthroughs
+            ),
+            width=88,
         ),
         has_dropout=has_dropout,
         uses_libdevice=uses_libdevice("\n".join(triton_code)),
@@ -262,7 +266,7 @@ def _params_doc(spec: OpSpec, has_dropout: bool) -> list[str]:
     if has_dropout:
         lines.append("training=False, or every dropout p == 0, takes a kernel with no random numbers.")
         lines.append("seed=None draws the dropout seed from torch's default generator (torch.manual_seed).")
-    return lines
+    return [wrapped for line in lines for wrapped in textwrap.wrap(line, width=88, subsequent_indent="    ")]
 
 
 def _helper_functions(helper: ChoiceHelper, printer: _ElementwisePrinter, with_grads: bool) -> list[HelperFunction]:

@@ -7,7 +7,8 @@
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N], residual [..., N]
 Outputs: y [..., N]
 Param p: float in [0.0, 1.0], default 0.1 (runtime: no recompilation).
-Param activation: one of gelu_tanh, gelu, relu, silu, sigmoid, identity; default 'gelu_tanh' (compile-time: one kernel each).
+Param activation: one of gelu_tanh, gelu, relu, silu, sigmoid, identity; default
+    'gelu_tanh' (compile-time: one kernel each).
 training=False, or every dropout p == 0, takes a kernel with no random numbers.
 seed=None draws the dropout seed from torch's default generator (torch.manual_seed).
 
@@ -21,8 +22,11 @@ the same dropout masks again from the seed and writes every input gradient in on
 pass; gradients of inputs broadcast along rows are summed per program in fp32 and
 then across programs, in a fixed order (no atomics). Memory: saved for backward are
 the inputs and the seed, nothing else: no mask, no intermediates.
-The gradient of residual is the gradient of y, passed on without a copy (summed only where residual was broadcast).
-`reference` is the same computation in eager PyTorch, generated from the same spec.
+The gradient of residual is the gradient of y, passed on without a copy (summed only
+where residual was broadcast).
+
+`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
+is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
 """
 from typing import Optional
 

@@ -6,7 +6,8 @@
 
 Inputs (broadcast as torch broadcasts): x [..., 2N]
 Outputs: y [..., N]
-Param activation: one of gelu, gelu_tanh; default 'gelu_tanh' (compile-time: one kernel each).
+Param activation: one of gelu, gelu_tanh; default 'gelu_tanh' (compile-time: one kernel
+    each).
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and
 write every output once, in the dtype torch's type promotion gives.
@@ -15,7 +16,9 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 pass; gradients of inputs broadcast along rows are summed per program in fp32 and
 then across programs, in a fixed order (no atomics). Memory: saved for backward are
 the inputs and the seed, nothing else: no mask, no intermediates.
-`reference` is the same computation in eager PyTorch, generated from the same spec.
+
+`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
+is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
 """
 from typing import Optional
 

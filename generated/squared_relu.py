@@ -14,7 +14,9 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 pass; gradients of inputs broadcast along rows are summed per program in fp32 and
 then across programs, in a fixed order (no atomics). Memory: saved for backward are
 the inputs and the seed, nothing else: no mask, no intermediates.
-`reference` is the same computation in eager PyTorch, generated from the same spec.
+
+`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
+is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
 """
 from typing import Optional
 
