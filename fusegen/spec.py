@@ -6,6 +6,7 @@ parses them.
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import keyword
 import math
@@ -47,6 +48,15 @@ RESERVED_NAMES = frozenset(
 # constexprs (ACTIVATION).
 _RESERVED_PATTERN = re.compile(
     r"t\d+|dropout_\w*|grad_\w*|\w+_ptr|\w+_stride\w*|\w+_chunk\d+|\w+_chunks|[A-Z][A-Z0-9_]+"
+)
+
+_PYTHON_BUILTINS = frozenset(n for n in dir(builtins) if not n.startswith("_"))
+_GENERATED_PRIVATE_NAMES = frozenset(
+    {
+        "_OP", "_Autograd", "_forward", "_backward", "_forward_op", "_backward_op", "_forward_fake",
+        "_backward_fake", "_setup_context", "_backward_autograd", "_no_double_backward",
+        "_arguments", "_problem",
+    }
 )
 
 MAX_EXPRESSION_CHARS = 2000
@@ -340,6 +350,12 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
     # An op may share a function's name (op `gelu`): its module never calls that function.
     if what != "op" and (name in FUNCTIONS or name in BUILTINS):
         raise _Located(line, f"{what} name '{name}' shadows the function '{name}'")
+    # The generated module's functions use Python's builtins next to the spec's names.
+    if name in _PYTHON_BUILTINS:
+        raise _Located(line, f"{what} name '{name}' shadows the Python builtin '{name}'")
+    # Names the module derives by prefixing '_' (helpers _<choice>, the class _Autograd).
+    if f"_{name}" in _GENERATED_PRIVATE_NAMES:
+        raise _Located(line, f"{what} name '{name}' is reserved by the generated code")
     return name
 
 
