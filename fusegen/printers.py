@@ -234,7 +234,7 @@ class TorchPrinter(_ElementwisePrinter):
         "relu": "torch.relu",
     }
     where, sqrt, rsqrt, power = "torch.where", "torch.sqrt", "torch.rsqrt", "torch.pow"
-    helper_suffix = "_torch"
+    helper_suffix = "__torch"
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"
@@ -291,7 +291,7 @@ class EagerPrinter:
             return idiom.format(*(self._argument(a, idiom, i) for i, a in enumerate(e.args)))
         if isinstance(e, ir.ChoiceCall):
             args = ", ".join(self._print(a) for a in e.args)
-            return f"_{e.param}_eager({args}, {e.param})"
+            return f"_{e.param}__eager({args}, {e.param})"
         if isinstance(e, ir.Dropout):
             return f"F.dropout({self._print(e.value)}, {e.p}, training={self.training})"
         raise TypeError(f"unknown IR node {type(e).__name__}")

@@ -201,8 +201,8 @@ def _eager_helper(param: ChoiceParam) -> dict:
     arity = FUNCTIONS[param.choices[0]].arity
     args = ["x", "y", "z"][:arity]
     return dict(
-        name=f"_{param.name}_eager",
-        param=param.name,
+        name=f"_{param.name}__eager",
+        param="choice",
         args=", ".join(args),
         branches=[
             dict(keyword="if" if i == 0 else "elif", choice=repr(c), line=FUNCTIONS[c].torch_idiom.format(*args))
@@ -287,7 +287,7 @@ def _helper_functions(helper: ChoiceHelper, printer: _ElementwisePrinter, with_g
                 name=function.__name__ + printer.helper_suffix,
                 param=helper.param,
                 args=", ".join(a.name for a in helper.args),
-                selector=helper.param.upper() if is_triton else helper.param,
+                selector=helper.param.upper() if is_triton else "choice",
                 returns="out",
                 branches=branches,
             )

@@ -71,10 +71,11 @@ def choice_function(param: str, arity: int, derivative: int | None = None) -> ty
 
     Cached so that the same name always is the same class (sympy compares by class).
     """
+    # "__" cannot occur in spec names, so no choice param's helper can take these names.
     if derivative is None:
         name = f"_{param}"
     else:
-        name = f"_{param}_grad" if arity == 1 else f"_{param}_grad{derivative}"
+        name = f"_{param}__grad" if arity == 1 else f"_{param}__grad{derivative}"
 
     def fdiff(self, argindex=1):
         if derivative is not None:

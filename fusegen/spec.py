@@ -35,7 +35,7 @@ RESERVED_NAMES = frozenset(
         "pid_m", "pid_n", "rows", "cols", "in_bounds", "offsets", "first_row", "row_offset",
         "dropout_threshold", "dropout_scale", "dropout_mask", "has_dropout", "needs", "need",
         "needs_grad", "needs_kernel", "kernel_grads", "kernel_needs", "targets", "rows_per_program", "self",
-        "ctx", "args", "kwargs", "dtype", "device", "shape", "where", "call", "problem", "views",
+        "ctx", "args", "kwargs", "dtype", "device", "shape", "where", "call", "problem", "views", "choice",
         # Python builtins the generated functions call, next to the spec's names
         "any", "bool", "float", "int", "iter", "len", "list", "next", "range", "str", "tuple", "zip",
         "staticmethod",
@@ -350,6 +350,10 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
     # An op may share a function's name (op `gelu`): its module never calls that function.
     if what != "op" and (name in FUNCTIONS or name in BUILTINS):
         raise _Located(line, f"{what} name '{name}' shadows the function '{name}'")
+    # Generated helpers join a name and a suffix with "__" (_act__grad): a spec name with
+    # "__" could collide with one.
+    if "__" in name:
+        raise _Located(line, f"{what} name '{name}' must not contain '__' (reserved for generated code)")
     # The generated module's functions use Python's builtins next to the spec's names.
     if name in _PYTHON_BUILTINS:
         raise _Located(line, f"{what} name '{name}' shadows the Python builtin '{name}'")
@@ -521,7 +525,14 @@ def _parse_params(raw: Any, line: int, names: _Names) -> tuple[ScalarParam | Cho
     return tuple(params)
 
 
+# A choice param is passed to the kernels as its upper-cased name, beside these constexprs.
+_KERNEL_CONSTEXPRS = frozenset({"HAS_DROPOUT", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"})
+
+
 def _parse_choice_param(name: str, body: _LineDict, line: int) -> ChoiceParam:
+    constant = name.upper()
+    if constant in _KERNEL_CONSTEXPRS or constant.startswith(("NEEDS_GRAD_", "SUM_GRAD_")):
+        raise _Located(line, f"param name '{name}' is reserved by the generated code (the kernels' {constant})")
     _check_keys(body, ["choices", "default"], ["choices", "default"], f"param '{name}'", line)
     lines = body.value_lines
     choices = _expect(body["choices"], list, f"param '{name}': 'choices'", lines["choices"])

@@ -57,7 +57,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(x, ACTIVATION: tl.constexpr):
+def _activation__grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'relu':
         out = tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0))
     elif ACTIVATION == 'sigmoid':
@@ -168,7 +168,7 @@ def add_mul_activation_backward_kernel(
         bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = grad_y * _activation_grad(bias + inp * multiplier + x, ACTIVATION)
+        t0 = grad_y * _activation__grad(bias + inp * multiplier + x, ACTIVATION)
         grad_x = t0
         grad_inp = multiplier * t0
         grad_bias = t0
@@ -357,22 +357,22 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def _activation_torch(x, activation):
-    if activation == 'relu':
+def _activation__torch(x, choice):
+    if choice == 'relu':
         out = torch.relu(x)
-    elif activation == 'sigmoid':
+    elif choice == 'sigmoid':
         out = torch.sigmoid(x)
-    elif activation == 'silu':
+    elif choice == 'silu':
         out = x * torch.sigmoid(x)
-    elif activation == 'gelu':
+    elif choice == 'gelu':
         t0 = 0.5 * x
         out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
-    elif activation == 'gelu_tanh':
+    elif choice == 'gelu_tanh':
         out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
-    elif activation == 'identity':
+    elif choice == 'identity':
         out = x
     else:
-        raise ValueError(f"unknown activation {activation!r}")
+        raise ValueError(f"unknown activation {choice!r}")
     return out
 
 
@@ -390,24 +390,24 @@ def reference(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
     bias = bias.to(problem.compute_dtype)
     # A tensor in the compute dtype: the kernel receives multiplier as a float32 scalar.
     multiplier = torch.tensor(call.multiplier, dtype=torch.float32, device=problem.device).to(problem.compute_dtype)
-    y = _activation_torch(bias + inp * multiplier + x, activation)
+    y = _activation__torch(bias + inp * multiplier + x, activation)
     return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
-def _activation_eager(x, activation):
-    if activation == 'relu':
+def _activation__eager(x, choice):
+    if choice == 'relu':
         return F.relu(x)
-    elif activation == 'sigmoid':
+    elif choice == 'sigmoid':
         return torch.sigmoid(x)
-    elif activation == 'silu':
+    elif choice == 'silu':
         return F.silu(x)
-    elif activation == 'gelu':
+    elif choice == 'gelu':
         return F.gelu(x)
-    elif activation == 'gelu_tanh':
+    elif choice == 'gelu_tanh':
         return F.gelu(x, approximate="tanh")
-    elif activation == 'identity':
+    elif choice == 'identity':
         return x
-    raise ValueError(f"unknown activation {activation!r}")
+    raise ValueError(f"unknown choice {choice!r}")
 
 
 def eager(x, inp, bias, multiplier=1.0, activation='relu'):
@@ -415,7 +415,7 @@ def eager(x, inp, bias, multiplier=1.0, activation='relu'):
 
     The baseline that `fusegen bench` times, eagerly and under torch.compile.
     """
-    return _activation_eager((x + (multiplier * inp)) + bias, activation)
+    return _activation__eager((x + (multiplier * inp)) + bias, activation)
 
 
 def _arguments(x, inp, bias, multiplier, activation, training, seed, needs_kernel):

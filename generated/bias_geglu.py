@@ -48,7 +48,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(x, ACTIVATION: tl.constexpr):
+def _activation__grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu':
         t0 = 0.7071067811865476 * x
         out = 0.5641895835477563 * t0 * tl.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
@@ -148,7 +148,7 @@ def bias_geglu_backward_kernel(
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = bias_chunk0 + x_chunk0
-        t1 = grad_y * (bias_chunk1 + x_chunk1) * _activation_grad(t0, ACTIVATION)
+        t1 = grad_y * (bias_chunk1 + x_chunk1) * _activation__grad(t0, ACTIVATION)
         t2 = grad_y * _activation(t0, ACTIVATION)
         grad_x_chunk0 = t1
         grad_x_chunk1 = t2
@@ -329,14 +329,14 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def _activation_torch(x, activation):
-    if activation == 'gelu':
+def _activation__torch(x, choice):
+    if choice == 'gelu':
         t0 = 0.5 * x
         out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
-    elif activation == 'gelu_tanh':
+    elif choice == 'gelu_tanh':
         out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
     else:
-        raise ValueError(f"unknown activation {activation!r}")
+        raise ValueError(f"unknown activation {choice!r}")
     return out
 
 
@@ -351,16 +351,16 @@ def reference(x, bias, activation='gelu_tanh', *, out=None):
     problem = call.problem
     x_chunk0, x_chunk1 = x.to(problem.compute_dtype).chunk(2, dim=-1)
     bias_chunk0, bias_chunk1 = bias.to(problem.compute_dtype).chunk(2, dim=-1)
-    y = (bias_chunk1 + x_chunk1) * _activation_torch(bias_chunk0 + x_chunk0, activation)
+    y = (bias_chunk1 + x_chunk1) * _activation__torch(bias_chunk0 + x_chunk0, activation)
     return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
-def _activation_eager(x, activation):
-    if activation == 'gelu':
+def _activation__eager(x, choice):
+    if choice == 'gelu':
         return F.gelu(x)
-    elif activation == 'gelu_tanh':
+    elif choice == 'gelu_tanh':
         return F.gelu(x, approximate="tanh")
-    raise ValueError(f"unknown activation {activation!r}")
+    raise ValueError(f"unknown choice {choice!r}")
 
 
 def eager(x, bias, activation='gelu_tanh'):
@@ -370,7 +370,7 @@ def eager(x, bias, activation='gelu_tanh'):
     """
     x_chunks = x.chunk(2, dim=-1)
     bias_chunks = bias.chunk(2, dim=-1)
-    return _activation_eager(x_chunks[0] + bias_chunks[0], activation) * (x_chunks[1] + bias_chunks[1])
+    return _activation__eager(x_chunks[0] + bias_chunks[0], activation) * (x_chunks[1] + bias_chunks[1])
 
 
 def _arguments(x, bias, activation, training, seed, needs_kernel):

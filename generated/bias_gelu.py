@@ -48,7 +48,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(x, ACTIVATION: tl.constexpr):
+def _activation__grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu':
         t0 = 0.7071067811865476 * x
         out = 0.5641895835477563 * t0 * tl.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
@@ -137,7 +137,7 @@ def bias_gelu_backward_kernel(
         bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = grad_y * _activation_grad(bias + x, ACTIVATION)
+        t0 = grad_y * _activation__grad(bias + x, ACTIVATION)
         grad_x = t0
         grad_bias = t0
         if NEEDS_GRAD_X:
@@ -309,14 +309,14 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def _activation_torch(x, activation):
-    if activation == 'gelu':
+def _activation__torch(x, choice):
+    if choice == 'gelu':
         t0 = 0.5 * x
         out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
-    elif activation == 'gelu_tanh':
+    elif choice == 'gelu_tanh':
         out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
     else:
-        raise ValueError(f"unknown activation {activation!r}")
+        raise ValueError(f"unknown activation {choice!r}")
     return out
 
 
@@ -331,16 +331,16 @@ def reference(x, bias, activation='gelu', *, out=None):
     problem = call.problem
     x = x.to(problem.compute_dtype)
     bias = bias.to(problem.compute_dtype)
-    y = _activation_torch(bias + x, activation)
+    y = _activation__torch(bias + x, activation)
     return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
-def _activation_eager(x, activation):
-    if activation == 'gelu':
+def _activation__eager(x, choice):
+    if choice == 'gelu':
         return F.gelu(x)
-    elif activation == 'gelu_tanh':
+    elif choice == 'gelu_tanh':
         return F.gelu(x, approximate="tanh")
-    raise ValueError(f"unknown activation {activation!r}")
+    raise ValueError(f"unknown choice {choice!r}")
 
 
 def eager(x, bias, activation='gelu'):
@@ -348,7 +348,7 @@ def eager(x, bias, activation='gelu'):
 
     The baseline that `fusegen bench` times, eagerly and under torch.compile.
     """
-    return _activation_eager(x + bias, activation)
+    return _activation__eager(x + bias, activation)
 
 
 def _arguments(x, bias, activation, training, seed, needs_kernel):

@@ -65,7 +65,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(x, ACTIVATION: tl.constexpr):
+def _activation__grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu_tanh':
         t1 = tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
         out = 1.5957691216057308 * t1 * x * (1 - t1) * (0.134145 * x * x + 1) + t1
@@ -175,11 +175,11 @@ def bias_gelu_dropout_add_backward_kernel(
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         if HAS_DROPOUT:
             dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
-            t0 = dropout_mask0 * grad_y * _activation_grad(bias + x, ACTIVATION)
+            t0 = dropout_mask0 * grad_y * _activation__grad(bias + x, ACTIVATION)
             grad_x = t0
             grad_bias = t0
         else:
-            t0 = grad_y * _activation_grad(bias + x, ACTIVATION)
+            t0 = grad_y * _activation__grad(bias + x, ACTIVATION)
             grad_x = t0
             grad_bias = t0
         if NEEDS_GRAD_X:
@@ -357,22 +357,22 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def _activation_torch(x, activation):
-    if activation == 'gelu_tanh':
+def _activation__torch(x, choice):
+    if choice == 'gelu_tanh':
         out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
-    elif activation == 'gelu':
+    elif choice == 'gelu':
         t0 = 0.5 * x
         out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
-    elif activation == 'relu':
+    elif choice == 'relu':
         out = torch.relu(x)
-    elif activation == 'silu':
+    elif choice == 'silu':
         out = x * torch.sigmoid(x)
-    elif activation == 'sigmoid':
+    elif choice == 'sigmoid':
         out = torch.sigmoid(x)
-    elif activation == 'identity':
+    elif choice == 'identity':
         out = x
     else:
-        raise ValueError(f"unknown activation {activation!r}")
+        raise ValueError(f"unknown activation {choice!r}")
     return out
 
 
@@ -390,26 +390,26 @@ def reference(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, s
     residual = residual.to(problem.compute_dtype)
     if call.has_dropout:
         dropout_mask0 = runtime.dropout_mask_reference(call.seed, problem, 0, call.p)
-        y = dropout_mask0 * _activation_torch(bias + x, activation) + residual
+        y = dropout_mask0 * _activation__torch(bias + x, activation) + residual
     else:
-        y = residual + _activation_torch(bias + x, activation)
+        y = residual + _activation__torch(bias + x, activation)
     return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
 
 
-def _activation_eager(x, activation):
-    if activation == 'gelu_tanh':
+def _activation__eager(x, choice):
+    if choice == 'gelu_tanh':
         return F.gelu(x, approximate="tanh")
-    elif activation == 'gelu':
+    elif choice == 'gelu':
         return F.gelu(x)
-    elif activation == 'relu':
+    elif choice == 'relu':
         return F.relu(x)
-    elif activation == 'silu':
+    elif choice == 'silu':
         return F.silu(x)
-    elif activation == 'sigmoid':
+    elif choice == 'sigmoid':
         return torch.sigmoid(x)
-    elif activation == 'identity':
+    elif choice == 'identity':
         return x
-    raise ValueError(f"unknown activation {activation!r}")
+    raise ValueError(f"unknown choice {choice!r}")
 
 
 def eager(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None):
@@ -418,7 +418,7 @@ def eager(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=
 
     The baseline that `fusegen bench` times, eagerly and under torch.compile.
     """
-    return F.dropout(_activation_eager(x + bias, activation), p, training=training) + residual
+    return F.dropout(_activation__eager(x + bias, activation), p, training=training) + residual
 
 
 def _arguments(x, bias, residual, p, activation, training, seed, needs_kernel):

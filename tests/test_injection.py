@@ -149,17 +149,9 @@ DATA_POSITIONS = {"doc", "dim", "file"}
 #    (Choice params named after the module's own functions, forward, backward, ... and
 #    Autograd, collided the same way until spec.py refused names whose `_<name>` the
 #    module defines; builtins such as super and type, until it refused builtins.)
-_KNOWN = {
-    ("choice_param", "x"): "A",
-    ("choice_param_2", "x"): "A",
-    ("choice_param_2", "y"): "A",
-    **{
-        (p, n): "B"
-        for p in ("choice_param", "choice_param_2")
-        for n in ["block_m", "block_n", "index_64", "compute_fp64", "needs_grad_inp", "sum_grad_inp"]
-    },
-    **{(p, n): "C" for p in ("choice_param", "choice_param_2") for n in ["act_grad", "act_torch", "act_eager"]},
-}
+_KNOWN: dict = {}  # bugs A (helper argument names), B (constexpr names) and C (helper names) are fixed
+
+
 _REASONS = {
     "A": "KNOWN BUG A: a choice param named like the helpers' argument gives a duplicate argument (exit 3)",
     "B": "KNOWN BUG B: a choice param whose upper-cased name is a kernel constexpr gives a duplicate argument (exit 3)",
@@ -588,9 +580,8 @@ def test_hostile_file_and_dim_names_through_the_cli(tmp_path, capsys):
 # KNOWN BUG C, end to end: the build succeeds and the gradient is silently wrong.
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG C: choice params a and a_grad: the forward helper of a_grad "
-                   "replaces the derivative helper of a, the backward kernel computes a_grad(x) as a'(x)")
 def test_choice_helper_collision_gives_wrong_gradients(tmp_path):
+    """Was KNOWN BUG C (a_grad's helper replaced a's derivative); helpers now join with '__'."""
     name = "injection_helper_collision"
     text = (
         f"name: {name}\ndoc: d\ninputs:\n  x: [..., N]\n"
