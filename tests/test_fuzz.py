@@ -619,7 +619,6 @@ LINE_BREAK_CASES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG 1: a user-written name with a line break makes a multi-line error")
 @pytest.mark.parametrize("text", LINE_BREAK_CASES.values(), ids=LINE_BREAK_CASES.keys())
 def test_line_breaks_in_names_give_one_line(cli_bench, text):
     cli_bench.run(text)
