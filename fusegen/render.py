@@ -21,7 +21,7 @@ import sympy
 
 from .functions import FUNCTIONS
 from .printers import EagerPrinter, TorchPrinter, TritonPrinter, _ElementwisePrinter, uses_libdevice
-from .simplify import Block, ChoiceHelper, SimplifiedOp, choice_function, value_names
+from .simplify import HELPER_ARGS, Block, ChoiceHelper, SimplifiedOp, choice_function, value_names
 from .spec import ChoiceParam, OpSpec, ScalarParam
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -199,7 +199,7 @@ def _input_context(spec_input) -> dict:
 
 def _eager_helper(param: ChoiceParam) -> dict:
     arity = FUNCTIONS[param.choices[0]].arity
-    args = ["x", "y", "z"][:arity]
+    args = HELPER_ARGS[:arity]
     return dict(
         name=f"_{param.name}__eager",
         param="choice",

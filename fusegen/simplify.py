@@ -18,7 +18,7 @@ from .functions import FUNCTIONS
 
 _RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
 _BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "**": operator.pow}
-_HELPER_ARGS = ("x", "y", "z")
+HELPER_ARGS = ("x", "y", "z")  # a choice helper's argument names, by arity
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,6 @@ class SimplifiedOp:
     backward_no_dropout: Block
     gradients: tuple[Gradient, ...]
     helpers: tuple[ChoiceHelper, ...]
-
-    def forward_for(self, has_dropout: bool) -> Block:
-        return self.forward if has_dropout else self.forward_no_dropout
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +191,7 @@ def _cse(results: list[tuple[str, sympy.Expr]], taken: set) -> Block:
 
 def _choice_helper(param) -> ChoiceHelper:
     arity = FUNCTIONS[param.choices[0]].arity
-    args = tuple(sympy.Symbol(n, real=True) for n in _HELPER_ARGS[:arity])
+    args = tuple(sympy.Symbol(n, real=True) for n in HELPER_ARGS[:arity])
     forward = []
     grads: list[list[tuple[str, Block]]] = [[] for _ in args]
     for choice in param.choices:
