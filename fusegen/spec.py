@@ -55,7 +55,7 @@ _GENERATED_PRIVATE_NAMES = frozenset(
     {
         "_OP", "_Autograd", "_forward", "_backward", "_forward_op", "_backward_op", "_forward_fake",
         "_backward_fake", "_setup_context", "_backward_autograd", "_no_double_backward",
-        "_arguments", "_problem",
+        "_arguments", "_problem", "_forward_launcher", "_backward_launcher",
     }
 )
 

@@ -117,6 +117,10 @@ def add_mul_activation_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
+_forward_launcher = runtime.CachedLauncher(add_mul_activation_kernel)
+
+
 @triton.autotune(
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
@@ -198,6 +202,9 @@ def add_mul_activation_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
 
 
+_backward_launcher = runtime.CachedLauncher(add_mul_activation_backward_kernel)
+
+
 def add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
     """y = activation(x + multiplier * inp + bias)
 
@@ -225,7 +232,7 @@ def _forward(x, inp, bias, multiplier, activation, training, seed, out=None):
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
-    add_mul_activation_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
+    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
         *views[2],
@@ -254,7 +261,7 @@ def _backward(grad_y, x, inp, bias, multiplier, activation, training, seed, need
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
-        add_mul_activation_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *views[1],
             *views[2],

@@ -65,6 +65,10 @@ def add_relu_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
+_forward_launcher = runtime.CachedLauncher(add_relu_kernel)
+
+
 @triton.autotune(
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
@@ -128,6 +132,9 @@ def add_relu_backward_kernel(
         tl.store(grad_other_ptr + tl.program_id(0) * N + cols, tl.sum(grad_other_sum, axis=0), mask=cols < N)
 
 
+_backward_launcher = runtime.CachedLauncher(add_relu_backward_kernel)
+
+
 def add_relu(x, other, *, out=None):
     """y = relu(x + other)
 
@@ -155,7 +162,7 @@ def _forward(x, other, training, seed, out=None):
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(other, problem)]
-    add_relu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
+    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
         y,
@@ -181,7 +188,7 @@ def _backward(grad_y, x, other, training, seed, needs_grad):
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(other, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
-        add_relu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *views[1],
             *grad_views[0],

@@ -98,6 +98,10 @@ def bias_geglu_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
+_forward_launcher = runtime.CachedLauncher(bias_geglu_kernel)
+
+
 @triton.autotune(
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
@@ -178,6 +182,9 @@ def bias_geglu_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * 2 * N + cols + N, tl.sum(grad_bias_chunk1_sum, axis=0), mask=cols < N)
 
 
+_backward_launcher = runtime.CachedLauncher(bias_geglu_backward_kernel)
+
+
 def bias_geglu(x, bias, activation='gelu_tanh', *, out=None):
     """y = activation(a) * b, where x + bias = [a, b] along the last dim
 
@@ -205,7 +212,7 @@ def _forward(x, bias, activation, training, seed, out=None):
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem, chunks=2), runtime.view_2d(bias, problem, chunks=2)]
-    bias_geglu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
+    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
         y,
@@ -232,7 +239,7 @@ def _backward(grad_y, x, bias, activation, training, seed, needs_grad):
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem, chunks=2), runtime.view_2d(bias, problem, chunks=2)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
-        bias_geglu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *views[1],
             *grad_views[0],

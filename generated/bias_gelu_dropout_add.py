@@ -129,6 +129,10 @@ def bias_gelu_dropout_add_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
+_forward_launcher = runtime.CachedLauncher(bias_gelu_dropout_add_kernel)
+
+
 @triton.autotune(
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
@@ -200,6 +204,9 @@ def bias_gelu_dropout_add_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
 
 
+_backward_launcher = runtime.CachedLauncher(bias_gelu_dropout_add_backward_kernel)
+
+
 def bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None, *, out=None):
     """y = dropout(activation(x + bias), p) + residual
 
@@ -227,7 +234,7 @@ def _forward(x, bias, residual, p, activation, training, seed, out=None):
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem), runtime.view_2d(residual, problem)]
-    bias_gelu_dropout_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
+    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
         *views[2],
@@ -257,7 +264,7 @@ def _backward(grad_y, x, bias, residual, p, activation, training, seed, needs_gr
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
-        bias_gelu_dropout_add_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *views[1],
             *grad_views[0],

@@ -70,6 +70,10 @@ def bias_swiglu_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
+_forward_launcher = runtime.CachedLauncher(bias_swiglu_kernel)
+
+
 @triton.autotune(
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
@@ -151,6 +155,9 @@ def bias_swiglu_backward_kernel(
         tl.store(grad_bias_ptr + tl.program_id(0) * 2 * N + cols + N, tl.sum(grad_bias_chunk1_sum, axis=0), mask=cols < N)
 
 
+_backward_launcher = runtime.CachedLauncher(bias_swiglu_backward_kernel)
+
+
 def bias_swiglu(x, bias, *, out=None):
     """y = silu(a) * b, where x + bias = [a, b] along the last dim
 
@@ -178,7 +185,7 @@ def _forward(x, bias, training, seed, out=None):
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem, chunks=2), runtime.view_2d(bias, problem, chunks=2)]
-    bias_swiglu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
+    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
         y,
@@ -204,7 +211,7 @@ def _backward(grad_y, x, bias, training, seed, needs_grad):
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem, chunks=2), runtime.view_2d(bias, problem, chunks=2)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
-        bias_swiglu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *views[1],
             *grad_views[0],

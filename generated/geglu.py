@@ -93,6 +93,10 @@ def geglu_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
+_forward_launcher = runtime.CachedLauncher(geglu_kernel)
+
+
 @triton.autotune(
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
@@ -147,6 +151,9 @@ def geglu_backward_kernel(
         tl.store(grad_x_ptr + tl.program_id(0) * 2 * N + cols + N, tl.sum(grad_x_chunk1_sum, axis=0), mask=cols < N)
 
 
+_backward_launcher = runtime.CachedLauncher(geglu_backward_kernel)
+
+
 def geglu(x, activation='gelu_tanh', *, out=None):
     """y = activation(a) * b, where x = [a, b] along the last dim
 
@@ -174,7 +181,7 @@ def _forward(x, activation, training, seed, out=None):
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem, chunks=2)]
-    geglu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
+    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         y,
         problem.m,
@@ -200,7 +207,7 @@ def _backward(grad_y, x, activation, training, seed, needs_grad):
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem, chunks=2)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
-        geglu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *grad_views[0],
             runtime.GradTarget.buffer_of(targets[0]),

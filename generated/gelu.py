@@ -63,6 +63,10 @@ def gelu_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
+_forward_launcher = runtime.CachedLauncher(gelu_kernel)
+
+
 @triton.autotune(
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
@@ -110,6 +114,9 @@ def gelu_backward_kernel(
         tl.store(grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N)
 
 
+_backward_launcher = runtime.CachedLauncher(gelu_backward_kernel)
+
+
 def gelu(x, *, out=None):
     """y = gelu(x), exact (erf) form
 
@@ -137,7 +144,7 @@ def _forward(x, training, seed, out=None):
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem)]
-    gelu_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
+    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         y,
         problem.m,
@@ -162,7 +169,7 @@ def _backward(grad_y, x, training, seed, needs_grad):
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
-        gelu_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *grad_views[0],
             runtime.GradTarget.buffer_of(targets[0]),

@@ -70,6 +70,10 @@ def scale_add_kernel(
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
 
 
+# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
+_forward_launcher = runtime.CachedLauncher(scale_add_kernel)
+
+
 @triton.autotune(
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
@@ -132,6 +136,9 @@ def scale_add_backward_kernel(
         tl.store(grad_scale_ptr + tl.program_id(0) * N + cols, tl.sum(grad_scale_sum, axis=0), mask=cols < N)
 
 
+_backward_launcher = runtime.CachedLauncher(scale_add_backward_kernel)
+
+
 def scale_add(x, scale, residual, *, out=None):
     """y = x * scale + residual, with one scale per row
 
@@ -159,7 +166,7 @@ def _forward(x, scale, residual, training, seed, out=None):
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(scale, problem), runtime.view_2d(residual, problem)]
-    scale_add_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
+    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
         *views[0],
         *views[1],
         *views[2],
@@ -186,7 +193,7 @@ def _backward(grad_y, x, scale, residual, training, seed, needs_grad):
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(scale, problem)]
         grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
-        scale_add_backward_kernel[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
+        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *views[1],
             *grad_views[0],

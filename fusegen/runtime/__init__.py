@@ -25,6 +25,7 @@ from .launch import (
     view_2d,
     write_out,
 )
+from .launcher import CachedLauncher
 
 if is_interpreting():
     from .interpreter import patch_bfloat16_rounding
@@ -34,6 +35,7 @@ if is_interpreting():
 __all__ = [
     "BACKWARD_CONFIGS",
     "FORWARD_CONFIGS",
+    "CachedLauncher",
     "Call",
     "FusegenArgumentError",
     "GradTarget",

@@ -1,0 +1,96 @@
+"""Launching an autotuned kernel without Triton's per-call dispatch.
+
+On an H100 host, Triton's autotuner and JIT dispatch cost about 80 µs a call
+(docs/benchmarks.md): more than the kernel itself below a few million elements. Both
+recompute, on every call, what only changes with the arguments' specialization: the
+tuned config, the compiled binary, the grid.
+
+`CachedLauncher` lets Triton do that work on the first call for a given key, remembers
+the binary, its config's constexprs and the grid, and on later calls hands the arguments
+straight to the binary's launcher (the C function Triton itself ends with).
+
+The key refines Triton's specialization, so a hit never launches a binary compiled for
+other arguments: for each tensor its dtype and 16-byte alignment; each int by value
+(Triton specializes on == 1 and % 16, and on the i32/i64 range), except parameters marked
+do_not_specialize, which only contribute their integer width; floats by type; None and
+bools by value; the constexprs by value; the current device. The grid function must
+depend only on those values and the config (the generated launchers' grids do).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton import knobs
+
+from fusegen.runtime.launch import is_interpreting
+
+_CACHE_SIZE = 1024
+
+
+def _int_width(value: int) -> str:
+    """The integer type Triton gives an unspecialized int argument."""
+    if -(2**31) <= value < 2**31:
+        return "i32"
+    return "i64" if -(2**63) <= value < 2**63 else "u64"
+
+
+class CachedLauncher:
+    """`launcher[grid](*args, **constexprs)`: the same call as on the autotuned kernel."""
+
+    def __init__(self, kernel: triton.runtime.Autotuner):
+        self.kernel = kernel
+        self._interpreting = is_interpreting()  # fixed before triton is imported
+        self._entries: dict[tuple, tuple] = {}
+        jit = kernel.fn
+        self._arg_names = jit.arg_names
+        # The interpreter's functions have no binary, hence no specialization to mirror.
+        unspecialized = set() if self._interpreting else {
+            name if isinstance(name, str) else jit.arg_names[name] for name in jit.do_not_specialize
+        }
+        self._unspecialized = frozenset(i for i, name in enumerate(jit.arg_names) if name in unspecialized)
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.launch(grid, args, constexprs)
+
+    def key(self, args: tuple, constexprs: dict) -> tuple:
+        # What Triton's specialization can see of each argument (inline: this runs every call).
+        tokens = [
+            (a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else float if type(a) is float else a
+            for a in args
+        ]
+        for i in self._unspecialized:
+            if i < len(args) and type(args[i]) is int:
+                tokens[i] = _int_width(args[i])
+        tokens.append(torch._C._cuda_getDevice())  # what torch.cuda.current_device() returns, minus its Python
+        tokens.extend(constexprs.items())
+        return tuple(tokens)
+
+    def launch(self, grid, args: tuple, constexprs: dict) -> None:
+        if self._interpreting or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+            # The interpreter has no binary to call; launch hooks (profilers) want Triton's path.
+            self.kernel[grid](*args, **constexprs)
+            return
+        key = self.key(args, constexprs)
+        entry = self._entries.get(key)
+        if entry is None:
+            # Triton tunes, compiles and launches this call; later ones with the key reuse its work.
+            self._remember(key, self.kernel[grid](*args, **constexprs), grid, args, constexprs)
+            return
+        run, function, metadata, grid_x, grid_y, grid_z, tail = entry
+        stream = torch._C._cuda_getCurrentRawStream(key[len(args)])
+        run(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *args, *tail)
+
+    def _remember(self, key, compiled, grid, args, constexprs) -> None:
+        """The binary, grid and trailing constexprs of the call Triton just made."""
+        if hasattr(compiled, "result"):  # an asynchronous compile's future
+            compiled = compiled.result()
+        named = {**dict(zip(self._arg_names, args)), **constexprs, **self.kernel.best_config.kwargs}
+        trailing = self._arg_names[len(args):]
+        if compiled is None or any(name not in named for name in trailing):
+            return  # e.g. a parameter left to its default: keep Triton's path
+        dims = grid(named) if callable(grid) else grid
+        dims = (*dims, 1, 1)[:3]
+        entry = (compiled.run, compiled.function, compiled.packed_metadata, *dims, tuple(named[n] for n in trailing))
+        if len(self._entries) >= _CACHE_SIZE:
+            self._entries.clear()
+        self._entries[key] = entry
