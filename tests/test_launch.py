@@ -1,0 +1,110 @@
+"""The runtime's launch decisions: which tiles the autotuner may try, and when a cached
+binary may be launched without Triton's dispatch (runtime.CachedLauncher)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+
+from fusegen.runtime import launch, launcher
+from helpers import op_by_name
+
+
+def _tiles(configs):
+    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in configs]
+
+
+@pytest.fixture
+def on_gpu_pruning(monkeypatch):
+    """The pruners as they run on a GPU (under the interpreter they keep one config)."""
+    monkeypatch.setattr(launch, "is_interpreting", lambda: False)
+
+
+@pytest.mark.parametrize("m,n", [(128, 1024), (256, 4096), (1000, 1000), (1, 8), (4096, 4)])
+def test_small_problems_get_tiles_that_fill_the_gpu(on_gpu_pruning, m, n):
+    tiles = _tiles(launch.prune_forward_configs(launch.FORWARD_CONFIGS, {"M": m, "N": n}))
+    assert tiles
+    for block_m, block_n in tiles:
+        assert block_m * block_n <= max(launch.SMALL_TILE_ELEMENTS, m * n // 256)
+        assert block_m <= triton.next_power_of_2(m) or len(tiles) == 1
+    if m * n >= 256 * launch.SMALL_TILE_ELEMENTS:
+        # At least 256 programs: about two per SM on an H100.
+        assert all(triton.cdiv(m, bm) * triton.cdiv(n, bn) >= 256 for bm, bn in tiles)
+
+
+@pytest.mark.parametrize("m,n", [(8 * 1024, 4096), (16 * 2048, 8192), (2**20, 8), (4096, 1024)])
+def test_large_problems_get_large_tiles(on_gpu_pruning, m, n):
+    tiles = _tiles(launch.prune_forward_configs(launch.FORWARD_CONFIGS, {"M": m, "N": n}))
+    assert tiles
+    for block_m, block_n in tiles:
+        assert block_m * block_n >= launch.LARGE_TILE_ELEMENTS
+        assert block_n >= min(triton.next_power_of_2(n), launch.WIDE_BLOCK_N)
+        assert block_n <= max(triton.next_power_of_2(n), launch.MIN_BLOCK_N)
+
+
+def test_interpreter_prunes_to_one_config():
+    tiles = _tiles(launch.prune_forward_configs(launch.FORWARD_CONFIGS, {"M": 128, "N": 1024}))
+    assert len(tiles) == 1
+
+
+# ---------------------------------------------------------------------------
+# CachedLauncher's key: it must tell apart every call Triton would compile differently
+
+
+@pytest.fixture
+def gpu_launcher(monkeypatch):
+    """A CachedLauncher over a stand-in kernel, keyed as on a GPU."""
+    monkeypatch.setattr(launcher, "is_interpreting", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    names = ["x_ptr", "x_stride", "n", "scale", "seed", "FLAG"]
+    kernel = SimpleNamespace(fn=SimpleNamespace(arg_names=names, do_not_specialize=["seed"]))
+    return launcher.CachedLauncher(kernel)
+
+
+def test_key_ignores_the_unspecialized_seed_but_not_its_width(gpu_launcher):
+    x = torch.empty(64)
+    key = lambda seed: gpu_launcher.key((x, 1, 64, 0.5, seed), {"FLAG": True})  # noqa: E731
+    assert key(1) == key(2**31 - 1)
+    assert key(1) != key(2**31)  # i32 vs i64
+    assert key(2**31) != key(2**63)  # i64 vs u64
+
+
+def test_key_tells_apart_what_triton_specializes_on(gpu_launcher):
+    storage = torch.empty(128)
+    base = ((storage[:64], 1, 64, 0.5, 7), {"FLAG": True})
+    variants = [
+        ((storage[1:65], 1, 64, 0.5, 7), {"FLAG": True}),  # 4-byte, not 16-byte, aligned
+        ((storage[:64].double(), 1, 64, 0.5, 7), {"FLAG": True}),  # dtype
+        ((storage[:64], 2, 64, 0.5, 7), {"FLAG": True}),  # an int == 1 or not
+        ((storage[:64], 1, 48, 0.5, 7), {"FLAG": True}),  # divisibility by 16
+        ((storage[:64], 1, 64, None, 7), {"FLAG": True}),  # None
+        ((storage[:64], 1, 64, 0.5, 7), {"FLAG": False}),  # a constexpr
+    ]
+    base_key = gpu_launcher.key(*base)
+    for args, constexprs in variants:
+        assert gpu_launcher.key(args, constexprs) != base_key, (args, constexprs)
+    # What Triton does not see: another float value, another tensor of the same kind.
+    assert gpu_launcher.key((storage[4:68], 1, 64, 0.25, 9), {"FLAG": True}) == base_key
+
+
+@pytest.mark.gpu
+def test_cached_launches_match_reference_across_alignments_and_shapes():
+    op = op_by_name("bias_gelu_dropout_add")
+    module = op.module
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((3, 5), (2, 7, 33), (1, 128, 1024), (2, 64, 4099)):
+            n = shape[-1]
+            storage = torch.randn(2 * torch.Size(shape).numel() + 8, device="cuda", dtype=dtype)
+            for offset in (0, 1, 0):  # aligned, misaligned, aligned again: each a cached key
+                x = storage[offset:offset + torch.Size(shape).numel()].view(shape)
+                bias = torch.randn(n, device="cuda", dtype=dtype)
+                residual = torch.randn(shape, device="cuda", dtype=dtype)
+                for seed in (1, 2**31 + 5):
+                    y = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+                    module.bias_gelu_dropout_add(x, bias, residual, p=0.3, seed=seed, out=y)
+                    expected = module.reference(x.double(), bias.double(), residual.double(), p=0.3, seed=seed)
+                    error = ((y.double() - expected).norm() / expected.norm()).item()
+                    assert error < (1e-6 if dtype == torch.float32 else 1e-2), (dtype, shape, offset, seed, error)
+    assert module._forward_launcher._entries, "the cached launch path was never taken"
