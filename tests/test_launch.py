@@ -44,7 +44,8 @@ def test_large_problems_get_large_tiles(on_gpu_pruning, m, n):
         assert block_n <= max(triton.next_power_of_2(n), launch.MIN_BLOCK_N)
 
 
-def test_interpreter_prunes_to_one_config():
+def test_interpreter_prunes_to_one_config(monkeypatch):
+    monkeypatch.setattr(launch, "is_interpreting", lambda: True)
     tiles = _tiles(launch.prune_forward_configs(launch.FORWARD_CONFIGS, {"M": 128, "N": 1024}))
     assert len(tiles) == 1
 
