@@ -451,18 +451,6 @@ LANGUAGE_CASES = {
     "power": ("x ** 1.5", "positive"),
     "division": ("x / y", "positive"),
 }
-# Triton 3.6's CPU interpreter has no libdevice: tanh and non-small powers, which the
-# printers spell libdevice.tanh and libdevice.pow, do not run without a GPU; nor does
-# rsqrt's backward, -0.5 * g / libdevice.pow(x, 1.5).
-NEEDS_LIBDEVICE = {"tanh", "power", "rsqrt"}
-_NO_LIBDEVICE = pytest.mark.xfail(
-    condition=not torch.cuda.is_available(), strict=True,
-    reason="KNOWN LIMITATION: libdevice.tanh / libdevice.pow return nothing under Triton 3.6's CPU interpreter "
-    "(InterpreterError: 'NoneType' object has no attribute ...), so specs using tanh, rsqrt or x ** 1.5 cannot run "
-    "without a GPU",
-)
-
-
 @pytest.fixture(scope="module")
 def language_ops(tmp_path_factory):
     """name -> (a minimal Op-like object, its module), built and imported once."""
@@ -488,11 +476,9 @@ def language_ops(tmp_path_factory):
     return built
 
 
-LANGUAGE_PARAMS = [
-    pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}", marks=[_NO_LIBDEVICE] if name in NEEDS_LIBDEVICE else [])
-    for name in LANGUAGE_CASES
-    for dt in DTYPES
-]
+# tanh and x ** 1.5 (and rsqrt's backward) are libdevice calls: without a GPU they run through
+# fusegen.runtime.interpreter's numpy stand-ins.
+LANGUAGE_PARAMS = [pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}") for name in LANGUAGE_CASES for dt in DTYPES]
 
 
 # The interpreter also computes the masked-off lanes of a tile (zeros): log(0), 1 / 0 there.

@@ -28,9 +28,10 @@ from .launch import (
 from .launcher import CachedLauncher
 
 if is_interpreting():
-    from .interpreter import patch_bfloat16_rounding
+    from .interpreter import patch_bfloat16_rounding, patch_libdevice
 
     patch_bfloat16_rounding()
+    patch_libdevice()
 
 __all__ = [
     "BACKWARD_CONFIGS",

@@ -1,9 +1,14 @@
-"""A fix for Triton 3.6's CPU interpreter, applied only when TRITON_INTERPRET=1.
+"""Fixes for Triton 3.6's CPU interpreter, applied only when TRITON_INTERPRET=1.
 
-The interpreter converts float32 → bfloat16 by truncating the mantissa, whereas the GPU
-(and torch) round to nearest even. Left alone, every bf16 result on the interpreter is
-up to 1 ulp off what the same kernel gives on a GPU, and tests would have to allow for
-an error the product does not have. We route that one conversion through torch.
+bf16 rounding: the interpreter converts float32 → bfloat16 by truncating the mantissa,
+whereas the GPU (and torch) round to nearest even. Left alone, every bf16 result on the
+interpreter is up to 1 ulp off what the same kernel gives on a GPU, and tests would have
+to allow for an error the product does not have. We route that one conversion through torch.
+
+libdevice: the interpreter runs `triton.language.extra.libdevice`'s stubs, which return
+None, and has no extern calls at all. We point the stubs the printers use at the CUDA
+backend's definitions, so that arguments are converted, broadcast and dispatched on their
+types exactly as a GPU compile does them, and compute the extern call itself with numpy.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 import triton.language as tl
 
 _PATCHED = False
+_LIBDEVICE_PATCHED = False
 
 
 def _to_bfloat16_bits(data: np.ndarray) -> np.ndarray:
@@ -44,3 +50,39 @@ def patch_bfloat16_rounding() -> None:
     builder.create_fp_trunc = patched_cast_impl
     builder.create_fp_to_fp = patched_fp_to_fp
     _PATCHED = True
+
+
+# The libdevice functions the printers spell (printers.TritonPrinter), by their CUDA symbol.
+_LIBDEVICE = {"tanh": ("__nv_tanhf", "__nv_tanh"), "pow": ("__nv_powf", "__nv_pow", "__nv_powif", "__nv_powi")}
+_NUMPY = {"tanh": np.tanh, "pow": np.power}
+
+
+def patch_libdevice() -> None:
+    global _LIBDEVICE_PATCHED
+    if _LIBDEVICE_PATCHED:
+        return
+    from triton.language.extra import libdevice
+    from triton.language.extra.cuda import libdevice as cuda_libdevice
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    numpy_of = {symbol: _NUMPY[name] for name, symbols in _LIBDEVICE.items() for symbol in symbols}
+
+    def extern_elementwise(self, lib_name, lib_path, symbol, args, ret_type, is_pure):
+        if symbol not in numpy_of:
+            raise NotImplementedError(f"{symbol} is not supported in interpreter mode")
+        dtype = ret_type.scalar
+        data = numpy_of[symbol](*(a.data for a in args)).astype(interpreter._get_np_dtype(dtype), copy=False)
+        return interpreter.TensorHandle(data, dtype)
+
+    def interpreted(function):
+        def call(*args):
+            return function(*args, _semantic=TritonSemantic(interpreter.interpreter_builder))
+
+        call.__module__ = libdevice.__name__  # a stub to the JIT's dependency tracking, as before
+        return call
+
+    interpreter.InterpreterBuilder.create_extern_elementwise = extern_elementwise
+    for name in _LIBDEVICE:
+        setattr(libdevice, name, interpreted(getattr(cuda_libdevice, name)))
+    _LIBDEVICE_PATCHED = True
