@@ -24,8 +24,10 @@ class sigmoid(sympy.Function):
         return None
 
     def fdiff(self, argindex=1):
-        s = sigmoid(self.args[0])
-        return s * (1 - s)
+        # sigmoid(x) * (1 - sigmoid(x)), with 1 - sigmoid(x) as sigmoid(-x): the subtraction
+        # cancels as sigmoid(x) -> 1, where sigmoid(-x) keeps its relative accuracy.
+        x = self.args[0]
+        return sigmoid(x) * sigmoid(-x)
 
     def _eval_rewrite_as_exp(self, x, **kwargs):
         return 1 / (1 + sympy.exp(-x))

@@ -169,9 +169,27 @@ class _Lowering:
 def _input_gradients(outputs, inputs, grad_outputs) -> dict[str, sympy.Expr]:
     """grad_input = Σ_outputs grad_output · ∂output/∂input, for every input."""
     return {
-        name: sympy.Add(*(g * sympy.diff(expr, symbol) for g, (_, expr) in zip(grad_outputs, outputs)))
+        name: sympy.Add(*(g * derivative(expr, symbol) for g, (_, expr) in zip(grad_outputs, outputs)))
         for name, symbol in inputs.items()
     }
+
+
+def derivative(expr: sympy.Expr, symbol: sympy.Symbol) -> sympy.Expr:
+    """∂expr/∂symbol, its terms' common factors taken out, as the chain rule leaves them.
+
+    The product rule hands back a sum in which a factor is distributed over the terms:
+    ∂(silu(a) * b)/∂a = b*s + a*b*s*sigmoid(-a). Where b = ±inf and a < 0 that sum is
+    inf - inf = NaN, where b * silu'(a), as eager PyTorch computes it, is ±inf; taking the
+    common factors out, b*s*(a*sigmoid(-a) + 1), gives the same value without the NaN,
+    and no more operations. Only the top-level sum is factored, and only for a factor that
+    is not just a number: the terms stay as sympy wrote them (factor_terms would also
+    rewrite function arguments, away from the forward's).
+    """
+    d = sympy.diff(expr, symbol)
+    factored = sympy.gcd_terms(d, fraction=False)
+    if factored.is_Mul and any(not f.is_number and not f.is_Add for f in factored.args):
+        return factored
+    return d
 
 
 def _passthrough(total: sympy.Expr, grad_outputs) -> str | None:
@@ -198,5 +216,5 @@ def _choice_helper(param) -> ChoiceHelper:
         expr = FUNCTIONS[choice].sympy_form(*args)
         forward.append((choice, _cse([("out", expr)], set(args))))
         for k, a in enumerate(args):
-            grads[k].append((choice, _cse([("out", sympy.diff(expr, a))], set(args))))
+            grads[k].append((choice, _cse([("out", derivative(expr, a))], set(args))))
     return ChoiceHelper(param.name, args, tuple(forward), tuple(tuple(g) for g in grads))

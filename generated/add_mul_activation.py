@@ -61,17 +61,15 @@ def _activation__grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'relu':
         out = tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0))
     elif ACTIVATION == 'sigmoid':
-        t0 = tl.sigmoid(x)
-        out = t0 * (1 - t0)
+        out = tl.sigmoid(-x) * tl.sigmoid(x)
     elif ACTIVATION == 'silu':
-        t0 = tl.sigmoid(x)
-        out = t0 * x * (1 - t0) + t0
+        out = (x * tl.sigmoid(-x) + 1) * tl.sigmoid(x)
     elif ACTIVATION == 'gelu':
         t0 = 0.7071067811865476 * x
         out = 0.5641895835477563 * t0 * tl.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'gelu_tanh':
-        t1 = tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
-        out = 1.5957691216057308 * t1 * x * (1 - t1) * (0.134145 * x * x + 1) + t1
+        t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
+        out = (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
     elif ACTIVATION == 'identity':
         out = 1
     else:

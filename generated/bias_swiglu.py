@@ -123,14 +123,13 @@ def bias_swiglu_backward_kernel(
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = bias_chunk0 + x_chunk0
-        t1 = tl.sigmoid(t0)
-        t2 = t1 * (bias_chunk1 + x_chunk1)
-        t3 = grad_y * (t0 * t2 * (1 - t1) + t2)
-        t4 = grad_y * t0 * t1
-        grad_x_chunk0 = t3
-        grad_x_chunk1 = t4
-        grad_bias_chunk0 = t3
-        grad_bias_chunk1 = t4
+        t1 = grad_y * tl.sigmoid(t0)
+        t2 = t1 * (bias_chunk1 + x_chunk1) * (t0 * tl.sigmoid(-t0) + 1)
+        t3 = t0 * t1
+        grad_x_chunk0 = t2
+        grad_x_chunk1 = t3
+        grad_bias_chunk0 = t2
+        grad_bias_chunk1 = t3
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_chunk0_sum += tl.where(in_bounds, grad_x_chunk0, 0.0)

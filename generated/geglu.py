@@ -53,8 +53,8 @@ def _activation__grad(x, ACTIVATION: tl.constexpr):
         t0 = 0.7071067811865476 * x
         out = 0.5641895835477563 * t0 * tl.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'gelu_tanh':
-        t1 = tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
-        out = 1.5957691216057308 * t1 * x * (1 - t1) * (0.134145 * x * x + 1) + t1
+        t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
+        out = (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
     else:
         tl.static_assert(False, "unknown activation")
     return out

@@ -101,8 +101,8 @@ def gelu_tanh_backward_kernel(
         x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t1 = tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
-        grad_x = grad_y * (1.5957691216057308 * t1 * x * (1 - t1) * (0.134145 * x * x + 1) + t1)
+        t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
+        grad_x = grad_y * (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_sum += tl.where(in_bounds, grad_x, 0.0)

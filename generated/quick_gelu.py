@@ -102,8 +102,7 @@ def quick_gelu_backward_kernel(
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = 1.702 * x
-        t1 = tl.sigmoid(t0)
-        grad_x = grad_y * (t0 * t1 * (1 - t1) + t1)
+        grad_x = grad_y * (t0 * tl.sigmoid(-t0) + 1) * tl.sigmoid(t0)
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_sum += tl.where(in_bounds, grad_x, 0.0)

@@ -106,10 +106,9 @@ def swiglu_backward_kernel(
         x_chunk1 = x_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = tl.sigmoid(x_chunk0)
-        t1 = t0 * x_chunk1
-        grad_x_chunk0 = grad_y * (t1 * x_chunk0 * (1 - t0) + t1)
-        grad_x_chunk1 = grad_y * t0 * x_chunk0
+        t0 = grad_y * tl.sigmoid(x_chunk0)
+        grad_x_chunk0 = t0 * x_chunk1 * (x_chunk0 * tl.sigmoid(-x_chunk0) + 1)
+        grad_x_chunk1 = t0 * x_chunk0
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_chunk0_sum += tl.where(in_bounds, grad_x_chunk0, 0.0)

@@ -237,25 +237,6 @@ def _same_specials(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 SPECIAL_CASES = [(op, c, name) for op, c in CHOICE_CASES for name in op.input_names]
 SPECIAL_IDS = [f"{op.name}-{choice_id(c)}-{name}" for op, c, name in SPECIAL_CASES]
 
-# KNOWN BUG (backward, inf): the CSE'd derivative of silu(a) * b distributes b over the two
-# terms of silu'(a): grad_a = g * (a * t * (1 - s) + t) with t = s * b. For b = ±inf and
-# a < 0 that is inf - inf = NaN, where eager PyTorch (F.silu's backward: g * b * silu'(a))
-# gives ±inf. Which cases meet it depends on the signs the seeded inputs hold at the poisoned
-# places; test_swiglu_backward_with_infinite_b is the minimal repro.
-_SILU_INF_REASON = (
-    "KNOWN BUG: swiglu's backward computes g * (a * t * (1 - s) + t), t = sigmoid(a) * b: "
-    "NaN (inf - inf) for b = inf and a < 0, where eager PyTorch gives inf"
-)
-_BACKWARD_SPECIAL_XFAIL = {("bias_swiglu", "x"), ("bias_swiglu", "bias")}
-BACKWARD_SPECIAL_CASES = [
-    pytest.param(
-        op, c, name, id=f"{op.name}-{choice_id(c)}-{name}",
-        marks=[pytest.mark.xfail(strict=True, reason=_SILU_INF_REASON)] if (op.name, name) in _BACKWARD_SPECIAL_XFAIL else [],
-    )
-    for op, c, name in SPECIAL_CASES
-]
-
-
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("op,choices,poisoned", SPECIAL_CASES, ids=SPECIAL_IDS)
 def test_nan_and_inf_propagate_as_eager_pytorch(op, choices, poisoned, device):
@@ -271,7 +252,7 @@ def test_nan_and_inf_propagate_as_eager_pytorch(op, choices, poisoned, device):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("op,choices,poisoned", BACKWARD_SPECIAL_CASES)
+@pytest.mark.parametrize("op,choices,poisoned", SPECIAL_CASES, ids=SPECIAL_IDS)
 def test_nan_and_inf_propagate_through_backward(op, choices, poisoned, device):
     """The gradients of every input, with one input poisoned: NaN/±inf where eager PyTorch's
     autograd puts them. (Not `reference`'s: autograd through its decomposed formulas meets
@@ -296,9 +277,10 @@ def test_nan_and_inf_propagate_through_backward(op, choices, poisoned, device):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.xfail(strict=True, reason=_SILU_INF_REASON)
 @pytest.mark.parametrize("name", ["swiglu", "bias_swiglu"])
 def test_swiglu_backward_with_infinite_b(name, device):
+    """grad a = g * b * silu'(a): -inf for b = -inf, as eager PyTorch gives, not the NaN
+    (inf - inf) of the product rule's sum with b distributed over silu''s two terms."""
     op = next(o for o in OPS if o.name == name)
     a = torch.tensor([[-0.5, 0.25, 1.0, 2.0]])
     b = torch.tensor([[float("-inf"), 1.0, 1.0, 1.0]])
@@ -377,28 +359,14 @@ GRID_CASES = [("gelu", {}), ("gelu_tanh", {}), ("quick_gelu", {}), ("squared_rel
 ]
 GRID_CASES = [(op, c) for name, c in GRID_CASES for op in OPS if op.name == name]
 RANGES = [(-8.0, -2.0), (-2.0, 2.0), (2.0, 8.0)]
-# KNOWN BUG (numerics): gelu_tanh's derivative is printed as
-#   1.5957691216057308 * s * x * (1 - s) * (0.134145 * x * x + 1) + s,  s = sigmoid(u),
-# and 1 - s cancels as s -> 1: for x in [2, 8] its fp32 error is about 3x that of
-# F.gelu(approximate="tanh")'s backward (sigmoid(-u) would not cancel). Over [-8, 8] in
-# norm it is 2.1x, and on random inputs up to ~2.3x (add_mul_activation, whose argument
-# x + m * inp + bias spreads wider than N(0, 1)).
-_GRID_XFAIL = {("gelu_tanh", "-", (2.0, 8.0))}
-_GELU_TANH_REASON = (
-    "KNOWN BUG: gelu_tanh's fp32 derivative computes 1 - sigmoid(u) by subtraction, which cancels for "
-    "large x: ~3x eager PyTorch's error for x in [2, 8]"
-)
 
 
 def _grid_params():
-    cases = []
-    for op, c in GRID_CASES:
-        for lo, hi in RANGES:
-            marks = []
-            if (op.name, choice_id(c), (lo, hi)) in _GRID_XFAIL:
-                marks.append(pytest.mark.xfail(strict=True, reason=_GELU_TANH_REASON))
-            cases.append(pytest.param(op, c, (lo, hi), id=f"{op.name}-{choice_id(c)}-[{lo:g},{hi:g}]", marks=marks))
-    return cases
+    return [
+        pytest.param(op, c, (lo, hi), id=f"{op.name}-{choice_id(c)}-[{lo:g},{hi:g}]")
+        for op, c in GRID_CASES
+        for lo, hi in RANGES
+    ]
 
 
 @pytest.mark.parametrize("op,choices,span", _grid_params())

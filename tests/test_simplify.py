@@ -62,3 +62,27 @@ def test_user_constants_are_kept_exactly(tmp_path):
     op = _op(tmp_path, "  y: x * 0.044715 + bias\n")
     (expr,) = [e for _, e in op.forward.results]
     assert sympy.Float(0.044715) in expr.atoms(sympy.Float)
+
+
+def test_gradient_keeps_common_factors_out_of_the_sum(tmp_path):
+    """∂(silu(a) * b)/∂a is g * b * s * (a * sigmoid(-a) + 1), s = sigmoid(a): b is a factor,
+    not distributed over silu''s two terms (where b = ±inf that sum would be inf - inf)."""
+    from fusegen.functions import sigmoid
+
+    op = _op(tmp_path, "  y: silu(x) * bias\n")
+    x, bias, grad_y = sympy.symbols("x bias grad_y", real=True)
+    grad_x = dict(op.backward.results)["grad_x"].xreplace(dict(op.backward.temps))
+    assert grad_x == grad_y * bias * sigmoid(x) * (x * sigmoid(-x) + 1)
+
+
+def test_gradient_of_a_sum_with_numeric_common_factors_is_left_alone():
+    x = sympy.Symbol("x", real=True)
+    expr = x / 2 * (1 + sympy.erf(x / sympy.sqrt(2)))  # gelu: only a 1/2 in common
+    assert simplify.derivative(expr, x) == sympy.diff(expr, x)
+
+
+def test_sigmoid_derivative_has_no_cancelling_subtraction():
+    from fusegen.functions import sigmoid
+
+    x = sympy.Symbol("x", real=True)
+    assert sympy.diff(sigmoid(x), x) == sigmoid(x) * sigmoid(-x)
