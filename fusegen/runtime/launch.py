@@ -138,9 +138,15 @@ def autotune_do_bench():
     return None
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b). triton.cdiv is a constexpr_function in Triton 3.6, costing microseconds a
+    call from plain Python, and these run on every launch."""
+    return -(-a // b)
+
+
 def grid_2d(meta, m: int, n: int, rows_per_program: int | None = None):
     rows = rows_per_program or meta["BLOCK_M"]
-    return (triton.cdiv(m, rows), triton.cdiv(n, meta["BLOCK_N"]))
+    return (cdiv(m, rows), cdiv(n, meta["BLOCK_N"]))
 
 
 def backward_rows_per_program(problem: "Problem") -> int:
@@ -148,9 +154,9 @@ def backward_rows_per_program(problem: "Problem") -> int:
     as that allows, since each writes one row of partial column sums per reduced input."""
     if is_interpreting():
         return max(MIN_ROWS_PER_PROGRAM, min(MAX_ROWS_PER_PROGRAM, triton.next_power_of_2(problem.m)))
-    column_tiles = triton.cdiv(problem.n, 1024)
+    column_tiles = cdiv(problem.n, 1024)
     rows = MIN_ROWS_PER_PROGRAM
-    while rows < MAX_ROWS_PER_PROGRAM and triton.cdiv(problem.m, 2 * rows) * column_tiles >= 1024:
+    while rows < MAX_ROWS_PER_PROGRAM and cdiv(problem.m, 2 * rows) * column_tiles >= 1024:
         rows *= 2
     return rows
 
@@ -385,7 +391,7 @@ class GradTarget:
             self.buffer = torch.empty(full_shape, dtype=tensor.dtype, device=device)
         elif tensor.numel() == width and tensor.dim() >= 1 and tensor.shape[-1] == width:
             self.kind = "rows"
-            programs = triton.cdiv(problem.m, rows_per_program)
+            programs = cdiv(problem.m, rows_per_program)
             self.buffer = torch.empty((programs, width), dtype=accumulate, device=device)
         else:
             self.kind = "sum"
