@@ -159,7 +159,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         backward_inputs=[_input_context(i) for i in backward_inputs],
         outputs=outputs,
         kernel_grads=[_input_context(i) for i in kernel_grad_inputs],
-        grad_target_pairs=_tuple([f"({i.name}, {i.chunks})" for i in kernel_grad_inputs]),
+        grad_target_pairs=_tuple([f"({i.name}, {i.chunks}, {_one_per_row(i)})" for i in kernel_grad_inputs]),
         gradients=[
             dict(input=i.name, passthrough_of=passthrough.get(i.name), index=index) for index, i in enumerate(spec.inputs)
         ],
@@ -179,6 +179,11 @@ def render_op_module(op: SimplifiedOp) -> str:
     return _template_environment().get_template("op.py.jinja").render(**context)
 
 
+def _one_per_row(spec_input) -> bool:
+    """An input declared [..., 1]: one value per row, broadcast along the columns."""
+    return spec_input.chunks == 1 and bool(spec_input.dims) and spec_input.dims[-1] == "1"
+
+
 def _input_context(spec_input) -> dict:
     """An input as the kernels see it: its pointer, and each value it supplies with the
     column expression where that value lives (chunk k of x [..., kN] at cols + k * N)."""
@@ -190,6 +195,7 @@ def _input_context(spec_input) -> dict:
         dims=spec_input.shape_text,
         dims_tuple=repr(tuple(spec_input.dims)),
         row_width="N" if chunks == 1 else f"{chunks} * N",
+        one_per_row=_one_per_row(spec_input),
         values=[dict(name=n, column=c) for n, c in zip(value_names(spec_input), columns)],
         sum_columns=["cols"] + [f"cols + {'' if k == 1 else f'{k} * '}N" for k in range(1, chunks)],
         reference_values=", ".join(value_names(spec_input)),

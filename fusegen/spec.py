@@ -531,7 +531,7 @@ _KERNEL_CONSTEXPRS = frozenset({"HAS_DROPOUT", "INDEX_64", "COMPUTE_FP64", "BLOC
 
 def _parse_choice_param(name: str, body: _LineDict, line: int) -> ChoiceParam:
     constant = name.upper()
-    if constant in _KERNEL_CONSTEXPRS or constant.startswith(("NEEDS_GRAD_", "SUM_GRAD_")):
+    if constant in _KERNEL_CONSTEXPRS or constant.startswith(("NEEDS_GRAD_", "SUM_GRAD_", "SUM_COLS_GRAD_")):
         raise _Located(line, f"param name '{name}' is reserved by the generated code (the kernels' {constant})")
     _check_keys(body, ["choices", "default"], ["choices", "default"], f"param '{name}'", line)
     lines = body.value_lines

@@ -165,8 +165,8 @@ def _backward(grad_y, x, slope, training, seed, needs_grad):
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
-        for (t, chunks), need in zip(((x, 1),), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks, one_per_row) if need else None
+        for (t, chunks, one_per_row), need in zip(((x, 1, False),), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem)]

@@ -86,7 +86,7 @@ def scale_add_backward_kernel(
     scale_ptr, scale_stride_m, scale_stride_n,  # scale [..., 1], as [M, N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
-    grad_scale_ptr,  # gradient of scale: [M, N], or with SUM_GRAD_SCALE column sums [programs along M, N]
+    grad_scale_ptr,  # gradient of scale: [M, N], or column sums [programs along M, N], or row sums [column tiles, M]
     M, N,
     seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,
@@ -96,6 +96,7 @@ def scale_add_backward_kernel(
     SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
     NEEDS_GRAD_SCALE: tl.constexpr,
     SUM_GRAD_SCALE: tl.constexpr,  # scale is broadcast along rows
+    SUM_COLS_GRAD_SCALE: tl.constexpr,  # scale is broadcast along columns
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M, fixed before launch (it sizes the sums)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -126,6 +127,9 @@ def scale_add_backward_kernel(
         if NEEDS_GRAD_SCALE:
             if SUM_GRAD_SCALE:
                 grad_scale_sum += tl.where(in_bounds, grad_scale, 0.0)
+            elif SUM_COLS_GRAD_SCALE:
+                # This column tile's part of each row's sum: [column tiles, M], summed after.
+                tl.store(grad_scale_ptr + tl.program_id(1) * M + rows, tl.sum(tl.where(in_bounds, grad_scale, 0.0), axis=1), mask=rows < M)
             else:
                 tl.store(grad_scale_ptr + rows[:, None] * N + cols[None, :], grad_scale.to(grad_scale_ptr.dtype.element_ty), mask=in_bounds)
     if NEEDS_GRAD_X and SUM_GRAD_X:
@@ -187,8 +191,8 @@ def _backward(grad_y, x, scale, residual, training, seed, needs_grad):
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program, chunks) if need else None
-        for (t, chunks), need in zip(((x, 1), (scale, 1)), needs_grad)
+        runtime.GradTarget(t, problem, rows_per_program, chunks, one_per_row) if need else None
+        for (t, chunks, one_per_row), need in zip(((x, 1, False), (scale, 1, True)), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(scale, problem)]
@@ -209,6 +213,7 @@ def _backward(grad_y, x, scale, residual, training, seed, needs_grad):
             SUM_GRAD_X=runtime.GradTarget.sums_rows(targets[0]),
             NEEDS_GRAD_SCALE=targets[1] is not None,
             SUM_GRAD_SCALE=runtime.GradTarget.sums_rows(targets[1]),
+            SUM_COLS_GRAD_SCALE=runtime.GradTarget.sums_columns(targets[1]),
             ROWS_PER_PROGRAM=rows_per_program,
         )
     return [t.result() for t in targets if t is not None]

@@ -458,13 +458,17 @@ def launch_backward(op: Op, grads_out: dict, tensors: dict, params: dict, seed: 
         name = spec_input.name
         if f"grad_{name}_ptr" in names:
             chunks = chunks_of(spec_input)
-            extra = (chunks,) if chunks > 1 else ()
-            target = runtime.GradTarget(tensors[name], problem, rows_per_program, *extra)
+            one_per_row = f"SUM_COLS_GRAD_{name.upper()}" in names
+            target = runtime.GradTarget(tensors[name], problem, rows_per_program, chunks, one_per_row)
+            if runtime.GradTarget.sums_columns(target):
+                # One row of sums per column tile of this launch's width: every slot is written.
+                target.buffer = torch.empty((-(-problem.n // block_n), problem.m), dtype=target.buffer.dtype, device=target.buffer.device)
             target.buffer.fill_(float("nan"))
             targets[name] = target
             kwargs[f"grad_{name}_ptr"] = target.buffer
             kwargs[f"NEEDS_GRAD_{name.upper()}"] = True
             kwargs[f"SUM_GRAD_{name.upper()}"] = runtime.GradTarget.sums_rows(target)
+            kwargs[f"SUM_COLS_GRAD_{name.upper()}"] = runtime.GradTarget.sums_columns(target)
     kwargs.update(
         M=problem.m, N=problem.n, seed=call.seed, HAS_DROPOUT=call.has_dropout, INDEX_64=False,
         COMPUTE_FP64=problem.compute_dtype == torch.float64, ROWS_PER_PROGRAM=rows_per_program,

@@ -109,3 +109,30 @@ def test_cached_launches_match_reference_across_alignments_and_shapes():
                     error = ((y.double() - expected).norm() / expected.norm()).item()
                     assert error < (1e-6 if dtype == torch.float32 else 1e-2), (dtype, shape, offset, seed, error)
     assert module._forward_launcher._entries, "the cached launch path was never taken"
+
+
+# ---------------------------------------------------------------------------
+# Gradients of inputs broadcast along columns ([..., 1]): row sums in the kernel
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000])
+def test_one_value_per_row_gradient_is_summed_in_the_kernel(monkeypatch, device, n):
+    module = op_by_name("scale_add").module
+    kinds = []
+    init = launch.GradTarget.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        kinds.append(self.kind)
+
+    monkeypatch.setattr(launch.GradTarget, "__init__", spy)
+    x = torch.randn(3, 5, n, dtype=torch.float64, device=device, requires_grad=True)
+    scale = torch.randn(3, 5, 1, dtype=torch.float64, device=device, requires_grad=True)
+    residual = torch.randn(3, 5, n, dtype=torch.float64, device=device)
+    grad_y = torch.randn(3, 5, n, dtype=torch.float64, device=device)
+    module.scale_add(x, scale, residual).backward(grad_y)
+    expected = (grad_y * x.detach()).sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(scale.grad, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, grad_y * scale.detach(), rtol=1e-12, atol=1e-12)
+    # n == 1: scale is as big as the output, so its gradient is written in full.
+    assert kinds[-1] == ("full" if n == 1 else "columns")

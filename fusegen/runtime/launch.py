@@ -149,6 +149,13 @@ def grid_2d(meta, m: int, n: int, rows_per_program: int | None = None):
     return (cdiv(m, rows), cdiv(n, meta["BLOCK_N"]))
 
 
+def narrowest_backward_block_n(problem: "Problem") -> int:
+    """The narrowest column tile the backward's pruner may pick for this problem."""
+    if is_interpreting():
+        return _interpreter_config(problem.m, problem.n).kwargs["BLOCK_N"]
+    return min(c.kwargs["BLOCK_N"] for c in BACKWARD_CONFIGS)
+
+
 def backward_rows_per_program(problem: "Problem") -> int:
     """Rows each backward program walks: enough programs to fill a GPU (~1024), but as few
     as that allows, since each writes one row of partial column sums per reduced input."""
@@ -377,10 +384,14 @@ class GradTarget:
     - same shape as the output: written in place, in the input's dtype;
     - broadcast along rows (bias [N] against [..., N]): per-program column sums in fp32
       [programs along M, N], summed across programs here, in a fixed order;
+    - broadcast along columns (scale [..., 1], where the kernel sums those: `one_per_row`):
+      per-column-tile row sums in fp32 [column tiles, M], zeroed first (the tuned tile width
+      is not known before launch: as many slots as the narrowest tile needs), summed here;
     - any other broadcast: a full fp32 gradient, summed to the input's shape here.
     """
 
-    def __init__(self, tensor: torch.Tensor, problem: Problem, rows_per_program: int, chunks: int = 1):
+    def __init__(self, tensor: torch.Tensor, problem: Problem, rows_per_program: int, chunks: int = 1,
+                 one_per_row: bool = False):
         self.shape, self.dtype = tensor.shape, tensor.dtype
         accumulate = torch.float64 if problem.compute_dtype == torch.float64 else torch.float32
         device = problem.device
@@ -393,6 +404,10 @@ class GradTarget:
             self.kind = "rows"
             programs = cdiv(problem.m, rows_per_program)
             self.buffer = torch.empty((programs, width), dtype=accumulate, device=device)
+        elif one_per_row and tensor.shape == (*problem.shape[:-1], 1):
+            self.kind = "columns"
+            tiles = cdiv(problem.n, narrowest_backward_block_n(problem))
+            self.buffer = torch.zeros((tiles, problem.m), dtype=accumulate, device=device)
         else:
             self.kind = "sum"
             self.buffer = torch.empty(full_shape, dtype=accumulate, device=device)
@@ -405,10 +420,14 @@ class GradTarget:
     def sums_rows(target: "GradTarget | None") -> bool:
         return target is not None and target.kind == "rows"
 
+    @staticmethod
+    def sums_columns(target: "GradTarget | None") -> bool:
+        return target is not None and target.kind == "columns"
+
     def result(self) -> torch.Tensor:
         if self.kind == "full":
             return self.buffer
-        if self.kind == "rows":
+        if self.kind in ("rows", "columns"):
             return self.buffer.sum(dim=0).reshape(self.shape).to(self.dtype)
         return self.buffer.sum_to_size(self.shape).to(self.dtype)
 
