@@ -100,9 +100,11 @@ Expr = Union[Const, InputRef, ChunkRef, ParamRef, Unary, Binary, Compare, Call, 
 @dataclass(frozen=True)
 class OpIR:
     spec: OpSpec
-    # Intermediates are inlined: a name bound in `let` stands for its whole tree.
+    # Intermediates are inlined: a name bound in `let` stands for its whole tree, the same
+    # objects as in `lets` (so a tree's nodes can be traced back to the binding that wrote them).
     outputs: tuple[tuple[str, Expr], ...]
     dropouts: tuple[Dropout, ...]
+    lets: tuple[tuple[str, Expr], ...] = ()
 
 
 _BINARY_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
@@ -139,7 +141,8 @@ def build_ir(spec: OpSpec) -> OpIR:
                 "intermediates): its gradient would be too large to simplify",
             )
     _check_all_used(spec, scope)
-    return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts))
+    lets = tuple((name, let.expr) for name, let in scope.lets.items())
+    return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets)
 
 
 class _Scope:
@@ -370,6 +373,50 @@ def _snippet(node: ast.AST) -> str:
     except Exception:  # noqa: BLE001 - only for the message
         text = type(node).__name__
     return _shorten(text)
+
+
+# Python's binding strengths: unary minus binds tighter than * and less than ** on its left.
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2, "**": 4}
+_UNARY, _ATOM = 3, 5
+
+
+def unparse(expr: Expr, names: dict[int, str] | None = None) -> str:
+    """Spec text for a tree, with only the parentheses Python needs. A subtree that an
+    intermediate stands for is written as its name: `names` maps id(subtree) to the name."""
+    return _unparse(expr, names or {}, top=True)[0]
+
+
+def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, int]:
+    if not top and id(e) in names:
+        return names[id(e)], _ATOM
+    if isinstance(e, Const):
+        return repr(e.value), _ATOM
+    if isinstance(e, (InputRef, ParamRef)):
+        return e.name, _ATOM
+    if isinstance(e, ChunkRef):
+        return f"chunk({e.name}, {e.index})", _ATOM
+    if isinstance(e, Unary):
+        text, strength = _unparse(e.operand, names)
+        return "-" + (text if strength >= _UNARY else f"({text})"), _UNARY
+    if isinstance(e, (Binary, Compare)):
+        strength = _PRECEDENCE.get(e.op, 0)
+        (left, left_strength), (right, right_strength) = _unparse(e.left, names), _unparse(e.right, names)
+        if e.op == "**":  # right-associative, and its right operand may be a unary minus
+            left_ok, right_ok = left_strength > strength, right_strength >= _UNARY
+        else:
+            left_ok, right_ok = left_strength >= strength, right_strength > strength
+        left = left if left_ok else f"({left})"
+        right = right if right_ok else f"({right})"
+        return f"{left} {e.op} {right}", strength
+    if isinstance(e, (Call, ChoiceCall)):
+        args = ", ".join(_unparse(a, names)[0] for a in e.args)
+        return f"{e.func if isinstance(e, Call) else e.param}({args})", _ATOM
+    if isinstance(e, Where):
+        parts = ", ".join(_unparse(a, names)[0] for a in (e.cond, e.if_true, e.if_false))
+        return f"where({parts})", _ATOM
+    if isinstance(e, Dropout):
+        return f"dropout({_unparse(e.value, names)[0]}, {e.p})", _ATOM
+    raise TypeError(f"unknown IR node {type(e).__name__}")
 
 
 def walk(expr: Expr):

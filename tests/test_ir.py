@@ -130,6 +130,36 @@ def test_lets_are_inlined_and_shared(tmp_path):
     assert tree.left is tree.right.left  # one tree, not a copy per use
 
 
+def test_lets_are_kept_by_name_as_the_same_trees(tmp_path):
+    op = _op(tmp_path, "  y: u * v\n", lets="let:\n  u: a + 1\n  v: u - 1\n")
+    ((_, tree),) = op.outputs
+    assert [name for name, _ in op.lets] == ["u", "v"]
+    assert dict(op.lets)["u"] is tree.left and dict(op.lets)["v"] is tree.right
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0 ** -1", "9 ** 9 ** 9", "(-2) ** 2", "-2 ** 2", "(a ** b) ** c", "a ** -b ** 2", "a - (b - c)",
+        "a - b - c", "a / (b * c)", "-(a + b) * c", "a * -b", "--a", "(a + 1) / -(b - 2)", "a * 1e+30",
+        "where(a > 0, act(a), dropout(-a, p))", "max(a, log(-2))", "pick(a, k * 2.5)",
+    ],
+)
+def test_unparse_writes_the_text_back(tmp_path, text):
+    tree = _expr(tmp_path, text)
+    assert ir.unparse(tree) == text
+    assert _expr(tmp_path, ir.unparse(tree)) == tree
+
+
+def test_unparse_names_intermediates(tmp_path):
+    op = _op(tmp_path, "  y: u * (u + 1)\n", lets="let:\n  u: a - 1\n")
+    ((_, tree),) = op.outputs
+    names = {id(expr): name for name, expr in op.lets}
+    assert ir.unparse(tree, names) == "u * (u + 1)"
+    assert ir.unparse(tree) == "(a - 1) * (a - 1 + 1)"
+    assert ir.unparse(dict(op.lets)["u"], names) == "a - 1"  # the tree itself, not its name
+
+
 def test_outputs_in_order_and_spec_kept(tmp_path):
     op = _op(tmp_path, "  z: a\n  y: -a\n")
     assert [name for name, _ in op.outputs] == ["z", "y"]
