@@ -11,6 +11,11 @@ from sympy.printing.codeprinter import CodePrinter
 from sympy.printing.precedence import PRECEDENCE, precedence
 
 _SMALL_POWERS = (2, 3, 4)
+# Integers beyond this print as floats: a folded constant is within it (fusegen.constants),
+# but a derivative may multiply one by an exponent, and Triton has no integer literal past 2**63.
+_MAX_INTEGER_LITERAL = 2**53
+# The type a kernel computes in: a compile-time choice between float32 and float64.
+TRITON_COMPUTE_DTYPE = "tl.float64 if COMPUTE_FP64 else tl.float32"
 
 
 class _ElementwisePrinter(CodePrinter):
@@ -46,13 +51,17 @@ class _ElementwisePrinter(CodePrinter):
         """How a helper for a choice param is told which choice to compute."""
         raise NotImplementedError
 
+    def scalar(self, number: str) -> str:
+        """A number as a 0-d tensor in the compute type: what a helper's argument must be."""
+        raise NotImplementedError
+
     # -- atoms -------------------------------------------------------------
 
     def _print_Symbol(self, expr):
         return expr.name  # spec names are validated identifiers
 
     def _print_Integer(self, expr):
-        return str(expr.p)
+        return self._number(expr)
 
     def _print_Float(self, expr):
         # repr is the shortest text that reads back as the same double, e.g. 0.044715.
@@ -107,7 +116,7 @@ class _ElementwisePrinter(CodePrinter):
 
     def _number(self, value) -> str:
         if value.is_Integer:
-            return str(value.p)
+            return str(value.p) if abs(value.p) <= _MAX_INTEGER_LITERAL else repr(float(value.p))
         if value.is_Float:
             return repr(float(value))
         return repr(float(value.evalf(30)))
@@ -173,8 +182,8 @@ class _ElementwisePrinter(CodePrinter):
 
     def _print_Function(self, expr):
         param = getattr(expr.func, "choice_param", None)
-        if param is not None:
-            args = ", ".join(self._print(a) for a in expr.args)
+        if param is not None:  # a number argument (act(1)) is made a tensor: helpers compute on tensors
+            args = ", ".join(self.scalar(self._print(a)) if a.is_number else self._print(a) for a in expr.args)
             return f"{expr.func.__name__}{self.helper_suffix}({args}, {self.choice_argument(param)})"
         return super()._print_Function(expr)
 
@@ -220,6 +229,9 @@ class TritonPrinter(_ElementwisePrinter):
     def choice_argument(self, param):
         return param.upper()
 
+    def scalar(self, number):
+        return f"tl.full((), {number}, {TRITON_COMPUTE_DTYPE})"
+
 
 class TorchPrinter(_ElementwisePrinter):
     """PyTorch eager: tensors in the compute dtype; Python floats where sympy has numbers."""
@@ -244,6 +256,9 @@ class TorchPrinter(_ElementwisePrinter):
 
     def choice_argument(self, param):
         return param
+
+    def scalar(self, number):
+        return f"torch.tensor({number}, dtype=problem.compute_dtype, device=problem.device)"
 
 
 def _is_number_text(text: str) -> bool:
@@ -280,8 +295,12 @@ class EagerPrinter:
             return f"{e.name}_chunks[{e.index}]"
         if isinstance(e, ir.Unary):
             return f"-{self._operand(e.operand)}"
-        if isinstance(e, (ir.Binary, ir.Compare)):
+        if isinstance(e, ir.Binary):
             return f"{self._operand(e.left)} {e.op} {self._operand(e.right)}"
+        if isinstance(e, ir.Compare):  # where's condition: a tensor, even between numbers
+            numbers = _is_python_number(e.left) and _is_python_number(e.right)
+            left = self._tensor(e.left) if numbers else self._operand(e.left)
+            return f"{left} {e.op} {self._operand(e.right)}"
         if isinstance(e, ir.Where):
             return f"torch.where({self._print(e.cond)}, {self._print(e.if_true)}, {self._print(e.if_false)})"
         if isinstance(e, ir.Call):
@@ -290,14 +309,17 @@ class EagerPrinter:
             idiom = FUNCTIONS[e.func].torch_idiom
             return idiom.format(*(self._argument(a, idiom, i) for i, a in enumerate(e.args)))
         if isinstance(e, ir.ChoiceCall):
-            args = ", ".join(self._print(a) for a in e.args)
+            args = ", ".join(self._tensor(a) if _is_python_number(a) else self._print(a) for a in e.args)
             return f"_{e.param}__eager({args}, {e.param})"
         if isinstance(e, ir.Dropout):
             return f"F.dropout({self._print(e.value)}, {e.p}, training={self.training})"
         raise TypeError(f"unknown IR node {type(e).__name__}")
 
     def _argument(self, e, idiom: str, index: int) -> str:
-        """An argument bare where the idiom already sets it off as a call argument."""
+        """An argument bare where the idiom already sets it off as a call argument; a number
+        in the first place (the input of F.relu, torch.exp, ...) made a tensor."""
+        if index == 0 and _is_python_number(e) and idiom != "{0}":
+            return self._tensor(e)
         slot = "{%d}" % index
         enclosed = all(
             idiom[max(0, at - 1)] in "(, " and idiom[at + len(slot):at + len(slot) + 1] in "),"
@@ -310,6 +332,26 @@ class EagerPrinter:
 
         text = self._print(e)
         return f"({text})" if isinstance(e, (ir.Binary, ir.Compare, ir.Unary)) else text
+
+    def _tensor(self, e) -> str:
+        from . import ir
+
+        value = repr(float(e.value)) if isinstance(e, ir.Const) else f"float({self._print(e)})"
+        return f"torch.tensor({value})"
+
+
+def _is_python_number(e) -> bool:
+    """An IR tree the eager code computes as a Python number (1, -2, 2 ** 0.5): torch's
+    functions take tensors."""
+    from . import ir
+
+    if isinstance(e, ir.Const):
+        return True
+    if isinstance(e, ir.Unary):
+        return _is_python_number(e.operand)
+    if isinstance(e, ir.Binary):
+        return _is_python_number(e.left) and _is_python_number(e.right)
+    return False
 
 
 def _find_all(text: str, part: str) -> list[int]:

@@ -20,7 +20,14 @@ import jinja2
 import sympy
 
 from .functions import FUNCTIONS
-from .printers import EagerPrinter, TorchPrinter, TritonPrinter, _ElementwisePrinter, uses_libdevice
+from .printers import (
+    TRITON_COMPUTE_DTYPE,
+    EagerPrinter,
+    TorchPrinter,
+    TritonPrinter,
+    _ElementwisePrinter,
+    uses_libdevice,
+)
 from .simplify import HELPER_ARGS, Block, ChoiceHelper, SimplifiedOp, choice_function, value_names
 from .spec import ChoiceParam, OpSpec, ScalarParam
 
@@ -331,7 +338,7 @@ def _depends_on(expr: sympy.Expr, block: Block, tensors: set) -> bool:
 
 
 def _triton_constant(text: str) -> str:
-    return f"tl.full((BLOCK_M, BLOCK_N), {text}, tl.float64 if COMPUTE_FP64 else tl.float32)"
+    return f"tl.full((BLOCK_M, BLOCK_N), {text}, {TRITON_COMPUTE_DTYPE})"
 
 
 def _torch_constant(text: str) -> str:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from . import ir
+from . import constants, ir
+from .errors import SpecError
 from .functions import FUNCTIONS
 
 _RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
@@ -79,7 +80,9 @@ def choice_function(param: str, arity: int, derivative: int | None = None) -> ty
             raise NotImplementedError("fusegen derives first derivatives only")
         return choice_function(param, arity, argindex - 1)(*self.args)
 
-    return type(name, (sympy.Function,), {"nargs": arity, "fdiff": fdiff, "choice_param": param})
+    # Never a number, even of constant arguments (act(1)): as for sympy's undefined functions,
+    # its value is unknown here, so nothing may evaluate, compare or print it as one.
+    return type(name, (sympy.Function,), {"nargs": arity, "fdiff": fdiff, "choice_param": param, "is_number": False})
 
 
 def value_names(input_spec) -> list[str]:
@@ -99,11 +102,13 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
 
     outputs = {}
     for has_dropout in (True, False):
-        lower = _Lowering(symbols, masks if has_dropout else None)
-        outputs[has_dropout] = [(name, lower(expr)) for name, expr in op.outputs]
+        lower = _Lowering(op, symbols, masks if has_dropout else None)
+        outputs[has_dropout] = lower.outputs()
 
     grad_outputs = tuple(sympy.Symbol(f"grad_{name}", real=True) for name, _ in op.outputs)
-    totals = {has_dropout: _input_gradients(outputs[has_dropout], inputs, grad_outputs) for has_dropout in (True, False)}
+    totals = {
+        has_dropout: _input_gradients(spec, outputs[has_dropout], inputs, grad_outputs) for has_dropout in (True, False)
+    }
     gradients = tuple(
         Gradient(
             name,
@@ -137,11 +142,74 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
 
 
 class _Lowering:
-    def __init__(self, symbols: dict[str, sympy.Symbol], masks: tuple[sympy.Symbol, ...] | None):
+    """IR → sympy, node by node. A node whose value is a number is folded to one literal
+    (constants.fold), and the numbers sympy gathers into a node's sum or product are checked:
+    a constant that cannot be a literal is a spec error naming the field and the subexpression."""
+
+    def __init__(self, op: ir.OpIR, symbols: dict[str, sympy.Symbol], masks: tuple[sympy.Symbol, ...] | None):
+        self.op = op
         self.symbols = symbols
         self.masks = masks
+        self.lowered: dict[int, sympy.Basic] = {}  # by id(node): intermediates' trees are shared
+        # A subtree an intermediate stands for is shown by its name in messages.
+        self.let_names = {id(expr): name for name, expr in op.lets}
+        self.binding = None
+
+    def outputs(self) -> list[tuple[str, sympy.Expr]]:
+        """Every output's expression; intermediates first, so that a problem in one is
+        reported at its own line (and lowered once, wherever it is used)."""
+        bindings = {b.name: b for b in (*self.op.spec.lets, *self.op.spec.outputs)}
+        for name, expr in self.op.lets:
+            self._lower_binding(bindings[name], "intermediate", expr)
+        return [(name, self._lower_binding(bindings[name], "output", expr)) for name, expr in self.op.outputs]
+
+    def _lower_binding(self, binding, kind: str, expr: ir.Expr) -> sympy.Expr:
+        self.binding = (binding, kind)
+        value = self(expr)
+        try:
+            constants.check_all_numbers(value)
+        except constants.ConstantError as exc:
+            raise self._error(f"`{self._text(expr)}` simplifies to an expression whose constant {exc}") from None
+        return value
+
+    def _error(self, message: str) -> SpecError:
+        binding, kind = self.binding
+        return SpecError(self.op.spec.path, binding.line, f"{kind} '{binding.name}': {message}")
+
+    def _text(self, e: ir.Expr) -> str:
+        text = ir.unparse(e, self.let_names)
+        return text if len(text) <= 60 else text[:57] + "..."
 
     def __call__(self, e: ir.Expr) -> sympy.Basic:
+        key = id(e)
+        if key not in self.lowered:
+            self.lowered[key] = self._checked(e)
+        return self.lowered[key]
+
+    def _checked(self, e: ir.Expr) -> sympy.Basic:
+        try:
+            value = self._lower(e)
+        except ZeroDivisionError:  # sympy's Float / Float(0)
+            raise self._error(f"{self._constant(e)} is not a finite real number (it divides by zero)") from None
+        except constants.CoefficientError as exc:  # (2 * x) ** 9 ** 9, before sympy computes 2 ** 9 ** 9
+            raise self._error(f"`{self._text(e)}` simplifies to a product whose constant factor {exc}") from None
+        except constants.ConstantError as exc:  # 9 ** 9 ** 9, or act(0) for a choice of log
+            raise self._error(f"{self._constant(e)} {exc}") from None
+        if isinstance(e, ir.Compare):
+            return value
+        try:
+            if value.is_number:
+                return constants.fold(value)
+            constants.check_coefficients(value)
+        except constants.ConstantError as exc:
+            where = self._constant(e) if value.is_number else f"`{self._text(e)}` simplifies to {_shape(value)}"
+            raise self._error(f"{where} {exc}") from None
+        return value
+
+    def _constant(self, e: ir.Expr) -> str:
+        return f"constant subexpression `{self._text(e)}`"
+
+    def _lower(self, e: ir.Expr) -> sympy.Basic:
         if isinstance(e, ir.Const):
             return sympy.Integer(e.value) if isinstance(e.value, int) else sympy.Float(e.value)
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
@@ -151,13 +219,15 @@ class _Lowering:
         if isinstance(e, ir.Unary):
             return -self(e.operand)
         if isinstance(e, ir.Binary):
+            if e.op == "**":
+                return constants.power(self(e.left), self(e.right))
             return _BINARY[e.op](self(e.left), self(e.right))
         if isinstance(e, ir.Compare):
             return _RELATIONS[e.op](self(e.left), self(e.right))
         if isinstance(e, ir.Call):
             return FUNCTIONS[e.func].sympy_form(*(self(a) for a in e.args))
         if isinstance(e, ir.ChoiceCall):
-            return choice_function(e.param, len(e.args))(*(self(a) for a in e.args))
+            return self._choice_call(e)
         if isinstance(e, ir.Where):
             return sympy.Piecewise((self(e.if_true), self(e.cond)), (self(e.if_false), True))
         if isinstance(e, ir.Dropout):
@@ -165,13 +235,48 @@ class _Lowering:
             return value * self.masks[e.stream] if self.masks is not None else value
         raise TypeError(f"unknown IR node {type(e).__name__}")
 
+    def _choice_call(self, e: ir.ChoiceCall) -> sympy.Expr:
+        args = [self(a) for a in e.args]
+        if all(a.is_number for a in args):
+            # act(1) stays a call (which function is chosen at compile time), but each
+            # choice's value must be a literal the kernel could hold.
+            param = next(p for p in self.op.spec.choice_params if p.name == e.param)
+            for choice in param.choices:
+                try:
+                    constants.fold(FUNCTIONS[choice].sympy_form(*args))
+                except constants.ConstantError as exc:
+                    raise constants.ConstantError(f"with {e.param} = {choice} {exc}") from None
+        return choice_function(e.param, len(args))(*args)
 
-def _input_gradients(outputs, inputs, grad_outputs) -> dict[str, sympy.Expr]:
+
+def _shape(value: sympy.Expr) -> str:
+    """Where the number constants.check_coefficients refused sits, for a message."""
+    if value.is_Add:
+        return "a sum whose constant term"
+    if value.is_Mul:
+        return "a product whose constant factor"
+    return "a power whose constant base or exponent"
+
+
+def _input_gradients(spec, outputs, inputs, grad_outputs) -> dict[str, sympy.Expr]:
     """grad_input = Σ_outputs grad_output · ∂output/∂input, for every input."""
-    return {
-        name: sympy.Add(*(g * derivative(expr, symbol) for g, (_, expr) in zip(grad_outputs, outputs)))
-        for name, symbol in inputs.items()
+    lines = {b.name: b.line for b in spec.outputs}
+    shown = {n: n for n in inputs} | {
+        n: f"chunk({i.name}, {k})" for i in spec.inputs if i.chunks > 1 for k, n in enumerate(value_names(i))
     }
+    totals = {}
+    for name, symbol in inputs.items():
+        terms = []
+        for g, (output, expr) in zip(grad_outputs, outputs):
+            partial = derivative(expr, symbol)
+            try:
+                constants.check_finite(partial)
+            except constants.ConstantError as exc:  # (-2) ** x: its derivative holds log(-2)
+                message = f"output '{output}': its derivative with respect to {shown[name]} has a constant that {exc}"
+                raise SpecError(spec.path, lines[output], message) from None
+            terms.append(g * partial)
+        totals[name] = sympy.Add(*terms)
+    return totals
 
 
 def derivative(expr: sympy.Expr, symbol: sympy.Symbol) -> sympy.Expr:

@@ -11,8 +11,9 @@ the one stderr line and the untouched output folder.
 
 Every test is derandomized (a fixed seed, no example database), so CI sees the same
 examples on every run. Bugs this file found are pinned as strict xfails with a minimal
-repro each (see KNOWN BUGS below); the fuzz strategies steer clear of them so that the
-passing tests keep guarding everything else.
+repro each, kept as regression tests once fixed (see KNOWN BUGS below); while a bug is
+open the fuzz strategies steer clear of it, so that the passing tests keep guarding
+everything else.
 """
 from __future__ import annotations
 
@@ -211,8 +212,8 @@ def cli_bench(tmp_path_factory) -> CliBench:
 # ---------------------------------------------------------------------------
 # Strategies: text and YAML documents
 
-# Text without line breaks: a name or choice holding one is echoed into the error message
-# as is (KNOWN BUG 1, pinned below), so the generic fuzzers leave them out of names.
+# Text without line breaks: a name or choice holding one was echoed into the error message
+# as is (KNOWN BUG 1, fixed and pinned below), so the generic fuzzers leave them out of names.
 no_break_chars = st.characters(codec="utf-8", exclude_characters=LINE_BREAKS)
 INTERESTING = [
     "", " ", "x", "N", "...", "1", "2N", "[N]", "relu", "gelu", "dropout", "p", "y", "x + 1", "exp(x)",
@@ -461,10 +462,10 @@ def test_mutated_expressions_parse_or_fail_cleanly(workspace, text, edits):
     workspace.load(expression_spec(text))
 
 
-# The whole build over expressions that avoid KNOWN BUGS 2-4: every constant is positive
-# and stands next to a name (`2 * e`, `e + 0.5`), there is no subtraction, negation or
-# division by an expression that can cancel to zero, so no subexpression folds to a
-# constant that the printers choke on (complex, infinite, unevaluated or huge).
+# The whole build over expressions that must build: every constant is positive and stands
+# next to a name (`2 * e`, `e + 0.5`), there is no subtraction, negation or division by an
+# expression that can cancel to zero, so no subexpression folds to a constant that is
+# refused (complex, infinite or out of range; KNOWN BUGS 2-5 were crashes and hangs there).
 POSITIVE = ["0.5", "2", "3.0", "7", "2.5e-3"]
 
 
@@ -507,11 +508,6 @@ def test_random_expressions_through_the_cli(cli_bench, text):
     cli_bench.run(expression_spec(text))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KNOWN BUGS 2-4: constant subexpressions (x / 0, sqrt(-1), relu(exp(1)), 10.0**400, ...) "
-    "crash or hang the build instead of building or failing with one line",
-)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # libcst, which hypothesis loads to report
 @settings(max_examples=300, phases=[Phase.explicit, Phase.generate], **FUZZ)
 @given(text=full_grammar)
@@ -590,23 +586,25 @@ def test_edge_cases_that_must_build(workspace):
 
 
 # ---------------------------------------------------------------------------
-# KNOWN BUGS: minimal repros, each a strict xfail until fusegen is fixed.
+# KNOWN BUGS: minimal repros, each a strict xfail until fusegen is fixed, then a regression
+# test. All fixed; what each was:
 #
-# 1. A name, key or choice holding a line break is echoed raw into the error message,
-#    which then spans two lines (spec.py: _check_identifier, _check_keys, the duplicate-key
-#    and choices messages print the text as written, not repr'd).
+# 1. A name, key or choice holding a line break was echoed raw into the error message,
+#    which then spanned two lines (now shown escaped: errors.SpecError).
 # 2. A constant subexpression that sympy folds to something non-real or non-finite (x / 0,
-#    0 ** -1, sqrt(-4), log(-2) inside max, 1e30 / 0.0) or cannot evaluate (relu(exp(1)),
-#    act(1) for a choice param act) crashes the printers with a TypeError, ValueError or
-#    ZeroDivisionError traceback (exit 1); one that overflows a float (10.0 ** 400) is
-#    printed as `inf`, which check_module reports as an internal error (exit 3).
-# 3. A folded integer too large to print (10 ** 5000) is a ValueError traceback; folded
-#    constants beyond the literal bounds (10**10 * 10**10) build, then fail at run time.
-# 4. Hangs: 9 ** 9 ** 9 (sympy computes the integer), and where() comparing a constant with
-#    relu of an irrational constant (sympy's Piecewise does not return within a minute).
-# 5. Silent: a constant that is complex after folding is printed as a real number:
-#    `x + sqrt(-1)` and `x + rsqrt(-1)` build as `x + 1`, `x + log(-1)` as `x + 3.14159...`,
+#    0 ** -1, sqrt(-4), log(-2) inside max, 1e30 / 0.0) or could not evaluate (relu(exp(1)),
+#    act(1) for a choice param act) crashed the printers with a TypeError, ValueError or
+#    ZeroDivisionError traceback (exit 1); one that overflows a float (10.0 ** 400) was
+#    printed as `inf`, which check_module reported as an internal error (exit 3).
+# 3. A folded integer too large to print (10 ** 5000) was a ValueError traceback; folded
+#    constants beyond the literal bounds (10**10 * 10**10) built, then failed at run time.
+# 4. Hangs: 9 ** 9 ** 9 (sympy computed the integer), and where() comparing a constant with
+#    relu of an irrational constant (sympy's Piecewise did not return within a minute).
+# 5. Silent: a constant that is complex after folding was printed as a real number:
+#    `x + sqrt(-1)` and `x + rsqrt(-1)` built as `x + 1`, `x + log(-1)` as `x + 3.14159...`,
 #    `x + sqrt(-2) * sqrt(-2)` as `x - 2`; eager PyTorch gives NaN for every one of them.
+# 2-5 now: lowering folds every constant subexpression to one literal, or refuses it with
+# one line naming the field and the subexpression (fusegen.constants, simplify._Lowering).
 
 LINE_BREAK_CASES = {
     "unknown_key": 'name: op\ndoc: d\n"a\\nb": 1\ninputs:\n  x: [N]\noutputs:\n  y: x\n',
@@ -640,15 +638,48 @@ CONSTANT_FOLDING_CASES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUGS 2-3: constant folding crashes the build (traceback or exit 3)")
 @pytest.mark.parametrize("text", CONSTANT_FOLDING_CASES.values(), ids=CONSTANT_FOLDING_CASES.keys())
 def test_constant_folding_builds_or_fails_cleanly(cli_bench, text):
     spec = _expr_case(text).replace("outputs:", "params:\n  act: {choices: [relu, gelu], default: relu}\noutputs:")
     cli_bench.run(spec if "act(" in text else _expr_case(text))
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG 3: folded constants escape the literal bounds: builds, then "
-                   "fails at run time (Triton: Nonrepresentable integer 100000000000000000000)")
+# Constants that are finite and real build, and the op computes them: the kernel (through the
+# interpreter without a GPU), reference and eager agree with the value, for every choice.
+FINITE_CONSTANT_CASES = {
+    "relu_of_irrational_constant": ("x + relu(exp(1))", lambda x, f: x + torch.relu(torch.exp(torch.ones_like(x)))),
+    "relu_of_constant_in_where": ("where(relu(sqrt(2)) > 0, x, 1)", lambda x, f: x),
+    "where_on_relu_of_constant": ("where(0 >= relu(sigmoid(-7)), x, 1)", lambda x, f: torch.ones_like(x)),
+    "choice_of_constant": ("act(1) * x", lambda x, f: f(torch.ones_like(x)) * x),
+    "choice_of_constant_alone": ("act(-0.5)", lambda x, f: f(torch.full_like(x, -0.5))),
+}
+
+
+@pytest.mark.parametrize("case", FINITE_CONSTANT_CASES.values(), ids=FINITE_CONSTANT_CASES.keys())
+def test_finite_constants_build_and_compute_their_value(tmp_path, case, device):
+    text, expected = case
+    name = f"fuzz_finite_{zlib.crc32(text.encode())}"
+    # z uses x and act whatever y does; y is the case.
+    spec = _expr_case(text).replace("name: op", f"name: {name}").replace(
+        "outputs:", "params:\n  act: {choices: [relu, gelu, sigmoid], default: relu}\noutputs:\n  z: act(x)"
+    )
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(spec, encoding="utf-8")
+    module = _import_module(tmp_path, name, cli.build_op(path).text)
+    x = torch.linspace(-2, 2, 8, dtype=torch.float64).reshape(2, 4)
+    eager_functions = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "sigmoid": torch.sigmoid}
+    for act, f in eager_functions.items():
+        want = expected(x, f)
+        got = {
+            "op": module.__dict__[name](x.to(device), act=act),
+            "reference": module.reference(x, act=act),
+            "eager": module.eager(x, act=act),
+        }
+        for label, value in got.items():
+            y = torch.as_tensor(value[1]).cpu().double()
+            torch.testing.assert_close(y.expand_as(want), want, msg=lambda m: f"{label}, act={act}: {m}")
+
+
 def test_folded_constants_stay_within_the_literal_bounds(workspace):
     assert workspace.build(_expr_case("x * 10**10 * 10**10")) == "error"
 
@@ -661,8 +692,6 @@ COMPLEX_CONSTANT_CASES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG 5: a complex constant is printed as a real number (x + sqrt(-1) "
-                   "builds as x + 1), where eager PyTorch gives NaN")
 @pytest.mark.parametrize("case", COMPLEX_CONSTANT_CASES.values(), ids=COMPLEX_CONSTANT_CASES.keys())
 def test_complex_constants_are_refused_or_give_nan(tmp_path, case):
     text, eager = case
@@ -695,7 +724,6 @@ HANG_CASES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG 4: the build does not finish (sympy)")
 @pytest.mark.parametrize("text", HANG_CASES.values(), ids=HANG_CASES.keys())
 def test_build_finishes_in_bounded_time(tmp_path, text):
     # In a subprocess: the integer power is one C call, which no alarm can interrupt.

@@ -59,3 +59,20 @@ def test_printed_code_evaluates_like_sympy():
         got = eval(text, {"torch": torch}, values)  # noqa: S307 - our own printer's output, in a test
         want = float(expr.rewrite(sympy.exp).subs({x: 0.7, y: 0.3}).evalf())
         assert math.isclose(float(got), want, rel_tol=1e-12, abs_tol=1e-15), name
+
+
+def test_integers_past_2_53_print_as_floats():
+    # A derivative may multiply a folded constant by an exponent; Triton has no integer literal past 2**63.
+    assert triton.doprint(2**106 * x) == "8.112963841460668e+31 * x"
+    assert triton.doprint(2**53 * x) == "9007199254740992 * x"
+
+
+def test_a_choice_of_a_number_gets_a_tensor():
+    from fusegen.simplify import choice_function
+
+    act = choice_function("act", 1)
+    assert triton.doprint(act(1) * x) == "x * _act(tl.full((), 1, tl.float64 if COMPUTE_FP64 else tl.float32), ACT)"
+    assert torch_.doprint(act(x)) == "_act__torch(x, act)"
+    assert torch_.doprint(act(sympy.Float(0.5))) == (
+        "_act__torch(torch.tensor(0.5, dtype=problem.compute_dtype, device=problem.device), act)"
+    )

@@ -86,3 +86,25 @@ def test_sigmoid_derivative_has_no_cancelling_subtraction():
 
     x = sympy.Symbol("x", real=True)
     assert sympy.diff(sigmoid(x), x) == sigmoid(x) * sigmoid(-x)
+
+
+def _y(op) -> sympy.Expr:
+    return dict(op.forward.results)["y"].xreplace(dict(op.forward.temps))
+
+
+def test_constant_subexpressions_fold_to_one_literal(tmp_path):
+    x = sympy.Symbol("x", real=True)
+    assert _y(_op(tmp_path, "  y: x + relu(exp(1))\n", inputs="  x: [N]\n")) == x + sympy.Float(2.718281828459045)
+    assert _y(_op(tmp_path, "  y: x * (2 / 3)\n", inputs="  x: [N]\n")) == sympy.Rational(2, 3) * x  # exact
+    # sympy alone could not decide this comparison (it ran for minutes): folded, it is false.
+    assert _y(_op(tmp_path, "  y: where(0 >= relu(sigmoid(-7)), x, 1)\n", inputs="  x: [N]\n")) == 1
+    # An exact power whose exact value would be huge is computed in floats: close to e**2.
+    y = _y(_op(tmp_path, "  y: x * (1 + 2 ** -52) ** 2 ** 53\n", inputs="  x: [N]\n"))
+    assert abs(float(y.coeff(x)) - 7.38905609893065) < 1e-12
+
+
+def test_a_choice_of_a_constant_stays_a_call(tmp_path):
+    op = _op(tmp_path, "  y: act(1) * x\n", inputs="  x: [N]\n", params="params:\n  act: {choices: [relu, gelu], default: relu}\n")
+    act = simplify.choice_function("act", 1)
+    assert _y(op) == act(1) * sympy.Symbol("x", real=True)
+    assert not act(1).is_number  # so nothing tries to evaluate or print it as one
