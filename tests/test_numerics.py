@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -479,3 +480,45 @@ def test_every_function_within_twice_eager_error(language_ops, name, dtype, devi
     _within_contract(got[0], low[0], truth[0], dtype, op.name)
     for input_name, gr, lo, tr in zip(op.input_names, got[1], low[1], truth[1]):
         _within_contract(gr, lo, tr, dtype, f"{op.name}: grad of {input_name}")
+
+
+# KNOWN BUG (found by the interpreter's libdevice stand-in, which goes through the CUDA
+# backend's own dispatch; not run on a GPU here): libdevice.pow has overloads for (fp32, fp32),
+# (fp64, fp64), (fp32, int32) and (fp64, int32) only, and picks one by its arguments' types
+# as given. The printers pass a Python float exponent as is (Triton makes it fp32), a number
+# base as is (int32) and a float param as the launcher passes it (fp32), so fp64 inputs with
+# x ** 1.5 or rsqrt (whose backward is a power), and 2 ** x or x ** s in any dtype, find no
+# overload: KeyError when the kernel is compiled. A fix: give libdevice.pow both arguments in
+# the compute type (a number as tl.full((), v, <compute type>), params converted in the kernel).
+POW_DISPATCH_CASES = {
+    "power_fp64": ("x ** 1.5", "", torch.float64),
+    "rsqrt_fp64": ("rsqrt(x)", "", torch.float64),
+    "number_base": ("2 ** x", "", torch.float32),
+    "float_param_exponent_fp64": ("x ** s", "params:\n  s: {type: float, default: 1.5}\n", torch.float64),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="KNOWN BUG: libdevice.pow finds no overload for an fp32 number or param "
+                   "with fp64 compute, nor for an int number base (KeyError at compile time)")
+@pytest.mark.parametrize("case", POW_DISPATCH_CASES.values(), ids=POW_DISPATCH_CASES.keys())
+def test_powers_in_every_dtype(tmp_path, case, device):
+    import importlib.util
+
+    from fusegen import cli
+
+    text, params, dtype = case
+    name = f"numerics_pow_{zlib.crc32(text.encode())}"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"name: {name}\ndoc: d\ninputs:\n  x: [..., N]\n{params}outputs:\n  y: {text}\n", encoding="utf-8")
+    (tmp_path / f"{name}.py").write_text(cli.build_op(path).text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x = (torch.rand(2, 8, dtype=dtype, generator=torch.Generator().manual_seed(9)) + 0.5).requires_grad_(True)
+    y = getattr(module, name)(x.to(device))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    x64 = x.detach().double().requires_grad_(True)
+    want = module.reference(x64)
+    (want_grad,) = torch.autograd.grad(want.sum(), x64)
+    torch.testing.assert_close(y.detach().cpu().double(), want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.cpu().double(), want_grad, rtol=1e-5, atol=1e-6)
