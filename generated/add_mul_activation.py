@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fusegen import runtime
 
@@ -66,7 +67,7 @@ def _activation__grad(x, ACTIVATION: tl.constexpr):
         out = (x * tl.sigmoid(-x) + 1) * tl.sigmoid(x)
     elif ACTIVATION == 'gelu':
         t0 = 0.7071067811865476 * x
-        out = 0.5641895835477563 * t0 * tl.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
+        out = 0.5641895835477563 * t0 * libdevice.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'gelu_tanh':
         t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
         out = (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
@@ -252,13 +253,15 @@ def _backward(grad_y, x, inp, bias, multiplier, activation, training, seed, need
     call = _arguments(x, inp, bias, multiplier, activation, training, seed, needs_kernel=True)
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
+    # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
+    # comprehensions, so their names share the function's scope with the inputs'.
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program, chunks, one_per_row) if need else None
-        for (t, chunks, one_per_row), need in zip(((x, 1, False), (inp, 1, False), (bias, 1, False)), needs_grad)
+        runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
+        for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False), (inp, 1, False), (bias, 1, False)), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
-        grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
+        grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *views[1],
@@ -283,7 +286,7 @@ def _backward(grad_y, x, inp, bias, multiplier, activation, training, seed, need
             SUM_GRAD_BIAS=runtime.GradTarget.sums_rows(targets[2]),
             ROWS_PER_PROGRAM=rows_per_program,
         )
-    return [t.result() for t in targets if t is not None]
+    return [_target.result() for _target in targets if _target is not None]
 
 
 # torch.library registration: autograd and torch.compile each see one opaque op.
@@ -352,7 +355,7 @@ def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, inp: torch.Tensor, bias:
 
 @_backward_op.register_fake
 def _backward_fake(grad_y, x, inp, bias, multiplier, activation, training, seed, needs_grad):
-    return [torch.empty_like(t) for t, need in zip((x, inp, bias), needs_grad) if need]
+    return [torch.empty_like(_tensor) for _tensor, _need in zip((x, inp, bias), needs_grad) if _need]
 
 
 def _no_double_backward(ctx, *grads):

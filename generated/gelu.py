@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fusegen import runtime
 
@@ -103,7 +104,7 @@ def gelu_backward_kernel(
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = 0.7071067811865476 * x
-        grad_x = grad_y * (0.5641895835477563 * t0 * tl.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5)
+        grad_x = grad_y * (0.5641895835477563 * t0 * libdevice.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5)
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -162,13 +163,15 @@ def _backward(grad_y, x, training, seed, needs_grad):
     call = _arguments(x, training, seed, needs_kernel=True)
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
+    # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
+    # comprehensions, so their names share the function's scope with the inputs'.
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program, chunks, one_per_row) if need else None
-        for (t, chunks, one_per_row), need in zip(((x, 1, False),), needs_grad)
+        runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
+        for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False),), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem)]
-        grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
+        grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *grad_views[0],
@@ -183,7 +186,7 @@ def _backward(grad_y, x, training, seed, needs_grad):
             SUM_GRAD_X=runtime.GradTarget.sums_rows(targets[0]),
             ROWS_PER_PROGRAM=rows_per_program,
         )
-    return [t.result() for t in targets if t is not None]
+    return [_target.result() for _target in targets if _target is not None]
 
 
 # torch.library registration: autograd and torch.compile each see one opaque op.
@@ -250,7 +253,7 @@ def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, training: bool, seed: to
 
 @_backward_op.register_fake
 def _backward_fake(grad_y, x, training, seed, needs_grad):
-    return [torch.empty_like(t) for t, need in zip((x,), needs_grad) if need]
+    return [torch.empty_like(_tensor) for _tensor, _need in zip((x,), needs_grad) if _need]
 
 
 def _no_double_backward(ctx, *grads):

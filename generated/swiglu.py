@@ -170,13 +170,15 @@ def _backward(grad_y, x, training, seed, needs_grad):
     call = _arguments(x, training, seed, needs_kernel=True)
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
+    # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
+    # comprehensions, so their names share the function's scope with the inputs'.
     targets = [
-        runtime.GradTarget(t, problem, rows_per_program, chunks, one_per_row) if need else None
-        for (t, chunks, one_per_row), need in zip(((x, 2, False),), needs_grad)
+        runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
+        for (_tensor, _chunks, _one_per_row), _need in zip(((x, 2, False),), needs_grad)
     ]
     if problem.m * problem.n > 0 and any(needs_grad):
         views = [runtime.view_2d(x, problem, chunks=2)]
-        grad_views = [runtime.view_2d(g, problem) for g in (grad_y,)]
+        grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
             *views[0],
             *grad_views[0],
@@ -191,7 +193,7 @@ def _backward(grad_y, x, training, seed, needs_grad):
             SUM_GRAD_X=runtime.GradTarget.sums_rows(targets[0]),
             ROWS_PER_PROGRAM=rows_per_program,
         )
-    return [t.result() for t in targets if t is not None]
+    return [_target.result() for _target in targets if _target is not None]
 
 
 # torch.library registration: autograd and torch.compile each see one opaque op.
@@ -258,7 +260,7 @@ def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, training: bool, seed: to
 
 @_backward_op.register_fake
 def _backward_fake(grad_y, x, training, seed, needs_grad):
-    return [torch.empty_like(t) for t, need in zip((x,), needs_grad) if need]
+    return [torch.empty_like(_tensor) for _tensor, _need in zip((x,), needs_grad) if _need]
 
 
 def _no_double_backward(ctx, *grads):

@@ -53,8 +53,12 @@ def patch_bfloat16_rounding() -> None:
 
 
 # The libdevice functions the printers spell (printers.TritonPrinter), by their CUDA symbol.
-_LIBDEVICE = {"tanh": ("__nv_tanhf", "__nv_tanh"), "pow": ("__nv_powf", "__nv_pow", "__nv_powif", "__nv_powi")}
-_NUMPY = {"tanh": np.tanh, "pow": np.power}
+_LIBDEVICE = {
+    "exp": ("__nv_expf", "__nv_exp"),
+    "tanh": ("__nv_tanhf", "__nv_tanh"),
+    "pow": ("__nv_powf", "__nv_pow", "__nv_powif", "__nv_powi"),
+}
+_NUMPY = {"exp": np.exp, "tanh": np.tanh, "pow": np.power}
 
 
 def patch_libdevice() -> None:
