@@ -64,23 +64,26 @@ def fold(value: sympy.Expr) -> sympy.Expr:
 def power(base: sympy.Expr, exponent: sympy.Expr) -> sympy.Expr:
     """base ** exponent, without letting sympy compute an exact number too large to hold.
 
-    sympy raises an exact base to an exact exponent exactly, and distributes an integer
-    exponent over a product's exact coefficient ((2 * x) ** n is 2**n * x**n): either can
-    run for minutes ((1 + 2**-52) ** 2**53 is a fraction of 2**106 bits, though close to e**2).
-    Such a power is computed in floats instead (mpmath: in no time, at a double's precision),
-    or refused at once where its size alone puts it out of range.
+    sympy raises an exact base to an exact exponent exactly, and hands an integer exponent
+    on to the numbers inside the base: a product's coefficient ((2 * x) ** n is 2**n * x**n),
+    each branch of a where. Either can run for minutes ((1 + 2**-52) ** 2**53 is a fraction
+    of 2**106 bits, though close to e**2). So where the exact result could be that long, the
+    base's exact numbers become floats first (mpmath raises them at a double's precision, in
+    no time), or the power is refused at once where its size alone puts it out of range.
     """
-    coefficient, rest = (base, sympy.Integer(1)) if base.is_number else base.as_coeff_Mul()
-    if not (exponent.is_Rational and coefficient.is_Rational and abs(coefficient) not in (0, 1)):
-        return base**exponent
-    numerator, denominator = math.log2(abs(coefficient.p)), math.log2(coefficient.q)
-    if abs(float(exponent)) * (numerator + denominator) <= _MAX_POWER_BITS:
-        return base**exponent  # small enough to compute exactly
-    if float(exponent) * (numerator - denominator) > _MAX_POWER_BITS:  # huge, not merely long
-        exact_integer = coefficient.is_Integer and exponent.is_Integer and exponent > 0
-        error = ConstantError if base.is_number else CoefficientError
-        raise error(f"is out of range ({_INT_LIMIT if exact_integer else _FLOAT_LIMIT})")
-    return (sympy.Float(coefficient) * rest) ** exponent
+    if not exponent.is_Rational:
+        return base**exponent  # a float exponent: mpmath's work
+    exact = [a for a in base.atoms(sympy.Rational) if abs(a) not in (0, 1)]
+    bits = max((math.log2(abs(a.p)) + math.log2(a.q) for a in exact), default=0)
+    if abs(float(exponent)) * bits <= _MAX_POWER_BITS:
+        return base**exponent  # short enough to compute exactly
+    coefficient = base if base.is_number else base.as_coeff_Mul()[0]
+    if coefficient.is_Rational and abs(coefficient) not in (0, 1):
+        if float(exponent) * (math.log2(abs(coefficient.p)) - math.log2(coefficient.q)) > _MAX_POWER_BITS:
+            exact_integer = coefficient.is_Integer and exponent.is_Integer and exponent > 0
+            error = ConstantError if base.is_number else CoefficientError
+            raise error(f"is out of range ({_INT_LIMIT if exact_integer else _FLOAT_LIMIT})")
+    return base.xreplace({a: sympy.Float(a) for a in exact}) ** exponent
 
 
 def check_coefficients(value: sympy.Expr) -> None:

@@ -721,6 +721,11 @@ def _import_module(folder: Path, name: str, text: str):
 HANG_CASES = {
     "integer_power_tower": "x * 9 ** 9 ** 9",
     "where_on_relu_of_constant": "where(0 >= relu(sigmoid(-7)), x, 1)",
+    # sympy hands an integer exponent on to a product's coefficient and to where's branches,
+    # and computes an exact power that is long though not large: each must not reach it.
+    "power_of_a_product": "(3 * x) ** 9 ** 9",
+    "power_of_a_where_of_constants": "where(x > 0, 10, x) ** 2 ** 53",
+    "long_exact_power": "x * (1 + 2 ** -52) ** 2 ** 53",
 }
 
 
