@@ -22,8 +22,8 @@ from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE
 
 _INT_LIMIT = "at most 2**53 in magnitude"
 _FLOAT_LIMIT = "at most 1e30 in magnitude"
-# An exact power whose result would hold more bits than this is not computed: 2**4096 is far
-# beyond any bound above, and 2**-4096 is 0 in every float type.
+# An exact power whose result would hold more bits than this is computed in floats (or
+# refused, when that many bits are its magnitude: 2**4096 is far beyond the bounds above).
 _MAX_POWER_BITS = 4096
 _DIGITS = 20  # evalf's precision: more than a double holds
 

@@ -3,7 +3,8 @@
 A compile-time choice (activation) stays an opaque sympy function in the op's body, so
 the kernel holds one body and each choice becomes a small helper with its own CSE'd
 forward and derivative. Dropout becomes a multiplication by a per-element mask symbol
-(scale where kept, 0 where dropped); with dropout off it disappears.
+(scale where kept, 0 where dropped); with dropout off it disappears. A subexpression that
+is a constant is folded to one literal as it is lowered, or refused (fusegen.constants).
 """
 from __future__ import annotations
 
