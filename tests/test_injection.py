@@ -330,7 +330,8 @@ def check_text_is_data(text: str, hostile: str) -> None:
         offsets.append(offsets[-1] + len(line))
     spans = []
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type in (tokenize.STRING, tokenize.COMMENT) or tok.type in getattr(tokenize, "FSTRING_MIDDLE", ()):
+        # FSTRING_MIDDLE: the text of an f-string, a token of its own since Python 3.12.
+        if tok.type in (tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)):
             spans.append((offsets[tok.start[0] - 1] + tok.start[1], offsets[tok.end[0] - 1] + tok.end[1]))
     for match in re.finditer(re.escape(hostile), text):
         assert any(a <= match.start() and match.end() <= b for a, b in spans), (
