@@ -97,7 +97,7 @@ def _fitting(configs, m: int, n: int, max_block_m: int, wide_block_n: int = WIDE
     wide_enough = [
         c
         for c in configs
-        if narrowest <= c.kwargs["BLOCK_N"] <= width and triton.cdiv(n, c.kwargs["BLOCK_N"]) <= GRID_Y_LIMIT
+        if narrowest <= c.kwargs["BLOCK_N"] <= width and cdiv(n, c.kwargs["BLOCK_N"]) <= GRID_Y_LIMIT
     ]
     fitting = [c for c in wide_enough if c.kwargs["BLOCK_M"] <= tall]
     if fitting:
