@@ -27,8 +27,9 @@ def _good(device):
     ids=["dtype", "non-tensor", "named-dim", "broadcast", "device", "rank"],
 )
 def test_bad_tensors(change, message, device):
-    x, bias, residual = change(*_good(device))
-    expected = message.replace("{device}", str(torch.device(device)))
+    good = _good(device)
+    x, bias, residual = change(*good)
+    expected = message.replace("{device}", str(good[0].device))  # "cuda:0", where the fixture says "cuda"
     with pytest.raises(FusegenArgumentError, match=re.escape(expected)):
         bias_gelu_dropout_add(x, bias, residual)
 
