@@ -75,7 +75,7 @@ def cmd_build(args) -> int:
         print(f"removed {stale} (its spec is gone)")
     for name in written:
         print(f"wrote {out / name}")
-    print(f"{len(files) - 1} ops in {out}/: {len(written)} written, {len(files) - len(written)} unchanged")
+    print(f"{len(files) - 1} ops, {len(files)} files in {out}/ (__init__.py included): {len(written)} written, {len(files) - len(written)} unchanged")
     return 0
 
 

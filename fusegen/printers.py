@@ -135,7 +135,10 @@ class _ElementwisePrinter(CodePrinter):
                 return " * ".join([self._wrapped(base)] * int(value))
             if -value in _SMALL_POWERS:
                 return f"1.0 / ({' * '.join([self._wrapped(base)] * int(-value))})"
-        return f"{self.power}({self._print(base)}, {self._print(exp)})"
+        return f"{self.power}({self._power_operand(base)}, {self._power_operand(exp)})"
+
+    def _power_operand(self, expr) -> str:
+        return self._print(expr)
 
     def _wrapped(self, expr) -> str:
         text = self._print(expr)
@@ -217,7 +220,7 @@ class TritonPrinter(_ElementwisePrinter):
         "Abs": "tl.abs",
         "sigmoid": "tl.sigmoid",
     }
-    where, sqrt, rsqrt, power = "tl.where", "tl.sqrt_rn", "tl.rsqrt", "libdevice.pow"
+    where, sqrt, rsqrt, power = "tl.where", "runtime.sqrt_rn", "runtime.rsqrt_rn", "libdevice.pow"
 
     def maximum(self, a, b):
         return f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
@@ -233,6 +236,12 @@ class TritonPrinter(_ElementwisePrinter):
 
     def scalar(self, number):
         return f"tl.full((), {number}, {TRITON_COMPUTE_DTYPE})"
+
+    def _power_operand(self, expr):
+        # libdevice.pow has overloads for (fp32, fp32) and (fp64, fp64) (and an int32 exponent)
+        # and picks one by its arguments' types: a number must be in the compute type too.
+        # (The kernel converts its scalar params to the compute type on entry.)
+        return self.scalar(self._print(expr)) if expr.is_number else self._print(expr)
 
 
 class TorchPrinter(_ElementwisePrinter):

@@ -482,14 +482,10 @@ def test_every_function_within_twice_eager_error(language_ops, name, dtype, devi
         _within_contract(gr, lo, tr, dtype, f"{op.name}: grad of {input_name}")
 
 
-# KNOWN BUG (found by the interpreter's libdevice stand-in, which goes through the CUDA
-# backend's own dispatch; not run on a GPU here): libdevice.pow has overloads for (fp32, fp32),
-# (fp64, fp64), (fp32, int32) and (fp64, int32) only, and picks one by its arguments' types
-# as given. The printers pass a Python float exponent as is (Triton makes it fp32), a number
-# base as is (int32) and a float param as the launcher passes it (fp32), so fp64 inputs with
-# x ** 1.5 or rsqrt (whose backward is a power), and 2 ** x or x ** s in any dtype, find no
-# overload: KeyError when the kernel is compiled. A fix: give libdevice.pow both arguments in
-# the compute type (a number as tl.full((), v, <compute type>), params converted in the kernel).
+# libdevice.pow has overloads for (fp32, fp32), (fp64, fp64), (fp32, int32) and (fp64, int32)
+# only, picked by its arguments' types: a number exponent or base, and a float param (Triton
+# passes it as fp32), must reach it in the compute type. Found by the interpreter's libdevice
+# stand-in, which goes through the CUDA backend's own dispatch.
 POW_DISPATCH_CASES = {
     "power_fp64": ("x ** 1.5", "", torch.float64),
     "rsqrt_fp64": ("rsqrt(x)", "", torch.float64),
@@ -498,8 +494,6 @@ POW_DISPATCH_CASES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG: libdevice.pow finds no overload for an fp32 number or param "
-                   "with fp64 compute, nor for an int number base (KeyError at compile time)")
 @pytest.mark.parametrize("case", POW_DISPATCH_CASES.values(), ids=POW_DISPATCH_CASES.keys())
 def test_powers_in_every_dtype(tmp_path, case, device):
     import importlib.util

@@ -26,6 +26,7 @@ from .launch import (
     write_out,
 )
 from .launcher import CachedLauncher
+from .triton_helpers import rsqrt_rn, sqrt_rn
 
 if is_interpreting():
     from .interpreter import patch_bfloat16_rounding, patch_libdevice
@@ -58,6 +59,8 @@ __all__ = [
     "output_buffer",
     "prune_backward_configs",
     "prune_forward_configs",
+    "rsqrt_rn",
+    "sqrt_rn",
     "sum_to_input",
     "view_2d",
     "write_out",

@@ -32,3 +32,17 @@ def dropout_mask(seed, rows, first_col, BLOCK_N: tl.constexpr, stream: tl.conste
     words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
     keep = (words >> 8).to(tl.int32) >= threshold
     return tl.where(keep, scale, 0.0)
+
+
+@triton.jit
+def sqrt_rn(x):
+    """Square root, correctly rounded in fp32 and fp64: tl.sqrt is sqrt.approx in fp32, and
+    tl.sqrt_rn takes fp32 only."""
+    return tl.sqrt(x) if x.dtype == tl.float64 else tl.sqrt_rn(x)
+
+
+@triton.jit
+def rsqrt_rn(x):
+    """1 / sqrt(x) through the correctly rounded root: tl.rsqrt is rsqrt.approx, which flushes
+    fp32 subnormals (rsqrt(1e-40) = inf) and is 2**-40 off in fp64."""
+    return 1.0 / sqrt_rn(x)
