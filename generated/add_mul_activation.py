@@ -106,7 +106,8 @@ def add_mul_activation_kernel(
         rows = rows.to(tl.int64)
         cols = cols.to(tl.int64)
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    multiplier = tl.full((), multiplier, tl.float64 if COMPUTE_FP64 else tl.float32)  # computes in the inputs' type (Triton passes a float as fp32)
+    # Scalar params compute in the inputs' type (Triton passes a Python float as fp32).
+    multiplier = tl.full((), multiplier, tl.float64 if COMPUTE_FP64 else tl.float32)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     inp = tl.load(inp_ptr + rows[:, None] * inp_stride_m + cols[None, :] * inp_stride_n, mask=in_bounds)
@@ -161,7 +162,8 @@ def add_mul_activation_backward_kernel(
     grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
     grad_inp_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
     grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    multiplier = tl.full((), multiplier, tl.float64 if COMPUTE_FP64 else tl.float32)  # computes in the inputs' type (Triton passes a float as fp32)
+    # Scalar params compute in the inputs' type (Triton passes a Python float as fp32).
+    multiplier = tl.full((), multiplier, tl.float64 if COMPUTE_FP64 else tl.float32)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)

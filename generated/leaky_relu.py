@@ -58,7 +58,8 @@ def leaky_relu_kernel(
         rows = rows.to(tl.int64)
         cols = cols.to(tl.int64)
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    slope = tl.full((), slope, tl.float64 if COMPUTE_FP64 else tl.float32)  # computes in the inputs' type (Triton passes a float as fp32)
+    # Scalar params compute in the inputs' type (Triton passes a Python float as fp32).
+    slope = tl.full((), slope, tl.float64 if COMPUTE_FP64 else tl.float32)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     y = tl.where(x > 0, x, slope * x)
@@ -98,7 +99,8 @@ def leaky_relu_backward_kernel(
         cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
     grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    slope = tl.full((), slope, tl.float64 if COMPUTE_FP64 else tl.float32)  # computes in the inputs' type (Triton passes a float as fp32)
+    # Scalar params compute in the inputs' type (Triton passes a Python float as fp32).
+    slope = tl.full((), slope, tl.float64 if COMPUTE_FP64 else tl.float32)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)

@@ -320,6 +320,13 @@ def check_imports(tree: ast.Module) -> None:
             assert node.attr not in {"__globals__", "__subclasses__", "__builtins__", "__code__", "__dict__"}, ast.unparse(node)
 
 
+# Since Python 3.12 an f-string is several tokens: its quotes (FSTRING_START, FSTRING_END)
+# and its text (FSTRING_MIDDLE) are data, like a STRING token's; its {fields} are code.
+_DATA_TOKENS = {tokenize.STRING, tokenize.COMMENT} | {
+    getattr(tokenize, name) for name in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END") if hasattr(tokenize, name)
+}
+
+
 def check_text_is_data(text: str, hostile: str) -> None:
     """Each occurrence of `hostile` in the module lies inside a string literal or a comment."""
     if not hostile.strip() or re.fullmatch(r"\w+", hostile):
@@ -330,8 +337,7 @@ def check_text_is_data(text: str, hostile: str) -> None:
         offsets.append(offsets[-1] + len(line))
     spans = []
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        # FSTRING_MIDDLE: the text of an f-string, a token of its own since Python 3.12.
-        if tok.type in (tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)):
+        if tok.type in _DATA_TOKENS:
             spans.append((offsets[tok.start[0] - 1] + tok.start[1], offsets[tok.end[0] - 1] + tok.end[1]))
     for match in re.finditer(re.escape(hostile), text):
         assert any(a <= match.start() and match.end() <= b for a, b in spans), (
@@ -516,7 +522,7 @@ def test_the_checks_catch_an_injection(root):
         check_same_as_neutral(captured, neutral, NEUTRAL)
 
 
-def test_unusual_but_legal_names_build_and_run(tmp_path):
+def test_unusual_but_legal_names_build_and_run(tmp_path, device):
     """Names at the edge of what the loader allows build, import and compute what reference does."""
     name = "legal_names_op"
     text = (
@@ -550,7 +556,7 @@ def test_unusual_but_legal_names_build_and_run(tmp_path):
     spec.loader.exec_module(module)
     assert module.__doc__.split("\n")[0] == "y = 'legal' \"names\" {braces} %s $x <b> -- ok"
     g = torch.Generator().manual_seed(0)
-    args = (torch.randn(3, 8, generator=g), torch.randn(8, generator=g), torch.randn(3, 1, generator=g))
+    args = tuple(t.to(device) for t in (torch.randn(3, 8, generator=g), torch.randn(8, generator=g), torch.randn(3, 1, generator=g)))
     for choice in ("relu", "gelu_tanh"):
         got = getattr(module, name)(*args, case=0.25, Act_2=choice)
         want = module.reference(*args, case=0.25, Act_2=choice)
@@ -581,7 +587,7 @@ def test_hostile_file_and_dim_names_through_the_cli(tmp_path, capsys):
 # KNOWN BUG C, end to end: the build succeeds and the gradient is silently wrong.
 
 
-def test_choice_helper_collision_gives_wrong_gradients(tmp_path):
+def test_choice_helper_collision_gives_wrong_gradients(tmp_path, device):
     """Was KNOWN BUG C (a_grad's helper replaced a's derivative); helpers now join with '__'."""
     name = "injection_helper_collision"
     text = (
@@ -602,7 +608,7 @@ def test_choice_helper_collision_gives_wrong_gradients(tmp_path):
     spec = importlib.util.spec_from_file_location(name, module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_(True)
     (got,) = torch.autograd.grad(getattr(module, name)(x).sum(), x)
     (want,) = torch.autograd.grad(module.reference(x).sum(), x)
     torch.testing.assert_close(got, want)

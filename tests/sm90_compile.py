@@ -1,0 +1,110 @@
+"""Compile generated kernels for an H100 (sm_90) through Triton's real compiler, on a machine
+with no GPU: `python tests/sm90_compile.py generated/gelu.py ...`.
+
+The interpreter runs a kernel's Python; this runs the code generator, the MLIR passes,
+LLVM and ptxas, which the interpreter never does: libdevice overloads, fp32-only `tl`
+functions, and constructs the compiler rejects fail here as they would on the GPU.
+Every kernel compiles for each combination of its choices, in fp32, bf16, fp16 and fp64,
+with and without dropout, both ways of writing gradients, and 64-bit indexing.
+
+Must run without TRITON_INTERPRET (the test runs it in a subprocess): under the interpreter,
+`@triton.jit` makes interpreter functions that the compiler cannot take. Prints one line per
+failure and exits 1 if any.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import inspect
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.autotuner import Autotuner
+
+H100 = GPUTarget("cuda", 90, 32)
+_TRITON_SCALARS = {float: "fp32", int: "i32"}  # how the launcher's Python scalars arrive
+
+
+def load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def variants(choices: dict[str, tuple]) -> list[tuple[str, dict]]:
+    """(pointer type, constexprs) to compile: every choice combination in fp64 (the dtype
+    the interpreter checks least), the first combination in every dtype and both ways."""
+    combos = [dict(zip(choices, values)) for values in itertools.product(*choices.values())] or [{}]
+    out = [("fp64", {**combo, "COMPUTE_FP64": True, "HAS_DROPOUT": True, "flags": True}) for combo in combos]
+    for dtype in ("fp32", "bf16", "fp16"):
+        for dropout, flags in ((True, True), (False, False)):
+            out.append((dtype, {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": dropout, "flags": flags}))
+    out.append(("fp32", {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, "flags": False, "INDEX_64": True}))
+    return out
+
+
+def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict) -> tuple[dict, dict]:
+    sig, constexprs = {}, {}
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            sig[name] = "constexpr"
+            if name in ("BLOCK_M", "ROWS_PER_PROGRAM"):
+                constexprs[name] = 2 if name == "BLOCK_M" else 4
+            elif name == "BLOCK_N":
+                constexprs[name] = 128
+            elif name in settings:
+                constexprs[name] = settings[name]
+            elif name == "INDEX_64":
+                constexprs[name] = False
+            else:  # NEEDS_GRAD_X, SUM_GRAD_X, SUM_COLS_GRAD_X
+                constexprs[name] = settings["flags"]
+        elif name.endswith("_ptr"):
+            sig[name] = f"*{pointer}"
+        elif name == "seed":
+            sig[name] = "i64"
+        elif name.startswith("dropout_scale"):
+            sig[name] = "fp32"
+        elif name in scalar_types:
+            sig[name] = scalar_types[name]
+        else:  # M, N, strides, dropout thresholds
+            sig[name] = "i64" if settings.get("INDEX_64") else "i32"
+    return sig, constexprs
+
+
+def compile_module(path: Path) -> list[str]:
+    module = load_module(path)
+    op = module._OP
+    annotations = inspect.signature(module._forward_op).parameters
+    scalar_types = {n: _TRITON_SCALARS[p.annotation] for n, p in annotations.items() if p.annotation in _TRITON_SCALARS}
+    choices = {name[: -len("_CHOICES")]: values for name, values in vars(module).items() if name.endswith("_CHOICES")}
+    failures = []
+    for kernel_name in (f"{op}_kernel", f"{op}_backward_kernel"):
+        kernel = getattr(module, kernel_name)
+        kernel = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        for pointer, settings in variants(choices):
+            sig, constexprs = signature(kernel, pointer, scalar_types, settings)
+            try:
+                triton.compile(ASTSource(kernel, signature=sig, constexprs=constexprs), target=H100)
+            except Exception as exc:  # noqa: BLE001 - reported, one line per variant
+                cause = exc.__cause__ or exc  # a CompilationError carries the source; its cause says why
+                message = " ".join(str(cause).split())[:300]
+                failures.append(f"{path}: {kernel_name} {pointer} {constexprs}: {type(cause).__name__}: {message}")
+    return failures
+
+
+def main(paths: list[str]) -> int:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1)) as pool:
+        failures = [line for lines in pool.map(compile_module, map(Path, paths)) for line in lines]
+    print("\n".join(failures) or f"{len(paths)} modules compiled for sm_90")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
