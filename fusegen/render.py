@@ -166,6 +166,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         backward_inputs=[_input_context(i) for i in backward_inputs],
         outputs=outputs,
         kernel_grads=[_input_context(i) for i in kernel_grad_inputs],
+        column_sum_buffers=", ".join(f'"grad_{i.name}_ptr"' for i in kernel_grad_inputs if _one_per_row(i)),
         grad_target_pairs=_tuple([f"({i.name}, {i.chunks}, {_one_per_row(i)})" for i in kernel_grad_inputs]),
         gradients=[
             dict(input=i.name, passthrough_of=passthrough.get(i.name), index=index) for index, i in enumerate(spec.inputs)

@@ -174,7 +174,7 @@ def _forward(x, bias, residual, p, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, bias, residual, p, training, seed, needs_kernel=True)
     problem = call.problem
-    y = runtime.output_buffer(_OP, out, 0, 1, problem)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, bias, residual))
     if problem.m * problem.n == 0:
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.

@@ -78,6 +78,9 @@ _forward_launcher = runtime.CachedLauncher(scale_add_kernel)
     configs=runtime.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
     prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
+    # Row sums land one row per column tile, and tile widths differ between configs: every
+    # trial, and the launch after tuning, starts from zeros.
+    reset_to_zero=["grad_scale_ptr"],
     do_bench=runtime.autotune_do_bench(),
 )
 @triton.jit(do_not_specialize=["seed"])
@@ -165,7 +168,7 @@ def _forward(x, scale, residual, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, scale, residual, training, seed, needs_kernel=True)
     problem = call.problem
-    y = runtime.output_buffer(_OP, out, 0, 1, problem)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, scale, residual))
     if problem.m * problem.n == 0:
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.

@@ -147,7 +147,7 @@ def _forward(x, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed it used."""
     call = _arguments(x, training, seed, needs_kernel=True)
     problem = call.problem
-    y = runtime.output_buffer(_OP, out, 0, 1, problem)
+    y = runtime.output_buffer(_OP, out, 0, 1, problem, (x,))
     if problem.m * problem.n == 0:
         return *runtime.write_out(out, (y,)), call.seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.

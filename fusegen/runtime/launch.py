@@ -437,9 +437,11 @@ def check_out_without_grad(op: str, *tensors) -> None:
         raise FusegenArgumentError(f"{op}(): out= does not support autograd (an input requires grad)")
 
 
-def output_buffer(op: str, out, index: int, count: int, problem: Problem) -> torch.Tensor:
+def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs: tuple) -> torch.Tensor:
     """Where the kernel writes output `index`: a new tensor, or `out` itself when it is
-    contiguous (the kernel writes [M, N] row-major); a strided `out` gets a copy after."""
+    contiguous (the kernel writes [M, N] row-major) and shares no memory with an input.
+    Otherwise a new tensor, copied into `out` after: the autotuner runs the kernel several
+    times on its first call, and a second run would read what the first wrote (out=x)."""
     if out is None:
         return torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
     target = _out_tensor(op, out, index, count)
@@ -448,9 +450,23 @@ def output_buffer(op: str, out, index: int, count: int, problem: Problem) -> tor
             f"{op}(): out{'' if count == 1 else f'[{index}]'} must be {problem.out_dtype} {list(problem.shape)} "
             f"on {problem.device}, got {target.dtype} {list(target.shape)} on {target.device}"
         )
-    if target.is_contiguous():
+    if target.is_contiguous() and not any(_may_overlap(target, t) for t in inputs):
         return target
     return torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes a and b span intersect (a superset of sharing an element)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    return _byte_span(a)[0] < _byte_span(b)[1] and _byte_span(b)[0] < _byte_span(a)[1]
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def write_out(out, results: tuple[torch.Tensor, ...], copy: bool = False) -> tuple[torch.Tensor, ...]:
