@@ -80,7 +80,7 @@ _forward_launcher = runtime.CachedLauncher(scale_add_kernel)
     prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
     # Row sums land one row per column tile, and tile widths differ between configs: every
     # trial, and the launch after tuning, starts from zeros.
-    reset_to_zero=["grad_scale_ptr"],
+    pre_hook=runtime.zero_before_trials("grad_scale_ptr"),
     do_bench=runtime.autotune_do_bench(),
 )
 @triton.jit(do_not_specialize=["seed"])

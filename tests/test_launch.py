@@ -140,3 +140,13 @@ def test_one_value_per_row_gradient_is_summed_in_the_kernel(monkeypatch, device,
     torch.testing.assert_close(x.grad, grad_y * scale.detach(), rtol=1e-12, atol=1e-12)
     # n == 1: scale is as big as the output, so its gradient is written in full.
     assert kinds[-1] == ("full" if n == 1 else "columns")
+
+
+def test_zero_before_trials_zeros_buffers_and_skips_gradients_not_asked_for():
+    hook = launch.zero_before_trials("grad_a_ptr", "grad_b_ptr")
+    buffer = torch.ones(3, 4)
+    hook({"grad_a_ptr": buffer, "grad_b_ptr": None, "x_ptr": torch.ones(2)})
+    assert torch.equal(buffer, torch.zeros(3, 4))
+    buffer.fill_(2.0)
+    hook({"grad_a_ptr": None, "grad_b_ptr": buffer}, reset_only=True)  # the call after tuning
+    assert torch.equal(buffer, torch.zeros(3, 4))

@@ -24,6 +24,7 @@ from .launch import (
     sum_to_input,
     view_2d,
     write_out,
+    zero_before_trials,
 )
 from .launcher import CachedLauncher
 from .triton_helpers import rsqrt_rn, sqrt_rn
@@ -64,4 +65,5 @@ __all__ = [
     "sum_to_input",
     "view_2d",
     "write_out",
+    "zero_before_trials",
 ]

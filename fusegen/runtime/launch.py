@@ -437,6 +437,18 @@ def check_out_without_grad(op: str, *tensors) -> None:
         raise FusegenArgumentError(f"{op}(): out= does not support autograd (an input requires grad)")
 
 
+def zero_before_trials(*names: str):
+    """An autotuner pre_hook: zero the named buffers before every trial run and before the
+    launch after tuning (Autotuner's own reset_to_zero fails on a gradient not asked for: None)."""
+
+    def zero(kwargs: dict, reset_only: bool = False) -> None:
+        for name in names:
+            if kwargs[name] is not None:
+                kwargs[name].zero_()
+
+    return zero
+
+
 def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs: tuple) -> torch.Tensor:
     """Where the kernel writes output `index`: a new tensor, or `out` itself when it is
     contiguous (the kernel writes [M, N] row-major) and shares no memory with an input.
