@@ -135,6 +135,8 @@ def render_op_module(op: SimplifiedOp) -> str:
         tensor_tuple=_tuple(inputs),
         param_tuple=_tuple(params + ["training"]),
         grad_names=", ".join(grad_names),
+        grad_name_list=grad_names,
+        no_gradients=", ".join(["None"] * (len(inputs) + len(params) + 2)),
         grad_tuple=_tuple(grad_names),
         kernel_grad_names=", ".join(kernel_grads) or "no input",
         kernel_grad_tuple=_tuple(kernel_grads),

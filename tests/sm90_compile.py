@@ -5,7 +5,7 @@ The interpreter runs a kernel's Python; this runs the code generator, the MLIR p
 LLVM and ptxas, which the interpreter never does: libdevice overloads, fp32-only `tl`
 functions, and constructs the compiler rejects fail here as they would on the GPU.
 Every kernel compiles for each combination of its choices, in fp32, bf16, fp16 and fp64,
-with and without dropout, both ways of writing gradients, and 64-bit indexing.
+with and without dropout, each way of writing gradients, and 64-bit indexing.
 
 Must run without TRITON_INTERPRET (the test runs it in a subprocess): under the interpreter,
 `@triton.jit` makes interpreter functions that the compiler cannot take. Prints one line per
@@ -39,18 +39,25 @@ def load_module(path: Path):
 
 def variants(choices: dict[str, tuple]) -> list[tuple[str, dict]]:
     """(pointer type, constexprs) to compile: every choice combination in fp64 (the dtype
-    the interpreter checks least), the first combination in every dtype and both ways."""
+    the interpreter checks least), the first combination in every dtype, and each way the
+    backward writes a gradient: in full, as column sums (SUM_GRAD), as row sums (SUM_COLS_GRAD)."""
     combos = [dict(zip(choices, values)) for values in itertools.product(*choices.values())] or [{}]
-    out = [("fp64", {**combo, "COMPUTE_FP64": True, "HAS_DROPOUT": True, "flags": True}) for combo in combos]
+    sums = {"needs": True, "rows": True, "cols": False}
+    out = [("fp64", {**combo, "COMPUTE_FP64": True, "HAS_DROPOUT": True, **sums}) for combo in combos]
     for dtype in ("fp32", "bf16", "fp16"):
-        for dropout, flags in ((True, True), (False, False)):
-            out.append((dtype, {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": dropout, "flags": flags}))
-    out.append(("fp32", {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, "flags": False, "INDEX_64": True}))
+        for dropout in (True, False):
+            out.append((dtype, {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": dropout, **sums}))
+        for gradients in ({"rows": False, "cols": False}, {"rows": False, "cols": True}, {"needs": False}):
+            out.append((dtype, {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, **sums, **gradients}))
+    out.append(("fp32", {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, **sums, "INDEX_64": True}))
     return out
 
 
 def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict) -> tuple[dict, dict]:
     sig, constexprs = {}, {}
+    names = {param.name for param in kernel.params}
+    # The gradients the kernel writes; an incoming output gradient (grad_y) has strides.
+    written_gradients = {n for n in names if n.startswith("grad_") and n.endswith("_ptr") and f"{n[:-4]}_stride_m" not in names}
     for param in kernel.params:
         name = param.name
         if param.is_constexpr:
@@ -63,8 +70,18 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = settings[name]
             elif name == "INDEX_64":
                 constexprs[name] = False
-            else:  # NEEDS_GRAD_X, SUM_GRAD_X, SUM_COLS_GRAD_X
-                constexprs[name] = settings["flags"]
+            elif name.startswith("NEEDS_GRAD_"):
+                constexprs[name] = settings["needs"]
+            elif name.startswith("SUM_GRAD_"):
+                constexprs[name] = settings["rows"]
+            elif name.startswith("SUM_COLS_GRAD_"):
+                constexprs[name] = settings["cols"]
+            else:
+                raise ValueError(f"{name}: a constexpr this script does not know")
+        elif name in written_gradients and (settings["rows"] or settings["cols"]):
+            # Gradient sums are buffers in the accumulation type (an input's own gradient
+            # may be written in full, in its dtype, when only the other flag applies).
+            sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = f"*{pointer}"
         elif name == "seed":
@@ -100,6 +117,9 @@ def compile_module(path: Path) -> list[str]:
 
 
 def main(paths: list[str]) -> int:
+    if not paths:
+        print("no modules given")
+        return 1
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1)) as pool:
         failures = [line for lines in pool.map(compile_module, map(Path, paths)) for line in lines]
     print("\n".join(failures) or f"{len(paths)} modules compiled for sm_90")

@@ -150,3 +150,11 @@ def test_zero_before_trials_zeros_buffers_and_skips_gradients_not_asked_for():
     buffer.fill_(2.0)
     hook({"grad_a_ptr": None, "grad_b_ptr": buffer}, reset_only=True)  # the call after tuning
     assert torch.equal(buffer, torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("m,n", [(16384, 4096), (15, 1000), (3, 7), (100000, 1), (64, 65536 * 20)])
+def test_row_sum_buffer_has_one_slot_per_tile_of_the_narrowest_pruned_config(on_gpu_pruning, m, n):
+    problem = launch.Problem(torch.Size([m, n]), m, n, torch.float32, torch.float32, torch.device("cpu"))
+    rows = launch.backward_rows_per_program(problem)
+    pruned = launch.prune_backward_configs(launch.BACKWARD_CONFIGS, {"M": m, "N": n}, ROWS_PER_PROGRAM=rows)
+    assert launch.narrowest_backward_block_n(problem, rows) == min(bn for _, bn in _tiles(pruned))

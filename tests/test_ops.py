@@ -538,3 +538,34 @@ def test_gradient_at_kink_matches_reference(op, choices, device):
     got, grad_outs = _gradients(op, tensors, kwargs, needs)
     truth = _truth_gradients(op, tensors, kwargs, needs, grad_outs)
     _check_gradients(op, tensors, got, truth, what=f"{op.name} {choice_id(choices)} at the kink")
+
+
+@pytest.mark.parametrize("used", [("y",), ("z",), ("y", "z")])
+def test_outputs_left_out_of_the_loss_have_zero_gradient(tmp_path, used, device):
+    """Eager autograd leaves gradients unmaterialized (None for an output not in the loss):
+    the backward treats None as zeros. (All None: gradcheck's zero-gradient probes.)"""
+    import importlib.util
+
+    from fusegen import cli
+
+    name = "two_outputs_op"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        f"name: {name}\ndoc: d\ninputs:\n  x: [..., N]\n  b: [N]\noutputs:\n  y: gelu(x + b)\n  z: (x + b) * x\n",
+        encoding="utf-8",
+    )
+    (tmp_path / f"{name}.py").write_text(cli.build_op(path).text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    g = torch.Generator().manual_seed(3)
+    x, b = torch.randn(3, 8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+
+    def gradients(fn, dev):
+        leaves = [x.to(dev).requires_grad_(True), b.to(dev).requires_grad_(True)]
+        outputs = dict(zip(("y", "z"), fn(*leaves)))
+        loss = sum((outputs[n] * outputs[n]).sum() for n in used)
+        return [t.cpu() for t in torch.autograd.grad(loss, leaves)]
+
+    for got, want in zip(gradients(getattr(module, name), device), gradients(module.reference, "cpu")):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

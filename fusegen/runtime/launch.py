@@ -149,11 +149,11 @@ def grid_2d(meta, m: int, n: int, rows_per_program: int | None = None):
     return (cdiv(m, rows), cdiv(n, meta["BLOCK_N"]))
 
 
-def narrowest_backward_block_n(problem: "Problem") -> int:
+def narrowest_backward_block_n(problem: "Problem", rows_per_program: int) -> int:
     """The narrowest column tile the backward's pruner may pick for this problem."""
     if is_interpreting():
         return _interpreter_config(problem.m, problem.n).kwargs["BLOCK_N"]
-    return min(c.kwargs["BLOCK_N"] for c in BACKWARD_CONFIGS)
+    return min(c.kwargs["BLOCK_N"] for c in _fitting(BACKWARD_CONFIGS, problem.m, problem.n, max_block_m=rows_per_program))
 
 
 def backward_rows_per_program(problem: "Problem") -> int:
@@ -406,7 +406,7 @@ class GradTarget:
             self.buffer = torch.empty((programs, width), dtype=accumulate, device=device)
         elif one_per_row and tensor.shape == (*problem.shape[:-1], 1):
             self.kind = "columns"
-            tiles = cdiv(problem.n, narrowest_backward_block_n(problem))
+            tiles = cdiv(problem.n, narrowest_backward_block_n(problem, rows_per_program))
             self.buffer = torch.zeros((tiles, problem.m), dtype=accumulate, device=device)
         else:
             self.kind = "sum"
@@ -468,10 +468,9 @@ def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs
 
 
 def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes a and b span intersect (a superset of sharing an element)."""
+    """Whether the bytes a and b span intersect (a superset of sharing an element). Addresses,
+    not storages: two storages may share memory (torch.from_dlpack)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     return _byte_span(a)[0] < _byte_span(b)[1] and _byte_span(b)[0] < _byte_span(a)[1]
 

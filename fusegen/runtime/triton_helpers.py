@@ -43,6 +43,8 @@ def sqrt_rn(x):
 
 @triton.jit
 def rsqrt_rn(x):
-    """1 / sqrt(x) through the correctly rounded root: tl.rsqrt is rsqrt.approx, which flushes
-    fp32 subnormals (rsqrt(1e-40) = inf) and is 2**-40 off in fp64."""
-    return 1.0 / sqrt_rn(x)
+    """1 / sqrt(x), a correctly rounded division of the correctly rounded root: tl.rsqrt is
+    rsqrt.approx, which flushes fp32 subnormals (rsqrt(1e-40) = inf) and is 2**-40 off in
+    fp64; in fp32 `/` is div.full, up to 2 ulp off."""
+    root = sqrt_rn(x)
+    return 1.0 / root if x.dtype == tl.float64 else tl.div_rn(tl.full((), 1.0, tl.float32), root)
