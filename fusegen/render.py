@@ -108,6 +108,7 @@ def render_op_module(op: SimplifiedOp) -> str:
     triton_code += [line for h in triton_helpers for b in h.branches for line in b.lines]
 
     params = [p.name for p in spec.params]
+    non_tensor_gradients = ["None"] * (len(params) + 2)  # params, training, seed
     arguments = inputs + params + ["training", "seed"]
     internal = inputs + params + (["training", "seed"] if has_dropout else ["False", "None"])
     typed = [f"{n}: torch.Tensor" for n in inputs]
@@ -136,7 +137,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         param_tuple=_tuple(params + ["training"]),
         grad_names=", ".join(grad_names),
         grad_name_list=grad_names,
-        no_gradients=", ".join(["None"] * (len(inputs) + len(params) + 2)),
+        no_gradients=", ".join(["None"] * len(inputs) + non_tensor_gradients),
         grad_tuple=_tuple(grad_names),
         kernel_grad_names=", ".join(kernel_grads) or "no input",
         kernel_grad_tuple=_tuple(kernel_grads),
@@ -147,7 +148,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         public_returns="outputs[0]" if len(outputs) == 1 else "tuple(outputs)",
         forward_op_returns=", ".join(["torch.Tensor"] * (len(outputs) + 1)),
         reference_returns=", ".join(f"{name}.to(problem.out_dtype)" for name in outputs),
-        autograd_returns=", ".join([f"grad_{n}" for n in inputs] + ["None"] * (len(params) + 2)),
+        autograd_returns=", ".join([f"grad_{n}" for n in inputs] + non_tensor_gradients),
         inputs_doc=", ".join(f"{i.name} {i.shape_text}" for i in spec.inputs),
         outputs_doc=", ".join(f"{name} [{', '.join(spec.out_dims)}]" for name in outputs),
         params_doc=_params_doc(spec, has_dropout),
@@ -198,7 +199,8 @@ def _input_context(spec_input) -> dict:
     """An input as the kernels see it: its pointer, and each value it supplies with the
     column expression where that value lives (chunk k of x [..., kN] at cols + k * N)."""
     chunks = spec_input.chunks
-    columns = ["cols[None, :]"] + [f"(cols[None, :] + {'' if k == 1 else f'{k} * '}N)" for k in range(1, chunks)]
+    offsets = [""] + [f" + {'' if k == 1 else f'{k} * '}N" for k in range(1, chunks)]
+    columns = [f"(cols[None, :]{offset})" if offset else "cols[None, :]" for offset in offsets]
     return dict(
         name=spec_input.name,
         constant=spec_input.name.upper(),
@@ -207,7 +209,7 @@ def _input_context(spec_input) -> dict:
         row_width="N" if chunks == 1 else f"{chunks} * N",
         one_per_row=_one_per_row(spec_input),
         values=[dict(name=n, column=c) for n, c in zip(value_names(spec_input), columns)],
-        sum_columns=["cols"] + [f"cols + {'' if k == 1 else f'{k} * '}N" for k in range(1, chunks)],
+        sum_columns=[f"cols{offset}" for offset in offsets],
         reference_values=", ".join(value_names(spec_input)),
         reference_split="" if chunks == 1 else f".chunk({chunks}, dim=-1)",
     )

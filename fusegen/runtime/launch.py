@@ -472,7 +472,8 @@ def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     not storages: two storages may share memory (torch.from_dlpack)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
-    return _byte_span(a)[0] < _byte_span(b)[1] and _byte_span(b)[0] < _byte_span(a)[1]
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    return a_start < b_end and b_start < a_end
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
