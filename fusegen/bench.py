@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .errors import SpecError
-from .spec import ELLIPSIS, OpSpec, load_spec
+from .spec import ELLIPSIS, OpSpec, find_spec, load_spec
 
 PROVIDERS = ("fusegen", "eager", "compile")
 
@@ -238,30 +238,6 @@ class BenchOp:
     eager: Callable
     dropout_params: tuple[str, ...]  # the scalar params that are dropout probabilities
     has_dropout: bool  # the op takes training= and seed=
-
-
-def find_spec(spec_or_name: str, specs_dir: Path) -> Path:
-    """A spec path as given, or the spec in `specs_dir` whose op is named `spec_or_name`."""
-    given = Path(spec_or_name)
-    if given.suffix in (".yaml", ".yml") or given.is_file():
-        if not given.is_file():
-            raise SpecError(str(given), None, "no such spec file")
-        return given
-    for suffix in (".yaml", ".yml"):
-        candidate = specs_dir / f"{spec_or_name}{suffix}"
-        if candidate.is_file():
-            return candidate
-    # A file may be named differently from its op: look inside the others.
-    if specs_dir.is_dir():
-        for candidate in sorted(specs_dir.iterdir()):
-            if candidate.suffix not in (".yaml", ".yml"):
-                continue
-            try:
-                if load_spec(candidate).name == spec_or_name:
-                    return candidate
-            except SpecError:
-                continue
-    raise SpecError(str(specs_dir), None, f"no spec for op '{spec_or_name}' (give a spec path, or --specs DIR)")
 
 
 def import_generated(name: str, generated_dir: Path):

@@ -411,6 +411,30 @@ def load_spec(path: str | Path) -> OpSpec:
         raise SpecError(shown, exc.line, exc.message) from None
 
 
+def find_spec(spec_or_name: str, specs_dir: Path) -> Path:
+    """A spec path as given, or the spec in `specs_dir` whose op is named `spec_or_name`."""
+    given = Path(spec_or_name)
+    if given.suffix in (".yaml", ".yml") or given.is_file():
+        if not given.is_file():
+            raise SpecError(str(given), None, "no such spec file")
+        return given
+    for suffix in (".yaml", ".yml"):
+        candidate = specs_dir / f"{spec_or_name}{suffix}"
+        if candidate.is_file():
+            return candidate
+    # A file may be named differently from its op: look inside the others.
+    if specs_dir.is_dir():
+        for candidate in sorted(specs_dir.iterdir()):
+            if candidate.suffix not in (".yaml", ".yml"):
+                continue
+            try:
+                if load_spec(candidate).name == spec_or_name:
+                    return candidate
+            except SpecError:
+                continue
+    raise SpecError(str(specs_dir), None, f"no spec for op '{spec_or_name}' (give a spec path, or --specs DIR)")
+
+
 def _load_yaml(data: bytes) -> Any:
     try:
         text = data.decode("utf-8")
