@@ -89,7 +89,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         i for i in spec.inputs if any(sympy.Symbol(n, real=True) in backward_symbols for n in value_names(i))
     ]
     mask_lines = [
-        f"dropout_mask{d.stream} = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, BLOCK_N, {d.stream}, "
+        f"dropout_mask{d.stream} = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, {d.stream}, "
         f"dropout_threshold_{d.p}, dropout_scale_{d.p})"
         for d in op.ir.dropouts
     ]
@@ -127,6 +127,13 @@ def render_op_module(op: SimplifiedOp) -> str:
         eager_helpers=[_eager_helper(c) for c in spec.choice_params],
         arguments=", ".join(arguments),
         internal_arguments=", ".join(internal),
+        arguments_without_seed=", ".join(inputs + params + ["training", "None"]),
+        # Ops with dropout pass their seed tensor along with the outputs; others have none.
+        forward_results="outputs, _" if has_dropout else "outputs",
+        op_results="*outputs, _" if has_dropout else "outputs",
+        seed_result=", seed" if has_dropout else "",
+        backward_seed="seed" if has_dropout else "None",
+        backward_op_seed="seed, " if has_dropout else "",
         typed_arguments=", ".join(typed + ["training: bool", "seed: Optional[int]"]),
         typed_grad_names=", ".join(f"{g}: torch.Tensor" for g in grad_names),
         typed_tensor_arguments=", ".join(typed),
@@ -146,7 +153,7 @@ def render_op_module(op: SimplifiedOp) -> str:
         output_names=", ".join(outputs),
         output_tuple=_tuple(outputs),
         public_returns="outputs[0]" if len(outputs) == 1 else "tuple(outputs)",
-        forward_op_returns=", ".join(["torch.Tensor"] * (len(outputs) + 1)),
+        forward_op_returns=", ".join(["torch.Tensor"] * (len(outputs) + has_dropout)),
         reference_returns=", ".join(f"{name}.to(problem.out_dtype)" for name in outputs),
         autograd_returns=", ".join([f"grad_{n}" for n in inputs] + non_tensor_gradients),
         inputs_doc=", ".join(f"{i.name} {i.shape_text}" for i in spec.inputs),

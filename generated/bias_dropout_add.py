@@ -12,14 +12,17 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and
 write every output once, in the dtype torch's type promotion gives.
-Dropout draws Philox4x32-10 keyed by `seed` at each element's logical (row, column):
-the mask does not depend on the kernel's block shape, and `reference` reproduces it.
+Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
+not depend on the input's 2-D layout or the kernel's block shape, and `reference`
+reproduces it. The seed is a one-element int64 tensor on the inputs' device, drawn there
+by torch (seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured
+a call draws a new mask on each replay.
 
 Backward: one fused kernel recomputes the forward from the saved inputs, draws
 the same dropout masks again from the seed and writes every input gradient in one
 pass; gradients of inputs broadcast along rows are summed per program in fp32 and
 then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed, nothing else: no mask, no intermediates.
+the inputs and the seed tensor, nothing else: no mask, no intermediates.
 The gradient of residual is the gradient of y, passed on without a copy (summed only
 where residual was broadcast).
 
@@ -47,7 +50,7 @@ _OP = "bias_dropout_add"
     prune_configs_by={"early_config_prune": runtime.prune_forward_configs},
     do_bench=runtime.autotune_do_bench(),
 )
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def bias_dropout_add_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     bias_ptr, bias_stride_m, bias_stride_n,  # bias [N], as [M, N]
@@ -55,7 +58,7 @@ def bias_dropout_add_kernel(
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
-    seed,  # Philox key of the dropout masks
+    seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -75,7 +78,8 @@ def bias_dropout_add_kernel(
     residual = tl.load(residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n, mask=in_bounds)
     residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
-        dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
+        seed = tl.load(seed_ptr)
+        dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
         y = dropout_mask0 * (bias + x) + residual
     else:
         y = bias + residual + x
@@ -92,14 +96,14 @@ _forward_launcher = runtime.CachedLauncher(bias_dropout_add_kernel)
     prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
     do_bench=runtime.autotune_do_bench(),
 )
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def bias_dropout_add_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
     grad_bias_ptr,  # gradient of bias: [M, N], or with SUM_GRAD_BIAS column sums [programs along M, N]
     M, N,
     dropout_threshold_p, dropout_scale_p,
-    seed,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     HAS_DROPOUT: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
@@ -118,13 +122,15 @@ def bias_dropout_add_backward_kernel(
         first_row = first_row.to(tl.int64)
     grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
     grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    if HAS_DROPOUT:
+        seed = tl.load(seed_ptr)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         if HAS_DROPOUT:
-            dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
+            dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
             t0 = dropout_mask0 * grad_y
             grad_x = t0
             grad_bias = t0
@@ -160,23 +166,24 @@ def bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None, *, out=
     """
     if out is not None:
         runtime.check_out_without_grad(_OP, x, bias, residual)
-        *outputs, _ = _forward(x, bias, residual, p, training, seed, out=out)
+        outputs, _ = _forward(x, bias, residual, p, training, seed, out=out)
     elif torch.compiler.is_compiling():
         *outputs, _ = _forward_op(x, bias, residual, p, training, seed)
     elif torch.is_grad_enabled() and runtime.any_requires_grad(x, bias, residual):
         outputs = _Autograd.apply(x, bias, residual, p, training, seed)
     else:
-        *outputs, _ = _forward(x, bias, residual, p, training, seed)
+        outputs, _ = _forward(x, bias, residual, p, training, seed)
     return outputs[0]
 
 
 def _forward(x, bias, residual, p, training, seed, out=None):
-    """Launch the forward kernel; returns the outputs and the seed it used."""
+    """Launch the forward kernel; returns the outputs and the seed tensor it used (None without dropout)."""
     call = _arguments(x, bias, residual, p, training, seed, needs_kernel=True)
     problem = call.problem
+    seed = runtime.seed_tensor(call.seed, problem.device) if call.has_dropout else None
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, bias, residual))
     if problem.m * problem.n == 0:
-        return *runtime.write_out(out, (y,)), call.seed
+        return runtime.write_out(out, (y,)), seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem), runtime.view_2d(residual, problem)]
     _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -188,17 +195,17 @@ def _forward(x, bias, residual, p, training, seed, out=None):
         problem.n,
         runtime.dropout_threshold(call.p),
         runtime.dropout_scale(call.p),
-        call.seed,
+        seed,
         HAS_DROPOUT=call.has_dropout,
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return *runtime.write_out(out, (y,)), call.seed
+    return runtime.write_out(out, (y,)), seed
 
 
 def _backward(grad_y, x, bias, residual, p, training, seed, needs_grad):
     """Launch the backward kernel; returns the gradients of x, bias for which needs_grad is set."""
-    call = _arguments(x, bias, residual, p, training, seed, needs_kernel=True)
+    call = _arguments(x, bias, residual, p, training, None, needs_kernel=True)
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
@@ -218,7 +225,7 @@ def _backward(grad_y, x, bias, residual, p, training, seed, needs_grad):
             problem.n,
             runtime.dropout_threshold(call.p),
             runtime.dropout_scale(call.p),
-            call.seed,
+            seed,
             HAS_DROPOUT=call.has_dropout,
             INDEX_64=runtime.needs_int64(problem, views + grad_views),
             COMPUTE_FP64=problem.compute_dtype == torch.float64,
@@ -232,20 +239,22 @@ def _backward(grad_y, x, bias, residual, p, training, seed, needs_grad):
 
 
 # torch.library registration: autograd and torch.compile each see one opaque op.
-# Saved for backward: the inputs and the seed, nothing else (no mask, no intermediates).
+# Saved for backward: the inputs and the seed tensor, nothing else (no mask, no intermediates).
+# The op draws random numbers: tagged so, torch.compile never recomputes it in the backward.
 
 
-@torch.library.custom_op("fusegen::bias_dropout_add", mutates_args=())
+@torch.library.custom_op("fusegen::bias_dropout_add", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _forward_op(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, training: bool, seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    *outputs, seed = _forward(x, bias, residual, p, training, seed)
-    return (*outputs, torch.tensor(seed, dtype=torch.int64))
+    outputs, seed = _forward(x, bias, residual, p, training, seed)
+    # Without dropout the seed is never read: an unfilled tensor keeps the op's outputs fixed.
+    return (*outputs, torch.empty((1,), dtype=torch.int64, device=outputs[0].device) if seed is None else seed)
 
 
 @_forward_op.register_fake
 def _forward_fake(x, bias, residual, p, training, seed):
     problem = _problem(x, bias, residual, needs_kernel=False)
     outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in range(1)]
-    return (*outputs, torch.empty((), dtype=torch.int64))
+    return (*outputs, torch.empty((1,), dtype=torch.int64, device=problem.device))
 
 
 def _setup_context(ctx, inputs, output):
@@ -255,7 +264,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward_autograd(ctx, grad_y, _grad_seed=None):
-    # The library op saves its seed output; _Autograd keeps the seed as an int.
+    # The library op saves its seed output; _Autograd keeps the seed tensor in ctx.
     x, bias, residual, *seed = ctx.saved_tensors
     seed = seed[0] if seed else ctx.seed
     # _Autograd leaves gradients unmaterialized: None stands for an output's zero gradient.
@@ -266,10 +275,9 @@ def _backward_autograd(ctx, grad_y, _grad_seed=None):
     # The op's own dispatch only where it is needed: while torch.compile traces (its fake
     # and functional tensors are Tensor subclasses), and under create_graph, where its
     # autograd (which refuses double backward) must be recorded.
-    if type(seed) in (int, torch.Tensor) and not torch.is_grad_enabled():
-        kernel_grads = iter(_backward(grad_y, x, bias, residual, *ctx.params, int(seed), kernel_needs))
+    if type(grad_y) is torch.Tensor and not torch.is_grad_enabled():
+        kernel_grads = iter(_backward(grad_y, x, bias, residual, *ctx.params, seed, kernel_needs))
     else:
-        seed = seed if isinstance(seed, torch.Tensor) else torch.tensor(seed, dtype=torch.int64)
         kernel_grads = iter(_backward_op(grad_y, x, bias, residual, *ctx.params, seed, kernel_needs))
     grad_x = next(kernel_grads) if needs[0] else None
     grad_bias = next(kernel_grads) if needs[1] else None
@@ -289,7 +297,7 @@ class _Autograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, residual, p, training, seed):
-        *outputs, ctx.seed = _forward(x, bias, residual, p, training, seed)
+        outputs, ctx.seed = _forward(x, bias, residual, p, training, seed)
         ctx.save_for_backward(x, bias, residual)
         ctx.params = (p, training)
         ctx.set_materialize_grads(False)
@@ -300,7 +308,7 @@ class _Autograd(torch.autograd.Function):
 
 @torch.library.custom_op("fusegen::bias_dropout_add_backward", mutates_args=())
 def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, training: bool, seed: torch.Tensor, needs_grad: list[bool]) -> list[torch.Tensor]:
-    return _backward(grad_y, x, bias, residual, p, training, int(seed), needs_grad)
+    return _backward(grad_y, x, bias, residual, p, training, seed, needs_grad)
 
 
 @_backward_op.register_fake
@@ -328,7 +336,8 @@ def reference(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):
     bias = bias.to(problem.compute_dtype)
     residual = residual.to(problem.compute_dtype)
     if call.has_dropout:
-        dropout_mask0 = runtime.dropout_mask_reference(call.seed, problem, 0, call.p)
+        seed = runtime.seed_tensor(call.seed, problem.device)  # drawn as the op draws it
+        dropout_mask0 = runtime.dropout_mask_reference(seed, problem, 0, call.p)
         y = dropout_mask0 * (bias + x) + residual
     else:
         y = bias + residual + x
@@ -345,13 +354,11 @@ def eager(x, bias, residual, p=0.1, training=True, seed=None):
 
 
 def _arguments(x, bias, residual, p, training, seed, needs_kernel):
-    """Checks and defaults shared by the kernels and reference; draws the seed if needed."""
+    """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
     problem = _problem(x, bias, residual, needs_kernel=needs_kernel)
     p = runtime.check_scalar(_OP, "p", p, "float", 0.0, 1.0)
     has_dropout = bool(training) and (p > 0)
-    if has_dropout and seed is None:
-        seed = runtime.draw_seed()
-    return runtime.Call(problem, has_dropout, 0 if seed is None else int(seed), p=p)
+    return runtime.Call(problem, has_dropout, runtime.check_seed(_OP, seed), p=p)
 
 
 def _problem(x, bias, residual, needs_kernel):

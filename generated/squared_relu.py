@@ -13,7 +13,7 @@ write every output once, in the dtype torch's type promotion gives.
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every input gradient in one
 pass; gradients of inputs broadcast along rows are summed per program in fp32 and
 then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed, nothing else: no mask, no intermediates.
+the inputs, nothing else: no mask, no intermediates.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -38,12 +38,11 @@ _OP = "squared_relu"
     prune_configs_by={"early_config_prune": runtime.prune_forward_configs},
     do_bench=runtime.autotune_do_bench(),
 )
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def squared_relu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
-    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -72,13 +71,12 @@ _forward_launcher = runtime.CachedLauncher(squared_relu_kernel)
     prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
     do_bench=runtime.autotune_do_bench(),
 )
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def squared_relu_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
     M, N,
-    seed,  # unused: this op has no dropout
     HAS_DROPOUT: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
@@ -123,23 +121,23 @@ def squared_relu(x, *, out=None):
     """
     if out is not None:
         runtime.check_out_without_grad(_OP, x)
-        *outputs, _ = _forward(x, False, None, out=out)
+        outputs = _forward(x, False, None, out=out)
     elif torch.compiler.is_compiling():
-        *outputs, _ = _forward_op(x, False, None)
+        outputs = _forward_op(x, False, None)
     elif torch.is_grad_enabled() and runtime.any_requires_grad(x):
         outputs = _Autograd.apply(x, False, None)
     else:
-        *outputs, _ = _forward(x, False, None)
+        outputs = _forward(x, False, None)
     return outputs[0]
 
 
 def _forward(x, training, seed, out=None):
-    """Launch the forward kernel; returns the outputs and the seed it used."""
+    """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x,))
     if problem.m * problem.n == 0:
-        return *runtime.write_out(out, (y,)), call.seed
+        return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem)]
     _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
@@ -147,17 +145,16 @@ def _forward(x, training, seed, out=None):
         y,
         problem.m,
         problem.n,
-        call.seed,
         HAS_DROPOUT=call.has_dropout,
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
-    return *runtime.write_out(out, (y,)), call.seed
+    return runtime.write_out(out, (y,))
 
 
 def _backward(grad_y, x, training, seed, needs_grad):
     """Launch the backward kernel; returns the gradients of x for which needs_grad is set."""
-    call = _arguments(x, training, seed, needs_kernel=True)
+    call = _arguments(x, training, None, needs_kernel=True)
     problem = call.problem
     rows_per_program = runtime.backward_rows_per_program(problem)
     # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
@@ -175,7 +172,6 @@ def _backward(grad_y, x, training, seed, needs_grad):
             runtime.GradTarget.buffer_of(targets[0]),
             problem.m,
             problem.n,
-            call.seed,
             HAS_DROPOUT=call.has_dropout,
             INDEX_64=runtime.needs_int64(problem, views + grad_views),
             COMPUTE_FP64=problem.compute_dtype == torch.float64,
@@ -187,32 +183,28 @@ def _backward(grad_y, x, training, seed, needs_grad):
 
 
 # torch.library registration: autograd and torch.compile each see one opaque op.
-# Saved for backward: the inputs and the seed, nothing else (no mask, no intermediates).
+# Saved for backward: the inputs, nothing else (no intermediates).
 
 
 @torch.library.custom_op("fusegen::squared_relu", mutates_args=())
-def _forward_op(x: torch.Tensor, training: bool, seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    *outputs, seed = _forward(x, training, seed)
-    return (*outputs, torch.tensor(seed, dtype=torch.int64))
+def _forward_op(x: torch.Tensor, training: bool, seed: Optional[int]) -> tuple[torch.Tensor]:
+    return _forward(x, training, seed)
 
 
 @_forward_op.register_fake
 def _forward_fake(x, training, seed):
     problem = _problem(x, needs_kernel=False)
-    outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in range(1)]
-    return (*outputs, torch.empty((), dtype=torch.int64))
+    return tuple(torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in range(1))
 
 
 def _setup_context(ctx, inputs, output):
     x, training, seed = inputs
-    ctx.save_for_backward(x, output[-1])
+    ctx.save_for_backward(x)
     ctx.params = (training,)
 
 
-def _backward_autograd(ctx, grad_y, _grad_seed=None):
-    # The library op saves its seed output; _Autograd keeps the seed as an int.
-    x, *seed = ctx.saved_tensors
-    seed = seed[0] if seed else ctx.seed
+def _backward_autograd(ctx, grad_y):
+    x, = ctx.saved_tensors
     # _Autograd leaves gradients unmaterialized: None stands for an output's zero gradient.
     if grad_y is None:
         return None, None, None
@@ -221,11 +213,10 @@ def _backward_autograd(ctx, grad_y, _grad_seed=None):
     # The op's own dispatch only where it is needed: while torch.compile traces (its fake
     # and functional tensors are Tensor subclasses), and under create_graph, where its
     # autograd (which refuses double backward) must be recorded.
-    if type(seed) in (int, torch.Tensor) and not torch.is_grad_enabled():
-        kernel_grads = iter(_backward(grad_y, x, *ctx.params, int(seed), kernel_needs))
+    if type(grad_y) is torch.Tensor and not torch.is_grad_enabled():
+        kernel_grads = iter(_backward(grad_y, x, *ctx.params, None, kernel_needs))
     else:
-        seed = seed if isinstance(seed, torch.Tensor) else torch.tensor(seed, dtype=torch.int64)
-        kernel_grads = iter(_backward_op(grad_y, x, *ctx.params, seed, kernel_needs))
+        kernel_grads = iter(_backward_op(grad_y, x, *ctx.params, kernel_needs))
     grad_x = next(kernel_grads) if needs[0] else None
     return grad_x, None, None
 
@@ -242,7 +233,7 @@ class _Autograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, training, seed):
-        *outputs, ctx.seed = _forward(x, training, seed)
+        outputs = _forward(x, training, seed)
         ctx.save_for_backward(x)
         ctx.params = (training,)
         ctx.set_materialize_grads(False)
@@ -252,12 +243,12 @@ class _Autograd(torch.autograd.Function):
 
 
 @torch.library.custom_op("fusegen::squared_relu_backward", mutates_args=())
-def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, training: bool, seed: torch.Tensor, needs_grad: list[bool]) -> list[torch.Tensor]:
-    return _backward(grad_y, x, training, int(seed), needs_grad)
+def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, training: bool, needs_grad: list[bool]) -> list[torch.Tensor]:
+    return _backward(grad_y, x, training, None, needs_grad)
 
 
 @_backward_op.register_fake
-def _backward_fake(grad_y, x, training, seed, needs_grad):
+def _backward_fake(grad_y, x, training, needs_grad):
     return [torch.empty_like(_tensor) for _tensor, _need in zip((x,), needs_grad) if _need]
 
 
@@ -291,10 +282,9 @@ def eager(x):
 
 
 def _arguments(x, training, seed, needs_kernel):
-    """Checks and defaults shared by the kernels and reference; draws the seed if needed."""
+    """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
     problem = _problem(x, needs_kernel=needs_kernel)
-    has_dropout = False
-    return runtime.Call(problem, has_dropout, 0 if seed is None else int(seed))
+    return runtime.Call(problem, False, None)
 
 
 def _problem(x, needs_kernel):

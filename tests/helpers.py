@@ -392,6 +392,11 @@ def _call_of(op: Op, tensors: dict, params: dict, training: bool, seed):
     return op.module._arguments(*args, training, seed, needs_kernel=True)
 
 
+def _seed_of(call):
+    """The seed tensor the op's launcher would pass (None without dropout)."""
+    return runtime.seed_tensor(call.seed, call.problem.device) if call.has_dropout else None
+
+
 def _scalar_args(op: Op, call) -> dict:
     kwargs = {}
     for param in op.spec.scalar_params:
@@ -425,7 +430,7 @@ def launch_forward(op: Op, tensors: dict, params: dict, seed: int, block_m: int,
         kwargs[f"{name}_ptr"] = out
         outputs.append(out)
     kwargs.update(
-        M=problem.m, N=problem.n, seed=call.seed, HAS_DROPOUT=call.has_dropout, INDEX_64=False,
+        M=problem.m, N=problem.n, seed_ptr=_seed_of(call), HAS_DROPOUT=call.has_dropout, INDEX_64=False,
         COMPUTE_FP64=problem.compute_dtype == torch.float64, BLOCK_M=block_m, BLOCK_N=block_n,
     )
     kwargs = {k: v for k, v in kwargs.items() if k in names}
@@ -470,7 +475,7 @@ def launch_backward(op: Op, grads_out: dict, tensors: dict, params: dict, seed: 
             kwargs[f"SUM_GRAD_{name.upper()}"] = runtime.GradTarget.sums_rows(target)
             kwargs[f"SUM_COLS_GRAD_{name.upper()}"] = runtime.GradTarget.sums_columns(target)
     kwargs.update(
-        M=problem.m, N=problem.n, seed=call.seed, HAS_DROPOUT=call.has_dropout, INDEX_64=False,
+        M=problem.m, N=problem.n, seed_ptr=_seed_of(call), HAS_DROPOUT=call.has_dropout, INDEX_64=False,
         COMPUTE_FP64=problem.compute_dtype == torch.float64, ROWS_PER_PROGRAM=rows_per_program,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )

@@ -82,10 +82,10 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
             # Gradient sums are buffers in the accumulation type (an input's own gradient
             # may be written in full, in its dtype, when only the other flag applies).
             sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
+        elif name == "seed_ptr":  # dropout's seed: one int64 on the device
+            sig[name] = "*i64"
         elif name.endswith("_ptr"):
             sig[name] = f"*{pointer}"
-        elif name == "seed":
-            sig[name] = "i64"
         elif name.startswith("dropout_scale"):
             sig[name] = "fp32"
         elif name in scalar_types:

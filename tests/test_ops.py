@@ -430,13 +430,15 @@ FORWARD_TILES = sorted(set(_small(runtime.FORWARD_CONFIGS) + [(2, 16), (8, 8)]))
 BACKWARD_TILES = sorted(set(_small(runtime.BACKWARD_CONFIGS) + [(2, 16), (8, 8)]))
 
 
+@pytest.mark.parametrize("n", [20, 22], ids=["n%4=0", "n%4=2"])
 @pytest.mark.parametrize("op", DROPOUT_OPS, ids=[op.name for op in DROPOUT_OPS])
-def test_dropout_masks_independent_of_tiles(op, device):
+def test_dropout_masks_independent_of_tiles(op, n, device):
     """The forward draws the same masks under every tile shape, and the backward, launched with
-    other tiles than the forward, draws them again: gradients vanish exactly where it dropped."""
+    other tiles than the forward, draws them again: gradients vanish exactly where it dropped.
+    With N % 4 != 0 groups of four straddle rows (the kernel's per-element path)."""
     # Small, so that 2048-element tiles stay cheap on the interpreter; still several
     # programs along both dims for the mid-sized tiles.
-    case = ShapeCase("13x20", lead=(13,), n=20, other=2, layout="bcast")
+    case = ShapeCase(f"13x{n}", lead=(13,), n=n, other=2, layout="bcast")
     tensors = make_inputs(op, case, torch.float32, device)
     params = params_for(op, p=0.5)
     seed = 2**33 + 12345  # above 32 bits: both halves of the Philox key matter

@@ -214,7 +214,7 @@ def test_dropout_statistics_kernel(p, device):
     assert torch.equal(dropped, mask == 0)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2**31 - 1, 2**31 + 5, 2**32, 2**40 + 3, -12345])
+@pytest.mark.parametrize("seed", [0, 1, 2**31 - 1, 2**31 + 5, 2**32, 2**40 + 3, 2**63 - 1])
 def test_kernel_mask_equals_host_mask_for_any_seed(seed, device):
     x, bias, residual = _inputs((5, 40), device=device, seed=4)
     y = op(x, bias, residual, p=0.5, activation="identity", seed=seed)
@@ -248,8 +248,8 @@ def test_seed_none_draws_from_torch_generator(device):
     replay = op(x, bias, residual, p=0.5)
     assert torch.equal(first, replay)
     torch.manual_seed(2024)
-    drawn = runtime.draw_seed()
-    assert torch.equal(op(x, bias, residual, p=0.5, seed=drawn), first)
+    drawn = runtime.seed_tensor(None, x.device)  # the op draws its seed so, on its device
+    assert torch.equal(op(x, bias, residual, p=0.5, seed=int(drawn)), first)
     torch.manual_seed(2024)
     torch.testing.assert_close(reference(x, bias, residual, p=0.5), first, rtol=1e-6, atol=1e-6)
 
@@ -260,7 +260,7 @@ def test_seed_none_backward_uses_the_forward_mask(device):
     torch.manual_seed(5)
     y = op(x, bias, residual, p=0.5, activation="identity")
     torch.manual_seed(5)
-    mask = _mask(runtime.draw_seed(), x, bias, residual, 0.5)
+    mask = _mask(runtime.seed_tensor(None, x.device), x, bias, residual, 0.5)
     torch.manual_seed(99)  # the generator moves on between forward and backward
     grad_y = torch.randn(y.shape).to(device)
     gx, = torch.autograd.grad(y, (x,), grad_y)
@@ -332,35 +332,37 @@ def test_cpu_without_interpreter_raises_clear_error(monkeypatch):
 # 64-bit offsets (GPU only: the tensors are 4 GiB each)
 
 
-def _keep_for_rows(seed, rows, cols, stream, p):
-    """Which elements (rows [R, 1] x cols [1, C], int64) dropout keeps: the formula of
-    runtime.dropout_mask_reference, for any rows, not only 0..M-1 (all 2**31 elements
-    would not fit). Column 4g + k takes word k of Philox4x32-10 keyed by seed with
-    counter (g, row_lo, row_hi, stream)."""
+def _keep_for_rows(seed, rows, cols, n, stream, p):
+    """Which elements (rows [R, 1] x cols [1, C], int64) of an [M, n] problem dropout keeps:
+    runtime.dropout_keep at their flat indices row * n + col, for any rows, not only those
+    a host tensor of all 2**31 elements could hold. Written out here (word i % 4 of
+    Philox4x32-10 keyed by seed with counter (i // 4 low, high, stream, 0)) so that the
+    formula is pinned independently of fusegen's own."""
     from fusegen.runtime.philox import philox4x32
 
-    zero = torch.zeros((), dtype=torch.int64, device=rows.device)
-    words = philox4x32(seed, cols >> 2, rows & 0xFFFFFFFF, rows >> 32, zero + stream)
-    shape = torch.broadcast_shapes(rows.shape, cols.shape)
-    r = torch.stack([w.expand(shape) for w in words], dim=-1)
-    r = r.gather(-1, (cols & 3).expand(shape).unsqueeze(-1)).squeeze(-1)
+    index = rows * n + cols
+    groups = index >> 2
+    zero = torch.zeros_like(groups)
+    words = philox4x32(seed, groups & 0xFFFFFFFF, groups >> 32, zero + stream, zero)
+    r = torch.stack(words, dim=-1).gather(-1, (index & 3).unsqueeze(-1)).squeeze(-1)
     return (r >> 8) >= runtime.dropout_threshold(p)
 
 
-def test_row_mask_formula_matches_reference():
+@pytest.mark.parametrize("n", [70, 64, 1, 3])
+def test_flat_index_mask_formula_matches_reference(n):
     """The GPU test below draws masks for rows past 2**31 / N by _keep_for_rows: it must be
     dropout_mask_reference's formula (checked here, on rows 0..M-1, where both apply)."""
-    x = torch.empty(9, 70)
+    x = torch.empty(9, n)
     rows = torch.arange(9, dtype=torch.int64)[:, None]
-    cols = torch.arange(70, dtype=torch.int64)[None, :]
+    cols = torch.arange(n, dtype=torch.int64)[None, :]
     for seed, p in [(5, 0.1), (2**33 + 7, 0.5)]:
-        assert torch.equal(_keep_for_rows(seed, rows, cols, 0, p), _mask(seed, x, x[0], x, p) != 0)
+        assert torch.equal(_keep_for_rows(seed, rows, cols, n, 0, p), _mask(seed, x, x[0], x, p) != 0)
 
 
 @pytest.mark.gpu
 def test_int64_offsets_past_2_31(device):
     """More than 2**31 elements: the launcher must switch to 64-bit index math (INDEX_64),
-    and the dropout counter must carry the row's high bits, in forward and in backward."""
+    and the dropout counter must carry the flat index's high bits, in forward and in backward."""
     if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
         pytest.skip("needs about 30 GiB of GPU memory")
     n = 4096
@@ -376,7 +378,7 @@ def test_int64_offsets_past_2_31(device):
     def host_mask(selected):
         r_idx = torch.tensor(selected, dtype=torch.int64, device="cuda")[:, None]
         c_idx = torch.arange(n, dtype=torch.int64, device="cuda")[None, :]
-        keep = _keep_for_rows(seed, r_idx, c_idx, 0, p)
+        keep = _keep_for_rows(seed, r_idx, c_idx, n, 0, p)
         return torch.where(keep, torch.tensor(runtime.dropout_scale(p), dtype=torch.float32, device="cuda"), 0.0)
 
     mask = host_mask(rows)

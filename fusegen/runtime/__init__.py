@@ -1,5 +1,5 @@
 """What generated modules share at run time (they import it as `fusegen.runtime`)."""
-from .dropout import dropout_mask_reference, dropout_scale, dropout_threshold
+from .dropout import check_seed, dropout_keep, dropout_mask_reference, dropout_scale, dropout_threshold, seed_tensor
 from .launch import (
     BACKWARD_CONFIGS,
     FORWARD_CONFIGS,
@@ -14,7 +14,6 @@ from .launch import (
     check_choice,
     check_out_without_grad,
     check_scalar,
-    draw_seed,
     grid_2d,
     is_interpreting,
     needs_int64,
@@ -50,7 +49,8 @@ __all__ = [
     "check_choice",
     "check_out_without_grad",
     "check_scalar",
-    "draw_seed",
+    "check_seed",
+    "dropout_keep",
     "dropout_mask_reference",
     "dropout_scale",
     "dropout_threshold",
@@ -61,6 +61,7 @@ __all__ = [
     "prune_backward_configs",
     "prune_forward_configs",
     "rsqrt_rn",
+    "seed_tensor",
     "sqrt_rn",
     "sum_to_input",
     "view_2d",

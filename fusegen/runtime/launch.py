@@ -1,5 +1,5 @@
 """What every generated launcher does before it launches: argument checks, broadcasting,
-2-D views, dtypes, seeds and the autotuner's configurations."""
+2-D views, dtypes and the autotuner's configurations."""
 from __future__ import annotations
 
 import functools
@@ -174,11 +174,6 @@ def backward_rows_per_program(problem: "Problem") -> int:
 
 def _float32(value) -> float:
     return struct.unpack("f", struct.pack("f", float(value)))[0]
-
-
-def draw_seed() -> int:
-    """A dropout seed from torch's default generator, so torch.manual_seed reproduces a run."""
-    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
 
 
 def check_choice(op: str, name: str, value, choices: tuple[str, ...]) -> None:
@@ -357,9 +352,10 @@ def needs_int64(problem: Problem, views: list[tuple[torch.Tensor, int, int]]) ->
 
 
 class Call:
-    """One call's checked arguments: the problem, dropout state, and each param by name."""
+    """One call's checked arguments: the problem, dropout state, the explicit seed (None:
+    draw one) and each param by name."""
 
-    def __init__(self, problem: Problem, has_dropout: bool, seed: int, **params):
+    def __init__(self, problem: Problem, has_dropout: bool, seed: int | None, **params):
         self.problem = problem
         self.has_dropout = has_dropout
         self.seed = seed

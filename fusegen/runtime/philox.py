@@ -57,7 +57,7 @@ def _as_u32(c: torch.Tensor) -> torch.Tensor:
 
 
 def philox4x32(
-    seed: int,
+    seed: "int | torch.Tensor",
     c0: torch.Tensor,
     c1: torch.Tensor,
     c2: torch.Tensor,
@@ -71,10 +71,14 @@ def philox4x32(
     shape holding the uint32 outputs.
     """
     # Triton casts the int64 seed to uint64 and uses its two 32-bit words as
-    # the key, so negative seeds act through their two's complement.
-    seed = int(seed) & MASK64
-    k0 = seed & MASK32
-    k1 = seed >> 32
+    # the key, so negative seeds act through their two's complement. A seed tensor (one
+    # int64 element, e.g. the kernels' seed on the GPU) stays a tensor: no host sync.
+    if isinstance(seed, torch.Tensor):
+        seed = seed.to(device=c0.device, dtype=torch.int64).reshape(())
+        k0, k1 = seed & MASK32, (seed >> 32) & MASK32
+    else:
+        seed = int(seed) & MASK64
+        k0, k1 = seed & MASK32, seed >> 32
 
     c0, c1, c2, c3 = torch.broadcast_tensors(
         _as_u32(c0), _as_u32(c1), _as_u32(c2), _as_u32(c3)

@@ -8,30 +8,58 @@ import triton.language as tl
 
 
 @triton.jit
-def dropout_mask(seed, rows, first_col, BLOCK_N: tl.constexpr, stream: tl.constexpr, threshold, scale):
-    """Dropout multiplier for the tile of `rows` × [first_col, first_col + BLOCK_N): `scale` where kept, else 0.
+def dropout_mask(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr, threshold, scale):
+    """Dropout multiplier for the tile of `rows` × [first_col, first_col + BLOCK_N) of an
+    [M, N] problem: `scale` where kept, else 0.
 
-    Element (row, col) takes word `col % 4` of Philox4x32-10 keyed by `seed` with counter
-    (col // 4, row_lo, row_hi, stream): one Philox call serves four neighbouring columns,
-    and the mask depends on the element's logical position only, never on the block
-    shape the autotuner picked, so the backward regenerates it exactly. An element is kept
-    when the top 24 bits of its word are >= `threshold` (= round(p * 2**24)).
-    BLOCK_N must be a multiple of 4 (tiles then never split a group of four).
+    The element at flat index i = row * N + col takes word `i % 4` of Philox4x32-10 keyed
+    by `seed` with counter (g_lo, g_hi, stream, 0), g = i // 4: the mask depends on the
+    seed and the element's flat logical index only, never on the problem's 2-D shape or
+    the tile the autotuner picked, so the backward (and a reshaped input) draws it again
+    exactly. An element is kept when the top 24 bits of its word are >= `threshold`
+    (= round(p * 2**24)). BLOCK_N must be a multiple of 4.
+
+    When N % 4 == 0 a row holds whole groups of four and one Philox call serves four
+    neighbouring columns. Otherwise groups straddle rows, and each element makes its own
+    call (four times the random-number work, the same mask).
     """
-    BLOCK_M: tl.constexpr = rows.shape[0]
     rows64 = rows.to(tl.int64)[:, None]
-    first_group = (first_col // 4).to(tl.uint32)
-    groups = (first_group + tl.arange(0, BLOCK_N // 4).to(tl.uint32))[None, :]
-    c1 = tl.broadcast_to(rows64.to(tl.uint32), (BLOCK_M, BLOCK_N // 4))
-    c2 = tl.broadcast_to((rows64 >> 32).to(tl.uint32), (BLOCK_M, BLOCK_N // 4))
-    c0 = tl.broadcast_to(groups, (BLOCK_M, BLOCK_N // 4))
-    c3 = tl.zeros_like(c0) + stream
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
-    # Interleave so that column 4g + k gets word k of group g. join adds a new last axis,
-    # so the outer join picks the low bit of k and the inner one the high bit.
-    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
+    if N % 4 == 0:
+        words = _words_of_whole_groups(seed, rows64, first_col, N, BLOCK_N, stream)
+    else:
+        words = _words_of_each_element(seed, rows64, first_col, N, BLOCK_N, stream)
     keep = (words >> 8).to(tl.int32) >= threshold
     return tl.where(keep, scale, 0.0)
+
+
+@triton.jit
+def _words_of_whole_groups(seed, rows64, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr):
+    """N % 4 == 0: group g = row * N/4 + col // 4, one Philox call for four columns."""
+    BLOCK_M: tl.constexpr = rows64.shape[0]
+    groups = rows64 * (N // 4) + (first_col // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    r0, r1, r2, r3 = _philox_groups(seed, groups, stream)
+    # Interleave so that column 4g + k gets word k of group g. join adds a new last axis,
+    # so the outer join picks the low bit of k and the inner one the high bit.
+    return tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _words_of_each_element(seed, rows64, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr):
+    """Any N: each element's own call, of which it keeps word i % 4."""
+    index = rows64 * N + (first_col + tl.arange(0, BLOCK_N))[None, :]
+    r0, r1, r2, r3 = _philox_groups(seed, index >> 2, stream)
+    word = index & 3
+    return tl.where(word < 2, tl.where(word == 0, r0, r1), tl.where(word == 2, r2, r3))
+
+
+@triton.jit
+def _philox_groups(seed, groups, stream: tl.constexpr):
+    """Philox4x32-10 of the int64 group numbers `groups`, counter (g_lo, g_hi, stream, 0)."""
+    c0 = groups.to(tl.uint32)
+    c1 = (groups >> 32).to(tl.uint32)
+    c2 = tl.full(groups.shape, stream, tl.uint32)
+    c3 = tl.zeros(groups.shape, tl.uint32)
+    return tl.philox(seed, c0, c1, c2, c3)
 
 
 @triton.jit
