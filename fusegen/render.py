@@ -90,7 +90,7 @@ def render_op_module(op: SimplifiedOp) -> str:
     ]
     mask_lines = [
         f"dropout_mask{d.stream} = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, {d.stream}, "
-        f"dropout_threshold_{d.p}, dropout_scale_{d.p})"
+        f"dropout_threshold_{d.p}, dropout_scale_{d.p}, DROPOUT_WHOLE_GROUPS)"
         for d in op.ir.dropouts
     ]
 

@@ -60,6 +60,7 @@ def bias_dropout_add_kernel(
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
+    DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -79,7 +80,7 @@ def bias_dropout_add_kernel(
     residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
-        dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
+        dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, DROPOUT_WHOLE_GROUPS)
         y = dropout_mask0 * (bias + x) + residual
     else:
         y = bias + residual + x
@@ -105,6 +106,7 @@ def bias_dropout_add_backward_kernel(
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     HAS_DROPOUT: tl.constexpr,
+    DROPOUT_WHOLE_GROUPS: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
@@ -130,7 +132,7 @@ def bias_dropout_add_backward_kernel(
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         if HAS_DROPOUT:
-            dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
+            dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, DROPOUT_WHOLE_GROUPS)
             t0 = dropout_mask0 * grad_y
             grad_x = t0
             grad_bias = t0
@@ -197,6 +199,7 @@ def _forward(x, bias, residual, p, training, seed, out=None):
         runtime.dropout_scale(call.p),
         seed,
         HAS_DROPOUT=call.has_dropout,
+        DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
@@ -227,6 +230,7 @@ def _backward(grad_y, x, bias, residual, p, training, seed, needs_grad):
             runtime.dropout_scale(call.p),
             seed,
             HAS_DROPOUT=call.has_dropout,
+            DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
             INDEX_64=runtime.needs_int64(problem, views + grad_views),
             COMPUTE_FP64=problem.compute_dtype == torch.float64,
             NEEDS_GRAD_X=targets[0] is not None,

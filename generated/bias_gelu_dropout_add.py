@@ -106,6 +106,7 @@ def bias_gelu_dropout_add_kernel(
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     ACTIVATION: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
+    DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -125,7 +126,7 @@ def bias_gelu_dropout_add_kernel(
     residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
-        dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
+        dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, DROPOUT_WHOLE_GROUPS)
         y = dropout_mask0 * _activation(bias + x, ACTIVATION) + residual
     else:
         y = residual + _activation(bias + x, ACTIVATION)
@@ -154,6 +155,7 @@ def bias_gelu_dropout_add_backward_kernel(
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     ACTIVATION: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    DROPOUT_WHOLE_GROUPS: tl.constexpr,
     INDEX_64: tl.constexpr,
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
@@ -183,7 +185,7 @@ def bias_gelu_dropout_add_backward_kernel(
         grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         if HAS_DROPOUT:
-            dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p)
+            dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, DROPOUT_WHOLE_GROUPS)
             t0 = dropout_mask0 * grad_y * _activation__grad(bias + x, ACTIVATION)
             grad_x = t0
             grad_bias = t0
@@ -252,6 +254,7 @@ def _forward(x, bias, residual, p, activation, training, seed, out=None):
         seed,
         ACTIVATION=call.activation,
         HAS_DROPOUT=call.has_dropout,
+        DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
         INDEX_64=runtime.needs_int64(problem, views),
         COMPUTE_FP64=problem.compute_dtype == torch.float64,
     )
@@ -285,6 +288,7 @@ def _backward(grad_y, x, bias, residual, p, activation, training, seed, needs_gr
             seed,
             ACTIVATION=call.activation,
             HAS_DROPOUT=call.has_dropout,
+            DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
             INDEX_64=runtime.needs_int64(problem, views + grad_views),
             COMPUTE_FP64=problem.compute_dtype == torch.float64,
             NEEDS_GRAD_X=targets[0] is not None,

@@ -431,6 +431,7 @@ def launch_forward(op: Op, tensors: dict, params: dict, seed: int, block_m: int,
         outputs.append(out)
     kwargs.update(
         M=problem.m, N=problem.n, seed_ptr=_seed_of(call), HAS_DROPOUT=call.has_dropout, INDEX_64=False,
+        DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
         COMPUTE_FP64=problem.compute_dtype == torch.float64, BLOCK_M=block_m, BLOCK_N=block_n,
     )
     kwargs = {k: v for k, v in kwargs.items() if k in names}
@@ -476,6 +477,7 @@ def launch_backward(op: Op, grads_out: dict, tensors: dict, params: dict, seed: 
             kwargs[f"SUM_COLS_GRAD_{name.upper()}"] = runtime.GradTarget.sums_columns(target)
     kwargs.update(
         M=problem.m, N=problem.n, seed_ptr=_seed_of(call), HAS_DROPOUT=call.has_dropout, INDEX_64=False,
+        DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
         COMPUTE_FP64=problem.compute_dtype == torch.float64, ROWS_PER_PROGRAM=rows_per_program,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )

@@ -50,6 +50,10 @@ def variants(choices: dict[str, tuple]) -> list[tuple[str, dict]]:
         for gradients in ({"rows": False, "cols": False}, {"rows": False, "cols": True}, {"needs": False}):
             out.append((dtype, {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, **sums, **gradients}))
     out.append(("fp32", {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, **sums, "INDEX_64": True}))
+    # Dropout's per-element path (N % 4 != 0), with 32- and 64-bit indices.
+    for index_64 in (False, True):
+        out.append(("bf16", {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, **sums, "INDEX_64": index_64,
+                             "WHOLE_GROUPS": False}))
     return out
 
 
@@ -69,7 +73,9 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
             elif name in settings:
                 constexprs[name] = settings[name]
             elif name == "INDEX_64":
-                constexprs[name] = False
+                constexprs[name] = settings.get("INDEX_64", False)
+            elif name == "DROPOUT_WHOLE_GROUPS":
+                constexprs[name] = settings.get("WHOLE_GROUPS", True)
             elif name.startswith("NEEDS_GRAD_"):
                 constexprs[name] = settings["needs"]
             elif name.startswith("SUM_GRAD_"):

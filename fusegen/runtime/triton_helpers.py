@@ -8,7 +8,8 @@ import triton.language as tl
 
 
 @triton.jit
-def dropout_mask(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr, threshold, scale):
+def dropout_mask(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr, threshold, scale,
+                 WHOLE_GROUPS: tl.constexpr):
     """Dropout multiplier for the tile of `rows` × [first_col, first_col + BLOCK_N) of an
     [M, N] problem: `scale` where kept, else 0.
 
@@ -19,24 +20,25 @@ def dropout_mask(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.con
     exactly. An element is kept when the top 24 bits of its word are >= `threshold`
     (= round(p * 2**24)). BLOCK_N must be a multiple of 4.
 
-    When N % 4 == 0 a row holds whole groups of four and one Philox call serves four
-    neighbouring columns. Otherwise groups straddle rows, and each element makes its own
-    call (four times the random-number work, the same mask).
+    WHOLE_GROUPS (N % 4 == 0): a row holds whole groups of four, and one Philox call serves
+    four neighbouring columns. Otherwise groups straddle rows, and each element makes its
+    own call (four times the random-number work, the same mask). A constexpr, not a branch:
+    the per-element path's registers would weigh on the common one. `rows` is int64 when
+    flat indices can reach 2**31, else int32 (the high counter word is then a constant 0).
     """
-    rows64 = rows.to(tl.int64)[:, None]
-    if N % 4 == 0:
-        words = _words_of_whole_groups(seed, rows64, first_col, N, BLOCK_N, stream)
+    if WHOLE_GROUPS:
+        words = _words_of_whole_groups(seed, rows[:, None], first_col, N, BLOCK_N, stream)
     else:
-        words = _words_of_each_element(seed, rows64, first_col, N, BLOCK_N, stream)
+        words = _words_of_each_element(seed, rows[:, None], first_col, N, BLOCK_N, stream)
     keep = (words >> 8).to(tl.int32) >= threshold
     return tl.where(keep, scale, 0.0)
 
 
 @triton.jit
-def _words_of_whole_groups(seed, rows64, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr):
+def _words_of_whole_groups(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr):
     """N % 4 == 0: group g = row * N/4 + col // 4, one Philox call for four columns."""
-    BLOCK_M: tl.constexpr = rows64.shape[0]
-    groups = rows64 * (N // 4) + (first_col // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    BLOCK_M: tl.constexpr = rows.shape[0]
+    groups = rows * (N // 4) + (first_col // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
     r0, r1, r2, r3 = _philox_groups(seed, groups, stream)
     # Interleave so that column 4g + k gets word k of group g. join adds a new last axis,
     # so the outer join picks the low bit of k and the inner one the high bit.
@@ -44,9 +46,9 @@ def _words_of_whole_groups(seed, rows64, first_col, N, BLOCK_N: tl.constexpr, st
 
 
 @triton.jit
-def _words_of_each_element(seed, rows64, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr):
+def _words_of_each_element(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr):
     """Any N: each element's own call, of which it keeps word i % 4."""
-    index = rows64 * N + (first_col + tl.arange(0, BLOCK_N))[None, :]
+    index = rows * N + (first_col + tl.arange(0, BLOCK_N))[None, :]
     r0, r1, r2, r3 = _philox_groups(seed, index >> 2, stream)
     word = index & 3
     return tl.where(word < 2, tl.where(word == 0, r0, r1), tl.where(word == 2, r2, r3))
@@ -54,9 +56,12 @@ def _words_of_each_element(seed, rows64, first_col, N, BLOCK_N: tl.constexpr, st
 
 @triton.jit
 def _philox_groups(seed, groups, stream: tl.constexpr):
-    """Philox4x32-10 of the int64 group numbers `groups`, counter (g_lo, g_hi, stream, 0)."""
+    """Philox4x32-10 of the group numbers `groups`, counter (g_lo, g_hi, stream, 0)."""
     c0 = groups.to(tl.uint32)
-    c1 = (groups >> 32).to(tl.uint32)
+    if groups.dtype == tl.int64:
+        c1 = (groups >> 32).to(tl.uint32)
+    else:
+        c1 = tl.zeros(groups.shape, tl.uint32)
     c2 = tl.full(groups.shape, stream, tl.uint32)
     c3 = tl.zeros(groups.shape, tl.uint32)
     return tl.philox(seed, c0, c1, c2, c3)
