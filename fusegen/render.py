@@ -19,6 +19,7 @@ from pathlib import Path
 import jinja2
 import sympy
 
+from .errors import SpecError
 from .functions import FUNCTIONS
 from .printers import (
     TRITON_COMPUTE_DTYPE,
@@ -70,9 +71,60 @@ class HelperFunction:
     branches: tuple[HelperBranch, ...]
 
 
+# torch.nn.Module's public attributes (torch 2.13; tests/test_module_class.py compares them
+# with the installed torch's): the op's module class keeps each param as an attribute of
+# its name, which must not replace one of these.
+_NN_MODULE_ATTRIBUTES = frozenset(
+    {
+        "T_destination", "add_module", "apply", "bfloat16", "buffers", "call_super_init", "children", "compile",
+        "cpu", "cuda", "double", "dump_patches", "eval", "extra_repr", "float", "forward", "get_buffer",
+        "get_extra_state", "get_parameter", "get_submodule", "half", "ipu", "load_state_dict", "modules", "mtia",
+        "named_buffers", "named_children", "named_modules", "named_parameters", "parameters",
+        "register_backward_hook", "register_buffer", "register_forward_hook", "register_forward_pre_hook",
+        "register_full_backward_hook", "register_full_backward_pre_hook", "register_load_state_dict_post_hook",
+        "register_load_state_dict_pre_hook", "register_module", "register_parameter",
+        "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_", "set_extra_state",
+        "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train", "training", "type", "xpu",
+        "zero_grad",
+    }
+)
+# Module-level names of a generated module that a class name could shadow: its imports, and
+# the builtins its functions use (all builtins, to be safe).
+_MODULE_LEVEL_NAMES = frozenset({"F", "Optional"}) | frozenset(dir(builtins))
+
+
+def module_class_name(op_name: str) -> str:
+    """The op's torch.nn.Module class: its name in CamelCase (bias_gelu_dropout_add →
+    BiasGeluDropoutAdd), with "Module" added where that is the op's own name or a name the
+    module already uses (op Gelu → GeluModule, op f → FModule)."""
+    name = "".join(word[:1].upper() + word[1:] for word in op_name.split("_"))
+    return f"{name}Module" if name == op_name or name in _MODULE_LEVEL_NAMES else name
+
+
+def _check_module_class_names(spec: OpSpec, class_name: str) -> None:
+    """The spec's names against the module class: its name, and the attributes it keeps.
+    (spec.py checks every other name the generated code derives.)"""
+    for kind, items in (("input", spec.inputs), ("param", spec.params), ("let", spec.lets), ("output", spec.outputs)):
+        for item in items:
+            if item.name == class_name:
+                raise SpecError(
+                    spec.path, item.line,
+                    f"{kind} name '{item.name}' is reserved by the generated code for op '{spec.name}' (its module class)",
+                )
+    for param in spec.params:
+        if param.name in _NN_MODULE_ATTRIBUTES:
+            raise SpecError(
+                spec.path, param.line,
+                f"param name '{param.name}' is reserved by the generated code: the op's module class keeps params "
+                f"as attributes, and torch.nn.Module has one named '{param.name}'",
+            )
+
+
 def render_op_module(op: SimplifiedOp) -> str:
     """The text of generated/<op>.py."""
     spec = op.ir.spec
+    class_name = module_class_name(spec.name)
+    _check_module_class_names(spec, class_name)
     triton, torch_printer = TritonPrinter(), TorchPrinter()
     outputs = [b.name for b in spec.outputs]
     inputs = [i.name for i in spec.inputs]
@@ -168,7 +220,10 @@ def render_op_module(op: SimplifiedOp) -> str:
         ),
         has_dropout=has_dropout,
         uses_libdevice=uses_libdevice("\n".join(triton_code)),
-        choices=[dict(name=c.name, constant=c.name.upper(), choices=repr(tuple(c.choices))) for c in spec.choice_params],
+        choices=[
+            dict(name=c.name, constant=c.name.upper(), choices=repr(tuple(c.choices)), check=_choice_check(c))
+            for c in spec.choice_params
+        ],
         triton_helpers=triton_helpers,
         torch_helpers=torch_helpers,
         inputs=[_input_context(i) for i in spec.inputs],
@@ -190,7 +245,16 @@ def render_op_module(op: SimplifiedOp) -> str:
         masks=[dict(name=f"dropout_mask{d.stream}", stream=d.stream, p=d.p) for d in op.ir.dropouts],
         torch_dropout_lines=_print_block(op.forward, torch_printer, outputs, _torch_constant, tensors),
         torch_plain_lines=_print_block(op.forward_no_dropout, torch_printer, outputs, _torch_constant, tensors),
-        scalar_params=[dict(name=p.name, kind=p.type, low=repr(p.min), high=repr(p.max)) for p in spec.scalar_params],
+        scalar_params=[dict(name=p.name, check=_scalar_check(p)) for p in spec.scalar_params],
+        class_name=class_name,
+        class_doc=_class_doc(spec, has_dropout),
+        init_signature=", ".join(["self"] + [f"{p.name}={p.default!r}" for p in spec.params]),
+        class_arguments=", ".join(f"{p.name}={p.default!r}" for p in spec.params),
+        param_names=params,
+        param_checks=[_scalar_check(p) if isinstance(p, ScalarParam) else _choice_check(p) for p in spec.params],
+        forward_signature=", ".join(["self"] + inputs),
+        module_call=", ".join(inputs + [f"{p}=self.{p}" for p in params] + (["training=self.training"] if has_dropout else [])),
+        extra_repr="f\"" + ", ".join(f"{p}={{self.{p}!r}}" for p in params) + "\"",
         any_dropout=" or ".join(f"{p} > 0" for p in dropout_params) or "False",
         call_fields=", ".join(f"{p.name}={p.name}" for p in spec.params),
     )
@@ -278,11 +342,40 @@ def render_package_init(specs: list[OpSpec]) -> str:
     )
 
 
+def _class_doc(spec: OpSpec, has_dropout: bool) -> list[str]:
+    """Lines not wrapped: where a spec's names fall must not move the line breaks."""
+    lines = [f"The op as a torch.nn.Module: forward({', '.join(i.name for i in spec.inputs)}) calls {spec.name}."]
+    if spec.params:
+        lines.append("Its params are fixed at construction, and checked then.")
+    if has_dropout:
+        lines.append("Dropout is on in train() mode and off in eval(); seeds come from torch's generator.")
+    return lines
+
+
+def _scalar_check(param: ScalarParam) -> str:
+    return f'runtime.check_scalar(_OP, "{param.name}", {param.name}, "{param.type}", {param.min!r}, {param.max!r})'
+
+
+def _choice_check(param: ChoiceParam) -> str:
+    return f'runtime.check_choice(_OP, "{param.name}", {param.name}, {param.name.upper()}_CHOICES)'
+
+
+def _range_text(low, high) -> str:
+    """`in [0.0, 1.0]`, `≥ 0.0`, `≤ 1.0` or "": as fusegen.runtime.launch.range_text prints
+    a range in errors (tests/test_arguments.py pins that the two agree)."""
+    if low is not None and high is not None:
+        return f"in [{low!r}, {high!r}]"
+    if low is not None:
+        return f"≥ {low!r}"
+    return "" if high is None else f"≤ {high!r}"
+
+
 def _params_doc(spec: OpSpec, has_dropout: bool) -> list[str]:
     lines = []
     for p in spec.params:
         if isinstance(p, ScalarParam):
-            bounds = f" in [{p.min}, {p.max}]" if p.min is not None or p.max is not None else ""
+            bounds = _range_text(p.min, p.max)
+            bounds = f" {bounds}" if bounds else ""
             lines.append(f"Param {p.name}: {p.type}{bounds}, default {p.default!r} (runtime: no recompilation).")
         elif isinstance(p, ChoiceParam):
             lines.append(

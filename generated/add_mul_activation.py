@@ -3,6 +3,7 @@
 """y = activation(x + multiplier * inp + bias)
 
     add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None)
+    AddMulActivation(multiplier=1.0, activation='relu')(x, inp, bias): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], inp [..., N], bias [N]
 Outputs: y [..., N]
@@ -31,7 +32,7 @@ from triton.language.extra import libdevice
 
 from fusegen import runtime
 
-__all__ = ["add_mul_activation", "reference", "eager"]
+__all__ = ["add_mul_activation", "AddMulActivation", "reference", "eager"]
 
 _OP = "add_mul_activation"
 ACTIVATION_CHOICES = ('relu', 'sigmoid', 'silu', 'gelu', 'gelu_tanh', 'identity')
@@ -224,12 +225,33 @@ def add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=N
     return outputs[0]
 
 
+class AddMulActivation(torch.nn.Module):
+    """y = activation(x + multiplier * inp + bias)
+
+    The op as a torch.nn.Module: forward(x, inp, bias) calls add_mul_activation.
+    Its params are fixed at construction, and checked then.
+    """
+
+    def __init__(self, multiplier=1.0, activation='relu'):
+        super().__init__()
+        runtime.check_scalar(_OP, "multiplier", multiplier, "float", None, None)
+        runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
+        self.multiplier = multiplier
+        self.activation = activation
+
+    def forward(self, x, inp, bias):
+        return add_mul_activation(x, inp, bias, multiplier=self.multiplier, activation=self.activation)
+
+    def extra_repr(self):
+        return f"multiplier={self.multiplier!r}, activation={self.activation!r}"
+
+
 def _forward(x, inp, bias, multiplier, activation, training, seed, out=None):
     """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, inp, bias, multiplier, activation, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, inp, bias))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
@@ -260,7 +282,7 @@ def _backward(grad_y, x, inp, bias, multiplier, activation, training, seed, need
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False), (inp, 1, False), (bias, 1, False)), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -447,4 +469,5 @@ def _problem(x, inp, bias, activation, needs_kernel):
             "bias": (bias, ('N',)),
         },
         needs_kernel=needs_kernel,
+        kernel=add_mul_activation_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

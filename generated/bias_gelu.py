@@ -3,6 +3,7 @@
 """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 
     bias_gelu(x, bias, activation='gelu', *, out=None)
+    BiasGelu(activation='gelu')(x, bias): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N]
 Outputs: y [..., N]
@@ -30,7 +31,7 @@ from triton.language.extra import libdevice
 
 from fusegen import runtime
 
-__all__ = ["bias_gelu", "reference", "eager"]
+__all__ = ["bias_gelu", "BiasGelu", "reference", "eager"]
 
 _OP = "bias_gelu"
 ACTIVATION_CHOICES = ('gelu', 'gelu_tanh')
@@ -182,12 +183,31 @@ def bias_gelu(x, bias, activation='gelu', *, out=None):
     return outputs[0]
 
 
+class BiasGelu(torch.nn.Module):
+    """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
+
+    The op as a torch.nn.Module: forward(x, bias) calls bias_gelu.
+    Its params are fixed at construction, and checked then.
+    """
+
+    def __init__(self, activation='gelu'):
+        super().__init__()
+        runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
+        self.activation = activation
+
+    def forward(self, x, bias):
+        return bias_gelu(x, bias, activation=self.activation)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+
 def _forward(x, bias, activation, training, seed, out=None):
     """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, bias, activation, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, bias))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
@@ -216,7 +236,7 @@ def _backward(grad_y, x, bias, activation, training, seed, needs_grad):
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False), (bias, 1, False)), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -376,4 +396,5 @@ def _problem(x, bias, activation, needs_kernel):
             "bias": (bias, ('N',)),
         },
         needs_kernel=needs_kernel,
+        kernel=bias_gelu_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

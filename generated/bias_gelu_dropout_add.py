@@ -3,6 +3,7 @@
 """y = dropout(activation(x + bias), p) + residual
 
     bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None, *, out=None)
+    BiasGeluDropoutAdd(p=0.1, activation='gelu_tanh')(x, bias, residual): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N], residual [..., N]
 Outputs: y [..., N]
@@ -42,7 +43,7 @@ from triton.language.extra import libdevice
 from fusegen import runtime
 from fusegen.runtime.triton_helpers import dropout_mask
 
-__all__ = ["bias_gelu_dropout_add", "reference", "eager"]
+__all__ = ["bias_gelu_dropout_add", "BiasGeluDropoutAdd", "reference", "eager"]
 
 _OP = "bias_gelu_dropout_add"
 ACTIVATION_CHOICES = ('gelu_tanh', 'gelu', 'relu', 'silu', 'sigmoid', 'identity')
@@ -232,13 +233,35 @@ def bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', trai
     return outputs[0]
 
 
+class BiasGeluDropoutAdd(torch.nn.Module):
+    """y = dropout(activation(x + bias), p) + residual
+
+    The op as a torch.nn.Module: forward(x, bias, residual) calls bias_gelu_dropout_add.
+    Its params are fixed at construction, and checked then.
+    Dropout is on in train() mode and off in eval(); seeds come from torch's generator.
+    """
+
+    def __init__(self, p=0.1, activation='gelu_tanh'):
+        super().__init__()
+        runtime.check_scalar(_OP, "p", p, "float", 0.0, 1.0)
+        runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
+        self.p = p
+        self.activation = activation
+
+    def forward(self, x, bias, residual):
+        return bias_gelu_dropout_add(x, bias, residual, p=self.p, activation=self.activation, training=self.training)
+
+    def extra_repr(self):
+        return f"p={self.p!r}, activation={self.activation!r}"
+
+
 def _forward(x, bias, residual, p, activation, training, seed, out=None):
     """Launch the forward kernel; returns the outputs and the seed tensor it used (None without dropout)."""
     call = _arguments(x, bias, residual, p, activation, training, seed, needs_kernel=True)
     problem = call.problem
     seed = runtime.seed_tensor(call.seed, problem.device) if call.has_dropout else None
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, bias, residual))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,)), seed
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem), runtime.view_2d(residual, problem)]
@@ -272,7 +295,7 @@ def _backward(grad_y, x, bias, residual, p, activation, training, seed, needs_gr
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False), (bias, 1, False)), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -469,4 +492,5 @@ def _problem(x, bias, residual, activation, needs_kernel):
             "residual": (residual, ('...', 'N')),
         },
         needs_kernel=needs_kernel,
+        kernel=bias_gelu_dropout_add_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

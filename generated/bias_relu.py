@@ -3,6 +3,7 @@
 """y = relu(x + bias)
 
     bias_relu(x, bias, *, out=None)
+    BiasRelu()(x, bias): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N]
 Outputs: y [..., N]
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from fusegen import runtime
 
-__all__ = ["bias_relu", "reference", "eager"]
+__all__ = ["bias_relu", "BiasRelu", "reference", "eager"]
 
 _OP = "bias_relu"
 
@@ -151,12 +152,22 @@ def bias_relu(x, bias, *, out=None):
     return outputs[0]
 
 
+class BiasRelu(torch.nn.Module):
+    """y = relu(x + bias)
+
+    The op as a torch.nn.Module: forward(x, bias) calls bias_relu.
+    """
+
+    def forward(self, x, bias):
+        return bias_relu(x, bias)
+
+
 def _forward(x, bias, training, seed, out=None):
     """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, bias, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, bias))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
@@ -184,7 +195,7 @@ def _backward(grad_y, x, bias, training, seed, needs_grad):
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False), (bias, 1, False)), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -323,4 +334,5 @@ def _problem(x, bias, needs_kernel):
             "bias": (bias, ('N',)),
         },
         needs_kernel=needs_kernel,
+        kernel=bias_relu_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

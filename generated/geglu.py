@@ -3,6 +3,7 @@
 """y = activation(a) * b, where x = [a, b] along the last dim
 
     geglu(x, activation='gelu_tanh', *, out=None)
+    Geglu(activation='gelu_tanh')(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., 2N]
 Outputs: y [..., N]
@@ -30,7 +31,7 @@ from triton.language.extra import libdevice
 
 from fusegen import runtime
 
-__all__ = ["geglu", "reference", "eager"]
+__all__ = ["geglu", "Geglu", "reference", "eager"]
 
 _OP = "geglu"
 ACTIVATION_CHOICES = ('gelu', 'gelu_tanh')
@@ -171,12 +172,31 @@ def geglu(x, activation='gelu_tanh', *, out=None):
     return outputs[0]
 
 
+class Geglu(torch.nn.Module):
+    """y = activation(a) * b, where x = [a, b] along the last dim
+
+    The op as a torch.nn.Module: forward(x) calls geglu.
+    Its params are fixed at construction, and checked then.
+    """
+
+    def __init__(self, activation='gelu_tanh'):
+        super().__init__()
+        runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
+        self.activation = activation
+
+    def forward(self, x):
+        return geglu(x, activation=self.activation)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+
 def _forward(x, activation, training, seed, out=None):
     """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, activation, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x,))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem, chunks=2)]
@@ -204,7 +224,7 @@ def _backward(grad_y, x, activation, training, seed, needs_grad):
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 2, False),), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem, chunks=2)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -358,4 +378,5 @@ def _problem(x, activation, needs_kernel):
             "x": (x, ('...', '2N')),
         },
         needs_kernel=needs_kernel,
+        kernel=geglu_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

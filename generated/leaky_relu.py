@@ -3,6 +3,7 @@
 """y = x if x > 0 else slope * x
 
     leaky_relu(x, slope=0.01, *, out=None)
+    LeakyRelu(slope=0.01)(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [...]
 Outputs: y [...]
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from fusegen import runtime
 
-__all__ = ["leaky_relu", "reference", "eager"]
+__all__ = ["leaky_relu", "LeakyRelu", "reference", "eager"]
 
 _OP = "leaky_relu"
 
@@ -138,12 +139,31 @@ def leaky_relu(x, slope=0.01, *, out=None):
     return outputs[0]
 
 
+class LeakyRelu(torch.nn.Module):
+    """y = x if x > 0 else slope * x
+
+    The op as a torch.nn.Module: forward(x) calls leaky_relu.
+    Its params are fixed at construction, and checked then.
+    """
+
+    def __init__(self, slope=0.01):
+        super().__init__()
+        runtime.check_scalar(_OP, "slope", slope, "float", None, None)
+        self.slope = slope
+
+    def forward(self, x):
+        return leaky_relu(x, slope=self.slope)
+
+    def extra_repr(self):
+        return f"slope={self.slope!r}"
+
+
 def _forward(x, slope, training, seed, out=None):
     """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, slope, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x,))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem)]
@@ -171,7 +191,7 @@ def _backward(grad_y, x, slope, training, seed, needs_grad):
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False),), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -307,4 +327,5 @@ def _problem(x, needs_kernel):
             "x": (x, ('...',)),
         },
         needs_kernel=needs_kernel,
+        kernel=leaky_relu_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

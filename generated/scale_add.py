@@ -3,6 +3,7 @@
 """y = x * scale + residual, with one scale per row
 
     scale_add(x, scale, residual, *, out=None)
+    ScaleAdd()(x, scale, residual): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], scale [..., 1], residual [..., N]
 Outputs: y [..., N]
@@ -29,7 +30,7 @@ import triton.language as tl
 
 from fusegen import runtime
 
-__all__ = ["scale_add", "reference", "eager"]
+__all__ = ["scale_add", "ScaleAdd", "reference", "eager"]
 
 _OP = "scale_add"
 
@@ -162,12 +163,22 @@ def scale_add(x, scale, residual, *, out=None):
     return outputs[0]
 
 
+class ScaleAdd(torch.nn.Module):
+    """y = x * scale + residual, with one scale per row
+
+    The op as a torch.nn.Module: forward(x, scale, residual) calls scale_add.
+    """
+
+    def forward(self, x, scale, residual):
+        return scale_add(x, scale, residual)
+
+
 def _forward(x, scale, residual, training, seed, out=None):
     """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, scale, residual, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, scale, residual))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem), runtime.view_2d(scale, problem), runtime.view_2d(residual, problem)]
@@ -196,7 +207,7 @@ def _backward(grad_y, x, scale, residual, training, seed, needs_grad):
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False), (scale, 1, True)), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem), runtime.view_2d(scale, problem)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -339,4 +350,5 @@ def _problem(x, scale, residual, needs_kernel):
             "residual": (residual, ('...', 'N')),
         },
         needs_kernel=needs_kernel,
+        kernel=scale_add_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

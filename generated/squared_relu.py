@@ -3,6 +3,7 @@
 """y = relu(x) ** 2
 
     squared_relu(x, *, out=None)
+    SquaredRelu()(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [...]
 Outputs: y [...]
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from fusegen import runtime
 
-__all__ = ["squared_relu", "reference", "eager"]
+__all__ = ["squared_relu", "SquaredRelu", "reference", "eager"]
 
 _OP = "squared_relu"
 
@@ -131,12 +132,22 @@ def squared_relu(x, *, out=None):
     return outputs[0]
 
 
+class SquaredRelu(torch.nn.Module):
+    """y = relu(x) ** 2
+
+    The op as a torch.nn.Module: forward(x) calls squared_relu.
+    """
+
+    def forward(self, x):
+        return squared_relu(x)
+
+
 def _forward(x, training, seed, out=None):
     """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x,))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem)]
@@ -163,7 +174,7 @@ def _backward(grad_y, x, training, seed, needs_grad):
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False),), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -295,4 +306,5 @@ def _problem(x, needs_kernel):
             "x": (x, ('...',)),
         },
         needs_kernel=needs_kernel,
+        kernel=squared_relu_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

@@ -3,6 +3,7 @@
 """y = silu(a) * b, where x = [a, b] along the last dim
 
     swiglu(x, *, out=None)
+    Swiglu()(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., 2N]
 Outputs: y [..., N]
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from fusegen import runtime
 
-__all__ = ["swiglu", "reference", "eager"]
+__all__ = ["swiglu", "Swiglu", "reference", "eager"]
 
 _OP = "swiglu"
 
@@ -141,12 +142,22 @@ def swiglu(x, *, out=None):
     return outputs[0]
 
 
+class Swiglu(torch.nn.Module):
+    """y = silu(a) * b, where x = [a, b] along the last dim
+
+    The op as a torch.nn.Module: forward(x) calls swiglu.
+    """
+
+    def forward(self, x):
+        return swiglu(x)
+
+
 def _forward(x, training, seed, out=None):
     """Launch the forward kernel; returns the outputs."""
     call = _arguments(x, training, seed, needs_kernel=True)
     problem = call.problem
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x,))
-    if problem.m * problem.n == 0:
+    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,))
     # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
     views = [runtime.view_2d(x, problem, chunks=2)]
@@ -173,7 +184,7 @@ def _backward(grad_y, x, training, seed, needs_grad):
         runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
         for (_tensor, _chunks, _one_per_row), _need in zip(((x, 2, False),), needs_grad)
     ]
-    if problem.m * problem.n > 0 and any(needs_grad):
+    if problem.launches and any(needs_grad):
         views = [runtime.view_2d(x, problem, chunks=2)]
         grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
         _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
@@ -306,4 +317,5 @@ def _problem(x, needs_kernel):
             "x": (x, ('...', '2N')),
         },
         needs_kernel=needs_kernel,
+        kernel=swiglu_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
     )

@@ -105,6 +105,23 @@ def op_by_name(name: str) -> Op:
     return next(op for op in all_ops() if op.name == name)
 
 
+def build_and_import(folder: Path, spec_text: str):
+    """Build a spec given as YAML text into `folder` and import its module (a new spec's op,
+    for a test that needs one specs/ does not have)."""
+    import importlib.util
+
+    from fusegen import cli
+
+    name = re.search(r"^name: *(\w+)", spec_text, re.M).group(1)
+    spec_path = folder / f"{name}.yaml"
+    spec_path.write_text(spec_text, encoding="utf-8")
+    (folder / f"{name}.py").write_text(cli.build_op(spec_path).text, encoding="utf-8")
+    module_spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
 # ---------------------------------------------------------------------------
 # Params
 

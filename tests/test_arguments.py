@@ -4,8 +4,10 @@ import re
 import pytest
 import torch
 
-from fusegen.runtime import FusegenArgumentError
+from fusegen import render
+from fusegen.runtime import FusegenArgumentError, launch
 from generated.bias_gelu_dropout_add import bias_gelu_dropout_add
+from helpers import build_and_import
 
 OP = "bias_gelu_dropout_add()"
 
@@ -37,8 +39,8 @@ def test_bad_tensors(change, message, device):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"p": 1.5}, f"{OP}: p=1.5 is outside [0.0, 1.0]"),
-        ({"p": -0.1}, f"{OP}: p=-0.1 is outside [0.0, 1.0]"),
+        ({"p": 1.5}, f"{OP}: p must be in [0.0, 1.0], got 1.5"),
+        ({"p": -0.1}, f"{OP}: p must be in [0.0, 1.0], got -0.1"),
         ({"p": float("nan")}, f"{OP}: p must not be NaN"),
         ({"p": "0.1"}, f"{OP}: p must be a number, got str"),
         ({"activation": "gelux"}, f"{OP}: activation must be one of gelu_tanh, gelu, relu, silu, sigmoid, identity; got 'gelux'"),
@@ -48,3 +50,61 @@ def test_bad_tensors(change, message, device):
 def test_bad_params(kwargs, message, device):
     with pytest.raises(FusegenArgumentError, match=re.escape(message)):
         bias_gelu_dropout_add(*_good(device), **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Param ranges: `≥ low`, `≤ high` or `in [low, high]`, the same in errors and docstrings
+
+RANGES_SPEC = """\
+name: ranges_op
+doc: y = where(x > thresh, x, 0.0) * cap + x * scale * p
+inputs:
+  x: [..., N]
+params:
+  thresh: {type: float, default: 0.5, min: 0.0}
+  cap: {type: int, default: 3, max: 10}
+  scale: {type: float, default: 2.0, min: -1.5, max: 1e+20}
+  p: {type: float, default: 0.1, min: 0.0, max: 1.0}
+outputs:
+  y: where(x > thresh, x, 0.0) * cap + x * scale * p
+"""
+
+
+@pytest.fixture(scope="module")
+def ranges_module(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("ranges"), RANGES_SPEC)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"thresh": -1.0}, "ranges_op(): thresh must be ≥ 0.0, got -1.0"),
+        ({"cap": 11}, "ranges_op(): cap must be ≤ 10, got 11"),
+        ({"scale": -2}, "ranges_op(): scale must be in [-1.5, 1e+20], got -2"),
+        ({"p": 1.5}, "ranges_op(): p must be in [0.0, 1.0], got 1.5"),
+    ],
+    ids=["min-only", "max-only", "closed", "closed-p"],
+)
+def test_range_errors(ranges_module, kwargs, message, device):
+    x = torch.randn(2, 8, device=device)
+    for call in (ranges_module.ranges_op, ranges_module.reference, ranges_module.RangesOp):
+        with pytest.raises(FusegenArgumentError) as error:
+            call(**kwargs) if call is ranges_module.RangesOp else call(x, **kwargs)
+        assert str(error.value) == message
+
+
+def test_range_docstrings(ranges_module):
+    lines = ranges_module.__doc__.splitlines()
+    for line in [
+        "Param thresh: float ≥ 0.0, default 0.5 (runtime: no recompilation).",
+        "Param cap: int ≤ 10, default 3 (runtime: no recompilation).",
+        "Param scale: float in [-1.5, 1e+20], default 2.0 (runtime: no recompilation).",
+        "Param p: float in [0.0, 1.0], default 0.1 (runtime: no recompilation).",
+    ]:
+        assert line in lines
+
+
+@pytest.mark.parametrize("low", [None, 0.0, -1.5, 2, 1e-05])
+@pytest.mark.parametrize("high", [None, 1.0, 10, 1e20])
+def test_runtime_and_docstrings_print_ranges_alike(low, high):
+    assert launch.range_text(low, high) == render._range_text(low, high)

@@ -73,6 +73,8 @@ NAMES = [
     "RuntimeError",
     # functions of the expression language
     "gelu", "where", "dropout", "chunk",
+    # the module class of op `op`, and torch.nn.Module attributes (the class keeps params as attributes)
+    "Op", "to", "half", "train", "extra_repr", "parameters",
 ]
 HELPERS = [
     # the module's own functions, which a choice param's helper `_<name>` could replace
@@ -204,6 +206,8 @@ def _neutral_text(position: str, root: str) -> str:
 
 
 def _substitute(text: str, name: str) -> str:
+    # The op's module class is named after it: Qzneutral for the neutral op.
+    text = text.replace(render.module_class_name(NEUTRAL), render.module_class_name(name))
     return text.replace(NEUTRAL, name).replace(NEUTRAL.upper(), name.upper())
 
 
@@ -243,6 +247,7 @@ LIBRARIES = {"tl", "torch", "triton", "runtime", "libdevice", "F"}
 BUILTIN_CALLEES = {
     "zip", "range", "len", "any", "all", "int", "float", "bool", "iter", "next", "tuple", "list", "dict", "isinstance",
     "staticmethod", "type", "min", "max", "sum", "abs", "enumerate", "str", "repr", "RuntimeError", "ValueError", "TypeError",
+    "super",
 }
 FORBIDDEN_NAMES = {"eval", "exec", "compile", "__import__", "open", "getattr", "setattr", "delattr", "globals",
                    "locals", "vars", "breakpoint", "input", "importlib", "os", "sys", "subprocess", "builtins"}
@@ -280,6 +285,8 @@ def check_calls(tree: ast.Module) -> None:
             assert isinstance(func.value, ast.Name) and func.value.id in module, f"{where}: call of {ast.unparse(func)}"
             return
         assert isinstance(func, ast.Attribute), f"{where}: call of {ast.unparse(func)}"
+        if ast.unparse(func) == "super().__init__" and where == "__init__":
+            return  # the module class's constructor: the one dunder call
         assert not func.attr.startswith("__"), f"{where}: call of a dunder: {ast.unparse(func)}"
         root = func.value
         while isinstance(root, ast.Attribute):

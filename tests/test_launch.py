@@ -56,8 +56,7 @@ def test_interpreter_prunes_to_one_config(monkeypatch):
 
 @pytest.fixture
 def gpu_launcher(monkeypatch):
-    """A CachedLauncher over a stand-in kernel, keyed as on a GPU."""
-    monkeypatch.setattr(launcher, "is_interpreting", lambda: False)
+    """A CachedLauncher over a stand-in kernel (not the interpreter's), keyed as on a GPU."""
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     names = ["x_ptr", "x_stride", "n", "scale", "seed", "FLAG"]
     kernel = SimpleNamespace(fn=SimpleNamespace(arg_names=names, do_not_specialize=["seed"]))

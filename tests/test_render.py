@@ -31,6 +31,8 @@ def test_module_defines_what_the_spec_asks():
     public = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "bias_gelu_dropout_add")
     assert [a.arg for a in public.args.args] == ["x", "bias", "residual", "p", "activation", "training", "seed"]
     assert [a.arg for a in public.args.kwonlyargs] == ["out"]
+    # The op as a torch.nn.Module, exported beside it.
+    assert [n.name for n in tree.body if isinstance(n, ast.ClassDef)] == ["BiasGeluDropoutAdd", "_Autograd"]
 
 
 def test_build_is_byte_identical_across_processes(tmp_path):

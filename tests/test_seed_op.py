@@ -316,7 +316,9 @@ def test_unknown_activation_raises(device):
 
 def test_cpu_without_interpreter_raises_clear_error(monkeypatch):
     x, bias, residual = _inputs((2, 3), device="cpu")
+    # As without TRITON_INTERPRET: kernels built for CUDA (tests/test_interpreter_env.py runs that for real).
     monkeypatch.setattr(launch, "is_interpreting", lambda: False)
+    monkeypatch.setattr(launch, "kernel_is_interpreted", lambda kernel: False)
     inputs = {"x": (x, DIMS["x"]), "bias": (bias, DIMS["bias"]), "residual": (residual, DIMS["residual"])}
     message = r"tensors are on cpu, but the Triton kernel needs a CUDA device; set TRITON_INTERPRET=1"
     with pytest.raises(runtime.FusegenArgumentError, match=message):

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from fusegen import cli
+from fusegen import cli, render
 from fusegen.errors import SpecError
 from fusegen.functions import BUILTINS, FUNCTIONS
 from fusegen.spec import (
+    _PYTHON_BUILTINS,
     RESERVED_NAMES,
     _RESERVED_PATTERN,
     Binding,
@@ -228,6 +229,7 @@ def _rejected_as_spec_name(name: str) -> bool:
         or bool(_RESERVED_PATTERN.fullmatch(name))
         or name in FUNCTIONS
         or name in BUILTINS
+        or name in _PYTHON_BUILTINS  # spec.py refuses every Python builtin (the class calls super)
     )
 
 
@@ -266,7 +268,8 @@ def test_reserved_names_cover_the_generated_code():
         op = cli.build_op(path)
         s = op.spec
         spec_names = {i.name for i in s.inputs} | {p.name for p in s.params} | {o.name for o in s.outputs}
-        own = {s.name, f"{s.name}_kernel", f"{s.name}_backward_kernel"}  # spec.py reserves these per op
+        own = {s.name, f"{s.name}_kernel", f"{s.name}_backward_kernel"}  # spec.py reserves these per op,
+        own.add(render.module_class_name(s.name))  # and render.py the module class's name
         used = _names_near_spec_names(ast.parse(op.text), spec_names) - spec_names - own
         for name in sorted(used):
             if not _rejected_as_spec_name(name):

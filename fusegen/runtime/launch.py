@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
-import os
 import re
 import struct
 from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+from triton import knobs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT32_LIMIT = 2**31
@@ -22,8 +24,17 @@ class FusegenArgumentError(ValueError):
 
 
 def is_interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether triton.jit would now build kernels for its CPU interpreter: TRITON_INTERPRET
+    as Triton itself reads it (1, true, on, yes; 0, false, off, no, unset), or its knob."""
+    return bool(knobs.runtime.interpret)
+
+
+def kernel_is_interpreted(kernel) -> bool:
+    """Whether `kernel` (a @triton.jit function, or an autotuner over one) runs on the
+    interpreter: triton.jit decided that when it decorated it, by TRITON_INTERPRET then."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction) or isinstance(getattr(kernel, "fn", None), InterpretedFunction)
 
 
 # ---------------------------------------------------------------------------
@@ -181,6 +192,16 @@ def check_choice(op: str, name: str, value, choices: tuple[str, ...]) -> None:
         raise FusegenArgumentError(f"{op}(): {name} must be one of {', '.join(choices)}; got {value!r}")
 
 
+def range_text(low, high) -> str:
+    """A spec's range as errors and docstrings print it: `in [0.0, 1.0]`, `≥ 0.0`, `≤ 1.0`
+    or "" (fusegen.render._range_text prints the same; tests/test_arguments.py pins both)."""
+    if low is not None and high is not None:
+        return f"in [{low!r}, {high!r}]"
+    if low is not None:
+        return f"≥ {low!r}"
+    return "" if high is None else f"≤ {high!r}"
+
+
 def check_scalar(op: str, name: str, value, kind: str, low, high):
     """A runtime scalar param: right type, finite, inside the spec's range."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
@@ -192,7 +213,7 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
     if value != value:
         raise FusegenArgumentError(f"{op}(): {name} must not be NaN")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise FusegenArgumentError(f"{op}(): {name}={value!r} is outside [{low}, {high}]")
+        raise FusegenArgumentError(f"{op}(): {name} must be {range_text(low, high)}, got {value!r}")
     if kind == "float" and abs(value) > FLOAT32_MAX:
         raise FusegenArgumentError(f"{op}(): {name}={value!r} does not fit a float32")
     # Rounded to float32 here, as a GPU launch passes it: the interpreter would keep the
@@ -210,6 +231,14 @@ class Problem:
     out_dtype: torch.dtype
     compute_dtype: torch.dtype
     device: torch.device
+    # False for meta tensors and FakeTensors: shapes without memory. An op on them only
+    # makes outputs of the right shape, as torch's own ops do, and launches nothing.
+    has_data: bool = True
+
+    @property
+    def launches(self) -> bool:
+        """Whether a kernel has anything to do."""
+        return self.has_data and self.m * self.n > 0
 
 
 # Problems already checked, by what the checks depend on (shapes, dtypes, devices): the
@@ -220,8 +249,11 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _PROBLEM_CACHE_SIZE = 4096
 
 
-def broadcast_problem(op: str, inputs: dict[str, tuple[object, tuple[str, ...]]], needs_kernel: bool) -> Problem:
-    """Check tensors against the spec's dims and broadcast them as torch would."""
+def broadcast_problem(
+    op: str, inputs: dict[str, tuple[object, tuple[str, ...]]], needs_kernel: bool, kernel=None
+) -> Problem:
+    """Check tensors against the spec's dims and broadcast them as torch would; with
+    needs_kernel, also that `kernel` (the op's, if given) can run where the tensors are."""
     if all(type(value) in _PLAIN_TENSOR_TYPES for value, _ in inputs.values()):
         key = (op, *((v.shape, v.dtype, v.device, dims) for v, dims in inputs.values()))
         problem = _PROBLEMS.get(key)
@@ -232,12 +264,31 @@ def broadcast_problem(op: str, inputs: dict[str, tuple[object, tuple[str, ...]]]
             _PROBLEMS[key] = problem
     else:
         problem = _check_and_broadcast(op, inputs)
-    if needs_kernel and problem.device.type != "cuda" and not is_interpreting():
-        raise FusegenArgumentError(
-            f"{op}(): tensors are on {problem.device.type}, but the Triton kernel needs a CUDA device; set "
-            "TRITON_INTERPRET=1 before importing triton to run it on the CPU, or call reference(...)"
-        )
+    if needs_kernel and problem.has_data and problem.device.type != "cuda":
+        _check_kernel_runs_off_cuda(op, problem.device, kernel)
     return problem
+
+
+def _check_kernel_runs_off_cuda(op: str, device: torch.device, kernel) -> None:
+    """Off CUDA only the interpreter runs kernels: kernels triton.jit built for it, calling
+    Triton's own jit functions (tl.sigmoid, tl.sum's combine), built at triton's import."""
+    if kernel is None:
+        on_interpreter = is_interpreting()
+    else:
+        on_interpreter = kernel_is_interpreted(kernel) and kernel_is_interpreted(tl.sigmoid)
+    if on_interpreter:
+        return
+    if is_interpreting():
+        # Set after triton's import (in a notebook, say): too late for the kernels built then.
+        raise FusegenArgumentError(
+            f"{op}(): tensors are on {device.type}, and TRITON_INTERPRET is set, but it was not when triton was "
+            "imported (kernels are built for the interpreter or for CUDA then); set TRITON_INTERPRET=1 before "
+            "importing triton (restart Python or the notebook kernel), or call reference(...)"
+        )
+    raise FusegenArgumentError(
+        f"{op}(): tensors are on {device.type}, but the Triton kernel needs a CUDA device; set "
+        "TRITON_INTERPRET=1 before importing triton to run it on the CPU, or call reference(...)"
+    )
 
 
 def _check_and_broadcast(op: str, inputs: dict[str, tuple[object, tuple[str, ...]]]) -> Problem:
@@ -270,7 +321,8 @@ def _check_and_broadcast(op: str, inputs: dict[str, tuple[object, tuple[str, ...
     m = shape.numel() // n if n else functools.reduce(lambda a, b: a * b, shape[:-1], 1)
     out_dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors.values()))
     compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
-    return Problem(shape, m, n, out_dtype, compute_dtype, device)
+    has_data = device.type != "meta" and not any(is_fake(t) for t in tensors.values())
+    return Problem(shape, m, n, out_dtype, compute_dtype, device, has_data)
 
 
 def _check_named_dims(op: str, inputs: dict[str, tuple[torch.Tensor, tuple[str, ...]]]) -> None:
@@ -458,7 +510,8 @@ def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs
             f"{op}(): out{'' if count == 1 else f'[{index}]'} must be {problem.out_dtype} {list(problem.shape)} "
             f"on {problem.device}, got {target.dtype} {list(target.shape)} on {target.device}"
         )
-    if target.is_contiguous() and not any(_may_overlap(target, t) for t in inputs):
+    # Without data (meta, fake) nothing is written: out, checked, is the result.
+    if not problem.has_data or target.is_contiguous() and not any(_may_overlap(target, t) for t in inputs):
         return target
     return torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
 

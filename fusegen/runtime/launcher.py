@@ -22,7 +22,7 @@ import torch
 import triton
 from triton import knobs
 
-from fusegen.runtime.launch import is_interpreting
+from fusegen.runtime.launch import kernel_is_interpreted
 
 _CACHE_SIZE = 1024
 
@@ -39,7 +39,8 @@ class CachedLauncher:
 
     def __init__(self, kernel: triton.runtime.Autotuner):
         self.kernel = kernel
-        self._interpreting = is_interpreting()  # fixed before triton is imported
+        # As triton.jit built it: TRITON_INTERPRET set later changes nothing for this kernel.
+        self._interpreting = kernel_is_interpreted(kernel)
         self._entries: dict[tuple, tuple] = {}
         jit = kernel.fn
         self._arg_names = jit.arg_names

@@ -1,0 +1,235 @@
+"""Each generated module's torch.nn.Module class: BiasGeluDropoutAdd(p=0.1, activation=...).
+
+Params fixed (and checked) at construction, forward(tensors...) calls the op, dropout
+follows train()/eval(); it trains in a model, compiles with fullgraph=True, and prints its
+params. Its name comes from the op's (render.module_class_name), never colliding with the
+spec's names or the module's own.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from fusegen import cli, render
+from fusegen.errors import SpecError
+from fusegen.runtime import FusegenArgumentError
+from generated.bias_gelu_dropout_add import BiasGeluDropoutAdd, bias_gelu_dropout_add
+from generated.bias_gelu_dropout_add import reference as bias_gelu_dropout_add_reference
+from generated.gelu import Gelu
+from generated.leaky_relu import LeakyRelu
+from generated.swiglu import Swiglu
+from helpers import ShapeCase, all_ops, as_tuple, make_inputs, params_for
+
+CASE = ShapeCase("3d-bcast", lead=(2, 3), n=8, layout="bcast")
+
+
+def _class_of(op):
+    return getattr(op.module, render.module_class_name(op.name))
+
+
+@pytest.mark.parametrize("op", all_ops(), ids=str)
+def test_every_module_exports_its_class(op):
+    cls = _class_of(op)
+    assert issubclass(cls, torch.nn.Module) and cls.__name__ in op.module.__all__
+    if op.spec.params:
+        params = list(inspect.signature(cls).parameters.values())
+        assert [(p.name, p.default) for p in params] == [(p.name, p.default) for p in op.spec.params]
+    else:
+        assert cls.__init__ is torch.nn.Module.__init__  # which refuses any argument
+    forward = inspect.signature(cls.forward).parameters
+    assert list(forward) == ["self", *op.input_names]
+    # Ops without dropout have no training plumbing.
+    assert ("training" in inspect.getsource(cls.forward)) == op.has_dropout
+
+
+@pytest.mark.parametrize("op", all_ops(), ids=str)
+def test_module_computes_what_the_op_computes(op, device):
+    tensors = make_inputs(op, CASE, device=device)
+    params = params_for(op)
+    module = _class_of(op)(**params)
+    torch.manual_seed(5)
+    got = as_tuple(module(*tensors.values()))
+    torch.manual_seed(5)  # in train() mode, dropout draws its seed as the op does
+    want = as_tuple(op.fn(*tensors.values(), **params))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_dropout_follows_train_and_eval(device):
+    x, bias, residual = (torch.randn(s, device=device) for s in [(4, 64), (64,), (4, 64)])
+    module = BiasGeluDropoutAdd(p=0.5)
+    assert module.training
+    torch.manual_seed(0)
+    trained = module(x, bias, residual)
+    no_dropout = bias_gelu_dropout_add(x, bias, residual, p=0.0)
+    assert not torch.equal(trained, no_dropout)
+    torch.manual_seed(0)
+    torch.testing.assert_close(trained, bias_gelu_dropout_add(x, bias, residual, p=0.5), rtol=0, atol=0)
+    module.eval()
+    torch.testing.assert_close(module(x, bias, residual), no_dropout, rtol=0, atol=0)
+    module.train()
+    assert not torch.equal(module(x, bias, residual), no_dropout)
+
+
+class _Block(torch.nn.Module):
+    """Linear, then the op with the Linear's bias and a residual, as a transformer block does."""
+
+    def __init__(self, n: int, fused: bool):
+        super().__init__()
+        self.linear = torch.nn.Linear(n, n)
+        self.act = BiasGeluDropoutAdd(p=0.25, activation="gelu")
+        self.fused = fused
+
+    def forward(self, x, residual):
+        h = torch.nn.functional.linear(x, self.linear.weight)
+        if self.fused:
+            return self.act(h, self.linear.bias, residual)
+        return bias_gelu_dropout_add_reference(h, self.linear.bias, residual, p=self.act.p, activation="gelu",
+                                               training=self.training)
+
+
+def _step(model, x, residual, seed):
+    for t in (*model.parameters(), x, residual):
+        t.grad = None
+    torch.manual_seed(seed)
+    y = model(x, residual)
+    (y * y).sum().backward()
+    return y.detach(), [t.grad.clone() for t in (*model.parameters(), x, residual)]
+
+
+def _models(device):
+    torch.manual_seed(0)
+    fused = _Block(16, fused=True).to(device)
+    twin = _Block(16, fused=False).to(device)
+    twin.load_state_dict(fused.state_dict())
+    x = torch.randn(4, 3, 16, device=device, requires_grad=True)
+    residual = torch.randn(4, 3, 16, device=device, requires_grad=True)
+    return fused, twin, x, residual
+
+
+def test_gradients_flow_in_a_model(device):
+    fused, twin, x, residual = _models(device)
+    for train in (True, False):
+        fused.train(train)
+        twin.train(train)
+        y, grads = _step(fused, x, residual, seed=11)
+        y_want, grads_want = _step(twin, x, residual, seed=11)  # reference draws the same mask
+        torch.testing.assert_close(y, y_want, rtol=1e-5, atol=1e-5)
+        for got, want in zip(grads, grads_want, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sequential_with_a_linear_trains(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), Swiglu(), torch.nn.Linear(16, 4), LeakyRelu(slope=0.2))
+    model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, target = torch.randn(64, 8, device=device), torch.randn(64, 4, device=device)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_compile_fullgraph_matches_eager(device):
+    fused, _, x, residual = _models(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True)  # fullgraph: any graph break is an error
+    for train in (True, False):
+        fused.train(train)
+        y_eager, grads_eager = _step(fused, x, residual, seed=7)
+        y_compiled, grads_compiled = _step(compiled, x, residual, seed=7)
+        torch.testing.assert_close(y_compiled, y_eager, rtol=1e-5, atol=1e-5)
+        for got, want in zip(grads_compiled, grads_eager, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_model():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), Swiglu(), Gelu())
+        y = model(torch.empty(5, 8, requires_grad=True))
+    assert (y.shape, y.device.type, y.requires_grad) == ((5, 16), "meta", True)
+
+
+def test_repr_shows_the_params():
+    assert repr(BiasGeluDropoutAdd(p=0.1, activation="gelu_tanh")) == "BiasGeluDropoutAdd(p=0.1, activation='gelu_tanh')"
+    assert repr(BiasGeluDropoutAdd()) == "BiasGeluDropoutAdd(p=0.1, activation='gelu_tanh')"
+    assert repr(LeakyRelu(slope=0.2)) == "LeakyRelu(slope=0.2)"
+    assert repr(Gelu()) == "Gelu()"
+    assert repr(torch.nn.Sequential(Swiglu())) == "Sequential(\n  (0): Swiglu()\n)"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"p": 1.5}, "bias_gelu_dropout_add(): p must be in [0.0, 1.0], got 1.5"),
+        ({"p": "0.1"}, "bias_gelu_dropout_add(): p must be a number, got str"),
+        ({"p": float("nan")}, "bias_gelu_dropout_add(): p must not be NaN"),
+        ({"activation": "tanh"},
+         "bias_gelu_dropout_add(): activation must be one of gelu_tanh, gelu, relu, silu, sigmoid, identity; got 'tanh'"),
+    ],
+    ids=["p-range", "p-type", "p-nan", "choice"],
+)
+def test_bad_params_fail_at_construction(kwargs, message):
+    with pytest.raises(FusegenArgumentError) as error:
+        BiasGeluDropoutAdd(**kwargs)
+    assert str(error.value) == message
+
+
+# ---------------------------------------------------------------------------
+# The class's name, and the names it must not collide with
+
+
+@pytest.mark.parametrize(
+    "op, name",
+    [
+        ("bias_gelu_dropout_add", "BiasGeluDropoutAdd"),
+        ("gelu", "Gelu"),
+        ("swiglu2", "Swiglu2"),
+        ("gelu_", "Gelu"),
+        ("myOp", "MyOp"),
+        ("Gelu", "GeluModule"),  # the op's own name
+        ("K", "KModule"),
+        ("f", "FModule"),  # torch.nn.functional, as the module imports it
+        ("optional", "OptionalModule"),  # typing.Optional
+        ("runtime_error", "RuntimeErrorModule"),  # a builtin the module raises
+    ],
+)
+def test_class_name(op, name):
+    assert render.module_class_name(op) == name
+
+
+def test_nn_module_attributes_are_all_known():
+    """render's list of what a param must not be named, against the installed torch."""
+    public = {n for n in dir(torch.nn.Module) if not n.startswith("_")}
+    public |= {n for n in vars(torch.nn.Module()) if not n.startswith("_")}
+    assert public <= render._NN_MODULE_ATTRIBUTES, sorted(public - render._NN_MODULE_ATTRIBUTES)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("inputs:\n  x: [..., N]\n  Gelu: [..., N]\noutputs:\n  y: x * Gelu\n",
+         "specs/gelu.yaml:5: input name 'Gelu' is reserved by the generated code for op 'gelu' (its module class)"),
+        ("inputs:\n  x: [..., N]\noutputs:\n  y: x * 2\n  Gelu: x * 3\n",
+         "specs/gelu.yaml:7: output name 'Gelu' is reserved by the generated code for op 'gelu' (its module class)"),
+        ("inputs:\n  x: [..., N]\nparams:\n  to: {type: float, default: 1.0}\noutputs:\n  y: x * to\n",
+         "specs/gelu.yaml:6: param name 'to' is reserved by the generated code: the op's module class keeps params as "
+         "attributes, and torch.nn.Module has one named 'to'"),
+    ],
+    ids=["input", "output", "param"],
+)
+def test_spec_names_that_collide_with_the_class_are_spec_errors(tmp_path, body, message):
+    path = tmp_path / "specs" / "gelu.yaml"
+    path.parent.mkdir()
+    path.write_text(f"name: gelu\ndoc: d\n{body}", encoding="utf-8")
+    with pytest.raises(SpecError) as error:
+        cli.build_op(path)
+    assert str(error.value) == message
