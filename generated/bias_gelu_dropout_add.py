@@ -255,11 +255,11 @@ class BiasGeluDropoutAdd(torch.nn.Module):
         return f"p={self.p!r}, activation={self.activation!r}"
 
 
-def _forward(x, bias, residual, p, activation, training, seed, out=None):
+def _forward(x, bias, residual, p, activation, training, seed, out=None, eager=True):
     """Launch the forward kernel; returns the outputs and the seed tensor it used (None without dropout)."""
     call = _arguments(x, bias, residual, p, activation, training, seed, needs_kernel=True)
     problem = call.problem
-    seed = runtime.seed_tensor(call.seed, problem.device) if call.has_dropout else None
+    seed = runtime.seed_tensor(call.seed, problem.device, eager) if call.has_dropout else None
     y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, bias, residual))
     if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
         return runtime.write_out(out, (y,)), seed
@@ -330,7 +330,7 @@ def _backward(grad_y, x, bias, residual, p, activation, training, seed, needs_gr
 
 @torch.library.custom_op("fusegen::bias_gelu_dropout_add", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _forward_op(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, activation: str, training: bool, seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    outputs, seed = _forward(x, bias, residual, p, activation, training, seed)
+    outputs, seed = _forward(x, bias, residual, p, activation, training, seed, eager=False)  # a compiled graph may be captured
     # Without dropout the seed is never read: an unfilled tensor keeps the op's outputs fixed.
     return (*outputs, torch.empty((1,), dtype=torch.int64, device=outputs[0].device) if seed is None else seed)
 
@@ -440,7 +440,7 @@ def reference(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, s
     bias = bias.to(problem.compute_dtype)
     residual = residual.to(problem.compute_dtype)
     if call.has_dropout:
-        seed = runtime.seed_tensor(call.seed, problem.device)  # drawn as the op draws it
+        seed = runtime.seed_tensor(call.seed, problem.device, eager=True)  # drawn as the op draws it
         dropout_mask0 = runtime.dropout_mask_reference(seed, problem, 0, call.p)
         y = dropout_mask0 * _activation__torch(bias + x, activation) + residual
     else:

@@ -123,6 +123,8 @@ def test_seed_tensor_is_one_int64_on_the_inputs_device(device):
     assert 0 <= int(seed) < 2**63
     outputs, seed = seed_op._forward(x, x[0], x, 0.5, "gelu_tanh", True, 77)
     assert int(seed) == 77
+    outputs, seed = seed_op._forward(x, x[0], x, 0.5, "gelu_tanh", True, None, eager=False)
+    assert seed.shape == (1,) and seed.dtype == torch.int64 and seed.device == x.device
     # No dropout this call (eval, or p == 0): nothing drawn, no seed.
     assert seed_op._forward(x, x[0], x, 0.5, "gelu_tanh", False, None)[1] is None
     assert seed_op._forward(x, x[0], x, 0.0, "gelu_tanh", True, None)[1] is None
@@ -312,3 +314,36 @@ def test_reduce_overhead_forward_only(device):
             compiled(x, bias, residual)
         ys = [compiled(x, bias, residual).clone() for _ in range(4)]
     _check_masks(ys, x, residual)
+
+
+@pytest.mark.gpu
+def test_eager_seed_batches_stay_reproducible_and_distinct(device):
+    """Eager CUDA calls take seeds from batches drawn ahead: across batch ends, with other
+    random ops in between and after torch.manual_seed, the seeds are those of a fresh
+    run, and a backward long after its forward still drops what its forward dropped."""
+    x, bias, residual, grad_y = _graph_inputs((8, 64))
+    count = runtime.dropout.SEED_BATCH + 20
+
+    def run():
+        seeds, first = [], None
+        for i in range(count):
+            y = OPS["bias_gelu_dropout_add"](x, bias, residual, p=P)
+            if i == 0:
+                first = y
+            if i % 50 == 7:
+                torch.rand(3, device="cuda")  # another random op moves the generator on
+            seeds.append(y.grad_fn.seed.clone())
+        (gx,) = torch.autograd.grad(first, (x,), grad_y)  # its seed was drawn `count` calls ago
+        scale = runtime.dropout_scale(P)
+        assert torch.equal(gx, torch.where(_dropped(first.detach(), x.detach(), residual), 0.0, grad_y * scale))
+        return torch.cat(seeds)
+
+    torch.manual_seed(3)
+    seeds = run()
+    assert seeds.unique().numel() == count
+    torch.manual_seed(3)
+    assert torch.equal(run(), seeds)
+    torch.manual_seed(3)
+    assert torch.equal(runtime.seed_tensor(None, x.device, eager=True), seeds[:1])
+    # An explicit seed's tensor is kept, never written again.
+    assert runtime.seed_tensor(5, x.device, eager=True) is runtime.seed_tensor(5, x.device, eager=True)

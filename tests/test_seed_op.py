@@ -248,7 +248,7 @@ def test_seed_none_draws_from_torch_generator(device):
     replay = op(x, bias, residual, p=0.5)
     assert torch.equal(first, replay)
     torch.manual_seed(2024)
-    drawn = runtime.seed_tensor(None, x.device)  # the op draws its seed so, on its device
+    drawn = runtime.seed_tensor(None, x.device, eager=True)  # the op draws its seed so, on its device
     assert torch.equal(op(x, bias, residual, p=0.5, seed=int(drawn)), first)
     torch.manual_seed(2024)
     torch.testing.assert_close(reference(x, bias, residual, p=0.5), first, rtol=1e-6, atol=1e-6)
@@ -260,7 +260,7 @@ def test_seed_none_backward_uses_the_forward_mask(device):
     torch.manual_seed(5)
     y = op(x, bias, residual, p=0.5, activation="identity")
     torch.manual_seed(5)
-    mask = _mask(runtime.seed_tensor(None, x.device), x, bias, residual, 0.5)
+    mask = _mask(runtime.seed_tensor(None, x.device, eager=True), x, bias, residual, 0.5)
     torch.manual_seed(99)  # the generator moves on between forward and backward
     grad_y = torch.randn(y.shape).to(device)
     gx, = torch.autograd.grad(y, (x,), grad_y)
