@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import ir, outdir, render, simplify, spec
+from . import ir, outdir, plan, simplify, spec, write
+from .backends import codegen
 from .errors import SpecError
 
 DEFAULT_SPECS = Path("specs")
@@ -20,6 +21,7 @@ DEFAULT_OUT = Path("generated")
 class BuiltOp:
     spec: spec.OpSpec
     simplified: simplify.SimplifiedOp
+    plan: plan.OpPlan
     text: str
 
 
@@ -59,9 +61,11 @@ def specs_or_names(items: list[str], specs_dir: Path) -> list[Path]:
 def build_op(path: Path) -> BuiltOp:
     op_spec = spec.load_spec(path)
     simplified = simplify.simplify(ir.build_ir(op_spec))
-    text = render.render_op_module(simplified)
-    render.check_module(text, f"{op_spec.name}.py")
-    return BuiltOp(op_spec, simplified, text)
+    backend = codegen()
+    op_plan = plan.plan(simplified, backend.RESERVED_NAMES)
+    text = backend.render(op_plan)
+    write.check_module(text, f"{op_spec.name}.py")
+    return BuiltOp(op_spec, simplified, op_plan, text)
 
 
 @dataclass(frozen=True)
@@ -86,14 +90,14 @@ def generate(paths: list[Path], out: Path) -> Build:
     files = {f"{name}.py": op.text for name, op in built.items()}
     # __init__.py lists every op the folder will hold, kept ones included. render_package_init
     # reads only .name and .doc, which both OpSpec and GeneratedModule carry.
-    files["__init__.py"] = render.render_package_init([op.spec for op in built.values()] + kept)
+    files["__init__.py"] = write.render_package_init([op.spec for op in built.values()] + kept)
     return Build(files, len(built), kept, stale)
 
 
 def cmd_build(args) -> int:
     out: Path = args.out
     build = generate(args.paths, out)
-    written = [name for name, text in sorted(build.files.items()) if render.write_if_changed(out / name, text)]
+    written = [name for name, text in sorted(build.files.items()) if write.write_if_changed(out / name, text)]
     for module in build.stale:
         module.path.unlink()
         print(f"removed {module.path} (its spec is gone)")
@@ -133,32 +137,29 @@ def _build_command(paths: list[Path], out: Path) -> str:
 
 def cmd_show(args) -> int:
     op = build_op(specs_or_names([args.spec], args.specs)[0])
-    s = op.simplified
+    p = op.plan  # what the backend prints: every name as the generated code spells it
     print(f"# {op.spec.name}: {op.spec.doc}")
     print("\n## IR")
-    for name, expr in s.ir.outputs:
+    for name, expr in op.simplified.ir.outputs:
         print(f"{name} = {expr}")
-    for title, block in [
-        ("forward (dropout on)", s.forward),
-        ("forward (dropout off)", s.forward_no_dropout),
-        ("backward (dropout on)", s.backward),
-        ("backward (dropout off)", s.backward_no_dropout),
+    for title, body in [
+        ("forward (dropout on)", p.forward.body if p.has_dropout else None),
+        ("forward (dropout off)" if p.has_dropout else "forward", p.forward.body_no_dropout or p.forward.body),
+        ("backward (dropout on)", p.backward.body if p.has_dropout else None),
+        ("backward (dropout off)" if p.has_dropout else "backward", p.backward.body_no_dropout or p.backward.body),
     ]:
-        if title.endswith("(dropout on)") and not s.masks:
+        if body is None:
             continue
-        print(f"\n## {title.replace(' (dropout off)', '') if not s.masks else title}, simplified and CSE'd")
-        for symbol, expr in block.temps:
-            print(f"{symbol} = {expr}")
-        for name, expr in block.results:
+        print(f"\n## {title}, simplified and CSE'd")
+        for name, expr in (*body.temps, *body.results):
             print(f"{name} = {expr}")
-    for g in s.gradients:
-        if g.passthrough_of:
-            print(f"grad_{g.input} = grad_{g.passthrough_of}  (passed through, no copy)")
-    for helper in s.helpers:
-        print(f"\n## choice '{helper.param}'")
-        for index, (choice, block) in enumerate(helper.forward):
-            print(f"{choice}: {_inline(block)}")
-            for k, partials in enumerate(helper.grads):
+    for source, output in p.passthrough:
+        print(f"grad_{source} = grad_{output}  (passed through, no copy)")
+    for helper in p.helpers:
+        print(f"\n## choice '{helper.param.name}'")
+        for index, (choice, body) in enumerate(helper.forward):
+            print(f"{choice}: {_inline(body)}")
+            for k, partials in enumerate(helper.derivatives):
                 print(f"  d/d{helper.args[k]}: {_inline(partials[index][1])}")
     print("\n## generated module\n")
     print(op.text)
@@ -168,23 +169,23 @@ def cmd_show(args) -> int:
 def cmd_list(args) -> int:
     for path in spec_files(specs_or_names(args.paths, args.specs) if args.paths else [args.specs]):
         op = ir.build_ir(spec.load_spec(path))
-        signature = render.public_signature(op.spec, has_dropout=bool(op.dropouts))
+        signature = plan.public_signature(op.spec, has_dropout=bool(op.dropouts))
         print(f"{op.spec.name}({signature})\n    {op.spec.doc}")
     return 0
 
 
 def cmd_new(args) -> int:
     target: Path = args.dir / f"{args.name}.yaml"
-    text = render.render_starter_spec(args.name)
+    text = write.render_starter_spec(args.name)
     spec.check_op_name(args.name, str(target))  # before anything is written
     if target.exists():
         raise SpecError(str(target), None, "already exists; choose another name or edit it")
-    render.write_if_changed(target, text)
+    write.write_if_changed(target, text)
     print(f"wrote {target}: edit it, then `fusegen build`")
     return 0
 
 
-def _inline(block: simplify.Block) -> str:
+def _inline(block: plan.Body) -> str:
     return "; ".join(f"{t} = {e}" for t, e in (*block.temps, *block.results))
 
 
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(exc, file=sys.stderr)
         return 2
-    except render.GeneratedCodeError as exc:
+    except write.GeneratedCodeError as exc:
         print(f"internal error: {exc}", file=sys.stderr)
         return 3
 

@@ -1,4 +1,6 @@
-"""sympy printers, one per target: Triton (kernel bodies) and PyTorch (the eager reference).
+"""sympy printers shared by every backend: the structure of elementwise code, and PyTorch's
+spellings (the eager reference). A backend's kernel printer (fusegen.backends.triton.printer)
+subclasses ElementwisePrinter.
 
 Both share the structure of elementwise code (numbers, + - * /, small integer powers as
 multiplications, where, max/min); each target supplies only its spellings. `strict` makes
@@ -14,11 +16,9 @@ _SMALL_POWERS = (2, 3, 4)
 # Integers beyond this print as floats: a folded constant is within it (fusegen.constants),
 # but a derivative may multiply one by an exponent, and Triton has no integer literal past 2**63.
 _MAX_INTEGER_LITERAL = 2**53
-# The type a kernel computes in: a compile-time choice between float32 and float64.
-TRITON_COMPUTE_DTYPE = "tl.float64 if COMPUTE_FP64 else tl.float32"
 
 
-class _ElementwisePrinter(CodePrinter):
+class ElementwisePrinter(CodePrinter):
     language = "Python"
     printmethod = "_fusegen_print"
     _default_settings = {
@@ -33,7 +33,16 @@ class _ElementwisePrinter(CodePrinter):
     # A target's spellings: sympy function name → call, and the structural helpers.
     known_functions: dict[str, str] = {}
     where = sqrt = rsqrt = power = ""
-    helper_suffix = ""  # appended to a choice helper's name, so both targets fit in one module
+
+    def __init__(self, helpers: dict | None = None, choices: dict | None = None):
+        super().__init__()
+        # A choice param's call: (param, derivative or None) → the helper function's name,
+        # and param → the name that tells the helper which choice (fusegen.plan named both).
+        self.helpers = helpers or {}
+        self.choices = choices or {}
+        # Literals printed for numbers that are not plain decimals (sqrt(2), 2/pi, 1/3):
+        # literal → what it is, for a comment beside the code. Read and cleared by the caller.
+        self.constants: dict[str, str] = {}
 
     def _format_code(self, lines):
         return lines  # expressions only: no statements to indent
@@ -45,10 +54,6 @@ class _ElementwisePrinter(CodePrinter):
         raise NotImplementedError
 
     def minimum(self, a: str, b: str) -> str:
-        raise NotImplementedError
-
-    def choice_argument(self, param: str) -> str:
-        """How a helper for a choice param is told which choice to compute."""
         raise NotImplementedError
 
     def scalar(self, number: str) -> str:
@@ -119,7 +124,10 @@ class _ElementwisePrinter(CodePrinter):
             return str(value.p) if abs(value.p) <= _MAX_INTEGER_LITERAL else repr(float(value.p))
         if value.is_Float:
             return repr(float(value))
-        return repr(float(value.evalf(30)))
+        text = repr(float(value.evalf(30)))
+        if not value.is_Rational or len(text) > 8:  # 0.5 needs no comment, 0.3333333333333333 does
+            self.constants.setdefault(text, sympy.sstr(value).replace("pi", "π").replace("*", "·"))
+        return text
 
     def _print_Pow(self, expr):
         base, exp = expr.base, expr.exp
@@ -176,8 +184,10 @@ class _ElementwisePrinter(CodePrinter):
     def _print_Heaviside(self, expr):
         # d/dx max(x, 0): 1 above, 0 below, and sympy's 1/2 at the tie (as torch.maximum splits).
         x = self._print(expr.args[0])
-        at_zero = self._print(expr.pargs[1]) if len(expr.pargs) > 1 else "0.5"
-        return f"{self.where}({x} > 0, 1.0, {self.where}({x} < 0, 0.0, {at_zero}))"
+        at_zero = expr.pargs[1] if len(expr.pargs) > 1 else sympy.Rational(1, 2)
+        if at_zero == 0:  # 0 below and at 0 (relu's): NaN gives 0 either way
+            return f"{self.where}({x} > 0, 1.0, 0.0)"
+        return f"{self.where}({x} > 0, 1.0, {self.where}({x} < 0, 0.0, {self._print(at_zero)}))"
 
     def _print_sign(self, expr):
         x = self._print(expr.args[0])
@@ -187,7 +197,7 @@ class _ElementwisePrinter(CodePrinter):
         param = getattr(expr.func, "choice_param", None)
         if param is not None:  # a number argument (act(1)) is made a tensor: helpers compute on tensors
             args = ", ".join(self.scalar(self._print(a)) if a.is_number else self._print(a) for a in expr.args)
-            return f"{expr.func.__name__}{self.helper_suffix}({args}, {self.choice_argument(param)})"
+            return f"{self.helpers[(param, expr.func.derivative)]}({args}, {self.choices[param]})"
         return super()._print_Function(expr)
 
 
@@ -207,44 +217,7 @@ def _is_atom_text(text: str) -> bool:
     return False
 
 
-class TritonPrinter(_ElementwisePrinter):
-    """Triton: values are fp32 (or fp64) blocks; `tl.` ops, libdevice where tl has none."""
-
-    known_functions = {
-        # tl.exp is ex2.approx on NVIDIA GPUs: 4e-7 relative error at |x| ~ 8 in fp32, 20x
-        # torch's (measured on the H100); libdevice's expf is within 2 ulp.
-        "exp": "libdevice.exp",
-        "log": "tl.log",
-        "tanh": "libdevice.tanh",
-        "erf": "tl.erf",
-        "Abs": "tl.abs",
-        "sigmoid": "tl.sigmoid",
-    }
-    where, sqrt, rsqrt, power = "tl.where", "runtime.sqrt_rn", "runtime.rsqrt_rn", "libdevice.pow"
-
-    def maximum(self, a, b):
-        return f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
-
-    def _print_relu(self, expr):
-        return self.maximum(self._print(expr.args[0]), "0.0")
-
-    def minimum(self, a, b):
-        return f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
-
-    def choice_argument(self, param):
-        return param.upper()
-
-    def scalar(self, number):
-        return f"tl.full((), {number}, {TRITON_COMPUTE_DTYPE})"
-
-    def _power_operand(self, expr):
-        # libdevice.pow has overloads for (fp32, fp32) and (fp64, fp64) (and an int32 exponent)
-        # and picks one by its arguments' types: a number must be in the compute type too.
-        # (The kernel converts its scalar params to the compute type on entry.)
-        return self.scalar(self._print(expr)) if expr.is_number else self._print(expr)
-
-
-class TorchPrinter(_ElementwisePrinter):
+class TorchPrinter(ElementwisePrinter):
     """PyTorch eager: tensors in the compute dtype; Python floats where sympy has numbers."""
 
     known_functions = {
@@ -257,16 +230,12 @@ class TorchPrinter(_ElementwisePrinter):
         "relu": "torch.relu",
     }
     where, sqrt, rsqrt, power = "torch.where", "torch.sqrt", "torch.rsqrt", "torch.pow"
-    helper_suffix = "__torch"
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"
 
     def minimum(self, a, b):
         return f"torch.clamp_max({a}, {b})" if _is_number_text(b) else f"torch.minimum({a}, {b})"
-
-    def choice_argument(self, param):
-        return param
 
     def scalar(self, number):
         return f"torch.tensor({number}, dtype=problem.compute_dtype, device=problem.device)"
@@ -280,17 +249,15 @@ def _is_number_text(text: str) -> bool:
     return True
 
 
-def uses_libdevice(code: str) -> bool:
-    return "libdevice." in code
-
-
 class EagerPrinter:
     """The spec's IR as a PyTorch user writes it: torch.nn.functional where torch has the op,
     torch's own dropout. Prints the IR rather than sympy on purpose: the point is the user's
     spelling (F.gelu, F.dropout), not fusegen's definitions."""
 
-    def __init__(self, dropout_training: str = "training"):
-        self.training = dropout_training
+    def __init__(self, names: dict[str, str], chunks: dict[str, str], helpers: dict[str, str]):
+        self.names = names  # spec name → the name the generated function uses
+        self.chunks = chunks  # chunked input → the name of its tuple of chunks
+        self.helpers = helpers  # choice param → its eager helper
 
     def doprint(self, expr) -> str:
         return self._print(expr)
@@ -301,9 +268,9 @@ class EagerPrinter:
         if isinstance(e, ir.Const):
             return repr(e.value)
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
-            return e.name
+            return self.names[e.name]
         if isinstance(e, ir.ChunkRef):
-            return f"{e.name}_chunks[{e.index}]"
+            return f"{self.chunks[e.name]}[{e.index}]"
         if isinstance(e, ir.Unary):
             return f"-{self._operand(e.operand)}"
         if isinstance(e, ir.Binary):
@@ -321,9 +288,9 @@ class EagerPrinter:
             return idiom.format(*(self._argument(a, idiom, i) for i, a in enumerate(e.args)))
         if isinstance(e, ir.ChoiceCall):
             args = ", ".join(self._tensor(a) if _is_python_number(a) else self._print(a) for a in e.args)
-            return f"_{e.param}__eager({args}, {e.param})"
+            return f"{self.helpers[e.param]}({args}, {self.names[e.param]})"
         if isinstance(e, ir.Dropout):
-            return f"F.dropout({self._print(e.value)}, {e.p}, training={self.training})"
+            return f"F.dropout({self._print(e.value)}, {self.names[e.p]}, training=training)"
         raise TypeError(f"unknown IR node {type(e).__name__}")
 
     def _argument(self, e, idiom: str, index: int) -> str:

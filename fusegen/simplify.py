@@ -21,6 +21,7 @@ from .functions import FUNCTIONS
 _RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
 _BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "**": operator.pow}
 HELPER_ARGS = ("x", "y", "z")  # a choice helper's argument names, by arity
+TEMPORARY_PREFIX = "%t"  # CSE temporaries: %t0, %t1, ...
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ChoiceHelper:
 
 @dataclass(frozen=True)
 class Gradient:
-    input: str  # a value name: an input, or a chunk of one (x_chunk1)
+    input: str  # a value name: an input, or a chunk of one (x[1])
     # Set when the gradient is exactly one output's incoming gradient, with dropout on and
     # off: then it is passed through, with no kernel work.
     passthrough_of: str | None
@@ -58,7 +59,7 @@ class SimplifiedOp:
     grad_outputs: tuple[sympy.Symbol, ...]  # incoming gradient per output
     forward: Block  # dropout on
     forward_no_dropout: Block
-    backward: Block  # results named grad_<input>, pass-throughs left out
+    backward: Block  # results named by value (x, x[1]), pass-throughs left out
     backward_no_dropout: Block
     gradients: tuple[Gradient, ...]
     helpers: tuple[ChoiceHelper, ...]
@@ -83,14 +84,35 @@ def choice_function(param: str, arity: int, derivative: int | None = None) -> ty
 
     # Never a number, even of constant arguments (act(1)): as for sympy's undefined functions,
     # its value is unknown here, so nothing may evaluate, compare or print it as one.
-    return type(name, (sympy.Function,), {"nargs": arity, "fdiff": fdiff, "choice_param": param, "is_number": False})
+    return type(
+        name,
+        (sympy.Function,),
+        {"nargs": arity, "fdiff": fdiff, "choice_param": param, "derivative": derivative, "is_number": False},
+    )
+
+
+# Symbols this stage makes for itself have names no spec name can have (spec names are
+# identifiers): chunk values x[0], masks mask[0], incoming gradients grad[y], temporaries %t0.
+# fusegen.plan gives every symbol its name in the generated code.
 
 
 def value_names(input_spec) -> list[str]:
     """The values an input supplies to expressions: itself, or each of its chunks."""
     if input_spec.chunks == 1:
         return [input_spec.name]
-    return [f"{input_spec.name}_chunk{k}" for k in range(input_spec.chunks)]
+    return [chunk_name(input_spec.name, k) for k in range(input_spec.chunks)]
+
+
+def chunk_name(input_name: str, index: int) -> str:
+    return f"{input_name}[{index}]"
+
+
+def mask_name(stream: int) -> str:
+    return f"mask[{stream}]"
+
+
+def grad_output_name(output: str) -> str:
+    return f"grad[{output}]"
 
 
 def simplify(op: ir.OpIR) -> SimplifiedOp:
@@ -98,7 +120,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     chunked = {n for i in spec.inputs if i.chunks > 1 for n in value_names(i)}
     inputs = {n: sympy.Symbol(n, real=True) for i in spec.inputs for n in value_names(i)}
     params = {p.name: sympy.Symbol(p.name, real=True) for p in spec.scalar_params}
-    masks = tuple(sympy.Symbol(f"dropout_mask{d.stream}", real=True) for d in op.dropouts)
+    masks = tuple(sympy.Symbol(mask_name(d.stream), real=True) for d in op.dropouts)
     symbols = {**inputs, **params}
 
     outputs = {}
@@ -106,7 +128,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
         lower = _Lowering(op, symbols, masks if has_dropout else None)
         outputs[has_dropout] = lower.outputs()
 
-    grad_outputs = tuple(sympy.Symbol(f"grad_{name}", real=True) for name, _ in op.outputs)
+    grad_outputs = tuple(sympy.Symbol(grad_output_name(name), real=True) for name, _ in op.outputs)
     totals = {
         has_dropout: _input_gradients(spec, outputs[has_dropout], inputs, grad_outputs) for has_dropout in (True, False)
     }
@@ -120,23 +142,22 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
         for name in inputs
     )
     backward = {
-        has_dropout: [(f"grad_{g.input}", totals[has_dropout][g.input]) for g in gradients if g.passthrough_of is None]
+        has_dropout: [(g.input, totals[has_dropout][g.input]) for g in gradients if g.passthrough_of is None]
         for has_dropout in (True, False)
     }
 
     used = set().union(*(e.free_symbols for _, e in outputs[True] + outputs[False]))
     used |= set().union(*(e.free_symbols for _, e in backward[True] + backward[False]))
-    taken = set(symbols) | {m.name for m in masks} | {g.name for g in grad_outputs}
     return SimplifiedOp(
         ir=op,
         inputs=tuple(inputs.values()),
         scalar_params=tuple(s for s in params.values() if s in used),
         masks=masks,
         grad_outputs=grad_outputs,
-        forward=_cse(outputs[True], taken),
-        forward_no_dropout=_cse(outputs[False], taken),
-        backward=_cse(backward[True], taken),
-        backward_no_dropout=_cse(backward[False], taken),
+        forward=_cse(outputs[True]),
+        forward_no_dropout=_cse(outputs[False]),
+        backward=_cse(backward[True]),
+        backward_no_dropout=_cse(backward[False]),
         gradients=gradients,
         helpers=tuple(_choice_helper(p) for p in spec.choice_params),
     )
@@ -216,7 +237,7 @@ class _Lowering:
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
             return self.symbols[e.name]
         if isinstance(e, ir.ChunkRef):
-            return self.symbols[f"{e.name}_chunk{e.index}"]
+            return self.symbols[chunk_name(e.name, e.index)]
         if isinstance(e, ir.Unary):
             return -self(e.operand)
         if isinstance(e, ir.Binary):
@@ -300,12 +321,11 @@ def derivative(expr: sympy.Expr, symbol: sympy.Symbol) -> sympy.Expr:
 
 def _passthrough(total: sympy.Expr, grad_outputs) -> str | None:
     """The output whose incoming gradient this gradient is, unchanged; else None."""
-    return next((g.name[len("grad_"):] for g in grad_outputs if total == g), None)
+    return next((g.name[len("grad["):-1] for g in grad_outputs if total == g), None)
 
 
-def _cse(results: list[tuple[str, sympy.Expr]], taken: set) -> Block:
-    names = {s.name if isinstance(s, sympy.Symbol) else s for s in taken}
-    temps = sympy.numbered_symbols("t", real=True, exclude=[sympy.Symbol(n, real=True) for n in names])
+def _cse(results: list[tuple[str, sympy.Expr]]) -> Block:
+    temps = sympy.numbered_symbols(TEMPORARY_PREFIX, real=True)
     replacements, reduced = sympy.cse([e for _, e in results], symbols=temps)
     # A temporary that is only a number (2*sqrt(2/pi)) reads better as the literal it prints to.
     numbers = {t: e for t, e in replacements if e.is_number}
@@ -320,7 +340,7 @@ def _choice_helper(param) -> ChoiceHelper:
     grads: list[list[tuple[str, Block]]] = [[] for _ in args]
     for choice in param.choices:
         expr = FUNCTIONS[choice].sympy_form(*args)
-        forward.append((choice, _cse([("out", expr)], set(args))))
+        forward.append((choice, _cse([("out", expr)])))
         for k, a in enumerate(args):
-            grads[k].append((choice, _cse([("out", derivative(expr, a))], set(args))))
+            grads[k].append((choice, _cse([("out", derivative(expr, a))])))
     return ChoiceHelper(param.name, args, tuple(forward), tuple(tuple(g) for g in grads))

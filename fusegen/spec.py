@@ -6,7 +6,6 @@ parses them.
 """
 from __future__ import annotations
 
-import builtins
 import hashlib
 import keyword
 import math
@@ -19,43 +18,34 @@ import yaml
 
 from .errors import SpecError
 from .functions import BUILTINS, FUNCTIONS
+from .layout import Input
 
 ELLIPSIS = "..."
 # "2N" as an input's last dim: two chunks of N side by side (swiglu's [..., 2N] input).
 CHUNKED_DIM = re.compile(r"([2-9]|[1-9][0-9])([A-Za-z_][A-Za-z0-9_]*)")  # 2 to 99 chunks
 
-# Names the generated module uses for itself; a spec name equal to one would shadow it.
-# tests/test_spec.py renders specs and checks that this list covers the generated code.
-RESERVED_NAMES = frozenset(
-    {
-        # modules and the module's own functions
-        "tl", "triton", "torch", "F", "math", "runtime", "reference", "eager", "libdevice", "Optional",
-        # arguments and locals of the generated functions and kernels
-        "seed", "training", "out", "output", "outputs", "inputs", "grads", "grid", "meta", "M", "N",
-        "pid_m", "pid_n", "rows", "cols", "in_bounds", "offsets", "first_row", "row_offset",
-        "dropout_threshold", "dropout_scale", "dropout_mask", "has_dropout", "needs", "need",
-        "needs_grad", "needs_kernel", "kernel_grads", "kernel_needs", "targets", "rows_per_program", "self",
-        "ctx", "args", "kwargs", "dtype", "device", "shape", "where", "call", "problem", "views", "choice",
-        # Python builtins the generated functions call, next to the spec's names
-        "any", "bool", "float", "int", "iter", "len", "list", "next", "range", "str", "tuple", "zip",
-        "staticmethod",
-        "RuntimeError", "ValueError",
-    }
-)
 
-# Name shapes the generated code derives for itself: CSE temporaries (t0), dropout masks
-# (dropout_mask0), gradients (grad_x), pointers (x_ptr), strides, chunks (x_chunk0) and
-# constexprs (ACTIVATION).
-_RESERVED_PATTERN = re.compile(
-    r"t\d+|dropout_\w*|grad_\w*|\w+_ptr|\w+_stride\w*|\w+_chunk\d+|\w+_chunks|[A-Z][A-Z0-9_]+"
-)
+# Names the op's public signature uses: out= on every op, training and seed on ops with
+# dropout (refused for all, so that adding a dropout to a spec never renames an argument).
+SIGNATURE_NAMES = frozenset({"out", "training", "seed"})
+# Names a generated module defines beside the op itself, whatever its backend.
+MODULE_NAMES = frozenset({"reference", "eager"})
 
-_PYTHON_BUILTINS = frozenset(n for n in dir(builtins) if not n.startswith("_"))
-_GENERATED_PRIVATE_NAMES = frozenset(
+# torch.nn.Module's public attributes (torch 2.13; tests/test_module_class.py compares them
+# with the installed torch's): the op's module class keeps each param as an attribute of
+# its name, which must not replace one of these.
+NN_MODULE_ATTRIBUTES = frozenset(
     {
-        "_OP", "_Autograd", "_forward", "_backward", "_forward_op", "_backward_op", "_forward_fake",
-        "_backward_fake", "_setup_context", "_backward_autograd", "_no_double_backward",
-        "_arguments", "_problem", "_forward_launcher", "_backward_launcher",
+        "T_destination", "add_module", "apply", "bfloat16", "buffers", "call_super_init", "children", "compile",
+        "cpu", "cuda", "double", "dump_patches", "eval", "extra_repr", "float", "forward", "get_buffer",
+        "get_extra_state", "get_parameter", "get_submodule", "half", "ipu", "load_state_dict", "modules", "mtia",
+        "named_buffers", "named_children", "named_modules", "named_parameters", "parameters",
+        "register_backward_hook", "register_buffer", "register_forward_hook", "register_forward_pre_hook",
+        "register_full_backward_hook", "register_full_backward_pre_hook", "register_load_state_dict_post_hook",
+        "register_load_state_dict_pre_hook", "register_module", "register_parameter",
+        "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_", "set_extra_state",
+        "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train", "training", "type", "xpu",
+        "zero_grad",
     }
 )
 
@@ -69,21 +59,19 @@ MAX_INT_MAGNITUDE = 2**53
 @dataclass(frozen=True)
 class InputSpec:
     name: str
-    dims: tuple[str, ...]  # "...", a dim name, "1", or (last dim only) "2N": chunks of N
+    dims: tuple[str, ...]  # one chunk's dims: "...", a dim name, or "1"
     line: int
+    chunks: int = 1  # the last dim written kN: the input holds k chunks of N along it
 
     @property
-    def chunks(self) -> int:
-        """k when the last dim is written kN: the input holds k chunks of N along it."""
-        match = CHUNKED_DIM.fullmatch(self.dims[-1]) if self.dims else None
-        return int(match.group(1)) if match else 1
+    def layout(self) -> Input:
+        """The input as the runtime checks it (fusegen.layout)."""
+        return Input(self.name, self.dims, self.chunks)
 
     @property
     def value_dims(self) -> tuple[str, ...]:
         """The dims of one chunk: what the input contributes to broadcasting."""
-        if self.chunks == 1:
-            return self.dims
-        return self.dims[:-1] + (CHUNKED_DIM.fullmatch(self.dims[-1]).group(2),)
+        return self.dims
 
     @property
     def has_ellipsis(self) -> bool:
@@ -91,7 +79,8 @@ class InputSpec:
 
     @property
     def shape_text(self) -> str:
-        return "[" + ", ".join(self.dims) + "]"
+        """As the spec writes it: [..., 2N]."""
+        return self.layout.declared
 
 
 @dataclass(frozen=True)
@@ -136,6 +125,7 @@ class OpSpec:
     path: str  # as shown in messages and headers: "<dir>/<file>"
     sha256: str
     out_dims: tuple[str, ...]
+    name_line: int = 1  # where `name:` is written
 
     @property
     def scalar_params(self) -> tuple[ScalarParam, ...]:
@@ -345,50 +335,38 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
         raise _Located(line, f"{what} name '{name}' is a Python keyword")
     if name.startswith("_"):
         raise _Located(line, f"{what} name '{name}' must not start with '_' (reserved for generated code)")
-    if name in RESERVED_NAMES or _RESERVED_PATTERN.fullmatch(name):
-        raise _Located(line, f"{what} name '{name}' is reserved by the generated code")
     # An op may share a function's name (op `gelu`): its module never calls that function.
     if what != "op" and (name in FUNCTIONS or name in BUILTINS):
-        raise _Located(line, f"{what} name '{name}' shadows the function '{name}'")
-    # Generated helpers join a name and a suffix with "__" (_act__grad): a spec name with
-    # "__" could collide with one.
-    if "__" in name:
-        raise _Located(line, f"{what} name '{name}' must not contain '__' (reserved for generated code)")
-    # The generated module's functions use Python's builtins next to the spec's names.
-    if name in _PYTHON_BUILTINS:
-        raise _Located(line, f"{what} name '{name}' shadows the Python builtin '{name}'")
-    # Names the module derives by prefixing '_' (helpers _<choice>, the class _Autograd).
-    if f"_{name}" in _GENERATED_PRIVATE_NAMES:
-        raise _Located(line, f"{what} name '{name}' is reserved by the generated code")
+        raise _Located(line, f"{what} name '{name}' is the name of the function '{name}' of the expression language")
+    if what == "op" and name in MODULE_NAMES:
+        raise _Located(line, f"op name '{name}' is the name of the generated module's function {name}()")
+    if what in ("input", "param") and name in SIGNATURE_NAMES:
+        raise _Located(line, f"{what} name '{name}' is an argument of the generated op ({_SIGNATURE_USE[name]})")
+    if what in ("input", "param") and name == "self":
+        raise _Located(line, f"{what} name 'self' is the first argument of the op's torch.nn.Module methods")
+    if what == "param" and name in NN_MODULE_ATTRIBUTES:
+        raise _Located(
+            line,
+            f"param name '{name}' is an attribute of torch.nn.Module: the op's module class keeps each param "
+            "as an attribute of its name",
+        )
     return name
 
 
+_SIGNATURE_USE = {"out": "out=", "training": "dropout's training=", "seed": "dropout's seed="}
+
+
 class _Names:
-    """Every name a spec declares (inputs, params, intermediates, outputs) is unique.
+    """Every name a spec declares (inputs, params, intermediates, outputs) is unique."""
 
-    Unique ignoring case, too: the generated code spells some names in upper case
-    (a choice `act` is the constexpr ACT, input x has NEEDS_GRAD_X), so `x` and `X` collide.
-    """
-
-    def __init__(self, op_name: str):
-        self._seen: dict[str, tuple[str, str, int]] = {}  # upper-cased → (name, kind, line)
-        self._op_name = op_name
-        # The generated module defines these for the op itself.
-        self._op_names = {op_name, f"{op_name}_kernel", f"{op_name}_backward_kernel"}
+    def __init__(self):
+        self._seen: dict[str, tuple[str, int]] = {}  # name → (kind, line)
 
     def claim(self, name: str, kind: str, line: int) -> None:
-        if name in self._op_names:
-            raise _Located(line, f"name '{name}' is reserved by the generated code for op '{self._op_name}'")
-        if name.upper() in self._seen:
-            other, other_kind, other_line = self._seen[name.upper()]
-            if other == name:
-                raise _Located(line, f"duplicate name '{name}' (already {other_kind} at line {other_line})")
-            raise _Located(
-                line,
-                f"name '{name}' differs only in case from '{other}' ({other_kind} at line {other_line}); "
-                "the generated code's upper-case constants would collide",
-            )
-        self._seen[name.upper()] = (name, kind, line)
+        if name in self._seen:
+            other_kind, other_line = self._seen[name]
+            raise _Located(line, f"duplicate name '{name}' (already {other_kind} at line {other_line})")
+        self._seen[name] = (kind, line)
 
 
 # ---------------------------------------------------------------------------
@@ -469,7 +447,7 @@ def _parse(data: bytes, shown: str) -> OpSpec:
     lines = doc.value_lines
     name = _check_identifier(_as_written(doc, "name"), lines["name"], "op")
     doc_text = _parse_doc(_as_written(doc, "doc"), lines["doc"])
-    names = _Names(name)
+    names = _Names()
     inputs = _parse_inputs(doc["inputs"], lines["inputs"], names)
     params = _parse_params(doc.get("params"), lines.get("params", doc.line), names)
     lets = _parse_bindings(doc.get("let"), lines.get("let", doc.line), "let", "intermediate", names, required=False)
@@ -485,6 +463,7 @@ def _parse(data: bytes, shown: str) -> OpSpec:
         path=shown,
         sha256=hashlib.sha256(data).hexdigest(),
         out_dims=out_dims,
+        name_line=lines["name"],
     )
 
 
@@ -511,7 +490,7 @@ def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
         names.claim(name, "an input", key_line)
         value_line = raw.value_lines[name]
         dims = _expect(_as_written(raw, name), list, f"the shape of input '{name}'", value_line)
-        checked = []
+        checked, chunks = [], 1
         for i, (dim, text) in enumerate(zip(dims, dims.item_texts)):
             if text == ELLIPSIS:
                 if i != 0:
@@ -522,13 +501,15 @@ def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
             elif text and CHUNKED_DIM.fullmatch(text) and text.isascii():
                 if i != len(dims) - 1:
                     raise _Located(value_line, f"input '{name}': a chunked dim such as {text} may only be the last dim")
-                checked.append(text)
+                chunked = CHUNKED_DIM.fullmatch(text)
+                chunks = int(chunked.group(1))
+                checked.append(chunked.group(2))
             else:
                 shown = _describe(dim) if text is None else repr(text)
                 raise _Located(
                     value_line, f"input '{name}': dim {shown} must be '...', a dim name such as N, 1, or (last) 2N"
                 )
-        inputs.append(InputSpec(name, tuple(checked), key_line))
+        inputs.append(InputSpec(name, tuple(checked), key_line, chunks))
     return tuple(inputs)
 
 
@@ -549,14 +530,7 @@ def _parse_params(raw: Any, line: int, names: _Names) -> tuple[ScalarParam | Cho
     return tuple(params)
 
 
-# A choice param is passed to the kernels as its upper-cased name, beside these constexprs.
-_KERNEL_CONSTEXPRS = frozenset({"HAS_DROPOUT", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"})
-
-
 def _parse_choice_param(name: str, body: _LineDict, line: int) -> ChoiceParam:
-    constant = name.upper()
-    if constant in _KERNEL_CONSTEXPRS or constant.startswith(("NEEDS_GRAD_", "SUM_GRAD_", "SUM_COLS_GRAD_")):
-        raise _Located(line, f"param name '{name}' is reserved by the generated code (the kernels' {constant})")
     _check_keys(body, ["choices", "default"], ["choices", "default"], f"param '{name}'", line)
     lines = body.value_lines
     choices = _expect(body["choices"], list, f"param '{name}': 'choices'", lines["choices"])

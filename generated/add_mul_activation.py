@@ -3,7 +3,8 @@
 """y = activation(x + multiplier * inp + bias)
 
     add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None)
-    AddMulActivation(multiplier=1.0, activation='relu')(x, inp, bias): the same, as a torch.nn.Module
+    AddMulActivation(multiplier=1.0, activation='relu')(x, inp, bias): the same, as a
+        torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], inp [..., N], bias [N]
 Outputs: y [..., N]
@@ -11,19 +12,17 @@ Param multiplier: float, default 1.0 (runtime: no recompilation).
 Param activation: one of relu, sigmoid, silu, gelu, gelu_tanh, identity; default 'relu'
     (compile-time: one kernel each).
 
-The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and
-write every output once, in the dtype torch's type promotion gives.
+The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
+every output once, in the dtype torch's type promotion gives.
 
-Backward: one fused kernel recomputes the forward from the saved inputs and writes every input gradient in one
-pass; gradients of inputs broadcast along rows are summed per program in fp32 and
-then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs, nothing else: no mask, no intermediates.
+Backward: one fused kernel recomputes the forward from the saved inputs and writes every
+input gradient in one pass; gradients of inputs broadcast along rows are summed per program
+in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
+are the inputs, nothing else: no mask, no intermediates.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
 """
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -31,11 +30,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fusegen import runtime
+from fusegen.backends.triton import launch, tuning
 
 __all__ = ["add_mul_activation", "AddMulActivation", "reference", "eager"]
-
-_OP = "add_mul_activation"
-ACTIVATION_CHOICES = ('relu', 'sigmoid', 'silu', 'gelu', 'gelu_tanh', 'identity')
 
 
 @triton.jit
@@ -48,8 +45,10 @@ def _activation(x, ACTIVATION: tl.constexpr):
         out = x * tl.sigmoid(x)
     elif ACTIVATION == 'gelu':
         t0 = 0.5 * x
+        # 1.4142135623730951 = sqrt(2)
         out = t0 * (tl.erf(1.4142135623730951 * t0) + 1)
     elif ACTIVATION == 'gelu_tanh':
+        # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
     elif ACTIVATION == 'identity':
         out = x
@@ -59,19 +58,25 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation__grad(x, ACTIVATION: tl.constexpr):
+def _activation_grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'relu':
-        out = tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0))
+        out = tl.where(x > 0, 1.0, 0.0)
     elif ACTIVATION == 'sigmoid':
         out = tl.sigmoid(-x) * tl.sigmoid(x)
     elif ACTIVATION == 'silu':
         out = (x * tl.sigmoid(-x) + 1) * tl.sigmoid(x)
     elif ACTIVATION == 'gelu':
+        # 0.7071067811865476 = sqrt(2)/2
         t0 = 0.7071067811865476 * x
+        # 0.5641895835477563 = 1/sqrt(π)
         out = 0.5641895835477563 * t0 * libdevice.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'gelu_tanh':
+        # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
-        out = (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
+        # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
+        out = (
+            (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
+        )
     elif ACTIVATION == 'identity':
         out = 1
     else:
@@ -80,10 +85,10 @@ def _activation__grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.autotune(
-    configs=runtime.FORWARD_CONFIGS,
-    key=["M", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": runtime.prune_forward_configs},
-    do_bench=runtime.autotune_do_bench(),
+    configs=tuning.FORWARD_CONFIGS,
+    key=["M", "N"],
+    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
+    do_bench=tuning.autotune_do_bench(),
 )
 @triton.jit
 def add_mul_activation_kernel(
@@ -93,8 +98,7 @@ def add_mul_activation_kernel(
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
     multiplier,
-    ACTIVATION: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
+    ACTIVATION: tl.constexpr,  # activation
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -110,23 +114,25 @@ def add_mul_activation_kernel(
     multiplier = tl.full((), multiplier, tl.float64 if COMPUTE_FP64 else tl.float32)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    inp = tl.load(inp_ptr + rows[:, None] * inp_stride_m + cols[None, :] * inp_stride_n, mask=in_bounds)
+    inp = tl.load(
+        inp_ptr + rows[:, None] * inp_stride_m + cols[None, :] * inp_stride_n, mask=in_bounds
+    )
     inp = inp.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    bias = tl.load(bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds)
+    bias = tl.load(
+        bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+    )
     bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     y = _activation(bias + inp * multiplier + x, ACTIVATION)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
-
-
-# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
-_forward_launcher = runtime.CachedLauncher(add_mul_activation_kernel)
+    tl.store(
+        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
+    )
 
 
 @triton.autotune(
-    configs=runtime.BACKWARD_CONFIGS,
-    key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
-    do_bench=runtime.autotune_do_bench(),
+    configs=tuning.BACKWARD_CONFIGS,
+    key=["M", "N", "ROWS_PER_PROGRAM"],
+    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
+    do_bench=tuning.autotune_do_bench(),
 )
 @triton.jit
 def add_mul_activation_backward_kernel(
@@ -134,14 +140,13 @@ def add_mul_activation_backward_kernel(
     inp_ptr, inp_stride_m, inp_stride_n,  # inp [..., N], as [M, N]
     bias_ptr, bias_stride_m, bias_stride_n,  # bias [N], as [M, N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
-    grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
-    grad_inp_ptr,  # gradient of inp: [M, N], or with SUM_GRAD_INP column sums [programs along M, N]
-    grad_bias_ptr,  # gradient of bias: [M, N], or with SUM_GRAD_BIAS column sums [programs along M, N]
+    grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
+    grad_inp_ptr,  # gradient of inp: [M, N]; with SUM_GRAD_INP, column sums [programs, N]
+    grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
     M, N,
     multiplier,
-    ACTIVATION: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    INDEX_64: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # activation
+    INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
     SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
@@ -149,7 +154,7 @@ def add_mul_activation_backward_kernel(
     SUM_GRAD_INP: tl.constexpr,  # inp is broadcast along rows
     NEEDS_GRAD_BIAS: tl.constexpr,
     SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
-    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M, fixed before launch (it sizes the sums)
+    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -168,13 +173,20 @@ def add_mul_activation_backward_kernel(
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
         x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        inp = tl.load(inp_ptr + rows[:, None] * inp_stride_m + cols[None, :] * inp_stride_n, mask=in_bounds)
+        inp = tl.load(
+            inp_ptr + rows[:, None] * inp_stride_m + cols[None, :] * inp_stride_n, mask=in_bounds
+        )
         inp = inp.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        bias = tl.load(bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds)
+        bias = tl.load(
+            bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+        )
         bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
+        grad_y = tl.load(
+            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
+            mask=in_bounds,
+        )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = grad_y * _activation__grad(bias + inp * multiplier + x, ACTIVATION)
+        t0 = grad_y * _activation_grad(bias + inp * multiplier + x, ACTIVATION)
         grad_x = t0
         grad_inp = multiplier * t0
         grad_bias = t0
@@ -182,47 +194,106 @@ def add_mul_activation_backward_kernel(
             if SUM_GRAD_X:
                 grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
             else:
-                tl.store(grad_x_ptr + rows[:, None] * N + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
+                tl.store(
+                    grad_x_ptr + rows[:, None] * N + cols[None, :],
+                    grad_x.to(grad_x_ptr.dtype.element_ty),
+                    mask=in_bounds,
+                )
         if NEEDS_GRAD_INP:
             if SUM_GRAD_INP:
                 grad_inp_sum += tl.where(in_bounds, grad_inp, 0.0)
             else:
-                tl.store(grad_inp_ptr + rows[:, None] * N + cols[None, :], grad_inp.to(grad_inp_ptr.dtype.element_ty), mask=in_bounds)
+                tl.store(
+                    grad_inp_ptr + rows[:, None] * N + cols[None, :],
+                    grad_inp.to(grad_inp_ptr.dtype.element_ty),
+                    mask=in_bounds,
+                )
         if NEEDS_GRAD_BIAS:
             if SUM_GRAD_BIAS:
                 grad_bias_sum += tl.where(in_bounds, grad_bias, 0.0)
             else:
-                tl.store(grad_bias_ptr + rows[:, None] * N + cols[None, :], grad_bias.to(grad_bias_ptr.dtype.element_ty), mask=in_bounds)
+                tl.store(
+                    grad_bias_ptr + rows[:, None] * N + cols[None, :],
+                    grad_bias.to(grad_bias_ptr.dtype.element_ty),
+                    mask=in_bounds,
+                )
     if NEEDS_GRAD_X and SUM_GRAD_X:
         # One reduction across rows per program, after the loop.
-        tl.store(grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N)
+        tl.store(
+            grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+        )
     if NEEDS_GRAD_INP and SUM_GRAD_INP:
         # One reduction across rows per program, after the loop.
-        tl.store(grad_inp_ptr + tl.program_id(0) * N + cols, tl.sum(grad_inp_sum, axis=0), mask=cols < N)
+        tl.store(
+            grad_inp_ptr + tl.program_id(0) * N + cols, tl.sum(grad_inp_sum, axis=0), mask=cols < N
+        )
     if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
         # One reduction across rows per program, after the loop.
-        tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
+        tl.store(
+            grad_bias_ptr + tl.program_id(0) * N + cols,
+            tl.sum(grad_bias_sum, axis=0),
+            mask=cols < N,
+        )
 
 
-_backward_launcher = runtime.CachedLauncher(add_mul_activation_backward_kernel)
+def _activation_torch(x, choice):
+    if choice == 'relu':
+        out = torch.relu(x)
+    elif choice == 'sigmoid':
+        out = torch.sigmoid(x)
+    elif choice == 'silu':
+        out = x * torch.sigmoid(x)
+    elif choice == 'gelu':
+        t0 = 0.5 * x
+        # 1.4142135623730951 = sqrt(2)
+        out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
+    elif choice == 'gelu_tanh':
+        # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
+        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+    elif choice == 'identity':
+        out = x
+    else:
+        raise ValueError(f"unknown activation {choice!r}")
+    return out
+
+
+def _reference(problem, x, inp, bias, multiplier, activation):
+    """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
+    y = _activation_torch(bias + inp * multiplier + x, activation)
+    return (y,)
+
+
+_OP = runtime.FusedOp(
+    "add_mul_activation",
+    inputs=(
+        runtime.Input("x", ("...", "N")),
+        runtime.Input("inp", ("...", "N")),
+        runtime.Input("bias", ("N",)),
+    ),
+    params=(
+        runtime.Scalar("multiplier", "float", None, None),
+        runtime.Choice("activation", ("relu", "sigmoid", "silu", "gelu", "gelu_tanh", "identity")),
+    ),
+    outputs=("y",),
+    kernels=launch.Kernels(
+        add_mul_activation_kernel,
+        add_mul_activation_backward_kernel,
+        scalars=("multiplier",),
+        backward_reads=("x", "inp", "bias"),
+        gradients=("x", "inp", "bias"),
+    ),
+    reference=_reference,
+)
 
 
 def add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
     """y = activation(x + multiplier * inp + bias)
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; a torch.library op (fusegen::add_mul_activation) under torch.compile.
+    backward. Differentiable; under torch.compile, the torch.library op
+    fusegen::add_mul_activation.
     """
-    if out is not None:
-        runtime.check_out_without_grad(_OP, x, inp, bias)
-        outputs = _forward(x, inp, bias, multiplier, activation, False, None, out=out)
-    elif torch.compiler.is_compiling():
-        outputs = _forward_op(x, inp, bias, multiplier, activation, False, None)
-    elif torch.is_grad_enabled() and runtime.any_requires_grad(x, inp, bias):
-        outputs = _Autograd.apply(x, inp, bias, multiplier, activation, False, None)
-    else:
-        outputs = _forward(x, inp, bias, multiplier, activation, False, None)
-    return outputs[0]
+    return _OP(x, inp, bias, multiplier, activation, out=out)
 
 
 class AddMulActivation(torch.nn.Module):
@@ -234,179 +305,15 @@ class AddMulActivation(torch.nn.Module):
 
     def __init__(self, multiplier=1.0, activation='relu'):
         super().__init__()
-        runtime.check_scalar(_OP, "multiplier", multiplier, "float", None, None)
-        runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
+        _OP.check_params(multiplier, activation)
         self.multiplier = multiplier
         self.activation = activation
 
     def forward(self, x, inp, bias):
-        return add_mul_activation(x, inp, bias, multiplier=self.multiplier, activation=self.activation)
+        return add_mul_activation(x, inp, bias, self.multiplier, self.activation)
 
     def extra_repr(self):
         return f"multiplier={self.multiplier!r}, activation={self.activation!r}"
-
-
-def _forward(x, inp, bias, multiplier, activation, training, seed, out=None):
-    """Launch the forward kernel; returns the outputs."""
-    call = _arguments(x, inp, bias, multiplier, activation, training, seed, needs_kernel=True)
-    problem = call.problem
-    y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, inp, bias))
-    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
-        return runtime.write_out(out, (y,))
-    # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
-    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
-        *views[0],
-        *views[1],
-        *views[2],
-        y,
-        problem.m,
-        problem.n,
-        call.multiplier,
-        ACTIVATION=call.activation,
-        HAS_DROPOUT=call.has_dropout,
-        INDEX_64=runtime.needs_int64(problem, views),
-        COMPUTE_FP64=problem.compute_dtype == torch.float64,
-    )
-    return runtime.write_out(out, (y,))
-
-
-def _backward(grad_y, x, inp, bias, multiplier, activation, training, seed, needs_grad):
-    """Launch the backward kernel; returns the gradients of x, inp, bias for which needs_grad is set."""
-    call = _arguments(x, inp, bias, multiplier, activation, training, None, needs_kernel=True)
-    problem = call.problem
-    rows_per_program = runtime.backward_rows_per_program(problem)
-    # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
-    # comprehensions, so their names share the function's scope with the inputs'.
-    targets = [
-        runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
-        for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False), (inp, 1, False), (bias, 1, False)), needs_grad)
-    ]
-    if problem.launches and any(needs_grad):
-        views = [runtime.view_2d(x, problem), runtime.view_2d(inp, problem), runtime.view_2d(bias, problem)]
-        grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
-        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
-            *views[0],
-            *views[1],
-            *views[2],
-            *grad_views[0],
-            runtime.GradTarget.buffer_of(targets[0]),
-            runtime.GradTarget.buffer_of(targets[1]),
-            runtime.GradTarget.buffer_of(targets[2]),
-            problem.m,
-            problem.n,
-            call.multiplier,
-            ACTIVATION=call.activation,
-            HAS_DROPOUT=call.has_dropout,
-            INDEX_64=runtime.needs_int64(problem, views + grad_views),
-            COMPUTE_FP64=problem.compute_dtype == torch.float64,
-            NEEDS_GRAD_X=targets[0] is not None,
-            SUM_GRAD_X=runtime.GradTarget.sums_rows(targets[0]),
-            NEEDS_GRAD_INP=targets[1] is not None,
-            SUM_GRAD_INP=runtime.GradTarget.sums_rows(targets[1]),
-            NEEDS_GRAD_BIAS=targets[2] is not None,
-            SUM_GRAD_BIAS=runtime.GradTarget.sums_rows(targets[2]),
-            ROWS_PER_PROGRAM=rows_per_program,
-        )
-    return [_target.result() for _target in targets if _target is not None]
-
-
-# torch.library registration: autograd and torch.compile each see one opaque op.
-# Saved for backward: the inputs, nothing else (no intermediates).
-
-
-@torch.library.custom_op("fusegen::add_mul_activation", mutates_args=())
-def _forward_op(x: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor, multiplier: float, activation: str, training: bool, seed: Optional[int]) -> tuple[torch.Tensor]:
-    return _forward(x, inp, bias, multiplier, activation, training, seed)
-
-
-@_forward_op.register_fake
-def _forward_fake(x, inp, bias, multiplier, activation, training, seed):
-    problem = _problem(x, inp, bias, activation, needs_kernel=False)
-    return tuple(torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in range(1))
-
-
-def _setup_context(ctx, inputs, output):
-    x, inp, bias, multiplier, activation, training, seed = inputs
-    ctx.save_for_backward(x, inp, bias)
-    ctx.params = (multiplier, activation, training)
-
-
-def _backward_autograd(ctx, grad_y):
-    x, inp, bias = ctx.saved_tensors
-    # _Autograd leaves gradients unmaterialized: None stands for an output's zero gradient.
-    if grad_y is None:
-        return None, None, None, None, None, None, None
-    needs = ctx.needs_input_grad
-    kernel_needs = [needs[0], needs[1], needs[2]]
-    # The op's own dispatch only where it is needed: while torch.compile traces (its fake
-    # and functional tensors are Tensor subclasses), and under create_graph, where its
-    # autograd (which refuses double backward) must be recorded.
-    if type(grad_y) is torch.Tensor and not torch.is_grad_enabled():
-        kernel_grads = iter(_backward(grad_y, x, inp, bias, *ctx.params, None, kernel_needs))
-    else:
-        kernel_grads = iter(_backward_op(grad_y, x, inp, bias, *ctx.params, kernel_needs))
-    grad_x = next(kernel_grads) if needs[0] else None
-    grad_inp = next(kernel_grads) if needs[1] else None
-    grad_bias = next(kernel_grads) if needs[2] else None
-    return grad_x, grad_inp, grad_bias, None, None, None, None
-
-
-_forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
-
-
-class _Autograd(torch.autograd.Function):
-    """Eager autograd with the same forward and backward as the torch.library op, without
-    its dispatch, which costs hundreds of microseconds a call. (forward takes ctx itself: a
-    separate setup_context makes apply bind arguments through inspect.) The seed stays an
-    int in ctx, and gradients are not materialized: a seed output and zero gradients for it
-    cost autograd about 100 µs a step (measured on an H100 host)."""
-
-    @staticmethod
-    def forward(ctx, x, inp, bias, multiplier, activation, training, seed):
-        outputs = _forward(x, inp, bias, multiplier, activation, training, seed)
-        ctx.save_for_backward(x, inp, bias)
-        ctx.params = (multiplier, activation, training)
-        ctx.set_materialize_grads(False)
-        return tuple(outputs)
-
-    backward = staticmethod(_backward_autograd)
-
-
-@torch.library.custom_op("fusegen::add_mul_activation_backward", mutates_args=())
-def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor, multiplier: float, activation: str, training: bool, needs_grad: list[bool]) -> list[torch.Tensor]:
-    return _backward(grad_y, x, inp, bias, multiplier, activation, training, None, needs_grad)
-
-
-@_backward_op.register_fake
-def _backward_fake(grad_y, x, inp, bias, multiplier, activation, training, needs_grad):
-    return [torch.empty_like(_tensor) for _tensor, _need in zip((x, inp, bias), needs_grad) if _need]
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("fusegen::add_mul_activation: double backward is not supported")
-
-
-_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-
-
-def _activation__torch(x, choice):
-    if choice == 'relu':
-        out = torch.relu(x)
-    elif choice == 'sigmoid':
-        out = torch.sigmoid(x)
-    elif choice == 'silu':
-        out = x * torch.sigmoid(x)
-    elif choice == 'gelu':
-        t0 = 0.5 * x
-        out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
-    elif choice == 'gelu_tanh':
-        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
-    elif choice == 'identity':
-        out = x
-    else:
-        raise ValueError(f"unknown activation {choice!r}")
-    return out
 
 
 def reference(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
@@ -414,20 +321,10 @@ def reference(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
 
     Differentiable through autograd: the oracle for the generated backward.
     """
-    if out is not None:
-        runtime.check_out_without_grad(_OP, x, inp, bias)
-    call = _arguments(x, inp, bias, multiplier, activation, False, None, needs_kernel=False)
-    problem = call.problem
-    x = x.to(problem.compute_dtype)
-    inp = inp.to(problem.compute_dtype)
-    bias = bias.to(problem.compute_dtype)
-    # A tensor in the compute dtype: the kernel receives multiplier as a float32 scalar.
-    multiplier = torch.tensor(call.multiplier, dtype=torch.float32, device=problem.device).to(problem.compute_dtype)
-    y = _activation__torch(bias + inp * multiplier + x, activation)
-    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
+    return _OP.reference(x, inp, bias, multiplier, activation, out=out)
 
 
-def _activation__eager(x, choice):
+def _activation_eager(x, choice):
     if choice == 'relu':
         return F.relu(x)
     elif choice == 'sigmoid':
@@ -440,34 +337,12 @@ def _activation__eager(x, choice):
         return F.gelu(x, approximate="tanh")
     elif choice == 'identity':
         return x
-    raise ValueError(f"unknown choice {choice!r}")
+    raise ValueError(f"unknown activation {choice!r}")
 
 
 def eager(x, inp, bias, multiplier=1.0, activation='relu'):
-    """add_mul_activation as a PyTorch user writes it, with torch.nn.functional ops.
+    """The op as a PyTorch user writes it, with torch.nn.functional ops.
 
     The baseline that `fusegen bench` times, eagerly and under torch.compile.
     """
-    return _activation__eager((x + (multiplier * inp)) + bias, activation)
-
-
-def _arguments(x, inp, bias, multiplier, activation, training, seed, needs_kernel):
-    """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
-    problem = _problem(x, inp, bias, activation, needs_kernel=needs_kernel)
-    multiplier = runtime.check_scalar(_OP, "multiplier", multiplier, "float", None, None)
-    return runtime.Call(problem, False, None, multiplier=multiplier, activation=activation)
-
-
-def _problem(x, inp, bias, activation, needs_kernel):
-    """The checks that draw nothing: tensors, shapes, dtypes, devices, choices."""
-    runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
-    return runtime.broadcast_problem(
-        _OP,
-        {
-            "x": (x, ('...', 'N')),
-            "inp": (inp, ('...', 'N')),
-            "bias": (bias, ('N',)),
-        },
-        needs_kernel=needs_kernel,
-        kernel=add_mul_activation_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
-    )
+    return _activation_eager((x + (multiplier * inp)) + bias, activation)

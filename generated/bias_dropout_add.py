@@ -11,45 +11,42 @@ Param p: float in [0.0, 1.0], default 0.1 (runtime: no recompilation).
 training=False, or every dropout p == 0, takes a kernel with no random numbers.
 seed=None draws the dropout seed from torch's default generator (torch.manual_seed).
 
-The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and
-write every output once, in the dtype torch's type promotion gives.
+The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
+every output once, in the dtype torch's type promotion gives.
 Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference`
-reproduces it. The seed is a one-element int64 tensor on the inputs' device, drawn there
-by torch (seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured
-a call draws a new mask on each replay.
+not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
+it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
+(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
+draws a new mask on each replay.
 
-Backward: one fused kernel recomputes the forward from the saved inputs, draws
-the same dropout masks again from the seed and writes every input gradient in one
-pass; gradients of inputs broadcast along rows are summed per program in fp32 and
-then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor, nothing else: no mask, no intermediates.
-The gradient of residual is the gradient of y, passed on without a copy (summed only
-where residual was broadcast).
+Backward: one fused kernel recomputes the forward from the saved inputs, draws the same
+dropout masks again from the seed and writes every input gradient in one pass; gradients of
+inputs broadcast along rows are summed per program in fp32 and then across programs, in a
+fixed order (no atomics). Memory: saved for backward are the inputs and the seed tensor,
+nothing else: no mask, no intermediates.
+The gradient of residual is the gradient of y, passed on without a copy (summed only where
+residual was broadcast).
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
 """
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from fusegen import runtime
-from fusegen.runtime.triton_helpers import dropout_mask
+from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton.kernel_lib import dropout_mask
 
 __all__ = ["bias_dropout_add", "BiasDropoutAdd", "reference", "eager"]
 
-_OP = "bias_dropout_add"
-
 
 @triton.autotune(
-    configs=runtime.FORWARD_CONFIGS,
+    configs=tuning.FORWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": runtime.prune_forward_configs},
-    do_bench=runtime.autotune_do_bench(),
+    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
+    do_bench=tuning.autotune_do_bench(),
 )
 @triton.jit
 def bias_dropout_add_kernel(
@@ -75,46 +72,59 @@ def bias_dropout_add_kernel(
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    bias = tl.load(bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds)
+    bias = tl.load(
+        bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+    )
     bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    residual = tl.load(residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n, mask=in_bounds)
+    residual = tl.load(
+        residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n,
+        mask=in_bounds,
+    )
     residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
-        dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, DROPOUT_WHOLE_GROUPS)
+        dropout_mask0 = dropout_mask(
+            seed,
+            rows,
+            tl.program_id(1) * BLOCK_N,
+            N,
+            BLOCK_N,
+            0,
+            dropout_threshold_p,
+            dropout_scale_p,
+            DROPOUT_WHOLE_GROUPS,
+        )
         y = dropout_mask0 * (bias + x) + residual
     else:
         y = bias + residual + x
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
-
-
-# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
-_forward_launcher = runtime.CachedLauncher(bias_dropout_add_kernel)
+    tl.store(
+        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
+    )
 
 
 @triton.autotune(
-    configs=runtime.BACKWARD_CONFIGS,
+    configs=tuning.BACKWARD_CONFIGS,
     key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
-    do_bench=runtime.autotune_do_bench(),
+    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
+    do_bench=tuning.autotune_do_bench(),
 )
 @triton.jit
 def bias_dropout_add_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
-    grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
-    grad_bias_ptr,  # gradient of bias: [M, N], or with SUM_GRAD_BIAS column sums [programs along M, N]
+    grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
+    grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
     M, N,
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
-    HAS_DROPOUT: tl.constexpr,
-    DROPOUT_WHOLE_GROUPS: tl.constexpr,
-    INDEX_64: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
+    DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
+    INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
     SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
     NEEDS_GRAD_BIAS: tl.constexpr,
     SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
-    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M, fixed before launch (it sizes the sums)
+    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -130,10 +140,23 @@ def bias_dropout_add_backward_kernel(
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
+        grad_y = tl.load(
+            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
+            mask=in_bounds,
+        )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         if HAS_DROPOUT:
-            dropout_mask0 = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, DROPOUT_WHOLE_GROUPS)
+            dropout_mask0 = dropout_mask(
+                seed,
+                rows,
+                tl.program_id(1) * BLOCK_N,
+                N,
+                BLOCK_N,
+                0,
+                dropout_threshold_p,
+                dropout_scale_p,
+                DROPOUT_WHOLE_GROUPS,
+            )
             t0 = dropout_mask0 * grad_y
             grad_x = t0
             grad_bias = t0
@@ -144,39 +167,75 @@ def bias_dropout_add_backward_kernel(
             if SUM_GRAD_X:
                 grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
             else:
-                tl.store(grad_x_ptr + rows[:, None] * N + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
+                tl.store(
+                    grad_x_ptr + rows[:, None] * N + cols[None, :],
+                    grad_x.to(grad_x_ptr.dtype.element_ty),
+                    mask=in_bounds,
+                )
         if NEEDS_GRAD_BIAS:
             if SUM_GRAD_BIAS:
                 grad_bias_sum += tl.where(in_bounds, grad_bias, 0.0)
             else:
-                tl.store(grad_bias_ptr + rows[:, None] * N + cols[None, :], grad_bias.to(grad_bias_ptr.dtype.element_ty), mask=in_bounds)
+                tl.store(
+                    grad_bias_ptr + rows[:, None] * N + cols[None, :],
+                    grad_bias.to(grad_bias_ptr.dtype.element_ty),
+                    mask=in_bounds,
+                )
     if NEEDS_GRAD_X and SUM_GRAD_X:
         # One reduction across rows per program, after the loop.
-        tl.store(grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N)
+        tl.store(
+            grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+        )
     if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
         # One reduction across rows per program, after the loop.
-        tl.store(grad_bias_ptr + tl.program_id(0) * N + cols, tl.sum(grad_bias_sum, axis=0), mask=cols < N)
+        tl.store(
+            grad_bias_ptr + tl.program_id(0) * N + cols,
+            tl.sum(grad_bias_sum, axis=0),
+            mask=cols < N,
+        )
 
 
-_backward_launcher = runtime.CachedLauncher(bias_dropout_add_backward_kernel)
+def _reference(problem, x, bias, residual, p, masks):
+    """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
+    if masks is not None:
+        dropout_mask0, = masks
+        y = dropout_mask0 * (bias + x) + residual
+    else:
+        y = bias + residual + x
+    return (y,)
+
+
+_OP = runtime.FusedOp(
+    "bias_dropout_add",
+    inputs=(
+        runtime.Input("x", ("...", "N")),
+        runtime.Input("bias", ("N",)),
+        runtime.Input("residual", ("...", "N")),
+    ),
+    params=(
+        runtime.Scalar("p", "float", 0.0, 1.0),
+    ),
+    outputs=("y",),
+    masks=("p",),  # each dropout's p, by Philox stream
+    passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own
+    kernels=launch.Kernels(
+        bias_dropout_add_kernel,
+        bias_dropout_add_backward_kernel,
+        backward_reads=(),
+        gradients=("x", "bias"),
+    ),
+    reference=_reference,
+)
 
 
 def bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):
     """y = dropout(x + bias, p) + residual
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; a torch.library op (fusegen::bias_dropout_add) under torch.compile.
+    backward. Differentiable; under torch.compile, the torch.library op
+    fusegen::bias_dropout_add.
     """
-    if out is not None:
-        runtime.check_out_without_grad(_OP, x, bias, residual)
-        outputs, _ = _forward(x, bias, residual, p, training, seed, out=out)
-    elif torch.compiler.is_compiling():
-        *outputs, _ = _forward_op(x, bias, residual, p, training, seed)
-    elif torch.is_grad_enabled() and runtime.any_requires_grad(x, bias, residual):
-        outputs = _Autograd.apply(x, bias, residual, p, training, seed)
-    else:
-        outputs, _ = _forward(x, bias, residual, p, training, seed)
-    return outputs[0]
+    return _OP(x, bias, residual, p, training, seed, out=out)
 
 
 class BiasDropoutAdd(torch.nn.Module):
@@ -189,163 +248,14 @@ class BiasDropoutAdd(torch.nn.Module):
 
     def __init__(self, p=0.1):
         super().__init__()
-        runtime.check_scalar(_OP, "p", p, "float", 0.0, 1.0)
+        _OP.check_params(p)
         self.p = p
 
     def forward(self, x, bias, residual):
-        return bias_dropout_add(x, bias, residual, p=self.p, training=self.training)
+        return bias_dropout_add(x, bias, residual, self.p, self.training)
 
     def extra_repr(self):
         return f"p={self.p!r}"
-
-
-def _forward(x, bias, residual, p, training, seed, out=None, eager=True):
-    """Launch the forward kernel; returns the outputs and the seed tensor it used (None without dropout)."""
-    call = _arguments(x, bias, residual, p, training, seed, needs_kernel=True)
-    problem = call.problem
-    seed = runtime.seed_tensor(call.seed, problem.device, eager) if call.has_dropout else None
-    y = runtime.output_buffer(_OP, out, 0, 1, problem, (x, bias, residual))
-    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
-        return runtime.write_out(out, (y,)), seed
-    # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(x, problem), runtime.view_2d(bias, problem), runtime.view_2d(residual, problem)]
-    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
-        *views[0],
-        *views[1],
-        *views[2],
-        y,
-        problem.m,
-        problem.n,
-        runtime.dropout_threshold(call.p),
-        runtime.dropout_scale(call.p),
-        seed,
-        HAS_DROPOUT=call.has_dropout,
-        DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
-        INDEX_64=runtime.needs_int64(problem, views),
-        COMPUTE_FP64=problem.compute_dtype == torch.float64,
-    )
-    return runtime.write_out(out, (y,)), seed
-
-
-def _backward(grad_y, x, bias, residual, p, training, seed, needs_grad):
-    """Launch the backward kernel; returns the gradients of x, bias for which needs_grad is set."""
-    call = _arguments(x, bias, residual, p, training, None, needs_kernel=True)
-    problem = call.problem
-    rows_per_program = runtime.backward_rows_per_program(problem)
-    # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
-    # comprehensions, so their names share the function's scope with the inputs'.
-    targets = [
-        runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
-        for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False), (bias, 1, False)), needs_grad)
-    ]
-    if problem.launches and any(needs_grad):
-        views = []
-        grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
-        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
-            *grad_views[0],
-            runtime.GradTarget.buffer_of(targets[0]),
-            runtime.GradTarget.buffer_of(targets[1]),
-            problem.m,
-            problem.n,
-            runtime.dropout_threshold(call.p),
-            runtime.dropout_scale(call.p),
-            seed,
-            HAS_DROPOUT=call.has_dropout,
-            DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
-            INDEX_64=runtime.needs_int64(problem, views + grad_views),
-            COMPUTE_FP64=problem.compute_dtype == torch.float64,
-            NEEDS_GRAD_X=targets[0] is not None,
-            SUM_GRAD_X=runtime.GradTarget.sums_rows(targets[0]),
-            NEEDS_GRAD_BIAS=targets[1] is not None,
-            SUM_GRAD_BIAS=runtime.GradTarget.sums_rows(targets[1]),
-            ROWS_PER_PROGRAM=rows_per_program,
-        )
-    return [_target.result() for _target in targets if _target is not None]
-
-
-# torch.library registration: autograd and torch.compile each see one opaque op.
-# Saved for backward: the inputs and the seed tensor, nothing else (no mask, no intermediates).
-# The op draws random numbers: tagged so, torch.compile never recomputes it in the backward.
-
-
-@torch.library.custom_op("fusegen::bias_dropout_add", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def _forward_op(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, training: bool, seed: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    outputs, seed = _forward(x, bias, residual, p, training, seed, eager=False)  # a compiled graph may be captured
-    # Without dropout the seed is never read: an unfilled tensor keeps the op's outputs fixed.
-    return (*outputs, torch.empty((1,), dtype=torch.int64, device=outputs[0].device) if seed is None else seed)
-
-
-@_forward_op.register_fake
-def _forward_fake(x, bias, residual, p, training, seed):
-    problem = _problem(x, bias, residual, needs_kernel=False)
-    outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in range(1)]
-    return (*outputs, torch.empty((1,), dtype=torch.int64, device=problem.device))
-
-
-def _setup_context(ctx, inputs, output):
-    x, bias, residual, p, training, seed = inputs
-    ctx.save_for_backward(x, bias, residual, output[-1])
-    ctx.params = (p, training)
-
-
-def _backward_autograd(ctx, grad_y, _grad_seed=None):
-    # The library op saves its seed output; _Autograd keeps the seed tensor in ctx.
-    x, bias, residual, *seed = ctx.saved_tensors
-    seed = seed[0] if seed else ctx.seed
-    # _Autograd leaves gradients unmaterialized: None stands for an output's zero gradient.
-    if grad_y is None:
-        return None, None, None, None, None, None
-    needs = ctx.needs_input_grad
-    kernel_needs = [needs[0], needs[1]]
-    # The op's own dispatch only where it is needed: while torch.compile traces (its fake
-    # and functional tensors are Tensor subclasses), and under create_graph, where its
-    # autograd (which refuses double backward) must be recorded.
-    if type(grad_y) is torch.Tensor and not torch.is_grad_enabled():
-        kernel_grads = iter(_backward(grad_y, x, bias, residual, *ctx.params, seed, kernel_needs))
-    else:
-        kernel_grads = iter(_backward_op(grad_y, x, bias, residual, *ctx.params, seed, kernel_needs))
-    grad_x = next(kernel_grads) if needs[0] else None
-    grad_bias = next(kernel_grads) if needs[1] else None
-    grad_residual = runtime.sum_to_input(grad_y, residual) if needs[2] else None
-    return grad_x, grad_bias, grad_residual, None, None, None
-
-
-_forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
-
-
-class _Autograd(torch.autograd.Function):
-    """Eager autograd with the same forward and backward as the torch.library op, without
-    its dispatch, which costs hundreds of microseconds a call. (forward takes ctx itself: a
-    separate setup_context makes apply bind arguments through inspect.) The seed stays an
-    int in ctx, and gradients are not materialized: a seed output and zero gradients for it
-    cost autograd about 100 µs a step (measured on an H100 host)."""
-
-    @staticmethod
-    def forward(ctx, x, bias, residual, p, training, seed):
-        outputs, ctx.seed = _forward(x, bias, residual, p, training, seed)
-        ctx.save_for_backward(x, bias, residual)
-        ctx.params = (p, training)
-        ctx.set_materialize_grads(False)
-        return tuple(outputs)
-
-    backward = staticmethod(_backward_autograd)
-
-
-@torch.library.custom_op("fusegen::bias_dropout_add_backward", mutates_args=())
-def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, training: bool, seed: torch.Tensor, needs_grad: list[bool]) -> list[torch.Tensor]:
-    return _backward(grad_y, x, bias, residual, p, training, seed, needs_grad)
-
-
-@_backward_op.register_fake
-def _backward_fake(grad_y, x, bias, residual, p, training, seed, needs_grad):
-    return [torch.empty_like(_tensor) for _tensor, _need in zip((x, bias), needs_grad) if _need]
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("fusegen::bias_dropout_add: double backward is not supported")
-
-
-_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def reference(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):
@@ -353,48 +263,13 @@ def reference(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):
 
     Differentiable through autograd: the oracle for the generated backward.
     """
-    if out is not None:
-        runtime.check_out_without_grad(_OP, x, bias, residual)
-    call = _arguments(x, bias, residual, p, training, seed, needs_kernel=False)
-    problem = call.problem
-    x = x.to(problem.compute_dtype)
-    bias = bias.to(problem.compute_dtype)
-    residual = residual.to(problem.compute_dtype)
-    if call.has_dropout:
-        seed = runtime.seed_tensor(call.seed, problem.device, eager=True)  # drawn as the op draws it
-        dropout_mask0 = runtime.dropout_mask_reference(seed, problem, 0, call.p)
-        y = dropout_mask0 * (bias + x) + residual
-    else:
-        y = bias + residual + x
-    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
+    return _OP.reference(x, bias, residual, p, training, seed, out=out)
 
 
 def eager(x, bias, residual, p=0.1, training=True, seed=None):
-    """bias_dropout_add as a PyTorch user writes it, with torch.nn.functional ops and torch's own
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
     dropout (its own random mask: the same distribution, not the same values; seed is unused).
 
     The baseline that `fusegen bench` times, eagerly and under torch.compile.
     """
     return F.dropout(x + bias, p, training=training) + residual
-
-
-def _arguments(x, bias, residual, p, training, seed, needs_kernel):
-    """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
-    problem = _problem(x, bias, residual, needs_kernel=needs_kernel)
-    p = runtime.check_scalar(_OP, "p", p, "float", 0.0, 1.0)
-    has_dropout = bool(training) and (p > 0)
-    return runtime.Call(problem, has_dropout, runtime.check_seed(_OP, seed), p=p)
-
-
-def _problem(x, bias, residual, needs_kernel):
-    """The checks that draw nothing: tensors, shapes, dtypes, devices, choices."""
-    return runtime.broadcast_problem(
-        _OP,
-        {
-            "x": (x, ('...', 'N')),
-            "bias": (bias, ('N',)),
-            "residual": (residual, ('...', 'N')),
-        },
-        needs_kernel=needs_kernel,
-        kernel=bias_dropout_add_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
-    )

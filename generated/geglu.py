@@ -10,19 +10,17 @@ Outputs: y [..., N]
 Param activation: one of gelu, gelu_tanh; default 'gelu_tanh' (compile-time: one kernel
     each).
 
-The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and
-write every output once, in the dtype torch's type promotion gives.
+The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
+every output once, in the dtype torch's type promotion gives.
 
-Backward: one fused kernel recomputes the forward from the saved inputs and writes every input gradient in one
-pass; gradients of inputs broadcast along rows are summed per program in fp32 and
-then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs, nothing else: no mask, no intermediates.
+Backward: one fused kernel recomputes the forward from the saved inputs and writes every
+input gradient in one pass; gradients of inputs broadcast along rows are summed per program
+in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
+are the inputs, nothing else: no mask, no intermediates.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
 """
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -30,19 +28,19 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fusegen import runtime
+from fusegen.backends.triton import launch, tuning
 
 __all__ = ["geglu", "Geglu", "reference", "eager"]
-
-_OP = "geglu"
-ACTIVATION_CHOICES = ('gelu', 'gelu_tanh')
 
 
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu':
         t0 = 0.5 * x
+        # 1.4142135623730951 = sqrt(2)
         out = t0 * (tl.erf(1.4142135623730951 * t0) + 1)
     elif ACTIVATION == 'gelu_tanh':
+        # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
     else:
         tl.static_assert(False, "unknown activation")
@@ -50,31 +48,36 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation__grad(x, ACTIVATION: tl.constexpr):
+def _activation_grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu':
+        # 0.7071067811865476 = sqrt(2)/2
         t0 = 0.7071067811865476 * x
+        # 0.5641895835477563 = 1/sqrt(π)
         out = 0.5641895835477563 * t0 * libdevice.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'gelu_tanh':
+        # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
-        out = (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
+        # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
+        out = (
+            (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
+        )
     else:
         tl.static_assert(False, "unknown activation")
     return out
 
 
 @triton.autotune(
-    configs=runtime.FORWARD_CONFIGS,
-    key=["M", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": runtime.prune_forward_configs},
-    do_bench=runtime.autotune_do_bench(),
+    configs=tuning.FORWARD_CONFIGS,
+    key=["M", "N"],
+    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
+    do_bench=tuning.autotune_do_bench(),
 )
 @triton.jit
 def geglu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., 2N], as [M, 2 * N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
-    ACTIVATION: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
+    ACTIVATION: tl.constexpr,  # activation
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -86,37 +89,38 @@ def geglu_kernel(
         rows = rows.to(tl.int64)
         cols = cols.to(tl.int64)
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    x_chunk0 = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
+    x_chunk0 = tl.load(
+        x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+    )
     x_chunk0 = x_chunk0.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    x_chunk1 = tl.load(x_ptr + rows[:, None] * x_stride_m + (cols[None, :] + N) * x_stride_n, mask=in_bounds)
+    x_chunk1 = tl.load(
+        x_ptr + rows[:, None] * x_stride_m + (cols[None, :] + N) * x_stride_n, mask=in_bounds
+    )
     x_chunk1 = x_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     y = x_chunk1 * _activation(x_chunk0, ACTIVATION)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
-
-
-# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
-_forward_launcher = runtime.CachedLauncher(geglu_kernel)
+    tl.store(
+        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
+    )
 
 
 @triton.autotune(
-    configs=runtime.BACKWARD_CONFIGS,
-    key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
-    do_bench=runtime.autotune_do_bench(),
+    configs=tuning.BACKWARD_CONFIGS,
+    key=["M", "N", "ROWS_PER_PROGRAM"],
+    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
+    do_bench=tuning.autotune_do_bench(),
 )
 @triton.jit
 def geglu_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., 2N], as [M, 2 * N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
-    grad_x_ptr,  # gradient of x: [M, 2 * N], or with SUM_GRAD_X column sums [programs along M, 2 * N]
+    grad_x_ptr,  # gradient of x: [M, 2 * N]; with SUM_GRAD_X, column sums [programs, 2 * N]
     M, N,
-    ACTIVATION: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    INDEX_64: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # activation
+    INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
     SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M, fixed before launch (it sizes the sums)
+    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -130,46 +134,96 @@ def geglu_backward_kernel(
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x_chunk0 = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
+        x_chunk0 = tl.load(
+            x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+        )
         x_chunk0 = x_chunk0.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        x_chunk1 = tl.load(x_ptr + rows[:, None] * x_stride_m + (cols[None, :] + N) * x_stride_n, mask=in_bounds)
+        x_chunk1 = tl.load(
+            x_ptr + rows[:, None] * x_stride_m + (cols[None, :] + N) * x_stride_n, mask=in_bounds
+        )
         x_chunk1 = x_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
+        grad_y = tl.load(
+            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
+            mask=in_bounds,
+        )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_x_chunk0 = grad_y * x_chunk1 * _activation__grad(x_chunk0, ACTIVATION)
+        grad_x_chunk0 = grad_y * x_chunk1 * _activation_grad(x_chunk0, ACTIVATION)
         grad_x_chunk1 = grad_y * _activation(x_chunk0, ACTIVATION)
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_chunk0_sum += tl.where(in_bounds, grad_x_chunk0, 0.0)
                 grad_x_chunk1_sum += tl.where(in_bounds, grad_x_chunk1, 0.0)
             else:
-                tl.store(grad_x_ptr + rows[:, None] * 2 * N + cols[None, :], grad_x_chunk0.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
-                tl.store(grad_x_ptr + rows[:, None] * 2 * N + (cols[None, :] + N), grad_x_chunk1.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
+                tl.store(
+                    grad_x_ptr + rows[:, None] * 2 * N + cols[None, :],
+                    grad_x_chunk0.to(grad_x_ptr.dtype.element_ty),
+                    mask=in_bounds,
+                )
+                tl.store(
+                    grad_x_ptr + rows[:, None] * 2 * N + (cols[None, :] + N),
+                    grad_x_chunk1.to(grad_x_ptr.dtype.element_ty),
+                    mask=in_bounds,
+                )
     if NEEDS_GRAD_X and SUM_GRAD_X:
         # One reduction across rows per program, after the loop.
-        tl.store(grad_x_ptr + tl.program_id(0) * 2 * N + cols, tl.sum(grad_x_chunk0_sum, axis=0), mask=cols < N)
-        tl.store(grad_x_ptr + tl.program_id(0) * 2 * N + cols + N, tl.sum(grad_x_chunk1_sum, axis=0), mask=cols < N)
+        tl.store(
+            grad_x_ptr + tl.program_id(0) * 2 * N + cols,
+            tl.sum(grad_x_chunk0_sum, axis=0),
+            mask=cols < N,
+        )
+        tl.store(
+            grad_x_ptr + tl.program_id(0) * 2 * N + cols + N,
+            tl.sum(grad_x_chunk1_sum, axis=0),
+            mask=cols < N,
+        )
 
 
-_backward_launcher = runtime.CachedLauncher(geglu_backward_kernel)
+def _activation_torch(x, choice):
+    if choice == 'gelu':
+        t0 = 0.5 * x
+        # 1.4142135623730951 = sqrt(2)
+        out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
+    elif choice == 'gelu_tanh':
+        # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
+        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+    else:
+        raise ValueError(f"unknown activation {choice!r}")
+    return out
+
+
+def _reference(problem, x_chunk0, x_chunk1, activation):
+    """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
+    y = x_chunk1 * _activation_torch(x_chunk0, activation)
+    return (y,)
+
+
+_OP = runtime.FusedOp(
+    "geglu",
+    inputs=(
+        runtime.Input("x", ("...", "N"), chunks=2),
+    ),
+    params=(
+        runtime.Choice("activation", ("gelu", "gelu_tanh")),
+    ),
+    outputs=("y",),
+    kernels=launch.Kernels(
+        geglu_kernel,
+        geglu_backward_kernel,
+        backward_reads=("x",),
+        gradients=("x",),
+    ),
+    reference=_reference,
+)
 
 
 def geglu(x, activation='gelu_tanh', *, out=None):
     """y = activation(a) * b, where x = [a, b] along the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; a torch.library op (fusegen::geglu) under torch.compile.
+    backward. Differentiable; under torch.compile, the torch.library op
+    fusegen::geglu.
     """
-    if out is not None:
-        runtime.check_out_without_grad(_OP, x)
-        outputs = _forward(x, activation, False, None, out=out)
-    elif torch.compiler.is_compiling():
-        outputs = _forward_op(x, activation, False, None)
-    elif torch.is_grad_enabled() and runtime.any_requires_grad(x):
-        outputs = _Autograd.apply(x, activation, False, None)
-    else:
-        outputs = _forward(x, activation, False, None)
-    return outputs[0]
+    return _OP(x, activation, out=out)
 
 
 class Geglu(torch.nn.Module):
@@ -181,155 +235,14 @@ class Geglu(torch.nn.Module):
 
     def __init__(self, activation='gelu_tanh'):
         super().__init__()
-        runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
+        _OP.check_params(activation)
         self.activation = activation
 
     def forward(self, x):
-        return geglu(x, activation=self.activation)
+        return geglu(x, self.activation)
 
     def extra_repr(self):
         return f"activation={self.activation!r}"
-
-
-def _forward(x, activation, training, seed, out=None):
-    """Launch the forward kernel; returns the outputs."""
-    call = _arguments(x, activation, training, seed, needs_kernel=True)
-    problem = call.problem
-    y = runtime.output_buffer(_OP, out, 0, 1, problem, (x,))
-    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
-        return runtime.write_out(out, (y,))
-    # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(x, problem, chunks=2)]
-    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
-        *views[0],
-        y,
-        problem.m,
-        problem.n,
-        ACTIVATION=call.activation,
-        HAS_DROPOUT=call.has_dropout,
-        INDEX_64=runtime.needs_int64(problem, views),
-        COMPUTE_FP64=problem.compute_dtype == torch.float64,
-    )
-    return runtime.write_out(out, (y,))
-
-
-def _backward(grad_y, x, activation, training, seed, needs_grad):
-    """Launch the backward kernel; returns the gradients of x for which needs_grad is set."""
-    call = _arguments(x, activation, training, None, needs_kernel=True)
-    problem = call.problem
-    rows_per_program = runtime.backward_rows_per_program(problem)
-    # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
-    # comprehensions, so their names share the function's scope with the inputs'.
-    targets = [
-        runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
-        for (_tensor, _chunks, _one_per_row), _need in zip(((x, 2, False),), needs_grad)
-    ]
-    if problem.launches and any(needs_grad):
-        views = [runtime.view_2d(x, problem, chunks=2)]
-        grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
-        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
-            *views[0],
-            *grad_views[0],
-            runtime.GradTarget.buffer_of(targets[0]),
-            problem.m,
-            problem.n,
-            ACTIVATION=call.activation,
-            HAS_DROPOUT=call.has_dropout,
-            INDEX_64=runtime.needs_int64(problem, views + grad_views),
-            COMPUTE_FP64=problem.compute_dtype == torch.float64,
-            NEEDS_GRAD_X=targets[0] is not None,
-            SUM_GRAD_X=runtime.GradTarget.sums_rows(targets[0]),
-            ROWS_PER_PROGRAM=rows_per_program,
-        )
-    return [_target.result() for _target in targets if _target is not None]
-
-
-# torch.library registration: autograd and torch.compile each see one opaque op.
-# Saved for backward: the inputs, nothing else (no intermediates).
-
-
-@torch.library.custom_op("fusegen::geglu", mutates_args=())
-def _forward_op(x: torch.Tensor, activation: str, training: bool, seed: Optional[int]) -> tuple[torch.Tensor]:
-    return _forward(x, activation, training, seed)
-
-
-@_forward_op.register_fake
-def _forward_fake(x, activation, training, seed):
-    problem = _problem(x, activation, needs_kernel=False)
-    return tuple(torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in range(1))
-
-
-def _setup_context(ctx, inputs, output):
-    x, activation, training, seed = inputs
-    ctx.save_for_backward(x)
-    ctx.params = (activation, training)
-
-
-def _backward_autograd(ctx, grad_y):
-    x, = ctx.saved_tensors
-    # _Autograd leaves gradients unmaterialized: None stands for an output's zero gradient.
-    if grad_y is None:
-        return None, None, None, None
-    needs = ctx.needs_input_grad
-    kernel_needs = [needs[0]]
-    # The op's own dispatch only where it is needed: while torch.compile traces (its fake
-    # and functional tensors are Tensor subclasses), and under create_graph, where its
-    # autograd (which refuses double backward) must be recorded.
-    if type(grad_y) is torch.Tensor and not torch.is_grad_enabled():
-        kernel_grads = iter(_backward(grad_y, x, *ctx.params, None, kernel_needs))
-    else:
-        kernel_grads = iter(_backward_op(grad_y, x, *ctx.params, kernel_needs))
-    grad_x = next(kernel_grads) if needs[0] else None
-    return grad_x, None, None, None
-
-
-_forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
-
-
-class _Autograd(torch.autograd.Function):
-    """Eager autograd with the same forward and backward as the torch.library op, without
-    its dispatch, which costs hundreds of microseconds a call. (forward takes ctx itself: a
-    separate setup_context makes apply bind arguments through inspect.) The seed stays an
-    int in ctx, and gradients are not materialized: a seed output and zero gradients for it
-    cost autograd about 100 µs a step (measured on an H100 host)."""
-
-    @staticmethod
-    def forward(ctx, x, activation, training, seed):
-        outputs = _forward(x, activation, training, seed)
-        ctx.save_for_backward(x)
-        ctx.params = (activation, training)
-        ctx.set_materialize_grads(False)
-        return tuple(outputs)
-
-    backward = staticmethod(_backward_autograd)
-
-
-@torch.library.custom_op("fusegen::geglu_backward", mutates_args=())
-def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, activation: str, training: bool, needs_grad: list[bool]) -> list[torch.Tensor]:
-    return _backward(grad_y, x, activation, training, None, needs_grad)
-
-
-@_backward_op.register_fake
-def _backward_fake(grad_y, x, activation, training, needs_grad):
-    return [torch.empty_like(_tensor) for _tensor, _need in zip((x,), needs_grad) if _need]
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("fusegen::geglu: double backward is not supported")
-
-
-_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-
-
-def _activation__torch(x, choice):
-    if choice == 'gelu':
-        t0 = 0.5 * x
-        out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
-    elif choice == 'gelu_tanh':
-        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
-    else:
-        raise ValueError(f"unknown activation {choice!r}")
-    return out
 
 
 def reference(x, activation='gelu_tanh', *, out=None):
@@ -337,46 +250,21 @@ def reference(x, activation='gelu_tanh', *, out=None):
 
     Differentiable through autograd: the oracle for the generated backward.
     """
-    if out is not None:
-        runtime.check_out_without_grad(_OP, x)
-    call = _arguments(x, activation, False, None, needs_kernel=False)
-    problem = call.problem
-    x_chunk0, x_chunk1 = x.to(problem.compute_dtype).chunk(2, dim=-1)
-    y = x_chunk1 * _activation__torch(x_chunk0, activation)
-    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
+    return _OP.reference(x, activation, out=out)
 
 
-def _activation__eager(x, choice):
+def _activation_eager(x, choice):
     if choice == 'gelu':
         return F.gelu(x)
     elif choice == 'gelu_tanh':
         return F.gelu(x, approximate="tanh")
-    raise ValueError(f"unknown choice {choice!r}")
+    raise ValueError(f"unknown activation {choice!r}")
 
 
 def eager(x, activation='gelu_tanh'):
-    """geglu as a PyTorch user writes it, with torch.nn.functional ops.
+    """The op as a PyTorch user writes it, with torch.nn.functional ops.
 
     The baseline that `fusegen bench` times, eagerly and under torch.compile.
     """
     x_chunks = x.chunk(2, dim=-1)
-    return _activation__eager(x_chunks[0], activation) * x_chunks[1]
-
-
-def _arguments(x, activation, training, seed, needs_kernel):
-    """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
-    problem = _problem(x, activation, needs_kernel=needs_kernel)
-    return runtime.Call(problem, False, None, activation=activation)
-
-
-def _problem(x, activation, needs_kernel):
-    """The checks that draw nothing: tensors, shapes, dtypes, devices, choices."""
-    runtime.check_choice(_OP, "activation", activation, ACTIVATION_CHOICES)
-    return runtime.broadcast_problem(
-        _OP,
-        {
-            "x": (x, ('...', '2N')),
-        },
-        needs_kernel=needs_kernel,
-        kernel=geglu_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
-    )
+    return _activation_eager(x_chunks[0], activation) * x_chunks[1]

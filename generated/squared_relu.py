@@ -8,43 +8,39 @@
 Inputs (broadcast as torch broadcasts): x [...]
 Outputs: y [...]
 
-The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and
-write every output once, in the dtype torch's type promotion gives.
+The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
+every output once, in the dtype torch's type promotion gives.
 
-Backward: one fused kernel recomputes the forward from the saved inputs and writes every input gradient in one
-pass; gradients of inputs broadcast along rows are summed per program in fp32 and
-then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs, nothing else: no mask, no intermediates.
+Backward: one fused kernel recomputes the forward from the saved inputs and writes every
+input gradient in one pass; gradients of inputs broadcast along rows are summed per program
+in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
+are the inputs, nothing else: no mask, no intermediates.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
 """
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from fusegen import runtime
+from fusegen.backends.triton import launch, tuning
 
 __all__ = ["squared_relu", "SquaredRelu", "reference", "eager"]
 
-_OP = "squared_relu"
-
 
 @triton.autotune(
-    configs=runtime.FORWARD_CONFIGS,
-    key=["M", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": runtime.prune_forward_configs},
-    do_bench=runtime.autotune_do_bench(),
+    configs=tuning.FORWARD_CONFIGS,
+    key=["M", "N"],
+    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
+    do_bench=tuning.autotune_do_bench(),
 )
 @triton.jit
 def squared_relu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
-    HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -58,32 +54,32 @@ def squared_relu_kernel(
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    y = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL) * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds)
-
-
-# Triton tunes and compiles on the first call per specialization; later calls go straight to the binary.
-_forward_launcher = runtime.CachedLauncher(squared_relu_kernel)
+    y = (
+        tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    )
+    tl.store(
+        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
+    )
 
 
 @triton.autotune(
-    configs=runtime.BACKWARD_CONFIGS,
-    key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": runtime.prune_backward_configs},
-    do_bench=runtime.autotune_do_bench(),
+    configs=tuning.BACKWARD_CONFIGS,
+    key=["M", "N", "ROWS_PER_PROGRAM"],
+    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
+    do_bench=tuning.autotune_do_bench(),
 )
 @triton.jit
 def squared_relu_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
-    grad_x_ptr,  # gradient of x: [M, N], or with SUM_GRAD_X column sums [programs along M, N]
+    grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     M, N,
-    HAS_DROPOUT: tl.constexpr,
-    INDEX_64: tl.constexpr,
+    INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
     SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M, fixed before launch (it sizes the sums)
+    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -98,38 +94,61 @@ def squared_relu_backward_kernel(
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
         x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n, mask=in_bounds)
+        grad_y = tl.load(
+            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
+            mask=in_bounds,
+        )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_x = 2 * grad_y * tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0)) * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        grad_x = (
+            2 * grad_y * tl.where(x > 0, 1.0, 0.0)
+            * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        )
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
             else:
-                tl.store(grad_x_ptr + rows[:, None] * N + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
+                tl.store(
+                    grad_x_ptr + rows[:, None] * N + cols[None, :],
+                    grad_x.to(grad_x_ptr.dtype.element_ty),
+                    mask=in_bounds,
+                )
     if NEEDS_GRAD_X and SUM_GRAD_X:
         # One reduction across rows per program, after the loop.
-        tl.store(grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N)
+        tl.store(
+            grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+        )
 
 
-_backward_launcher = runtime.CachedLauncher(squared_relu_backward_kernel)
+def _reference(problem, x):
+    """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
+    y = torch.relu(x) * torch.relu(x)
+    return (y,)
+
+
+_OP = runtime.FusedOp(
+    "squared_relu",
+    inputs=(
+        runtime.Input("x", ("...",)),
+    ),
+    outputs=("y",),
+    kernels=launch.Kernels(
+        squared_relu_kernel,
+        squared_relu_backward_kernel,
+        backward_reads=("x",),
+        gradients=("x",),
+    ),
+    reference=_reference,
+)
 
 
 def squared_relu(x, *, out=None):
     """y = relu(x) ** 2
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; a torch.library op (fusegen::squared_relu) under torch.compile.
+    backward. Differentiable; under torch.compile, the torch.library op
+    fusegen::squared_relu.
     """
-    if out is not None:
-        runtime.check_out_without_grad(_OP, x)
-        outputs = _forward(x, False, None, out=out)
-    elif torch.compiler.is_compiling():
-        outputs = _forward_op(x, False, None)
-    elif torch.is_grad_enabled() and runtime.any_requires_grad(x):
-        outputs = _Autograd.apply(x, False, None)
-    else:
-        outputs = _forward(x, False, None)
-    return outputs[0]
+    return _OP(x, out=out)
 
 
 class SquaredRelu(torch.nn.Module):
@@ -142,169 +161,17 @@ class SquaredRelu(torch.nn.Module):
         return squared_relu(x)
 
 
-def _forward(x, training, seed, out=None):
-    """Launch the forward kernel; returns the outputs."""
-    call = _arguments(x, training, seed, needs_kernel=True)
-    problem = call.problem
-    y = runtime.output_buffer(_OP, out, 0, 1, problem, (x,))
-    if not problem.launches:  # no elements, or no data (meta or fake tensors): nothing to compute
-        return runtime.write_out(out, (y,))
-    # Each view is (tensor, row stride, column stride); stride 0 where broadcast.
-    views = [runtime.view_2d(x, problem)]
-    _forward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n)](
-        *views[0],
-        y,
-        problem.m,
-        problem.n,
-        HAS_DROPOUT=call.has_dropout,
-        INDEX_64=runtime.needs_int64(problem, views),
-        COMPUTE_FP64=problem.compute_dtype == torch.float64,
-    )
-    return runtime.write_out(out, (y,))
-
-
-def _backward(grad_y, x, training, seed, needs_grad):
-    """Launch the backward kernel; returns the gradients of x for which needs_grad is set."""
-    call = _arguments(x, training, None, needs_kernel=True)
-    problem = call.problem
-    rows_per_program = runtime.backward_rows_per_program(problem)
-    # Comprehension names start with '_', as spec names never do: Python 3.12 inlines
-    # comprehensions, so their names share the function's scope with the inputs'.
-    targets = [
-        runtime.GradTarget(_tensor, problem, rows_per_program, _chunks, _one_per_row) if _need else None
-        for (_tensor, _chunks, _one_per_row), _need in zip(((x, 1, False),), needs_grad)
-    ]
-    if problem.launches and any(needs_grad):
-        views = [runtime.view_2d(x, problem)]
-        grad_views = [runtime.view_2d(_grad, problem) for _grad in (grad_y,)]
-        _backward_launcher[lambda meta: runtime.grid_2d(meta, problem.m, problem.n, rows_per_program)](
-            *views[0],
-            *grad_views[0],
-            runtime.GradTarget.buffer_of(targets[0]),
-            problem.m,
-            problem.n,
-            HAS_DROPOUT=call.has_dropout,
-            INDEX_64=runtime.needs_int64(problem, views + grad_views),
-            COMPUTE_FP64=problem.compute_dtype == torch.float64,
-            NEEDS_GRAD_X=targets[0] is not None,
-            SUM_GRAD_X=runtime.GradTarget.sums_rows(targets[0]),
-            ROWS_PER_PROGRAM=rows_per_program,
-        )
-    return [_target.result() for _target in targets if _target is not None]
-
-
-# torch.library registration: autograd and torch.compile each see one opaque op.
-# Saved for backward: the inputs, nothing else (no intermediates).
-
-
-@torch.library.custom_op("fusegen::squared_relu", mutates_args=())
-def _forward_op(x: torch.Tensor, training: bool, seed: Optional[int]) -> tuple[torch.Tensor]:
-    return _forward(x, training, seed)
-
-
-@_forward_op.register_fake
-def _forward_fake(x, training, seed):
-    problem = _problem(x, needs_kernel=False)
-    return tuple(torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in range(1))
-
-
-def _setup_context(ctx, inputs, output):
-    x, training, seed = inputs
-    ctx.save_for_backward(x)
-    ctx.params = (training,)
-
-
-def _backward_autograd(ctx, grad_y):
-    x, = ctx.saved_tensors
-    # _Autograd leaves gradients unmaterialized: None stands for an output's zero gradient.
-    if grad_y is None:
-        return None, None, None
-    needs = ctx.needs_input_grad
-    kernel_needs = [needs[0]]
-    # The op's own dispatch only where it is needed: while torch.compile traces (its fake
-    # and functional tensors are Tensor subclasses), and under create_graph, where its
-    # autograd (which refuses double backward) must be recorded.
-    if type(grad_y) is torch.Tensor and not torch.is_grad_enabled():
-        kernel_grads = iter(_backward(grad_y, x, *ctx.params, None, kernel_needs))
-    else:
-        kernel_grads = iter(_backward_op(grad_y, x, *ctx.params, kernel_needs))
-    grad_x = next(kernel_grads) if needs[0] else None
-    return grad_x, None, None
-
-
-_forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
-
-
-class _Autograd(torch.autograd.Function):
-    """Eager autograd with the same forward and backward as the torch.library op, without
-    its dispatch, which costs hundreds of microseconds a call. (forward takes ctx itself: a
-    separate setup_context makes apply bind arguments through inspect.) The seed stays an
-    int in ctx, and gradients are not materialized: a seed output and zero gradients for it
-    cost autograd about 100 µs a step (measured on an H100 host)."""
-
-    @staticmethod
-    def forward(ctx, x, training, seed):
-        outputs = _forward(x, training, seed)
-        ctx.save_for_backward(x)
-        ctx.params = (training,)
-        ctx.set_materialize_grads(False)
-        return tuple(outputs)
-
-    backward = staticmethod(_backward_autograd)
-
-
-@torch.library.custom_op("fusegen::squared_relu_backward", mutates_args=())
-def _backward_op(grad_y: torch.Tensor, x: torch.Tensor, training: bool, needs_grad: list[bool]) -> list[torch.Tensor]:
-    return _backward(grad_y, x, training, None, needs_grad)
-
-
-@_backward_op.register_fake
-def _backward_fake(grad_y, x, training, needs_grad):
-    return [torch.empty_like(_tensor) for _tensor, _need in zip((x,), needs_grad) if _need]
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("fusegen::squared_relu: double backward is not supported")
-
-
-_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-
-
 def reference(x, *, out=None):
     """Eager PyTorch twin of squared_relu: same arguments, same values.
 
     Differentiable through autograd: the oracle for the generated backward.
     """
-    if out is not None:
-        runtime.check_out_without_grad(_OP, x)
-    call = _arguments(x, False, None, needs_kernel=False)
-    problem = call.problem
-    x = x.to(problem.compute_dtype)
-    y = torch.relu(x) * torch.relu(x)
-    return runtime.write_out(out, (y.to(problem.out_dtype),), copy=True)[0]
+    return _OP.reference(x, out=out)
 
 
 def eager(x):
-    """squared_relu as a PyTorch user writes it, with torch.nn.functional ops.
+    """The op as a PyTorch user writes it, with torch.nn.functional ops.
 
     The baseline that `fusegen bench` times, eagerly and under torch.compile.
     """
     return torch.square(F.relu(x))
-
-
-def _arguments(x, training, seed, needs_kernel):
-    """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
-    problem = _problem(x, needs_kernel=needs_kernel)
-    return runtime.Call(problem, False, None)
-
-
-def _problem(x, needs_kernel):
-    """The checks that draw nothing: tensors, shapes, dtypes, devices, choices."""
-    return runtime.broadcast_problem(
-        _OP,
-        {
-            "x": (x, ('...',)),
-        },
-        needs_kernel=needs_kernel,
-        kernel=squared_relu_kernel,  # built for CUDA or the interpreter, by TRITON_INTERPRET at import
-    )

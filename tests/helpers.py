@@ -6,6 +6,7 @@ Import this module only after conftest has set TRITON_INTERPRET (pytest does tha
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -207,17 +208,8 @@ class ShapeCase:
     layout: str = "full"
 
 
-_CHUNKED = re.compile(r"([0-9]+)([A-Za-z_][A-Za-z0-9_]*)")
-
-
-def _split_dim(dim: str) -> tuple[int, str]:
-    """'2N' -> (2, 'N'): an input's last dim holding that many chunks of N; 'N' -> (1, 'N')."""
-    match = _CHUNKED.fullmatch(dim)
-    return (int(match.group(1)), match.group(2)) if match else (1, dim)
-
-
 def chunks_of(spec_input) -> int:
-    return _split_dim(spec_input.dims[-1])[0] if spec_input.dims else 1
+    return spec_input.chunks
 
 
 def _named_sizes(spec: OpSpec, case: ShapeCase) -> dict[str, int]:
@@ -226,17 +218,13 @@ def _named_sizes(spec: OpSpec, case: ShapeCase) -> dict[str, int]:
     last_named = next((d for d in reversed(out_explicit) if d != "1"), None)
     for inp in spec.inputs:
         for d in inp.dims:
-            _, d = _split_dim(d)
             if d not in ("...", "1") and d not in sizes:
                 sizes[d] = case.n if d == last_named else case.other
     return sizes
 
 
 def _size(dim: str, sizes: dict[str, int]) -> int:
-    if dim == "1":
-        return 1
-    count, name = _split_dim(dim)
-    return count * sizes[name]
+    return 1 if dim == "1" else sizes[dim]
 
 
 def _lead(spec: OpSpec, case: ShapeCase) -> tuple[int, ...]:
@@ -267,6 +255,8 @@ def input_shapes(spec: OpSpec, case: ShapeCase) -> dict[str, tuple[int, ...]]:
     for inp in spec.inputs:
         explicit = [d for d in inp.dims if d != "..."]
         own = tuple(_size(d, sizes) for d in explicit)
+        if inp.chunks > 1:  # [..., 2N]: the chunks side by side along the last dim
+            own = own[:-1] + (own[-1] * inp.chunks,)
         if inp.has_ellipsis:
             prefix = out[: len(out) - len(explicit)]
             if case.layout == "bcast" and ellipsis_index > 0 and prefix:
@@ -404,9 +394,15 @@ def signature_has(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-def _call_of(op: Op, tensors: dict, params: dict, training: bool, seed):
+def _arguments(op: Op, tensors: dict, params: dict, training: bool, seed) -> tuple:
+    """The op's arguments in its public order (training and seed only for ops with dropout)."""
     args = [tensors[n] for n in op.input_names] + [params[p.name] for p in op.spec.params]
-    return op.module._arguments(*args, training, seed, needs_kernel=True)
+    return tuple(args + ([training, seed] if op.has_dropout else []))
+
+
+def call_of(op: Op, tensors: dict, params: dict, training: bool = True, seed=None):
+    """The op's checked arguments, as its kernels receive them."""
+    return op.module._OP.check(_arguments(op, tensors, params, training, seed), needs_kernel=True)
 
 
 def _seed_of(call):
@@ -414,48 +410,31 @@ def _seed_of(call):
     return runtime.seed_tensor(call.seed, call.problem.device) if call.has_dropout else None
 
 
-def _scalar_args(op: Op, call) -> dict:
-    kwargs = {}
-    for param in op.spec.scalar_params:
-        kwargs[param.name] = getattr(call, param.name)
-    for p in op.dropout_params:
-        kwargs[f"dropout_threshold_{p}"] = runtime.dropout_threshold(getattr(call, p))
-        kwargs[f"dropout_scale_{p}"] = runtime.dropout_scale(getattr(call, p))
-    for param in op.spec.choice_params:
-        kwargs[param.name.upper()] = getattr(call, param.name)
-    return kwargs
+@contextlib.contextmanager
+def _poisoned_empty():
+    """Every float buffer torch.empty makes starts as NaN: an element the kernel leaves unwritten shows."""
+    original = torch.empty
 
+    def poisoned(*args, **kwargs):
+        t = original(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
 
-def _view_2d(tensor, problem, chunks: int):
-    return runtime.view_2d(tensor, problem, chunks) if chunks > 1 else runtime.view_2d(tensor, problem)
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = original
 
 
 def launch_forward(op: Op, tensors: dict, params: dict, seed: int, block_m: int, block_n: int, training=True):
     """Run the forward kernel itself (not the autotuner) with one tile shape; returns the outputs."""
-    call = _call_of(op, tensors, params, training, seed)
+    call = call_of(op, tensors, params, training, seed)
     problem = call.problem
-    fn = op.forward_kernel.fn
-    names = fn.arg_names
-    kwargs = _scalar_args(op, call)
-    for spec_input in op.spec.inputs:
-        name = spec_input.name
-        view, sm, sn = _view_2d(tensors[name], problem, chunks_of(spec_input))
-        kwargs.update({f"{name}_ptr": view, f"{name}_stride_m": sm, f"{name}_stride_n": sn})
-    outputs = []
-    for name in op.output_names:
-        out = torch.full(problem.shape, float("nan"), dtype=problem.out_dtype, device=problem.device)
-        kwargs[f"{name}_ptr"] = out
-        outputs.append(out)
-    kwargs.update(
-        M=problem.m, N=problem.n, seed_ptr=_seed_of(call), HAS_DROPOUT=call.has_dropout, INDEX_64=False,
-        DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
-        COMPUTE_FP64=problem.compute_dtype == torch.float64, BLOCK_M=block_m, BLOCK_N=block_n,
-    )
-    kwargs = {k: v for k, v in kwargs.items() if k in names}
-    missing = [n for n in names if n not in kwargs]
-    assert not missing, f"test harness cannot fill forward kernel args {missing}"
-    grid = (-(-problem.m // block_m), -(-problem.n // block_n))
-    fn[grid](**kwargs)
+    outputs = [
+        torch.full(problem.shape, float("nan"), dtype=problem.out_dtype, device=problem.device) for _ in op.output_names
+    ]
+    inputs = tuple(tensors[n] for n in op.input_names)
+    op.module._OP.kernels.forward(call, inputs, outputs, _seed_of(call), tile=(block_m, block_n))
     return outputs
 
 
@@ -463,44 +442,14 @@ def launch_backward(op: Op, grads_out: dict, tensors: dict, params: dict, seed: 
                     rows_per_program: int, training=True):
     """Run the backward kernel itself with one tile shape; returns {input name: gradient} for the
     inputs whose gradient the kernel computes (pass-through gradients are not the kernel's)."""
-    call = _call_of(op, tensors, params, training, seed)
-    problem = call.problem
-    fn = op.backward_kernel.fn
-    names = fn.arg_names
-    kwargs = _scalar_args(op, call)
-    for spec_input in op.spec.inputs:
-        name = spec_input.name
-        if f"{name}_ptr" in names:
-            view, sm, sn = _view_2d(tensors[name], problem, chunks_of(spec_input))
-            kwargs.update({f"{name}_ptr": view, f"{name}_stride_m": sm, f"{name}_stride_n": sn})
-    for name in op.output_names:
-        view, sm, sn = runtime.view_2d(grads_out[name], problem)
-        kwargs.update({f"grad_{name}_ptr": view, f"grad_{name}_stride_m": sm, f"grad_{name}_stride_n": sn})
-    targets = {}
-    for spec_input in op.spec.inputs:
-        name = spec_input.name
-        if f"grad_{name}_ptr" in names:
-            chunks = chunks_of(spec_input)
-            one_per_row = f"SUM_COLS_GRAD_{name.upper()}" in names
-            target = runtime.GradTarget(tensors[name], problem, rows_per_program, chunks, one_per_row)
-            if runtime.GradTarget.sums_columns(target):
-                # One row of sums per column tile of this launch's width: every slot is written.
-                target.buffer = torch.empty((-(-problem.n // block_n), problem.m), dtype=target.buffer.dtype, device=target.buffer.device)
-            target.buffer.fill_(float("nan"))
-            targets[name] = target
-            kwargs[f"grad_{name}_ptr"] = target.buffer
-            kwargs[f"NEEDS_GRAD_{name.upper()}"] = True
-            kwargs[f"SUM_GRAD_{name.upper()}"] = runtime.GradTarget.sums_rows(target)
-            kwargs[f"SUM_COLS_GRAD_{name.upper()}"] = runtime.GradTarget.sums_columns(target)
-    kwargs.update(
-        M=problem.m, N=problem.n, seed_ptr=_seed_of(call), HAS_DROPOUT=call.has_dropout, INDEX_64=False,
-        DROPOUT_WHOLE_GROUPS=problem.n % 4 == 0,
-        COMPUTE_FP64=problem.compute_dtype == torch.float64, ROWS_PER_PROGRAM=rows_per_program,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-    )
-    kwargs = {k: v for k, v in kwargs.items() if k in names}
-    missing = [n for n in names if n not in kwargs]
-    assert not missing, f"test harness cannot fill backward kernel args {missing}"
-    grid = (-(-problem.m // rows_per_program), -(-problem.n // block_n))
-    fn[grid](**kwargs)
-    return {name: t.result() for name, t in targets.items()}
+    fused = op.module._OP
+    call = call_of(op, tensors, params, training, seed)
+    needs = [through is None for through in fused._passthrough]
+    inputs = tuple(tensors[n] for n in op.input_names)
+    grads = tuple(grads_out[n] for n in op.output_names)
+    with _poisoned_empty():
+        results = fused.kernels.backward(
+            call, inputs, grads, needs, _seed_of(call), tile=(block_m, block_n), rows_per_program=rows_per_program
+        )
+    names = [n for n, need in zip(op.input_names, needs) if need]
+    return dict(zip(names, results))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fusegen import bench, profile
+from fusegen.bench import arguments, cases, reporting, running, timing
 from fusegen.errors import SpecError
 from fusegen.spec import load_spec
 
@@ -28,7 +29,7 @@ def seed_spec():
 
 def bench_parser():
     parser = argparse.ArgumentParser(prog="fusegen bench")
-    bench.add_bench_arguments(parser)
+    arguments.add_bench_arguments(parser)
     return parser
 
 
@@ -43,8 +44,8 @@ def profile_parser():
 
 
 def test_seed_spec_shapes(seed_spec):
-    assert bench.input_shapes(seed_spec, BSH) == {"x": (8, 2048, H), "bias": (H,), "residual": (8, 2048, H)}
-    assert bench.output_shape(seed_spec, BSH) == (8, 2048, H)
+    assert cases.input_shapes(seed_spec, BSH) == {"x": (8, 2048, H), "bias": (H,), "residual": (8, 2048, H)}
+    assert cases.output_shape(seed_spec, BSH) == (8, 2048, H)
 
 
 @pytest.mark.parametrize(
@@ -55,18 +56,23 @@ def test_seed_spec_shapes(seed_spec):
         (("M", "N"), (ROWS, H)),
         (("M", "1"), (ROWS, 1)),
         (("...", "1"), (8, 2048, 1)),
-        (("...", "2N"), (8, 2048, 2 * H)),  # a split input holding two N-wide halves
     ],
 )
 def test_shape_for_dims(dims, expected):
-    assert bench.shape_for_dims(dims, BSH, "N") == expected
+    assert cases.shape_for_dims(dims, BSH, "N") == expected
+
+
+def test_chunked_inputs_hold_their_chunks():
+    """An input written [..., 2N] holds two N-wide halves (InputSpec.chunks); the output has N."""
+    spec = load_spec(ROOT / "specs" / "bias_swiglu.yaml")
+    assert cases.input_shapes(spec, BSH) == {"x": (8, 2048, 2 * H), "bias": (2 * H,)}
+    assert cases.output_shape(spec, BSH) == (8, 2048, H)
 
 
 def test_hidden_dim_is_last_named_output_dim():
-    assert bench.hidden_dim_name(("...", "N")) == "N"
-    assert bench.hidden_dim_name(("M", "N", "1")) == "N"
-    assert bench.hidden_dim_name(("...", "2N")) == "N"
-    assert bench.hidden_dim_name(("...", "1")) is None
+    assert cases.hidden_dim_name(("...", "N")) == "N"
+    assert cases.hidden_dim_name(("M", "N", "1")) == "N"
+    assert cases.hidden_dim_name(("...", "1")) is None
 
 
 # ---------------------------------------------------------------------------
@@ -74,7 +80,7 @@ def test_hidden_dim_is_last_named_output_dim():
 
 
 def test_bytes_model_fp32(seed_spec):
-    model = bench.bytes_model(seed_spec, BSH, torch.float32)
+    model = cases.bytes_model(seed_spec, BSH, torch.float32)
     big = 8 * 2048 * 4096 * 4
     assert model.read == big + 4096 * 4 + big  # x, bias (read once at its own size), residual
     assert model.written == big  # y
@@ -84,8 +90,8 @@ def test_bytes_model_fp32(seed_spec):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_bytes_model_half_precision(seed_spec, dtype):
-    fp32 = bench.bytes_model(seed_spec, BSH, torch.float32)
-    half = bench.bytes_model(seed_spec, BSH, dtype)
+    fp32 = cases.bytes_model(seed_spec, BSH, torch.float32)
+    half = cases.bytes_model(seed_spec, BSH, dtype)
     assert half.read * 2 == fp32.read and half.written * 2 == fp32.written
     assert half.output_elements == fp32.output_elements
 
@@ -99,28 +105,28 @@ def fake_op(has_dropout=True):
 
 
 def test_plan_cases_covers_every_combination():
-    cases = bench.plan_cases([fake_op()], [torch.float32, torch.bfloat16], bench.SWEEP_SHAPES, [0.0, 0.1])
-    assert len(cases) == 2 * len(bench.SWEEP_SHAPES) * 2
-    assert len(set(cases)) == len(cases)
+    planned = cases.plan_cases([fake_op()], [torch.float32, torch.bfloat16], arguments.SWEEP_SHAPES, [0.0, 0.1])
+    assert len(planned) == 2 * len(arguments.SWEEP_SHAPES) * 2
+    assert len(set(planned)) == len(planned)
 
 
 def test_plan_cases_without_dropout_ignores_p():
-    cases = bench.plan_cases([fake_op(has_dropout=False)], [torch.float32], [BSH], [0.0, 0.1])
-    assert [c.p for c in cases] == [None]
+    planned = cases.plan_cases([fake_op(has_dropout=False)], [torch.float32], [BSH], [0.0, 0.1])
+    assert [c.p for c in planned] == [None]
 
 
 def test_op_kwargs_fix_the_seed_and_train():
-    assert bench.op_kwargs(fake_op(), 0.1) == {"p": 0.1, "training": True, "seed": bench.DROPOUT_SEED}
-    assert bench.op_kwargs(fake_op(has_dropout=False), None) == {}
+    assert cases.op_kwargs(fake_op(), 0.1) == {"p": 0.1, "training": True, "seed": cases.DROPOUT_SEED}
+    assert cases.op_kwargs(fake_op(has_dropout=False), None) == {}
 
 
 def test_dropout_param_names(seed_spec):
-    assert bench.dropout_param_names(seed_spec) == ("p",)
+    assert cases.dropout_param_names(seed_spec) == ("p",)
 
 
 def test_load_bench_op_by_name_and_path():
-    by_name = bench.load_bench_op("bias_gelu_dropout_add", ROOT / "specs", ROOT / "generated")
-    by_path = bench.load_bench_op(str(SEED_SPEC), ROOT / "specs", ROOT / "generated")
+    by_name = cases.load_bench_op("bias_gelu_dropout_add", ROOT / "specs", ROOT / "generated")
+    by_path = cases.load_bench_op(str(SEED_SPEC), ROOT / "specs", ROOT / "generated")
     assert by_name.name == by_path.name == "bias_gelu_dropout_add"
     assert by_name.has_dropout and by_name.dropout_params == ("p",)
     assert callable(by_name.op) and callable(by_name.reference)
@@ -128,21 +134,21 @@ def test_load_bench_op_by_name_and_path():
 
 def test_load_bench_op_unknown_name():
     with pytest.raises(SpecError):
-        bench.load_bench_op("no_such_op", ROOT / "specs", ROOT / "generated")
+        cases.load_bench_op("no_such_op", ROOT / "specs", ROOT / "generated")
 
 
 def test_case_rows_rates_and_speedups(seed_spec):
-    case = bench.Case("bias_gelu_dropout_add", torch.float32, BSH, 0.1)
-    model = bench.bytes_model(seed_spec, BSH, torch.float32)
+    case = cases.Case("bias_gelu_dropout_add", torch.float32, BSH, 0.1)
+    model = cases.bytes_model(seed_spec, BSH, torch.float32)
 
     def result(name, ms, fb_ms=None, fb_error=None):
-        fb = None if fb_ms is None and fb_error is None else bench.Measurement(
-            timing=None if fb_ms is None else bench.Timing(fb_ms, fb_ms, fb_ms), error=fb_error)
-        return bench.ProviderResult(name, bench.Measurement(bench.Timing(ms, ms * 0.9, ms * 1.1), 2**20), fb)
+        fb = None if fb_ms is None and fb_error is None else timing.Measurement(
+            timing=None if fb_ms is None else timing.Timing(fb_ms, fb_ms, fb_ms), error=fb_error)
+        return running.ProviderResult(name, timing.Measurement(timing.Timing(ms, ms * 0.9, ms * 1.1), 2**20), fb)
 
     results = [result("fusegen", 0.5, fb_error="RuntimeError: no grad_fn"), result("eager", 2.0, 6.0),
                result("compile", 1.0, 3.0)]
-    rows = bench.case_rows(case, model, results, copy_gbs=3000.0)
+    rows = reporting.case_rows(case, model, results, copy_gbs=3000.0)
     ours = rows[0]
     assert ours["provider"] == "fusegen"
     assert ours["gb_per_s"] == pytest.approx(model.total / 0.5e-3 / 1e9)
@@ -153,18 +159,18 @@ def test_case_rows_rates_and_speedups(seed_spec):
     assert ours["peak_fwd_mib"] == 1.0
     assert ours["fwd_bwd_ms"] is None and ours["fwd_bwd_error"] == "RuntimeError: no grad_fn"
     assert rows[2]["fwd_bwd_speedup_vs_eager"] == pytest.approx(2.0)
-    assert set(ours) == set(bench.ROW_FIELDS)
+    assert set(ours) == set(reporting.ROW_FIELDS)
 
 
 def test_case_rows_keep_errors(seed_spec):
-    case = bench.Case("bias_gelu_dropout_add", torch.float32, BSH, 0.0)
-    model = bench.bytes_model(seed_spec, BSH, torch.float32)
-    results = [bench.ProviderResult("fusegen", bench.Measurement(error="OutOfMemoryError: CUDA out of memory")),
-               bench.ProviderResult("eager", bench.Measurement(bench.Timing(1.0, 1.0, 1.0)))]
-    rows = bench.case_rows(case, model, results, copy_gbs=None)
+    case = cases.Case("bias_gelu_dropout_add", torch.float32, BSH, 0.0)
+    model = cases.bytes_model(seed_spec, BSH, torch.float32)
+    results = [running.ProviderResult("fusegen", timing.Measurement(error="OutOfMemoryError: CUDA out of memory")),
+               running.ProviderResult("eager", timing.Measurement(timing.Timing(1.0, 1.0, 1.0)))]
+    rows = reporting.case_rows(case, model, results, copy_gbs=None)
     assert rows[0]["ms"] is None and rows[0]["error"].startswith("OutOfMemoryError")
     assert rows[1]["speedup_vs_eager"] == pytest.approx(1.0) and rows[1]["copy_fraction"] is None
-    table, notes = bench.results_table(rows, backward=False, copy_gbs=None)
+    table, notes = reporting.results_table(rows, backward=False, copy_gbs=None)
     assert len(notes) == 1 and "OutOfMemoryError" in notes[0]
 
 
@@ -175,7 +181,7 @@ def test_measure_turns_exceptions_into_errors():
     def timer(fn, grad_to_none):
         fn()
 
-    measurement = bench.measure(boom, timer=timer, peak=lambda fn: 0)
+    measurement = timing.measure(boom, timer=timer, peak=lambda fn: 0)
     assert measurement.timing is None
     assert measurement.error == "RuntimeError: element 0 of tensors does not require grad"
 
@@ -184,13 +190,13 @@ def test_quantiles_match_triton():
     from triton.testing import _quantile
 
     times = [0.9, 0.1, 0.5, 0.3, 0.7, 0.2]
-    assert bench.quantiles(times, bench.QUANTILES) == pytest.approx(_quantile(times, list(bench.QUANTILES)))
-    assert bench.quantiles([2.0], bench.QUANTILES) == [2.0, 2.0, 2.0]
+    assert timing.quantiles(times, timing.QUANTILES) == pytest.approx(_quantile(times, list(timing.QUANTILES)))
+    assert timing.quantiles([2.0], timing.QUANTILES) == [2.0, 2.0, 2.0]
 
 
 def test_host_cover_outlasts_the_host():
     cycles_per_second = 1.8e9
-    cover = bench.host_cover_cycles(100e-6, cycles_per_second)
+    cover = timing.host_cover_cycles(100e-6, cycles_per_second)
     assert cover / cycles_per_second > 100e-6 * 1.5
 
 
@@ -201,39 +207,39 @@ def busy(seconds):
 
 
 def test_time_limit_interrupts_a_long_first_call():
-    with pytest.raises(bench.FirstCallTimeout):
-        with bench.time_limit(0.05, "the first call"):
+    with pytest.raises(timing.FirstCallTimeout):
+        with timing.time_limit(0.05, "the first call"):
             busy(2.0)
-    with bench.time_limit(1.0, "the first call"):  # a quick block passes, and the alarm is off afterwards
+    with timing.time_limit(1.0, "the first call"):  # a quick block passes, and the alarm is off afterwards
         busy(0.01)
     busy(0.05)
 
 
 def test_time_limit_fires_even_when_the_timeout_is_swallowed():
     # torch.compile may catch the exception and fall back to eager; the run must still see a timeout.
-    with pytest.raises(bench.FirstCallTimeout):
-        with bench.time_limit(0.05, "the first call"):
+    with pytest.raises(timing.FirstCallTimeout):
+        with timing.time_limit(0.05, "the first call"):
             try:
                 busy(2.0)
-            except bench.FirstCallTimeout:
+            except timing.FirstCallTimeout:
                 pass
 
 
 def test_is_timeout_looks_through_wrapping():
     try:
         try:
-            raise bench.FirstCallTimeout("x")
-        except bench.FirstCallTimeout as inner:
+            raise timing.FirstCallTimeout("x")
+        except timing.FirstCallTimeout as inner:
             raise RuntimeError("BackendCompilerFailed") from inner
     except RuntimeError as outer:
-        assert bench.is_timeout(outer)
-    assert not bench.is_timeout(RuntimeError("other"))
+        assert timing.is_timeout(outer)
+    assert not timing.is_timeout(RuntimeError("other"))
 
 
 def test_measure_records_a_timeout_and_memo_skips_later_cases():
-    measurement = bench.measure(lambda: busy(2.0), timer=None, peak=None, first_call_timeout_s=0.05)
+    measurement = timing.measure(lambda: busy(2.0), timer=None, peak=None, first_call_timeout_s=0.05)
     assert measurement.timed_out and measurement.error.startswith("timed out")
-    memo = bench.TimeoutMemo()
+    memo = running.TimeoutMemo()
     memo.record("op", 0.1, "compile", "forward", measurement)
     assert memo.skip_reason("op", 0.2, "compile", "forward")  # any p > 0: the same dropout graph
     assert memo.skip_reason("op", 0.1, "compile", "forward_backward")
@@ -243,7 +249,7 @@ def test_measure_records_a_timeout_and_memo_skips_later_cases():
 
 def test_host_overhead_is_a_median_of_calls():
     calls = []
-    us = bench.host_overhead_us(lambda: calls.append(1), calls=20, warmup=5, synchronize=lambda: None)
+    us = timing.host_overhead_us(lambda: calls.append(1), calls=20, warmup=5, synchronize=lambda: None)
     assert len(calls) == 25 and us >= 0
 
 
@@ -253,7 +259,7 @@ def test_plot_series_groups_by_dtype_and_p():
         {"op": "a", "dtype": "fp32", "p": 0.1, "provider": "fusegen", "output_elements": 10, "gb_per_s": 1.0},
         {"op": "a", "dtype": "bf16", "p": 0.0, "provider": "eager", "output_elements": 10, "gb_per_s": None},
     ]
-    assert bench.plot_series(rows) == {("fp32", 0.1): {"fusegen": [(10, 1.0), (100, 2.0)]}}
+    assert reporting.plot_series(rows) == {("fp32", 0.1): {"fusegen": [(10, 1.0), (100, 2.0)]}}
 
 
 def test_cuda_kernel_names_skip_copies_and_cpu_events():
@@ -278,11 +284,11 @@ def test_cuda_kernel_names_skip_copies_and_cpu_events():
 def test_bench_defaults_are_the_sweep():
     args = bench_parser().parse_args(["bias_gelu_dropout_add"])
     assert args.ops == ["bias_gelu_dropout_add"]
-    assert bench.selected_shapes(args) == list(bench.SWEEP_SHAPES)
+    assert arguments.selected_shapes(args) == list(arguments.SWEEP_SHAPES)
     assert args.ps == [0.0, 0.1]
     assert args.dtypes == [torch.float32, torch.bfloat16, torch.float16]
     assert not args.backward and args.json is None and args.csv is None and args.plot is None
-    assert args.timer == "do_bench" and args.first_call_timeout == bench.DEFAULT_FIRST_CALL_TIMEOUT_S
+    assert args.timer == "do_bench" and args.first_call_timeout == arguments.DEFAULT_FIRST_CALL_TIMEOUT_S
     assert args.specs == Path("specs") and args.generated == Path("generated")
 
 
@@ -294,7 +300,7 @@ def test_bench_explicit_arguments():
     ])
     assert args.ops == ["bias_gelu_dropout_add", "specs/other.yaml"]
     assert args.dtypes == [torch.bfloat16, torch.float16]
-    assert bench.selected_shapes(args) == [(8, 2048, 4096), (1, 128, 1024)]
+    assert arguments.selected_shapes(args) == [(8, 2048, 4096), (1, 128, 1024)]
     assert args.ps == [0.1] and args.backward
     assert (args.json, args.csv, args.plot) == (Path("out.json"), Path("out.csv"), Path("out.png"))
     assert (args.specs, args.generated) == (Path("s"), Path("g"))
@@ -302,7 +308,7 @@ def test_bench_explicit_arguments():
 
 
 def test_bench_sweep_flag():
-    assert bench.selected_shapes(bench_parser().parse_args(["op", "--sweep"])) == list(bench.SWEEP_SHAPES)
+    assert arguments.selected_shapes(bench_parser().parse_args(["op", "--sweep"])) == list(arguments.SWEEP_SHAPES)
 
 
 @pytest.mark.parametrize(

@@ -93,7 +93,7 @@ def test_kernel_mask_is_the_reference_mask_bit_for_bit(n, seed, device):
     y = seed_op.bias_gelu_dropout_add(x, bias, residual, p=P, seed=seed)
     want = seed_op.reference(x, bias, residual, p=P, seed=seed)
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
-    problem = runtime.broadcast_problem("t", {"x": (x, ("...", "N"))}, needs_kernel=False)
+    problem = runtime.broadcast_problem("t", (runtime.Input("x", ("...", "N")),), (x,))
     mask = runtime.dropout_mask_reference(seed, problem, 0, P)
     activation = seed_op.bias_gelu_dropout_add(x, bias, torch.zeros_like(residual), p=0.0)
     assert torch.equal((y - residual) == 0, (mask == 0) | (activation == 0))
@@ -118,16 +118,16 @@ def test_unseeded_calls_draw_new_masks_and_manual_seed_replays_them(device):
 
 def test_seed_tensor_is_one_int64_on_the_inputs_device(device):
     x = _randn(4, 8, device=device)
-    outputs, seed = seed_op._forward(x, x[0], x, 0.5, "gelu_tanh", True, None)
+    outputs, seed = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, None))
     assert seed.shape == (1,) and seed.dtype == torch.int64 and seed.device == x.device
     assert 0 <= int(seed) < 2**63
-    outputs, seed = seed_op._forward(x, x[0], x, 0.5, "gelu_tanh", True, 77)
+    outputs, seed = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, 77))
     assert int(seed) == 77
-    outputs, seed = seed_op._forward(x, x[0], x, 0.5, "gelu_tanh", True, None, eager=False)
+    outputs, seed = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, None), eager=False)
     assert seed.shape == (1,) and seed.dtype == torch.int64 and seed.device == x.device
     # No dropout this call (eval, or p == 0): nothing drawn, no seed.
-    assert seed_op._forward(x, x[0], x, 0.5, "gelu_tanh", False, None)[1] is None
-    assert seed_op._forward(x, x[0], x, 0.0, "gelu_tanh", True, None)[1] is None
+    assert seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", False, None))[1] is None
+    assert seed_op._OP.forward((x, x[0], x, 0.0, "gelu_tanh", True, None))[1] is None
 
 
 def test_no_host_sync_on_the_launch_path(monkeypatch, device):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from triton import knobs
 
-from fusegen.runtime import launch
+from fusegen.backends.triton import interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,11 +47,11 @@ set_here("before")
 import torch
 import triton
 set_here("after triton")
-import fusegen.runtime
-set_here("after fusegen.runtime")
+import fusegen.backends.triton
+set_here("after fusegen.backends.triton")
 from generated.gelu import gelu, reference
 set_here("after the op")
-result = {"is_interpreting": fusegen.runtime.is_interpreting()}
+result = {"is_interpreting": fusegen.backends.triton.is_interpreting()}
 x = torch.randn(3, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
 try:
     leaf = x.clone().requires_grad_(True)
@@ -87,9 +87,9 @@ def _run(order: str, value: str | None) -> dict:
 @pytest.mark.parametrize("value", TRUE_VALUES + FALSE_VALUES + ["2", "y", " 1"])
 def test_is_interpreting_reads_the_variable_as_triton_does(monkeypatch, value):
     monkeypatch.setenv("TRITON_INTERPRET", value)
-    assert launch.is_interpreting() == knobs.runtime.interpret
+    assert interpreter.is_interpreting() == knobs.runtime.interpret
     if value in TRUE_VALUES or value in FALSE_VALUES:
-        assert launch.is_interpreting() == (value in TRUE_VALUES)
+        assert interpreter.is_interpreting() == (value in TRUE_VALUES)
 
 
 def test_is_interpreting_follows_the_knob():
@@ -98,10 +98,10 @@ def test_is_interpreting_follows_the_knob():
     with knobs.runtime.scope():
         os.environ["TRITON_INTERPRET"] = "0"
         knobs.runtime.interpret = True
-        assert launch.is_interpreting()
+        assert interpreter.is_interpreting()
         knobs.runtime.interpret = False
-        assert not launch.is_interpreting()
-    assert launch.is_interpreting() == knobs.runtime.interpret and "interpret" not in vars(knobs.runtime)
+        assert not interpreter.is_interpreting()
+    assert interpreter.is_interpreting() == knobs.runtime.interpret and "interpret" not in vars(knobs.runtime)
 
 
 @pytest.mark.parametrize("value", ["1", "true", "on"])
@@ -117,7 +117,7 @@ def test_unset_or_false_gives_the_cuda_message(value):
 
 
 @pytest.mark.parametrize(
-    "order, value", [("after the op", "1"), ("after the op", "yes"), ("after fusegen.runtime", "1"), ("after triton", "1")]
+    "order, value", [("after the op", "1"), ("after the op", "yes"), ("after fusegen.backends.triton", "1"), ("after triton", "1")]
 )
 def test_set_after_triton_gives_one_line_naming_the_fix(order, value):
     # After the op: its kernels were built for CUDA (this was AttributeError: module

@@ -1,5 +1,5 @@
-"""The runtime's launch decisions: which tiles the autotuner may try, and when a cached
-binary may be launched without Triton's dispatch (runtime.CachedLauncher)."""
+"""The Triton backend's launch decisions: which tiles the autotuner may try, and when a
+cached binary may be launched without Triton's dispatch (launcher.CachedLauncher)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,7 +8,8 @@ import pytest
 import torch
 import triton
 
-from fusegen.runtime import launch, launcher
+from fusegen import runtime
+from fusegen.backends.triton import launcher, tuning
 from helpers import op_by_name
 
 
@@ -19,34 +20,34 @@ def _tiles(configs):
 @pytest.fixture
 def on_gpu_pruning(monkeypatch):
     """The pruners as they run on a GPU (under the interpreter they keep one config)."""
-    monkeypatch.setattr(launch, "is_interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "is_interpreting", lambda: False)
 
 
 @pytest.mark.parametrize("m,n", [(128, 1024), (256, 4096), (1000, 1000), (1, 8), (4096, 4)])
 def test_small_problems_get_tiles_that_fill_the_gpu(on_gpu_pruning, m, n):
-    tiles = _tiles(launch.prune_forward_configs(launch.FORWARD_CONFIGS, {"M": m, "N": n}))
+    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M": m, "N": n}))
     assert tiles
     for block_m, block_n in tiles:
-        assert block_m * block_n <= max(launch.SMALL_TILE_ELEMENTS, m * n // 256)
+        assert block_m * block_n <= max(tuning.SMALL_TILE_ELEMENTS, m * n // 256)
         assert block_m <= triton.next_power_of_2(m) or len(tiles) == 1
-    if m * n >= 256 * launch.SMALL_TILE_ELEMENTS:
+    if m * n >= 256 * tuning.SMALL_TILE_ELEMENTS:
         # At least 256 programs: about two per SM on an H100.
         assert all(triton.cdiv(m, bm) * triton.cdiv(n, bn) >= 256 for bm, bn in tiles)
 
 
 @pytest.mark.parametrize("m,n", [(8 * 1024, 4096), (16 * 2048, 8192), (2**20, 8), (4096, 1024)])
 def test_large_problems_get_large_tiles(on_gpu_pruning, m, n):
-    tiles = _tiles(launch.prune_forward_configs(launch.FORWARD_CONFIGS, {"M": m, "N": n}))
+    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M": m, "N": n}))
     assert tiles
     for block_m, block_n in tiles:
-        assert block_m * block_n >= launch.LARGE_TILE_ELEMENTS
-        assert block_n >= min(triton.next_power_of_2(n), launch.WIDE_BLOCK_N)
-        assert block_n <= max(triton.next_power_of_2(n), launch.MIN_BLOCK_N)
+        assert block_m * block_n >= tuning.LARGE_TILE_ELEMENTS
+        assert block_n >= min(triton.next_power_of_2(n), tuning.WIDE_BLOCK_N)
+        assert block_n <= max(triton.next_power_of_2(n), tuning.MIN_BLOCK_N)
 
 
 def test_interpreter_prunes_to_one_config(monkeypatch):
-    monkeypatch.setattr(launch, "is_interpreting", lambda: True)
-    tiles = _tiles(launch.prune_forward_configs(launch.FORWARD_CONFIGS, {"M": 128, "N": 1024}))
+    monkeypatch.setattr(tuning, "is_interpreting", lambda: True)
+    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M": 128, "N": 1024}))
     assert len(tiles) == 1
 
 
@@ -107,7 +108,7 @@ def test_cached_launches_match_reference_across_alignments_and_shapes():
                     expected = module.reference(x.double(), bias.double(), residual.double(), p=0.3, seed=seed)
                     error = ((y.double() - expected).norm() / expected.norm()).item()
                     assert error < (1e-6 if dtype == torch.float32 else 1e-2), (dtype, shape, offset, seed, error)
-    assert module._forward_launcher._entries, "the cached launch path was never taken"
+    assert module._OP.kernels._forward._entries, "the cached launch path was never taken"
 
 
 # ---------------------------------------------------------------------------
@@ -118,17 +119,17 @@ def test_cached_launches_match_reference_across_alignments_and_shapes():
 def test_one_value_per_row_gradient_is_summed_in_the_kernel(monkeypatch, device, n):
     module = op_by_name("scale_add").module
     kinds = []
-    init = launch.GradTarget.__init__
+    init = runtime.GradTarget.__init__
 
     def spy(self, *args, **kwargs):
         init(self, *args, **kwargs)
         kinds.append(self.kind)
 
-    monkeypatch.setattr(launch.GradTarget, "__init__", spy)
+    monkeypatch.setattr(runtime.GradTarget, "__init__", spy)
     # Tune on this call (on the GPU): trial configs of other tile widths write other rows of
     # the row-sum buffer, which must not reach the result.
     module.scale_add_backward_kernel.cache.clear()
-    module._backward_launcher._entries.clear()
+    module._OP.kernels._backward._entries.clear()
     x = torch.randn(3, 5, n, dtype=torch.float64, device=device, requires_grad=True)
     scale = torch.randn(3, 5, 1, dtype=torch.float64, device=device, requires_grad=True)
     residual = torch.randn(3, 5, n, dtype=torch.float64, device=device)
@@ -142,7 +143,7 @@ def test_one_value_per_row_gradient_is_summed_in_the_kernel(monkeypatch, device,
 
 
 def test_zero_before_trials_zeros_buffers_and_skips_gradients_not_asked_for():
-    hook = launch.zero_before_trials("grad_a_ptr", "grad_b_ptr")
+    hook = tuning.zero_before_trials("grad_a_ptr", "grad_b_ptr")
     buffer = torch.ones(3, 4)
     hook({"grad_a_ptr": buffer, "grad_b_ptr": None, "x_ptr": torch.ones(2)})
     assert torch.equal(buffer, torch.zeros(3, 4))
@@ -153,7 +154,6 @@ def test_zero_before_trials_zeros_buffers_and_skips_gradients_not_asked_for():
 
 @pytest.mark.parametrize("m,n", [(16384, 4096), (15, 1000), (3, 7), (100000, 1), (64, 65536 * 20)])
 def test_row_sum_buffer_has_one_slot_per_tile_of_the_narrowest_pruned_config(on_gpu_pruning, m, n):
-    problem = launch.Problem(torch.Size([m, n]), m, n, torch.float32, torch.float32, torch.device("cpu"))
-    rows = launch.backward_rows_per_program(problem)
-    pruned = launch.prune_backward_configs(launch.BACKWARD_CONFIGS, {"M": m, "N": n}, ROWS_PER_PROGRAM=rows)
-    assert launch.narrowest_backward_block_n(problem, rows) == min(bn for _, bn in _tiles(pruned))
+    rows = tuning.backward_rows_per_program(m, n)
+    pruned = tuning.prune_backward_configs(tuning.BACKWARD_CONFIGS, {"M": m, "N": n, "ROWS_PER_PROGRAM": rows})
+    assert tuning.narrowest_backward_block_n(m, n, rows) == min(bn for _, bn in _tiles(pruned))

@@ -40,8 +40,8 @@ def _no_launches(monkeypatch, module):
     def launch(*args, **kwargs):
         raise AssertionError("a kernel was launched on tensors without data")
 
-    monkeypatch.setattr(module._forward_launcher, "launch", launch)
-    monkeypatch.setattr(module._backward_launcher, "launch", launch)
+    monkeypatch.setattr(module._OP.kernels._forward, "launch", launch)
+    monkeypatch.setattr(module._OP.kernels._backward, "launch", launch)
 
 
 def _inputs(op_spec_inputs, device="meta", requires_grad=False):

@@ -2,7 +2,7 @@
 
 Params fixed (and checked) at construction, forward(tensors...) calls the op, dropout
 follows train()/eval(); it trains in a model, compiles with fullgraph=True, and prints its
-params. Its name comes from the op's (render.module_class_name), never colliding with the
+params. Its name comes from the op's (codegen.module_class_name), never colliding with the
 spec's names or the module's own.
 """
 from __future__ import annotations
@@ -12,7 +12,9 @@ import inspect
 import pytest
 import torch
 
-from fusegen import cli, render
+from fusegen import cli
+from fusegen.backends.triton.codegen import module_class_name
+from fusegen.spec import NN_MODULE_ATTRIBUTES
 from fusegen.errors import SpecError
 from fusegen.runtime import FusegenArgumentError
 from generated.bias_gelu_dropout_add import BiasGeluDropoutAdd, bias_gelu_dropout_add
@@ -20,13 +22,13 @@ from generated.bias_gelu_dropout_add import reference as bias_gelu_dropout_add_r
 from generated.gelu import Gelu
 from generated.leaky_relu import LeakyRelu
 from generated.swiglu import Swiglu
-from helpers import ShapeCase, all_ops, as_tuple, make_inputs, params_for
+from helpers import ShapeCase, all_ops, as_tuple, build_and_import, make_inputs, params_for
 
 CASE = ShapeCase("3d-bcast", lead=(2, 3), n=8, layout="bcast")
 
 
 def _class_of(op):
-    return getattr(op.module, render.module_class_name(op.name))
+    return getattr(op.module, module_class_name(op.name))
 
 
 @pytest.mark.parametrize("op", all_ops(), ids=str)
@@ -198,38 +200,41 @@ def test_bad_params_fail_at_construction(kwargs, message):
         ("Gelu", "GeluModule"),  # the op's own name
         ("K", "KModule"),
         ("f", "FModule"),  # torch.nn.functional, as the module imports it
-        ("optional", "OptionalModule"),  # typing.Optional
         ("runtime_error", "RuntimeErrorModule"),  # a builtin the module raises
     ],
 )
 def test_class_name(op, name):
-    assert render.module_class_name(op) == name
+    assert module_class_name(op) == name
 
 
 def test_nn_module_attributes_are_all_known():
-    """render's list of what a param must not be named, against the installed torch."""
+    """spec's list of what a param must not be named, against the installed torch."""
     public = {n for n in dir(torch.nn.Module) if not n.startswith("_")}
     public |= {n for n in vars(torch.nn.Module()) if not n.startswith("_")}
-    assert public <= render._NN_MODULE_ATTRIBUTES, sorted(public - render._NN_MODULE_ATTRIBUTES)
+    assert public <= NN_MODULE_ATTRIBUTES, sorted(public - NN_MODULE_ATTRIBUTES)
 
 
-@pytest.mark.parametrize(
-    "body, message",
-    [
-        ("inputs:\n  x: [..., N]\n  Gelu: [..., N]\noutputs:\n  y: x * Gelu\n",
-         "specs/gelu.yaml:5: input name 'Gelu' is reserved by the generated code for op 'gelu' (its module class)"),
-        ("inputs:\n  x: [..., N]\noutputs:\n  y: x * 2\n  Gelu: x * 3\n",
-         "specs/gelu.yaml:7: output name 'Gelu' is reserved by the generated code for op 'gelu' (its module class)"),
-        ("inputs:\n  x: [..., N]\nparams:\n  to: {type: float, default: 1.0}\noutputs:\n  y: x * to\n",
-         "specs/gelu.yaml:6: param name 'to' is reserved by the generated code: the op's module class keeps params as "
-         "attributes, and torch.nn.Module has one named 'to'"),
-    ],
-    ids=["input", "output", "param"],
-)
-def test_spec_names_that_collide_with_the_class_are_spec_errors(tmp_path, body, message):
+def test_a_param_named_like_a_module_attribute_is_a_spec_error(tmp_path):
     path = tmp_path / "specs" / "gelu.yaml"
     path.parent.mkdir()
+    body = "inputs:\n  x: [..., N]\nparams:\n  to: {type: float, default: 1.0}\noutputs:\n  y: x * to\n"
     path.write_text(f"name: gelu\ndoc: d\n{body}", encoding="utf-8")
     with pytest.raises(SpecError) as error:
         cli.build_op(path)
-    assert str(error.value) == message
+    assert str(error.value) == (
+        "specs/gelu.yaml:6: param name 'to' is an attribute of torch.nn.Module: the op's module class keeps each "
+        "param as an attribute of its name"
+    )
+
+
+def test_names_like_the_class_are_the_users(tmp_path):
+    """An input and an output named as the op's module class: the class is module-level,
+    the names are the functions' own."""
+    spec = "name: gelu\ndoc: d\ninputs:\n  x: [..., N]\n  Gelu: [..., N]\noutputs:\n  y: x * Gelu\n  GeluModule: x + 1\n"
+    module = build_and_import(tmp_path, spec)
+    x, g = torch.randn(3, 4), torch.randn(3, 4)
+    y, z = module.gelu(x, Gelu=g)
+    torch.testing.assert_close(y, x * g)
+    torch.testing.assert_close(z, x + 1)
+    y, z = module.Gelu()(x, g)
+    torch.testing.assert_close(y, x * g)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fusegen import runtime
+from fusegen.backends.triton import interpreter, tuning
 
 from tests.helpers import (
     LOW_PRECISION,
@@ -26,6 +27,7 @@ from tests.helpers import (
     choice_id,
     expected_out_dtype,
     float64_copies,
+    call_of,
     launch_backward,
     launch_forward,
     make_inputs,
@@ -187,7 +189,7 @@ def test_forward_non_contiguous(op, kind, device):
     # (Measured on an H100: scale_add differs by 2.4e-7 absolute, both sides within 1.5e-7
     # of the float64 truth.) An FMA rounds once where mul + add round twice: the difference
     # is an ulp of the product, so it is bounded relative to the output's scale.
-    eps = 0.0 if runtime.is_interpreting() else 4 * torch.finfo(torch.float32).eps
+    eps = 0.0 if interpreter.is_interpreting() else 4 * torch.finfo(torch.float32).eps
     for name, out, d, truth in zip(op.output_names, outs, dense, truths):
         atol = eps * max(d.abs().max().item(), 1.0) if d.numel() else 0.0
         torch.testing.assert_close(out, d, rtol=eps, atol=atol, msg=f"{op.name}.{name}: {kind} != contiguous")
@@ -426,8 +428,8 @@ def _small(configs, limit=2048):
     return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= limit]
 
 
-FORWARD_TILES = sorted(set(_small(runtime.FORWARD_CONFIGS) + [(2, 16), (8, 8)]))
-BACKWARD_TILES = sorted(set(_small(runtime.BACKWARD_CONFIGS) + [(2, 16), (8, 8)]))
+FORWARD_TILES = sorted(set(_small(tuning.FORWARD_CONFIGS) + [(2, 16), (8, 8)]))
+BACKWARD_TILES = sorted(set(_small(tuning.BACKWARD_CONFIGS) + [(2, 16), (8, 8)]))
 
 
 @pytest.mark.parametrize("n", [20, 22], ids=["n%4=0", "n%4=2"])
@@ -485,7 +487,7 @@ def test_dropout_masks_identity_seed_op(device):
     tensors = make_inputs(op, case, torch.float32, device)
     params = params_for(op, {"activation": "identity"}, p=0.5)
     seed = 99
-    call = op.module._arguments(*tensors.values(), *params.values(), True, seed, needs_kernel=True)
+    call = call_of(op, tensors, params, True, seed)
     mask = runtime.dropout_mask_reference(seed, call.problem, 0, 0.5)
     assert 0.3 < (mask == 0).float().mean().item() < 0.7
     (y,) = launch_forward(op, tensors, params, seed, 16, 256)

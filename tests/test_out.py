@@ -5,7 +5,6 @@ import torch
 import generated.bias_gelu_dropout_add as module
 from generated.bias_gelu_dropout_add import bias_gelu_dropout_add, reference
 from fusegen import runtime
-from fusegen.runtime import launch
 
 
 def _inputs(device):
@@ -47,18 +46,18 @@ def test_out_may_share_memory_with_an_input(fn, alias, device):
     out = {"x": x, "residual": residual, "shifted_x": base[n:].view(4, n)}[alias]
     # A new tuning on this call (on the GPU; the interpreter has one config).
     module.bias_gelu_dropout_add_kernel.cache.clear()
-    module._forward_launcher._entries.clear()
+    module._OP.kernels._forward._entries.clear()
     assert fn(x, bias, residual, p=0.2, seed=5, out=out) is out
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
 def test_output_buffer_is_out_only_when_no_input_shares_its_memory():
-    problem = launch.Problem(torch.Size([4, 8]), 4, 8, torch.float32, torch.float32, torch.device("cpu"))
+    problem = runtime.Problem(torch.Size([4, 8]), 4, 8, torch.float32, torch.float32, torch.device("cpu"))
     base = torch.randn(64)
     out = base[:32].view(4, 8)
     disjoint = (base[32:].view(4, 8), torch.randn(8), base[32:40])
-    assert launch.output_buffer("op", out, 0, 1, problem, disjoint) is out
+    assert runtime.output_buffer("op", out, 0, 1, problem, disjoint) is out
     for sharing in (out, base[:32].view(4, 8), base[8:40].view(4, 8), base[31:32], base[::2][:8]):
-        buffer = launch.output_buffer("op", out, 0, 1, problem, (*disjoint, sharing))
+        buffer = runtime.output_buffer("op", out, 0, 1, problem, (*disjoint, sharing))
         assert buffer is not out and buffer.shape == out.shape
-    assert launch.output_buffer("op", out, 0, 1, problem, (base[32:].view(4, 8).expand(2, 4, 8),)) is out
+    assert runtime.output_buffer("op", out, 0, 1, problem, (base[32:].view(4, 8).expand(2, 4, 8),)) is out

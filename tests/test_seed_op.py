@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from fusegen import runtime
-from fusegen.runtime import launch
+from fusegen.backends.triton import interpreter
 
 mod = importlib.import_module("generated.bias_gelu_dropout_add")
 op = mod.bias_gelu_dropout_add
 reference = mod.reference
-DIMS = {"x": ("...", "N"), "bias": ("N",), "residual": ("...", "N")}
+INPUTS = (runtime.Input("x", ("...", "N")), runtime.Input("bias", ("N",)), runtime.Input("residual", ("...", "N")))
 
 ORACLES = {
     "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
@@ -39,10 +39,7 @@ def _inputs(shape=(6, 33), dtype=torch.float32, device="cpu", seed=0):
 
 
 def _problem(x, bias, residual):
-    return runtime.broadcast_problem(
-        "bias_gelu_dropout_add", {"x": (x, DIMS["x"]), "bias": (bias, DIMS["bias"]), "residual": (residual, DIMS["residual"])},
-        needs_kernel=False,
-    )
+    return runtime.broadcast_problem("bias_gelu_dropout_add", INPUTS, (x, bias, residual))
 
 
 def _mask(seed, x, bias, residual, p):
@@ -317,16 +314,12 @@ def test_unknown_activation_raises(device):
 def test_cpu_without_interpreter_raises_clear_error(monkeypatch):
     x, bias, residual = _inputs((2, 3), device="cpu")
     # As without TRITON_INTERPRET: kernels built for CUDA (tests/test_interpreter_env.py runs that for real).
-    monkeypatch.setattr(launch, "is_interpreting", lambda: False)
-    monkeypatch.setattr(launch, "kernel_is_interpreted", lambda kernel: False)
-    inputs = {"x": (x, DIMS["x"]), "bias": (bias, DIMS["bias"]), "residual": (residual, DIMS["residual"])}
+    monkeypatch.setattr(interpreter, "is_interpreting", lambda: False)
+    monkeypatch.setattr(interpreter, "kernel_is_interpreted", lambda kernel: False)
     message = r"tensors are on cpu, but the Triton kernel needs a CUDA device; set TRITON_INTERPRET=1"
-    with pytest.raises(runtime.FusegenArgumentError, match=message):
-        runtime.broadcast_problem("bias_gelu_dropout_add", inputs, needs_kernel=True)
     with pytest.raises(runtime.FusegenArgumentError, match=message):
         op(x, bias, residual, seed=1)
     # reference needs no kernel: it still runs.
-    runtime.broadcast_problem("bias_gelu_dropout_add", inputs, needs_kernel=False)
     assert reference(x, bias, residual, seed=1).shape == x.shape
 
 

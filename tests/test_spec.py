@@ -1,18 +1,12 @@
 """spec: YAML → frozen dataclasses, for good specs. Bad specs: tests/test_bad_specs.py."""
-import ast
 import dataclasses
 import hashlib
 from pathlib import Path
 
 import pytest
 
-from fusegen import cli, render
 from fusegen.errors import SpecError
-from fusegen.functions import BUILTINS, FUNCTIONS
 from fusegen.spec import (
-    _PYTHON_BUILTINS,
-    RESERVED_NAMES,
-    _RESERVED_PATTERN,
     Binding,
     ChoiceParam,
     InputSpec,
@@ -215,63 +209,3 @@ def test_every_committed_spec_loads():
     assert paths
     for path in paths:
         assert load_spec(path).path == f"specs/{path.name}"
-
-
-# ---------------------------------------------------------------------------
-# RESERVED_NAMES and _RESERVED_PATTERN must cover every name the generated code uses
-# where a spec's names are in scope: a spec name equal to one would shadow it.
-
-
-def _rejected_as_spec_name(name: str) -> bool:
-    return (
-        name.startswith("_")
-        or name in RESERVED_NAMES
-        or bool(_RESERVED_PATTERN.fullmatch(name))
-        or name in FUNCTIONS
-        or name in BUILTINS
-        or name in _PYTHON_BUILTINS  # spec.py refuses every Python builtin (the class calls super)
-    )
-
-
-def _names_near_spec_names(tree: ast.Module, spec_names: set[str]) -> set[str]:
-    """Module-level names, and every name in a function that has a spec name as an argument."""
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, ast.Assign):
-            names |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    for function in ast.walk(tree):
-        if not isinstance(function, ast.FunctionDef):
-            continue
-        arguments = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
-        if not arguments & spec_names:
-            continue
-        # A comprehension's variables live in their own scope: they shadow nothing.
-        comprehension_vars = {
-            n.id
-            for c in ast.walk(function)
-            if isinstance(c, ast.comprehension)
-            for n in ast.walk(c.target)
-            if isinstance(n, ast.Name)
-        }
-        local = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)} | arguments
-        names |= local - comprehension_vars
-    return names
-
-
-def test_reserved_names_cover_the_generated_code():
-    missing = {}
-    for path in sorted((ROOT / "specs").glob("*.yaml")):
-        op = cli.build_op(path)
-        s = op.spec
-        spec_names = {i.name for i in s.inputs} | {p.name for p in s.params} | {o.name for o in s.outputs}
-        own = {s.name, f"{s.name}_kernel", f"{s.name}_backward_kernel"}  # spec.py reserves these per op,
-        own.add(render.module_class_name(s.name))  # and render.py the module class's name
-        used = _names_near_spec_names(ast.parse(op.text), spec_names) - spec_names - own
-        for name in sorted(used):
-            if not _rejected_as_spec_name(name):
-                missing.setdefault(name, path.name)
-    assert not missing, f"add to spec.RESERVED_NAMES: {missing}"

@@ -1,50 +1,23 @@
-"""What generated modules share at run time (they import it as `fusegen.runtime`)."""
+"""What generated modules share at run time, whatever their backend (they import it as
+`fusegen.runtime`): the op's plumbing (op.FusedOp), argument checks, views, gradient
+buffers, out= and dropout's seeds and reference masks."""
+from ..layout import Choice, Input, Scalar
+from .arguments import FusegenArgumentError, Problem, broadcast_problem, check_choice, check_scalar, range_text
 from .dropout import check_seed, dropout_keep, dropout_mask_reference, dropout_scale, dropout_threshold, seed_tensor
-from .launch import (
-    BACKWARD_CONFIGS,
-    FORWARD_CONFIGS,
-    Call,
-    FusegenArgumentError,
-    GradTarget,
-    Problem,
-    any_requires_grad,
-    autotune_do_bench,
-    backward_rows_per_program,
-    broadcast_problem,
-    check_choice,
-    check_out_without_grad,
-    check_scalar,
-    grid_2d,
-    is_interpreting,
-    needs_int64,
-    output_buffer,
-    prune_backward_configs,
-    prune_forward_configs,
-    sum_to_input,
-    view_2d,
-    write_out,
-    zero_before_trials,
-)
-from .launcher import CachedLauncher
-from .triton_helpers import rsqrt_rn, sqrt_rn
-
-if is_interpreting():
-    from .interpreter import patch_bfloat16_rounding, patch_libdevice
-
-    patch_bfloat16_rounding()
-    patch_libdevice()
+from .gradients import GradTarget, sum_to_input
+from .op import Call, FusedOp
+from .out import check_out_without_grad, output_buffer, write_out
+from .views import needs_int64, view_2d
 
 __all__ = [
-    "BACKWARD_CONFIGS",
-    "FORWARD_CONFIGS",
-    "CachedLauncher",
     "Call",
+    "Choice",
+    "FusedOp",
     "FusegenArgumentError",
     "GradTarget",
+    "Input",
     "Problem",
-    "any_requires_grad",
-    "autotune_do_bench",
-    "backward_rows_per_program",
+    "Scalar",
     "broadcast_problem",
     "check_choice",
     "check_out_without_grad",
@@ -54,17 +27,11 @@ __all__ = [
     "dropout_mask_reference",
     "dropout_scale",
     "dropout_threshold",
-    "grid_2d",
-    "is_interpreting",
     "needs_int64",
     "output_buffer",
-    "prune_backward_configs",
-    "prune_forward_configs",
-    "rsqrt_rn",
+    "range_text",
     "seed_tensor",
-    "sqrt_rn",
     "sum_to_input",
     "view_2d",
     "write_out",
-    "zero_before_trials",
 ]

@@ -1,5 +1,5 @@
 """Dropout's seed and random mask: drawn on the device for the kernels, reproduced on the
-host bit for bit (see triton_helpers.dropout_mask)."""
+host bit for bit (see fusegen.backends.triton.kernel_lib.dropout_mask)."""
 from __future__ import annotations
 
 import operator
@@ -38,7 +38,7 @@ def check_seed(op: str, seed) -> int | None:
 
 
 def _seed_error(op: str, seed) -> ValueError:
-    from .launch import FusegenArgumentError
+    from .arguments import FusegenArgumentError
 
     shown = repr(seed) if isinstance(seed, (int, float, str)) else type(seed).__name__
     return FusegenArgumentError(f"{op}(): seed must be None or an int in [0, 2**63), got {shown}")

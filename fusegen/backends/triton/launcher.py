@@ -22,7 +22,7 @@ import torch
 import triton
 from triton import knobs
 
-from fusegen.runtime.launch import kernel_is_interpreted
+from .interpreter import kernel_is_interpreted
 
 _CACHE_SIZE = 1024
 

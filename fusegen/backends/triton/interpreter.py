@@ -15,9 +15,44 @@ from __future__ import annotations
 import numpy as np
 import torch
 import triton.language as tl
+from triton import knobs
+
+from fusegen.runtime import FusegenArgumentError
 
 _PATCHED = False
 _LIBDEVICE_PATCHED = False
+
+
+def is_interpreting() -> bool:
+    """Whether triton.jit would now build kernels for its CPU interpreter: TRITON_INTERPRET
+    as Triton itself reads it (1, true, on, yes; 0, false, off, no, unset), or its knob."""
+    return bool(knobs.runtime.interpret)
+
+
+def kernel_is_interpreted(kernel) -> bool:
+    """Whether `kernel` (a @triton.jit function, or an autotuner over one) runs on the
+    interpreter: triton.jit decided that when it decorated it, by TRITON_INTERPRET then."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction) or isinstance(getattr(kernel, "fn", None), InterpretedFunction)
+
+
+def check_runs_off_cuda(op: str, device: torch.device, kernel) -> None:
+    """Off CUDA only the interpreter runs kernels: kernels triton.jit built for it, calling
+    Triton's own jit functions (tl.sigmoid, tl.sum's combine), built at triton's import."""
+    if kernel_is_interpreted(kernel) and kernel_is_interpreted(tl.sigmoid):
+        return
+    if is_interpreting():
+        # Set after triton's import (in a notebook, say): too late for the kernels built then.
+        raise FusegenArgumentError(
+            f"{op}(): tensors are on {device.type}, and TRITON_INTERPRET is set, but it was not when triton was "
+            "imported (kernels are built for the interpreter or for CUDA then); set TRITON_INTERPRET=1 before "
+            "importing triton (restart Python or the notebook kernel), or call reference(...)"
+        )
+    raise FusegenArgumentError(
+        f"{op}(): tensors are on {device.type}, but the Triton kernel needs a CUDA device; set "
+        "TRITON_INTERPRET=1 before importing triton to run it on the CPU, or call reference(...)"
+    )
 
 
 def _to_bfloat16_bits(data: np.ndarray) -> np.ndarray:

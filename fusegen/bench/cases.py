@@ -1,0 +1,203 @@
+"""What `fusegen bench` runs: the op (its spec and generated module), shapes, the bytes model, cases.
+
+Bandwidth is judged against a bytes model derived from the spec: each input read once at
+its own size (broadcast inputs counted once), each output written once. The ceiling is
+a device-to-device copy measured in the same run (bytes read + written).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..errors import SpecError
+from ..spec import ELLIPSIS, InputSpec, OpSpec, find_spec, load_spec
+from .arguments import DTYPE_NAMES
+
+DROPOUT_SEED = 20240607  # one fixed seed, so all three providers draw the same mask
+
+
+# ---------------------------------------------------------------------------
+# Finding the op: its spec (for dims and params) and its generated module
+
+
+@dataclass(frozen=True)
+class BenchOp:
+    name: str
+    spec: OpSpec
+    module: Any
+    op: Callable
+    reference: Callable
+    eager: Callable
+    dropout_params: tuple[str, ...]  # the scalar params that are dropout probabilities
+    has_dropout: bool  # the op takes training= and seed=
+
+
+def import_generated(name: str, generated_dir: Path):
+    """Import `<generated_dir>.<name>` (normally `generated.<name>`) with its parent on sys.path."""
+    package_dir = generated_dir.resolve()
+    if not (package_dir / f"{name}.py").is_file():
+        raise SpecError(str(generated_dir / f"{name}.py"), None, "no generated module: run `fusegen build` first")
+    parent = str(package_dir.parent)
+    if parent not in sys.path:
+        sys.path.insert(0, parent)
+    return importlib.import_module(f"{package_dir.name}.{name}")
+
+
+def _generated_spec_sha(module) -> str | None:
+    header = Path(module.__file__).read_text(encoding="utf-8").splitlines()[:5]
+    for line in header:
+        if line.startswith("# spec sha256:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def dropout_param_names(spec: OpSpec) -> tuple[str, ...]:
+    """The params that some dropout(...) in the spec takes as its probability."""
+    from .. import ir  # the IR parse is the one authority on what dropout(...) names
+
+    names: list[str] = []
+    for dropout in ir.build_ir(spec).dropouts:
+        if dropout.p not in names:
+            names.append(dropout.p)
+    return tuple(names)
+
+
+def load_bench_op(spec_or_name: str, specs_dir: Path, generated_dir: Path, command: str = "bench") -> BenchOp:
+    spec_path = find_spec(spec_or_name, specs_dir)
+    op_spec = load_spec(spec_path)
+    module = import_generated(op_spec.name, generated_dir)
+    if _generated_spec_sha(module) not in (None, op_spec.sha256):
+        # Benchmarking a module built from another version of the spec measures the wrong op.
+        print(f"fusegen {command}: warning: {module.__file__} was built from another version of "
+              f"{spec_path}; run `fusegen build`", file=sys.stderr)
+    op = getattr(module, op_spec.name)
+    return BenchOp(
+        name=op_spec.name,
+        spec=op_spec,
+        module=module,
+        op=op,
+        reference=module.reference,
+        eager=module.eager,
+        dropout_params=dropout_param_names(op_spec),
+        has_dropout="training" in inspect.signature(op).parameters,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Shapes and the bytes model
+
+
+def hidden_dim_name(out_dims: Sequence[str]) -> str | None:
+    """The output's last named dim: the one that becomes H.
+
+    The output's dims are the inputs' value dims broadcast (OpSpec.out_dims), so none is chunked.
+    """
+    for dim in reversed(out_dims):
+        if dim not in (ELLIPSIS, "1"):
+            return dim
+    return None
+
+
+def shape_for_dims(dims: Sequence[str], bsh: tuple[int, int, int], hidden: str | None) -> tuple[int, ...]:
+    """Map spec dims to sizes: '...' → (B, S), the hidden dim → H, other names → B·S, '1' → 1."""
+    b, s, h = bsh
+    shape: list[int] = []
+    for dim in dims:
+        if dim == ELLIPSIS:
+            shape += [b, s]
+        elif dim == "1":
+            shape.append(1)
+        else:
+            shape.append(h if dim == hidden else b * s)
+    return tuple(shape)
+
+
+def input_shape(inp: InputSpec, bsh: tuple[int, int, int], hidden: str | None) -> tuple[int, ...]:
+    """An input's sizes: its value dims mapped, the last one times its chunks ([..., 2N] → (B, S, 2·H))."""
+    shape = shape_for_dims(inp.value_dims, bsh, hidden)
+    if inp.chunks == 1:
+        return shape
+    return shape[:-1] + (inp.chunks * shape[-1],)
+
+
+def input_shapes(spec: OpSpec, bsh: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+    hidden = hidden_dim_name(spec.out_dims)
+    return {inp.name: input_shape(inp, bsh, hidden) for inp in spec.inputs}
+
+
+def output_shape(spec: OpSpec, bsh: tuple[int, int, int]) -> tuple[int, ...]:
+    return shape_for_dims(spec.out_dims, bsh, hidden_dim_name(spec.out_dims))
+
+
+@dataclass(frozen=True)
+class BytesModel:
+    """The least traffic the op needs: inputs read once, outputs written once."""
+
+    read: int
+    written: int
+    output_elements: int  # over all outputs
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written
+
+
+def bytes_model(spec: OpSpec, bsh: tuple[int, int, int], dtype: torch.dtype) -> BytesModel:
+    """All inputs share `dtype`, so every output has it too (torch's promotion of equal dtypes)."""
+    itemsize = dtype.itemsize
+    read = sum(math.prod(shape) * itemsize for shape in input_shapes(spec, bsh).values())
+    output_elements = len(spec.outputs) * math.prod(output_shape(spec, bsh))
+    return BytesModel(read=read, written=output_elements * itemsize, output_elements=output_elements)
+
+
+def op_kwargs(bench_op: BenchOp, p: float | None) -> dict[str, Any]:
+    """Params beyond the tensors: dropout probabilities set to p, a fixed seed; the rest keep their defaults."""
+    if not bench_op.has_dropout:
+        return {}
+    kwargs: dict[str, Any] = {name: p for name in bench_op.dropout_params}
+    kwargs.update(training=True, seed=DROPOUT_SEED)  # p > 0 needs training; p == 0 runs no RNG anyway
+    return kwargs
+
+
+def make_inputs(spec: OpSpec, bsh, dtype: torch.dtype, device, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Random normal inputs (never zeros: a kernel must not get to skip work on them)."""
+    return [
+        torch.randn(shape, dtype=dtype, device=device, generator=generator)
+        for shape in input_shapes(spec, bsh).values()
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Cases
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    dtype: torch.dtype
+    bsh: tuple[int, int, int]
+    p: float | None  # None: the op has no dropout
+
+    @property
+    def label(self) -> str:
+        p = "" if self.p is None else f" p={self.p:g}"
+        return f"{self.op} {DTYPE_NAMES.get(self.dtype, str(self.dtype))} {'x'.join(map(str, self.bsh))}{p}"
+
+
+def plan_cases(ops: Iterable[BenchOp], dtypes, shapes, ps) -> list[Case]:
+    """op × dtype × shape × p; an op without dropout runs once per shape, with p None."""
+    cases = []
+    for bench_op in ops:
+        op_ps = list(ps) if bench_op.has_dropout else [None]
+        for dtype in dtypes:
+            for p in op_ps:
+                for bsh in shapes:
+                    cases.append(Case(bench_op.name, dtype, tuple(bsh), p))
+    return cases

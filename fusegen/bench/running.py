@@ -1,0 +1,157 @@
+"""Running the cases of `fusegen bench`: the providers, and each case timed on each of them.
+
+For every case (op × dtype × shape × p) three providers run the same computation:
+
+- fusegen: the generated Triton op,
+- eager:   the generated `eager`: the spec as a PyTorch user writes it (F.gelu, F.silu,
+  torch's own F.dropout), independent of the kernel and of sympy,
+- compile: torch.compile(eager, dynamic=False), compiled afresh for each case.
+
+With dropout the baselines draw torch's own masks (the same distribution, other values),
+so they do the work a user's code does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .arguments import DTYPE_NAMES
+from .cases import BenchOp, Case, make_inputs, op_kwargs, output_shape
+from .timing import (
+    Measurement,
+    describe_error,
+    host_overhead_us,
+    is_timeout,
+    measure,
+    peak_memory_bytes,
+    release_memory,
+    time_fn_device,
+    time_limit,
+)
+
+PROVIDERS = ("fusegen", "eager", "compile")
+HOST_OVERHEAD_SHAPE = (1, 1, 8)  # (B, S, H): a launch whose GPU work is negligible
+
+
+@dataclass
+class ProviderResult:
+    provider: str
+    forward: Measurement
+    forward_backward: Measurement | None = None  # None when --backward was not asked for
+
+
+class TimeoutMemo:
+    """Providers whose first call timed out, so that later cases skip them instead of waiting again.
+
+    Keyed by (op, dropout on, provider, phase): with dynamic=False every shape and dtype
+    compiles afresh, and what made one compile run away (e.g. the Philox graph of the
+    eager dropout) is there in the next. A forward timeout skips fwd+bwd too.
+    """
+
+    def __init__(self):
+        self.reasons: dict[tuple, str] = {}
+
+    @staticmethod
+    def _key(op: str, p: float | None, provider: str, phase: str) -> tuple:
+        return (op, bool(p), provider, phase)
+
+    def skip_reason(self, op: str, p: float | None, provider: str, phase: str) -> str | None:
+        return self.reasons.get(self._key(op, p, provider, phase))
+
+    def record(self, op: str, p: float | None, provider: str, phase: str, measurement: Measurement) -> None:
+        if not measurement.timed_out:
+            return
+        reason = "skipped: its first call timed out on an earlier case"
+        for skipped_phase in (("forward", "forward_backward") if phase == "forward" else (phase,)):
+            self.reasons.setdefault(self._key(op, p, provider, skipped_phase), reason)
+
+
+def make_providers(bench_op: BenchOp) -> dict[str, Callable]:
+    """The three providers; compile is a fresh torch.compile, with dynamo state reset first."""
+    torch._dynamo.reset()  # no guards or recompile counts carried over from earlier cases
+    # The baselines are the op as a PyTorch user writes it (the generated `eager`: F.gelu,
+    # torch's own dropout), not `reference`, whose bit-exact host Philox is a test oracle:
+    # ~290 small kernels eagerly, and a graph inductor does not finish compiling.
+    return {
+        "fusegen": bench_op.op,
+        "eager": bench_op.eager,
+        "compile": torch.compile(bench_op.eager, dynamic=False),
+    }
+
+
+def _as_tuple(outputs) -> tuple[torch.Tensor, ...]:
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+
+def forward_fn(provider: Callable, inputs: Sequence[torch.Tensor], kwargs: dict) -> Callable[[], Any]:
+    return lambda: provider(*inputs, **kwargs)
+
+
+def forward_backward_fn(provider: Callable, inputs: Sequence[torch.Tensor], kwargs: dict,
+                        grad_outputs: Sequence[torch.Tensor]) -> Callable[[], None]:
+    def step() -> None:
+        outputs = _as_tuple(provider(*inputs, **kwargs))
+        torch.autograd.backward(outputs, grad_tensors=list(grad_outputs))
+
+    return step
+
+
+def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
+             timer: Callable = time_fn_device, peak: Callable = peak_memory_bytes,
+             first_call_timeout_s: float = 0.0, memo: TimeoutMemo | None = None) -> list[ProviderResult]:
+    """All providers on one case: forward for each, then (with backward) forward+backward for each."""
+    memo = memo if memo is not None else TimeoutMemo()
+    inputs = make_inputs(bench_op.spec, case.bsh, case.dtype, device)
+    kwargs = op_kwargs(bench_op, case.p)
+    providers = make_providers(bench_op)
+
+    def run(name: str, phase: str, fn: Callable, grad_to_none=None) -> Measurement:
+        reason = memo.skip_reason(case.op, case.p, name, phase)
+        if reason:
+            return Measurement(error=reason)
+        measurement = measure(fn, grad_to_none, timer=timer, peak=peak, first_call_timeout_s=first_call_timeout_s)
+        memo.record(case.op, case.p, name, phase, measurement)
+        return measurement
+
+    results = {
+        name: ProviderResult(name, run(name, "forward", forward_fn(fn, inputs, kwargs)))
+        for name, fn in providers.items()
+    }
+    if backward:
+        for tensor in inputs:
+            tensor.requires_grad_(True)
+        out_shape = output_shape(bench_op.spec, case.bsh)
+        grad_outputs = [torch.randn(out_shape, dtype=case.dtype, device=device) for _ in bench_op.spec.outputs]
+        for name, fn in providers.items():
+            step = forward_backward_fn(fn, inputs, kwargs, grad_outputs)
+            results[name].forward_backward = run(name, "forward_backward", step, grad_to_none=inputs)
+        del grad_outputs
+    del inputs, providers
+    release_memory()
+    return list(results.values())
+
+
+def measure_host_overhead(bench_op: BenchOp, dtype: torch.dtype, p: float | None, device="cuda",
+                          synchronize: Callable[[], None] = torch.cuda.synchronize,
+                          first_call_timeout_s: float = 0.0, memo: TimeoutMemo | None = None) -> list[dict[str, Any]]:
+    """One row per provider: µs per call on a tiny input, or why there is none."""
+    memo = memo if memo is not None else TimeoutMemo()
+    inputs = make_inputs(bench_op.spec, HOST_OVERHEAD_SHAPE, dtype, device)
+    kwargs = op_kwargs(bench_op, p)
+    rows = []
+    for name, provider in make_providers(bench_op).items():
+        row: dict[str, Any] = {"op": bench_op.name, "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "p": p,
+                               "provider": name, "us_per_call": None, "error": None}
+        fn = forward_fn(provider, inputs, kwargs)
+        row["error"] = memo.skip_reason(bench_op.name, p, name, "forward")
+        if row["error"] is None:
+            try:
+                with time_limit(first_call_timeout_s, "the first call"):
+                    fn()
+                row["us_per_call"] = host_overhead_us(fn, synchronize=synchronize)
+            except Exception as exc:
+                row["error"] = "timed out" if is_timeout(exc) else describe_error(exc)
+        rows.append(row)
+    return rows

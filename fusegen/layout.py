@@ -1,0 +1,57 @@
+"""The layout model: what an op declares about its arguments, as data. fusegen.spec parses it
+once; the plan hands it on, and each generated module writes it out as these literals for
+fusegen.runtime to check calls against (no dim strings are parsed twice)."""
+from __future__ import annotations
+
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Input:
+    """A tensor input: its dims ("...", a dim name, or "1"), and how many chunks its last
+    dim holds (x [..., 2N] is Input("x", ("...", "N"), chunks=2): two N-wide chunks)."""
+
+    name: str
+    dims: tuple[str, ...]
+    chunks: int = 1
+
+    @property
+    def declared(self) -> str:
+        """The dims as the spec writes them: [..., 2N]."""
+        dims = list(self.dims)
+        if self.chunks > 1:
+            dims[-1] = f"{self.chunks}{dims[-1]}"
+        return "[" + ", ".join(dims) + "]"
+
+    @property
+    def one_per_row(self) -> bool:
+        """Declared [..., 1]: one value per row, broadcast along the columns."""
+        return self.chunks == 1 and bool(self.dims) and self.dims[-1] == "1"
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A runtime number: passed to the kernels on every call, checked against its range."""
+
+    name: str
+    kind: str  # "float" or "int"
+    low: float | int | None = None
+    high: float | int | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A compile-time choice between functions: one kernel specialization each."""
+
+    name: str
+    choices: tuple[str, ...]
+
+
+def range_text(low, high) -> str:
+    """A scalar's range as errors and docstrings print it: `in [0.0, 1.0]`, `≥ 0.0`, `≤ 1.0` or ""."""
+    if low is not None and high is not None:
+        return f"in [{low!r}, {high!r}]"
+    if low is not None:
+        return f"≥ {low!r}"
+    return "" if high is None else f"≤ {high!r}"

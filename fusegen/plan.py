@@ -1,0 +1,284 @@
+"""Simplified op → plan: what each kernel of the op does, as typed data, every name final.
+
+The plan is the one object a backend reads. It says, per kernel: its kind, the inputs it
+loads (and each value an input supplies: the input, or each of its chunks), the params it
+takes, the dropout masks it draws, its CSE'd body, and what it stores: outputs, or input
+gradients with how each is reduced. Expressions are sympy over symbols already named as
+the generated code names them; a backend prints them and lays them out, deciding nothing
+about the op itself.
+
+Names: a spec name stays as the user wrote it, unless the backend's generated code
+already uses it for itself (then it takes a trailing underscore, inside the generated
+code only: public signatures keep the spec's names). See fusegen.names.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import sympy
+
+from . import ir
+from .names import Namer
+from .layout import Choice, Input, Scalar
+from .simplify import TEMPORARY_PREFIX, Block, ChoiceHelper, SimplifiedOp, value_names
+from .spec import ChoiceParam, OpSpec
+
+
+class KernelKind(enum.Enum):
+    """What a kernel's program computes. A new kind (row reductions, say) adds a member here
+    and a template in each backend; the pointwise kinds are untouched."""
+
+    POINTWISE = "pointwise"  # each element of the output from the same element of each input
+    POINTWISE_BACKWARD = "pointwise_backward"  # each input's gradient, element by element
+
+
+@dataclass(frozen=True)
+class Value:
+    """One value an input supplies to expressions: the input, or one of its chunks."""
+
+    local: str  # its name in generated code
+    chunk: int  # which chunk (0 for an input without chunks)
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    name: str  # the spec's (and the public signature's) name
+    local: str  # the name generated functions use for it
+    layout: Input
+    values: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    name: str
+    local: str
+    declaration: Scalar | Choice
+    default: object
+    dropout_p: bool  # some dropout's probability: the kernels take its threshold and scale
+
+
+@dataclass(frozen=True)
+class Mask:
+    """A dropout mask: scale where kept, 0 where dropped, drawn from the seed per element."""
+
+    local: str
+    stream: int  # the Philox stream that tells this mask from the op's others
+    p: ParamPlan
+
+
+@dataclass(frozen=True)
+class Body:
+    """Straight-line code: temporaries in order, then named results."""
+
+    temps: tuple[tuple[str, sympy.Expr], ...]
+    results: tuple[tuple[str, sympy.Expr], ...]  # (local name of the result, expression)
+
+
+@dataclass(frozen=True)
+class GradientPlan:
+    """An input gradient a backward kernel computes. How it is reduced follows from how the
+    input was broadcast, which the runtime sees: written as it is (same shape), summed
+    over rows ([N]-like), summed along each row (declared [..., 1]: `one_per_row`), or
+    written in full and summed by torch (any other broadcast)."""
+
+    input: InputPlan
+    values: tuple[str, ...]  # local name of each chunk's gradient, in chunk order
+    one_per_row: bool
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    kind: KernelKind
+    inputs: tuple[InputPlan, ...]  # inputs the kernel loads
+    incoming: tuple[str, ...]  # backward: local names of the outputs' incoming gradients
+    outputs: tuple[str, ...]  # forward: local names of the outputs it stores
+    gradients: tuple[GradientPlan, ...]  # backward: the input gradients it stores
+    scalars: tuple[ParamPlan, ...]  # numbers the body reads
+    masks: tuple[Mask, ...]
+    choices: tuple[ParamPlan, ...]
+    body: Body  # with dropout, where the op has any
+    body_no_dropout: Body | None  # training=False or p == 0; None for ops without dropout
+
+
+@dataclass(frozen=True)
+class HelperPlan:
+    """A choice param's functions: one body per choice, for the function and each partial
+    derivative. Helpers have their own scope: arguments args, result `out`."""
+
+    param: ParamPlan
+    args: tuple[str, ...]
+    forward: tuple[tuple[str, Body], ...]  # (choice, body)
+    derivatives: tuple[tuple[tuple[str, Body], ...], ...]  # per argument: (choice, body)
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    spec: OpSpec
+    inputs: tuple[InputPlan, ...]
+    params: tuple[ParamPlan, ...]
+    outputs: tuple[tuple[str, str], ...]  # (spec name, local name)
+    masks: tuple[Mask, ...]
+    forward: KernelPlan
+    backward: KernelPlan
+    passthrough: tuple[tuple[str, str], ...]  # (input, output): the input's gradient is the output's
+    reference: KernelPlan  # the same forward, for the eager reference (its body printed for torch)
+    eager: tuple[ir.Expr, ...]  # the outputs as the spec writes them, for the user-style baseline
+    helpers: tuple[HelperPlan, ...]
+    names: dict[str, str]  # spec name → local name, for everything the spec names
+    namer: Namer  # every name given out so far: a backend's own derived names come from it
+
+    @property
+    def has_dropout(self) -> bool:
+        return bool(self.masks)
+
+
+def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
+    """`reserved`: the names the backend's generated code uses for itself."""
+    spec = op.ir.spec
+    namer = Namer(reserved | {spec.name})  # the op function: module classes call it by name
+    # The spec's own names first: each keeps its name wherever the backend does not use it.
+    names = {}
+    for item in (*spec.inputs, *spec.params, *spec.outputs):
+        names[item.name] = namer.claim(item.name)
+    symbols: dict[str, str] = {}  # simplify's symbol names → local names
+    inputs = []
+    for spec_input in spec.inputs:
+        local = names[spec_input.name]
+        values = []
+        for k, value in enumerate(value_names(spec_input)):
+            symbols[value] = local if spec_input.chunks == 1 else namer.claim(f"{local}_chunk{k}")
+            values.append(Value(symbols[value], k))
+        inputs.append(InputPlan(spec_input.name, local, spec_input.layout, tuple(values)))
+    dropout_ps = {d.p for d in op.ir.dropouts}
+    params = []
+    for p in spec.params:
+        symbols[p.name] = names[p.name]
+        if isinstance(p, ChoiceParam):
+            declaration: Scalar | Choice = Choice(p.name, p.choices)
+        else:
+            declaration = Scalar(p.name, p.type, p.min, p.max)
+        params.append(ParamPlan(p.name, names[p.name], declaration, p.default, p.name in dropout_ps))
+    by_name = {p.name: p for p in params}
+    masks = []
+    for symbol, dropout in zip(op.masks, op.ir.dropouts):
+        symbols[symbol.name] = namer.claim(f"dropout_mask{dropout.stream}")
+        masks.append(Mask(symbols[symbol.name], dropout.stream, by_name[dropout.p]))
+    for symbol, (output, _) in zip(op.grad_outputs, op.ir.outputs):
+        symbols[symbol.name] = namer.claim(f"grad_{names[output]}")
+    # Gradients the backward kernel computes (the others pass an output's gradient on).
+    kernel_values = {g.input for g in op.gradients if g.passthrough_of is None}
+    grad_locals = {
+        value: namer.claim(f"grad_{symbols[value]}")
+        for spec_input in spec.inputs
+        for value in value_names(spec_input)
+        if value in kernel_values
+    }
+    blocks = (op.forward, op.forward_no_dropout, op.backward, op.backward_no_dropout)
+    temps = _temporary_names(namer, blocks)
+    rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in {**symbols, **temps}.items()}
+    outputs = tuple((name, names[name]) for name, _ in op.ir.outputs)
+    has_dropout = bool(masks)
+
+    def body(block: Block, result_names: dict[str, str]) -> Body:
+        return Body(
+            tuple((temps[t.name], e.xreplace(rename)) for t, e in block.temps),
+            tuple((result_names[n], e.xreplace(rename)) for n, e in block.results),
+        )
+
+    scalars = tuple(by_name[s.name] for s in op.scalar_params)
+    choices = tuple(p for p in params if isinstance(p.declaration, Choice))
+    forward = KernelPlan(
+        kind=KernelKind.POINTWISE,
+        inputs=tuple(inputs),
+        incoming=(),
+        outputs=tuple(local for _, local in outputs),
+        gradients=(),
+        scalars=scalars,
+        masks=tuple(masks),
+        choices=choices,
+        body=body(op.forward, names),
+        body_no_dropout=body(op.forward_no_dropout, names) if has_dropout else None,
+    )
+    backward_symbols = _free_symbols(op.backward) | _free_symbols(op.backward_no_dropout)
+    spec_inputs = {i.name: i for i in spec.inputs}
+    gradients = tuple(
+        GradientPlan(
+            i,
+            tuple(grad_locals[n] for n in value_names(spec_inputs[i.name])),
+            i.layout.one_per_row,
+        )
+        for i in inputs
+        if any(n in kernel_values for n in value_names(spec_inputs[i.name]))
+    )
+    backward = KernelPlan(
+        kind=KernelKind.POINTWISE_BACKWARD,
+        inputs=tuple(
+            i for i in inputs
+            if any(sympy.Symbol(n, real=True) in backward_symbols for n in value_names(spec_inputs[i.name]))
+        ),
+        incoming=tuple(symbols[g.name] for g in op.grad_outputs),
+        outputs=(),
+        gradients=gradients,
+        scalars=scalars,
+        masks=tuple(masks),
+        choices=choices,
+        body=body(op.backward, grad_locals),
+        body_no_dropout=body(op.backward_no_dropout, grad_locals) if has_dropout else None,
+    )
+    return OpPlan(
+        spec=spec,
+        inputs=tuple(inputs),
+        params=tuple(params),
+        outputs=outputs,
+        masks=tuple(masks),
+        forward=forward,
+        backward=backward,
+        passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients if g.passthrough_of is not None),
+        reference=forward,
+        eager=tuple(expr for _, expr in op.ir.outputs),
+        helpers=tuple(_helper(h, by_name[h.param]) for h in op.helpers),
+        names=names,
+        namer=namer,
+    )
+
+
+def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
+    """simplify's %t0, %t1, ... as t0, t1, ...: claimed for the whole module (the backend's
+    own names, given out later, must not take them); a helper (namer None) has no others."""
+    used = sorted({t.name for b in blocks for t, _ in b.temps}, key=lambda n: int(n[len(TEMPORARY_PREFIX):]))
+    plain = {name: "t" + name[len(TEMPORARY_PREFIX):] for name in used}
+    return plain if namer is None else {name: namer.claim(local) for name, local in plain.items()}
+
+
+def _free_symbols(block: Block) -> set:
+    found = set()
+    for _, expr in (*block.temps, *block.results):
+        found |= expr.free_symbols
+    return found
+
+
+def _helper(helper: ChoiceHelper, param: ParamPlan) -> HelperPlan:
+    """A helper's scope holds no spec names: its temporaries are simply t0, t1, ..."""
+    temps = _temporary_names(None, [b for _, b in (*helper.forward, *(pair for g in helper.grads for pair in g))])
+    rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in temps.items()}
+
+    def body(block: Block) -> Body:
+        return Body(
+            tuple((temps[t.name], e.xreplace(rename)) for t, e in block.temps),
+            tuple((n, e.xreplace(rename)) for n, e in block.results),
+        )
+
+    return HelperPlan(
+        param=param,
+        args=tuple(a.name for a in helper.args),
+        forward=tuple((choice, body(b)) for choice, b in helper.forward),
+        derivatives=tuple(tuple((choice, body(b)) for choice, b in g) for g in helper.grads),
+    )
+
+
+def public_signature(spec: OpSpec, has_dropout: bool) -> str:
+    """The generated op's parameters, as its `def` line writes them: the spec's names."""
+    parts = [i.name for i in spec.inputs] + [f"{p.name}={p.default!r}" for p in spec.params]
+    parts += ["training=True", "seed=None"] if has_dropout else []
+    return ", ".join(parts + ["*", "out=None"])

@@ -1,0 +1,156 @@
+"""Checking a generated op's arguments: tensors against the spec's dims, broadcasting them
+as torch would, and scalar and choice params against their declarations."""
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from ..layout import Input, range_text
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class FusegenArgumentError(ValueError):
+    """A generated op was called with arguments it cannot take."""
+
+
+def check_choice(op: str, name: str, value, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise FusegenArgumentError(f"{op}(): {name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _float32(value) -> float:
+    return struct.unpack("f", struct.pack("f", float(value)))[0]
+
+
+def check_scalar(op: str, name: str, value, kind: str, low, high):
+    """A runtime scalar param: right type, finite, inside the spec's range."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FusegenArgumentError(f"{op}(): {name} must be a number, got {type(value).__name__}")
+    if kind == "int" and not isinstance(value, int):
+        raise FusegenArgumentError(f"{op}(): {name} must be an int, got {value!r}")
+    if value != value:
+        raise FusegenArgumentError(f"{op}(): {name} must not be NaN")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise FusegenArgumentError(f"{op}(): {name} must be {range_text(low, high)}, got {value!r}")
+    if kind == "float" and abs(value) > FLOAT32_MAX:
+        raise FusegenArgumentError(f"{op}(): {name}={value!r} does not fit a float32")
+    # Rounded to float32 here, as a GPU launch passes it: the interpreter would keep the
+    # double, and reference (which rounds) would then disagree in fp64.
+    return _float32(value) if kind == "float" else value
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The broadcast output shape, seen as M rows of N columns, and its dtypes."""
+
+    shape: torch.Size
+    m: int
+    n: int
+    out_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    device: torch.device
+    # False for meta tensors and FakeTensors: shapes without memory. An op on them only
+    # makes outputs of the right shape, as torch's own ops do, and launches nothing.
+    has_data: bool = True
+
+    @property
+    def launches(self) -> bool:
+        """Whether a kernel has anything to do."""
+        return self.has_data and self.m * self.n > 0
+
+
+# Problems already checked, by what the checks depend on (shapes, dtypes, devices): the
+# launcher runs on every call, and a training loop repeats a few shapes.
+_PROBLEMS: dict[tuple, Problem] = {}
+# Fake and functional tensors (torch.compile's) take the uncached path: their shapes may be symbolic.
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+CACHE_SIZE = 4096
+
+
+def broadcast_problem(op: str, inputs: tuple[Input, ...], tensors: tuple) -> Problem:
+    """Check tensors against the spec's dims and broadcast them as torch would."""
+    if all(type(t) in _PLAIN_TENSOR_TYPES for t in tensors):
+        key = (op, inputs, *((t.shape, t.dtype, t.device) for t in tensors))
+        problem = _PROBLEMS.get(key)
+        if problem is None:
+            problem = _check_and_broadcast(op, inputs, tensors)
+            if len(_PROBLEMS) >= CACHE_SIZE:
+                _PROBLEMS.clear()
+            _PROBLEMS[key] = problem
+        return problem
+    return _check_and_broadcast(op, inputs, tensors)
+
+
+def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple) -> Problem:
+    for spec, value in zip(inputs, tensors):
+        if not isinstance(value, torch.Tensor):
+            raise FusegenArgumentError(f"{op}(): {spec.name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.dtype not in SUPPORTED_DTYPES:
+            raise FusegenArgumentError(
+                f"{op}(): {spec.name} has dtype {value.dtype}; supported: float16, bfloat16, float32, float64"
+            )
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        shown = ", ".join(f"{i.name} on {t.device}" for i, t in zip(inputs, tensors))
+        raise FusegenArgumentError(f"{op}(): all tensors must be on one device; got {shown}")
+    device = devices.pop()
+    _check_named_dims(op, inputs, tensors)
+    # A chunked input ([..., 2N]) broadcasts as one of its chunks ([..., N]).
+    value_shapes = [
+        t.shape[:-1] + (t.shape[-1] // i.chunks,) if i.chunks > 1 else t.shape for i, t in zip(inputs, tensors)
+    ]
+    try:
+        shape = torch.broadcast_shapes(*value_shapes)
+    except RuntimeError:
+        shown = " and ".join(f"{i.name} {list(t.shape)}" for i, t in zip(inputs, tensors))
+        raise FusegenArgumentError(f"{op}(): shapes do not broadcast: {shown}") from None
+    n = shape[-1] if len(shape) else 1
+    m = shape.numel() // n if n else functools.reduce(lambda a, b: a * b, shape[:-1], 1)
+    out_dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    has_data = device.type != "meta" and not any(is_fake(t) for t in tensors)
+    return Problem(shape, m, n, out_dtype, compute_dtype, device, has_data)
+
+
+def _check_named_dims(op: str, inputs: tuple[Input, ...], tensors: tuple) -> None:
+    bound: dict[str, tuple[int, int]] = {}  # dim name → (size, index of the input that set it)
+    for index, (spec, tensor) in enumerate(zip(inputs, tensors)):
+        explicit = [d for d in spec.dims if d != "..."]
+        has_ellipsis = len(explicit) != len(spec.dims)
+        if tensor.dim() < len(explicit) or (not has_ellipsis and tensor.dim() != len(explicit)):
+            raise FusegenArgumentError(f"{op}(): {spec.name} must have shape {spec.declared}, got {list(tensor.shape)}")
+        sizes = list(tensor.shape[tensor.dim() - len(explicit):])
+        if spec.chunks > 1:
+            if sizes[-1] % spec.chunks:
+                raise FusegenArgumentError(
+                    f"{op}(): {spec.name} must have shape {spec.declared}, got {list(tensor.shape)} "
+                    f"({sizes[-1]} is not a multiple of {spec.chunks})"
+                )
+            sizes[-1] //= spec.chunks
+        for dim, size in zip(explicit, sizes):
+            if dim == "1":
+                if size != 1:
+                    raise FusegenArgumentError(
+                        f"{op}(): {spec.name} must have shape {spec.declared}, got {list(tensor.shape)}"
+                    )
+            elif dim in bound and bound[dim][0] != size:
+                other_size, other = bound[dim]
+                raise FusegenArgumentError(
+                    f"{op}(): {inputs[other].name} {list(tensors[other].shape)} and {spec.name} "
+                    f"{list(tensor.shape)} disagree on dim {dim} ({other_size} vs {size})"
+                )
+            else:
+                bound.setdefault(dim, (size, index))
+
+
+def any_requires_grad(tensors) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

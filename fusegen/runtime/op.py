@@ -1,0 +1,309 @@
+"""A generated op's plumbing, written once: argument checks, out=, the torch.library ops
+(forward and backward, with fake implementations for meta tensors and torch.compile),
+autograd, and the eager reference's set-up.
+
+A generated module declares its op as data (inputs, params, outputs, which gradients its
+backward kernel computes) and hands over its kernels, wrapped by its backend, and its
+reference body; `FusedOp` does the rest. Arguments arrive in the op's public order:
+inputs, then params, then (ops with dropout only) training and seed.
+"""
+from __future__ import annotations
+
+import torch
+
+from .arguments import FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar
+from .dropout import check_seed, dropout_mask_reference, seed_tensor
+from .gradients import sum_to_input
+from .out import check_out_without_grad, output_buffer, write_out
+from ..layout import Choice, Input, Scalar
+
+_SCHEMA_TYPES = {"float": "float", "int": "int"}
+
+
+class Call:
+    """One call's checked arguments."""
+
+    __slots__ = ("problem", "params", "has_dropout", "seed")
+
+    def __init__(self, problem: Problem, params: tuple, has_dropout: bool, seed: int | None):
+        self.problem = problem
+        self.params = params  # checked values, in the spec's order
+        self.has_dropout = has_dropout
+        self.seed = seed  # an explicit seed, or None: draw one
+
+
+class FusedOp:
+    """One generated op. `kernels` is the backend's launcher (see
+    fusegen.backends.triton.launch.Kernels): `kernels.bind(op)` gives an object with
+    `check_device(device)`, `forward(call, tensors, outputs, seed)` and
+    `backward(call, tensors, grad_outputs, needs, seed) -> gradients`."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        inputs: tuple[Input, ...],
+        params: tuple[Scalar | Choice, ...] = (),
+        outputs: tuple[str, ...],
+        masks: tuple[str, ...] = (),
+        passthrough: dict[str, str] | None = None,
+        kernels,
+        reference,
+    ):
+        self.name = name
+        self.inputs = inputs
+        self.params = params
+        self.outputs = outputs
+        self.has_dropout = bool(masks)
+        names = [p.name for p in params]
+        # masks: each dropout mask's p, by stream; the kernels take each such p once, in order.
+        self._mask_params = tuple(names.index(p) for p in masks)
+        self._dropout_indices = tuple(i for i, name in enumerate(names) if name in masks)
+        # An input whose gradient is one output's incoming gradient passes it on, no kernel.
+        passthrough = passthrough or {}
+        self._passthrough = tuple(
+            outputs.index(passthrough[i.name]) if i.name in passthrough else None for i in inputs
+        )
+        self._reference_body = reference
+        self.kernels = kernels.bind(self)
+        self._forward_op, self._backward_op = _register_library_ops(self)
+
+    # -- the public op --------------------------------------------------------------
+
+    def __call__(self, *args, out=None):
+        tensors = args[: len(self.inputs)]
+        if out is not None:
+            check_out_without_grad(self.name, tensors)
+            outputs = self.forward(args, out=out)[0]
+        elif torch.compiler.is_compiling():
+            outputs = self._forward_op(*args)
+            if self.has_dropout:
+                outputs = outputs[:-1]  # the seed tensor, kept for the backward
+        elif torch.is_grad_enabled() and any_requires_grad(tensors):
+            outputs = _Autograd.apply(self, *args)
+        else:
+            outputs = self.forward(args)[0]
+        return outputs[0] if len(self.outputs) == 1 else tuple(outputs)
+
+    def check_params(self, *values) -> tuple:
+        """The params checked as a call checks them (the module class checks at construction)."""
+        return tuple(
+            check_scalar(self.name, p.name, value, p.kind, p.low, p.high) if isinstance(p, Scalar)
+            else check_choice(self.name, p.name, value, p.choices)
+            for p, value in zip(self.params, values)
+        )
+
+    def check(self, args: tuple, needs_kernel: bool) -> Call:
+        """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
+        count = len(self.inputs)
+        for param, value in zip(self.params, args[count:]):
+            if isinstance(param, Choice):
+                check_choice(self.name, param.name, value, param.choices)
+        problem = broadcast_problem(self.name, self.inputs, args[:count])
+        if needs_kernel and problem.has_data and problem.device.type != "cuda":
+            self.kernels.check_device(problem.device)
+        params = tuple(
+            check_scalar(self.name, p.name, value, p.kind, p.low, p.high) if isinstance(p, Scalar) else value
+            for p, value in zip(self.params, args[count:])
+        )
+        if not self.has_dropout:
+            return Call(problem, params, False, None)
+        training, seed = args[count + len(self.params):]
+        has_dropout = bool(training) and any(params[i] > 0 for i in self._dropout_indices)
+        return Call(problem, params, has_dropout, check_seed(self.name, seed))
+
+    def forward(self, args: tuple, out=None, eager: bool = True):
+        """Launch the forward kernel; returns the outputs and the seed tensor it used (None
+        without dropout). `eager`: not inside a compiled graph, which may be captured."""
+        call = self.check(args, needs_kernel=True)
+        problem = call.problem
+        tensors = args[: len(self.inputs)]
+        seed = seed_tensor(call.seed, problem.device, eager) if call.has_dropout else None
+        count = len(self.outputs)
+        outputs = tuple(output_buffer(self.name, out, i, count, problem, tensors) for i in range(count))
+        if problem.launches:  # not without elements, nor without data (meta or fake tensors)
+            self.kernels.forward(call, tensors, outputs, seed)
+        return write_out(out, outputs), seed
+
+    def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...]) -> list:
+        """Every input's gradient (None where not needed) from the outputs' gradients."""
+        tensors = args[: len(self.inputs)]
+        kernel_needs = [need and through is None for need, through in zip(needs, self._passthrough)]
+        kernel_grads = iter(())
+        if any(kernel_needs):
+            # The library op only where it is needed: while torch.compile traces (its fake
+            # and functional tensors are Tensor subclasses), and under create_graph, where
+            # its autograd (which refuses double backward) must be recorded.
+            if type(grads[0]) is torch.Tensor and not torch.is_grad_enabled():
+                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs))
+            else:
+                count = len(self.inputs) + len(self.params)
+                # The forward's seed tensor replaces its seed argument; training stays.
+                extra = (args[count], seed) if self.has_dropout else ()
+                params = args[len(self.inputs):count]
+                kernel_grads = iter(self._backward_op(list(grads), list(tensors), *params, *extra, kernel_needs))
+        return [
+            None if not need else next(kernel_grads) if through is None else sum_to_input(grads[through], tensor)
+            for need, through, tensor in zip(needs, self._passthrough, tensors)
+        ]
+
+    def backward_kernels(self, grads, args, seed, needs) -> list:
+        """Launch the backward kernel: the gradients of the inputs flagged in `needs`."""
+        call = self.check(args, needs_kernel=True)
+        tensors = args[: len(self.inputs)]
+        return self.kernels.backward(call, tensors, grads, needs, seed)
+
+    # -- the eager reference ----------------------------------------------------------
+
+    def reference(self, *args, out=None):
+        """The reference body run on the inputs in the compute dtype, with the kernels' masks."""
+        tensors = args[: len(self.inputs)]
+        if out is not None:
+            check_out_without_grad(self.name, tensors)
+        call = self.check(args, needs_kernel=False)
+        problem = call.problem
+        values = []
+        for spec, tensor in zip(self.inputs, tensors):
+            tensor = tensor.to(problem.compute_dtype)
+            values.extend(tensor.chunk(spec.chunks, dim=-1) if spec.chunks > 1 else (tensor,))
+        params = [
+            # A tensor in the compute dtype: the kernel receives a float param as a float32 scalar.
+            torch.tensor(value, dtype=torch.float32, device=problem.device).to(problem.compute_dtype)
+            if isinstance(p, Scalar) else value
+            for p, value in zip(self.params, call.params)
+        ]
+        masks = []
+        if self.has_dropout:
+            masks = [None]  # dropout off: the body's other branch
+            if call.has_dropout:
+                seed = seed_tensor(call.seed, problem.device, eager=True)  # drawn as the op draws it
+                masks = [[dropout_mask_reference(seed, problem, stream, p) for stream, p in enumerate(call.params[i] for i in self._mask_params)]]
+        results = self._reference_body(problem, *values, *params, *masks)
+        results = tuple(r.to(problem.out_dtype) for r in results)
+        results = write_out(out, results, copy=True)
+        return results[0] if len(self.outputs) == 1 else tuple(results)
+
+
+# ---------------------------------------------------------------------------
+# Autograd: one backward (FusedOp.backward), reached eagerly through _Autograd and under
+# torch.compile through the library op's registered autograd.
+
+
+class _Autograd(torch.autograd.Function):
+    """Eager autograd without the library op's dispatch, which costs hundreds of
+    microseconds a call. (forward takes ctx itself: a separate setup_context makes apply
+    bind arguments through inspect.) Gradients are not materialized: zero gradients for an
+    unused output would cost a kernel each."""
+
+    @staticmethod
+    def forward(ctx, op: FusedOp, *args):
+        outputs, seed = op.forward(args)
+        count = len(op.inputs)
+        ctx.save_for_backward(*args[:count])
+        ctx.op, ctx.params, ctx.seed = op, args[count:], seed
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *_gradients(ctx, grads, ctx.seed))
+
+
+def _gradients(ctx, grads: tuple, seed) -> tuple:
+    """The backward shared by both autograd paths: None stands for an output's zero gradient."""
+    op: FusedOp = ctx.op
+    given = [g for g in grads if g is not None]
+    nothing = (None,) * (len(op.inputs) + len(ctx.params))
+    if not given:
+        return nothing
+    grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
+    needs = ctx.needs_input_grad[-len(nothing):][: len(op.inputs)]
+    input_grads = op.backward(grads, (*ctx.saved_tensors, *ctx.params), seed, needs)
+    return (*input_grads, *nothing[len(op.inputs):])
+
+
+def _schema_arguments(op: FusedOp) -> list[str]:
+    params = [f"{_SCHEMA_TYPES[p.kind] if isinstance(p, Scalar) else 'str'} {p.name}" for p in op.params]
+    return [f"Tensor {i.name}" for i in op.inputs] + params
+
+
+def _register_library_ops(op: FusedOp):
+    """fusegen::<op> and fusegen::<op>_backward: autograd and torch.compile each see one
+    opaque op. Saved for backward: the inputs (and the seed tensor), nothing else."""
+    arguments = _schema_arguments(op)
+    returns = ", ".join(["Tensor"] * (len(op.outputs) + op.has_dropout))
+    if op.has_dropout:
+        # It draws random numbers: tagged so, torch.compile never recomputes it in the backward.
+        schema = f"({', '.join(arguments + ['bool training', 'int? seed'])}) -> ({returns})"
+        tags = (torch.Tag.nondeterministic_seeded,)
+    else:
+        schema, tags = f"({', '.join(arguments)}) -> ({returns})", ()
+
+    def forward_impl(*args):
+        outputs, seed = op.forward(args, eager=False)  # a compiled graph may be captured
+        if not op.has_dropout:
+            return tuple(outputs)
+        # Without dropout the seed is never read: an unfilled tensor keeps the outputs fixed.
+        return (*outputs, torch.empty((1,), dtype=torch.int64, device=outputs[0].device) if seed is None else seed)
+
+    forward_op = torch.library.custom_op(f"fusegen::{op.name}", forward_impl, mutates_args=(), schema=schema, tags=tags)
+
+    @forward_op.register_fake
+    def _(*args):
+        problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)])
+        outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in op.outputs]
+        seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
+        return (*outputs, *seed)
+
+    def setup_context(ctx, inputs, output):
+        count = len(op.inputs)
+        ctx.save_for_backward(*inputs[:count], *output[len(op.outputs):])
+        ctx.op, ctx.params = op, inputs[count:]
+
+    def backward(ctx, *grads):
+        count = len(op.inputs)
+        tensors, seed = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
+        ctx_view = _SavedContext(op, tensors, ctx.params, ctx.needs_input_grad)
+        return _gradients(ctx_view, grads[: len(op.outputs)], seed[0] if seed else None)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+
+    # The backward op's own arguments start with '_', as spec names never do.
+    extra = ["bool training", "Tensor _seed"] if op.has_dropout else []
+    backward_schema = ", ".join(
+        ["Tensor[] _grads", "Tensor[] _inputs", *arguments[len(op.inputs):], *extra, "bool[] _needs_grad"]
+    )
+
+    def backward_impl(grads, tensors, *rest):
+        *params, needs = rest
+        seed = None
+        if op.has_dropout:
+            *params, training, seed = params
+            params = (*params, training, None)  # the seed argument: the tensor is passed on its own
+        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs)
+
+    backward_op = torch.library.custom_op(
+        f"fusegen::{op.name}_backward", backward_impl, mutates_args=(), schema=f"({backward_schema}) -> Tensor[]"
+    )
+
+    @backward_op.register_fake
+    def _(grads, tensors, *rest):
+        needs = rest[-1]
+        return [torch.empty_like(t) for t, need in zip(tensors, needs) if need]
+
+    def no_double_backward(ctx, *grads):
+        raise RuntimeError(f"fusegen::{op.name}: double backward is not supported")
+
+    backward_op.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
+    return forward_op, backward_op
+
+
+class _SavedContext:
+    """What _gradients reads of an autograd context, for the library op's saved tensors."""
+
+    def __init__(self, op, saved_tensors, params, needs_input_grad):
+        self.op, self.saved_tensors, self.params = op, saved_tensors, params
+        self.needs_input_grad = needs_input_grad
+
+
+__all__ = ["Call", "FusedOp", "FusegenArgumentError"]

@@ -1,0 +1,74 @@
+"""out=: where a kernel writes its outputs, and handing them back."""
+from __future__ import annotations
+
+import torch
+
+from .arguments import FusegenArgumentError, Problem, any_requires_grad
+
+
+def check_out_without_grad(op: str, tensors) -> None:
+    if torch.is_grad_enabled() and any_requires_grad(tensors):
+        raise FusegenArgumentError(f"{op}(): out= does not support autograd (an input requires grad)")
+
+
+def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs: tuple) -> torch.Tensor:
+    """Where the kernel writes output `index`: a new tensor, or `out` itself when it is
+    contiguous (the kernel writes [M, N] row-major) and shares no memory with an input.
+    Otherwise a new tensor, copied into `out` after: the autotuner runs the kernel several
+    times on its first call, and a second run would read what the first wrote (out=x)."""
+    if out is None:
+        return torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+    target = _out_tensor(op, out, index, count)
+    if target.shape != problem.shape or target.dtype != problem.out_dtype or target.device != problem.device:
+        raise FusegenArgumentError(
+            f"{op}(): out{'' if count == 1 else f'[{index}]'} must be {problem.out_dtype} {list(problem.shape)} "
+            f"on {problem.device}, got {target.dtype} {list(target.shape)} on {target.device}"
+        )
+    # Without data (meta, fake) nothing is written: out, checked, is the result.
+    if not problem.has_data or target.is_contiguous() and not any(_may_overlap(target, t) for t in inputs):
+        return target
+    return torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes a and b span intersect (a superset of sharing an element). Addresses,
+    not storages: two storages may share memory (torch.from_dlpack)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    return a_start < b_end and b_start < a_end
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def write_out(out, results: tuple[torch.Tensor, ...], copy: bool = False) -> tuple[torch.Tensor, ...]:
+    """The outputs to return: `results`, or with out= the out tensors, filled with them."""
+    if out is None:
+        return results
+    targets = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+    for target, result in zip(targets, results):
+        if target is not result:
+            if copy:
+                _check_out_matches(target, result)
+            target.copy_(result)
+    return targets
+
+
+def _out_tensor(op: str, out, index: int, count: int) -> torch.Tensor:
+    if count == 1 and isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and len(out) == count and all(isinstance(t, torch.Tensor) for t in out):
+        return out[index]
+    expected = "a tensor" if count == 1 else f"a tuple of {count} tensors"
+    raise FusegenArgumentError(f"{op}(): out must be {expected}")
+
+
+def _check_out_matches(target: torch.Tensor, result: torch.Tensor) -> None:
+    if target.shape != result.shape or target.dtype != result.dtype or target.device != result.device:
+        raise FusegenArgumentError(
+            f"out must be {result.dtype} {list(result.shape)} on {result.device}, "
+            f"got {target.dtype} {list(target.shape)} on {target.device}"
+        )
