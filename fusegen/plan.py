@@ -136,7 +136,7 @@ class OpPlan:
 def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
     """`reserved`: the names the backend's generated code uses for itself."""
     spec = op.ir.spec
-    namer = Namer(reserved | {spec.name})  # the op function: module classes call it by name
+    namer = Namer(reserved)
     # The spec's own names first: each keeps its name wherever the backend does not use it.
     names = {}
     for item in (*spec.inputs, *spec.params, *spec.outputs):

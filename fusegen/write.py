@@ -62,7 +62,9 @@ def check_module(text: str, filename: str) -> None:
     except SyntaxError as exc:
         raise GeneratedCodeError(f"{filename}:{exc.lineno}: generated code does not parse: {exc.msg}") from None
     defined = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
-    defined |= set(dir(builtins))
+    # A function that reads a name `super` (a spec's input may be named so) gets an
+    # implicit __class__ reference from Python's symbol table.
+    defined |= set(dir(builtins)) | {"__class__"}
     for scope in _scopes(table):
         for symbol in scope.get_symbols():
             if symbol.is_referenced() and (symbol.is_global() or scope is table) and symbol.get_name() not in defined:

@@ -304,13 +304,10 @@ class AddMulActivation(torch.nn.Module):
     """
 
     def __init__(self, multiplier=1.0, activation='relu'):
-        super().__init__()
-        _OP.check_params(multiplier, activation)
-        self.multiplier = multiplier
-        self.activation = activation
+        _OP.init_module(self, multiplier, activation)
 
     def forward(self, x, inp, bias):
-        return add_mul_activation(x, inp, bias, self.multiplier, self.activation)
+        return _OP(x, inp, bias, self.multiplier, self.activation)
 
     def extra_repr(self):
         return f"multiplier={self.multiplier!r}, activation={self.activation!r}"

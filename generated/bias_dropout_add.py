@@ -247,12 +247,10 @@ class BiasDropoutAdd(torch.nn.Module):
     """
 
     def __init__(self, p=0.1):
-        super().__init__()
-        _OP.check_params(p)
-        self.p = p
+        _OP.init_module(self, p)
 
     def forward(self, x, bias, residual):
-        return bias_dropout_add(x, bias, residual, self.p, self.training)
+        return _OP(x, bias, residual, self.p, self.training, None)
 
     def extra_repr(self):
         return f"p={self.p!r}"

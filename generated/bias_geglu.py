@@ -293,12 +293,10 @@ class BiasGeglu(torch.nn.Module):
     """
 
     def __init__(self, activation='gelu_tanh'):
-        super().__init__()
-        _OP.check_params(activation)
-        self.activation = activation
+        _OP.init_module(self, activation)
 
     def forward(self, x, bias):
-        return bias_geglu(x, bias, self.activation)
+        return _OP(x, bias, self.activation)
 
     def extra_repr(self):
         return f"activation={self.activation!r}"

@@ -239,12 +239,10 @@ class BiasGelu(torch.nn.Module):
     """
 
     def __init__(self, activation='gelu'):
-        super().__init__()
-        _OP.check_params(activation)
-        self.activation = activation
+        _OP.init_module(self, activation)
 
     def forward(self, x, bias):
-        return bias_gelu(x, bias, self.activation)
+        return _OP(x, bias, self.activation)
 
     def extra_repr(self):
         return f"activation={self.activation!r}"

@@ -344,13 +344,10 @@ class BiasGeluDropoutAdd(torch.nn.Module):
     """
 
     def __init__(self, p=0.1, activation='gelu_tanh'):
-        super().__init__()
-        _OP.check_params(p, activation)
-        self.p = p
-        self.activation = activation
+        _OP.init_module(self, p, activation)
 
     def forward(self, x, bias, residual):
-        return bias_gelu_dropout_add(x, bias, residual, self.p, self.activation, self.training)
+        return _OP(x, bias, residual, self.p, self.activation, self.training, None)
 
     def extra_repr(self):
         return f"p={self.p!r}, activation={self.activation!r}"

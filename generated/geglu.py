@@ -234,12 +234,10 @@ class Geglu(torch.nn.Module):
     """
 
     def __init__(self, activation='gelu_tanh'):
-        super().__init__()
-        _OP.check_params(activation)
-        self.activation = activation
+        _OP.init_module(self, activation)
 
     def forward(self, x):
-        return geglu(x, self.activation)
+        return _OP(x, self.activation)
 
     def extra_repr(self):
         return f"activation={self.activation!r}"

@@ -164,12 +164,10 @@ class LeakyRelu(torch.nn.Module):
     """
 
     def __init__(self, slope=0.01):
-        super().__init__()
-        _OP.check_params(slope)
-        self.slope = slope
+        _OP.init_module(self, slope)
 
     def forward(self, x):
-        return leaky_relu(x, self.slope)
+        return _OP(x, self.slope)
 
     def extra_repr(self):
         return f"slope={self.slope!r}"

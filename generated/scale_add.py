@@ -207,7 +207,7 @@ class ScaleAdd(torch.nn.Module):
     """
 
     def forward(self, x, scale, residual):
-        return scale_add(x, scale, residual)
+        return _OP(x, scale, residual)
 
 
 def reference(x, scale, residual, *, out=None):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
-import inspect
 import itertools
 import os
 import sys
@@ -27,7 +26,7 @@ from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
 
 H100 = GPUTarget("cuda", 90, 32)
-_TRITON_SCALARS = {float: "fp32", int: "i32"}  # how the launcher's Python scalars arrive
+_TRITON_SCALARS = {"float": "fp32", "int": "i32"}  # how the launcher's Python scalars arrive
 
 
 def load_module(path: Path):
@@ -103,10 +102,11 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
 
 def compile_module(path: Path) -> list[str]:
     module = load_module(path)
-    op = module._OP
-    annotations = inspect.signature(module._forward_op).parameters
-    scalar_types = {n: _TRITON_SCALARS[p.annotation] for n, p in annotations.items() if p.annotation in _TRITON_SCALARS}
-    choices = {name[: -len("_CHOICES")]: values for name, values in vars(module).items() if name.endswith("_CHOICES")}
+    op = module._OP.name
+    # The op's declaration says each param's kind; kernels name them as the spec does, and a
+    # choice as its upper-cased constexpr (for these specs: none collides with another name).
+    scalar_types = {p.name: _TRITON_SCALARS[p.kind] for p in module._OP.params if hasattr(p, "kind")}
+    choices = {p.name.upper(): p.choices for p in module._OP.params if hasattr(p, "choices")}
     failures = []
     for kernel_name in (f"{op}_kernel", f"{op}_backward_kernel"):
         kernel = getattr(module, kernel_name)

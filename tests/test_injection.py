@@ -5,19 +5,20 @@ choice param names, choice values, let and output names, dim names, doc, spec fi
 It is rejected with one line `specs/<file>:<line>: message`, or, if accepted, the module
 built from it must hold only what the spec asks for:
 
-- it passes `render.check_module`;
+- it passes `write.check_module`;
 - every call is to an allowlisted callee (tl.*, torch.*, triton.*, runtime.*, libdevice.*,
   the module's own functions, a few builtins, public methods of a function's own locals);
   no builtin such as eval, exec, getattr or __import__ is even read;
 - it imports nothing but the fixed header imports;
 - a hostile doc, dim or file name appears only inside string literals and comments, and
   the docstrings (and the package __init__'s) hold the doc word for word;
-- it is the module built from the same spec with a neutral name in that position, the
-  name substituted: the same syntax tree (up to the order of the terms of + and *, which
-  sympy sorts by name), and every name bound the same way (same scope,
-  same kind, resolving to the same module-level or builtin object; no two of the neutral
-  module's names merged into one). This is what catches a name that shadows or captures
-  one of the generated code's own names.
+- a name is the user's: the op's public signature holds it as written, and inside the
+  generated functions (where fusegen.plan's namer may have renamed it, rows → rows_)
+  every scope reads the same module-level and builtin names as the module built from the
+  same spec with a neutral name in that position: nothing the spec names shadows or
+  captures one of the generated code's own names. Data (doc, dims, file name) leaves the
+  module the neutral module with the text substituted: the same syntax tree (up to the
+  order of the terms of + and *, which sympy sorts by name), every name bound the same way.
 
 Bugs found here are pinned as strict xfails, with the reason (see KNOWN BUGS below).
 """
@@ -37,7 +38,8 @@ import pytest
 import torch
 import yaml
 
-from fusegen import cli, render
+from fusegen import cli, write
+from fusegen.backends.triton.codegen import module_class_name
 from fusegen.errors import SpecError
 from fusegen.spec import load_spec
 
@@ -207,7 +209,7 @@ def _neutral_text(position: str, root: str) -> str:
 
 def _substitute(text: str, name: str) -> str:
     # The op's module class is named after it: Qzneutral for the neutral op.
-    text = text.replace(render.module_class_name(NEUTRAL), render.module_class_name(name))
+    text = text.replace(module_class_name(NEUTRAL), module_class_name(name))
     return text.replace(NEUTRAL, name).replace(NEUTRAL.upper(), name.upper())
 
 
@@ -234,16 +236,17 @@ def _rename(tree: ast.AST, name: str) -> ast.AST:
 # The checks on an accepted module
 
 HEADER_IMPORTS = {
-    "from typing import Optional",
     "import torch",
     "import torch.nn.functional as F",
     "import triton",
     "import triton.language as tl",
     "from triton.language.extra import libdevice",
     "from fusegen import runtime",
-    "from fusegen.runtime.triton_helpers import dropout_mask",
+    "from fusegen.backends.triton import launch, tuning",
 }
-LIBRARIES = {"tl", "torch", "triton", "runtime", "libdevice", "F"}
+KERNEL_LIB = "from fusegen.backends.triton.kernel_lib import "
+KERNEL_LIB_NAMES = {"dropout_mask", "rsqrt_rn", "sqrt_rn"}
+LIBRARIES = {"tl", "torch", "triton", "runtime", "libdevice", "F", "launch", "tuning"}
 BUILTIN_CALLEES = {
     "zip", "range", "len", "any", "all", "int", "float", "bool", "iter", "next", "tuple", "list", "dict", "isinstance",
     "staticmethod", "type", "min", "max", "sum", "abs", "enumerate", "str", "repr", "RuntimeError", "ValueError", "TypeError",
@@ -322,7 +325,11 @@ def check_imports(tree: ast.Module) -> None:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             assert node in tree.body, f"import inside a function: {ast.unparse(node)}"
-            assert ast.unparse(node) in HEADER_IMPORTS, f"unexpected import: {ast.unparse(node)}"
+            line = ast.unparse(node)
+            if line.startswith(KERNEL_LIB):
+                assert set(line[len(KERNEL_LIB):].split(", ")) <= KERNEL_LIB_NAMES, f"unexpected import: {line}"
+            else:
+                assert line in HEADER_IMPORTS, f"unexpected import: {line}"
         if isinstance(node, ast.Attribute):
             assert node.attr not in {"__globals__", "__subclasses__", "__builtins__", "__code__", "__dict__"}, ast.unparse(node)
 
@@ -427,10 +434,18 @@ def _canonical(tree: ast.AST) -> ast.AST:
     return tree
 
 
+def _words_of_strings(tree: ast.AST) -> ast.AST:
+    """String constants as their words, in place: docstrings wrap where the text falls."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node.value = " ".join(node.value.split())
+    return tree
+
+
 def check_same_as_neutral(text: str, neutral: str, name: str) -> None:
     """`text` is `neutral` with NEUTRAL replaced by `name`: same tree, same bindings."""
-    tree = _canonical(ast.parse(text))
-    expected = _canonical(_rename(ast.parse(neutral), name))
+    tree = _canonical(_words_of_strings(ast.parse(text)))
+    expected = _canonical(_words_of_strings(_rename(ast.parse(neutral), name)))
     assert ast.dump(tree) == ast.dump(expected), "the module is not the neutral module with the name substituted"
     # Every name bound once at module level, as in the neutral module.
     bound = _bound_at_module_level(tree)
@@ -454,6 +469,48 @@ def _first_difference(got, want) -> str:
     return f"{len(got)} scopes vs {len(want)}"
 
 
+def _globals_by_scope(text: str) -> list[tuple[str, list[str]]]:
+    """Each scope (depth first) with the names it reads from the module or the builtins."""
+    found = []
+
+    def visit(scope: symtable.SymbolTable, top: bool) -> None:
+        # A name `super` in a function (the op's input super) adds an implicit __class__.
+        names = sorted(
+            s.get_name() for s in scope.get_symbols()
+            if s.is_referenced() and (top or s.is_global()) and s.get_name() != "__class__"
+        )
+        found.append((scope.get_name(), names))
+        for child in scope.get_children():
+            visit(child, False)
+
+    visit(symtable.symtable(text, "op.py", "exec"), True)
+    return found
+
+
+def check_no_capture(text: str, neutral: str) -> None:
+    """Renamed or not, the spec's name captures nothing: every scope reads the same module
+    and builtin names as the neutral module's, the module's own names matched up by where
+    they are bound (the namer may have renamed one: _act_grad_ beside _act_grad), and the
+    module binds each name once."""
+    bound = _bound_at_module_level(ast.parse(text))
+    twice = sorted({n for n in bound if bound.count(n) > 1})
+    neutral_bound = _bound_at_module_level(ast.parse(neutral))
+    assert len(bound) == len(neutral_bound) and not twice, (bound, neutral_bound, twice)
+    same = dict(zip(neutral_bound, bound))
+    want = [(same.get(scope, scope), sorted(same.get(n, n) for n in names)) for scope, names in _globals_by_scope(neutral)]
+    assert _globals_by_scope(text) == want
+
+
+def check_public_names(text: str, position: str, name: str) -> None:
+    """The op's and reference's signatures hold the spec's name as the user wrote it."""
+    if position not in ("input", "scalar_param", "choice_param", "choice_param_2"):
+        return
+    tree = ast.parse(text)
+    for function in tree.body:
+        if isinstance(function, ast.FunctionDef) and function.name in ("op", "reference"):
+            assert name in [a.arg for a in function.args.args], (function.name, name)
+
+
 def _words(text: str) -> str:
     return " ".join(text.split())
 
@@ -468,7 +525,7 @@ def check_docstrings(text: str, doc: str) -> None:
 
 def check_accepted(position: str, name: str, built: cli.BuiltOp, neutral: str) -> None:
     text = built.text
-    render.check_module(text, "op.py")
+    write.check_module(text, "op.py")
     tree = ast.parse(text)
     check_imports(tree)
     check_calls(tree)
@@ -476,15 +533,18 @@ def check_accepted(position: str, name: str, built: cli.BuiltOp, neutral: str) -
         check_text_is_data(text, name)
     if position == "doc":
         check_docstrings(text, name.strip())
-        init = render.render_package_init([built.spec])
+        init = write.render_package_init([built.spec])
         init_tree = ast.parse(init)
         assert f"- op: {name.strip()}" in ast.get_docstring(init_tree, clean=False).split("\n")
         assert [ast.literal_eval(n.value) for n in init_tree.body if isinstance(n, ast.Assign)] == [("op",)]
         check_text_is_data(init, name)
     if position == "doc":
         name = name.strip()
-    if position != "choice_value":  # accepted choices are function names: no neutral one to compare with
+    if position in DATA_POSITIONS:
         check_same_as_neutral(text, neutral, name)
+    elif position != "choice_value":  # accepted choices are function names: no neutral one to compare with
+        check_no_capture(text, neutral)
+        check_public_names(text, position, name)
 
 
 # ---------------------------------------------------------------------------
@@ -516,17 +576,20 @@ def test_the_checks_catch_an_injection(root):
     """The checks themselves: a module with code smuggled in, or a name captured, fails them."""
     spec, file_name = _spec("doc", NEUTRAL)
     neutral = _neutral_text("doc", root)
-    smuggled = neutral.replace('_OP = "op"', '_OP = "op"\n__import__("os").system("x")')
+    assert "_OP = runtime.FusedOp(" in neutral and "def _reference(problem, inp, act)" in neutral
+    smuggled = neutral.replace("_OP = runtime.FusedOp(", '__import__("os").system("x")\n_OP = runtime.FusedOp(')
     with pytest.raises(AssertionError):
         check_calls(ast.parse(smuggled))
     with pytest.raises(AssertionError):
         check_imports(ast.parse(neutral.replace("import torch\n", "import torch\nimport os\n", 1)))
     with pytest.raises(AssertionError):
-        check_text_is_data(neutral.replace('_OP = "op"', "_OP = 'op'; x = (1)"), "x = (1)")
-    # A name captured: the same tree, but `torch` read from a parameter instead of the import.
-    captured = neutral.replace("def _arguments(inp,", "def _arguments(torch,").replace("_problem(inp,", "_problem(torch,")
+        check_text_is_data(neutral.replace("_OP = runtime.FusedOp(", "x = (1)\n_OP = runtime.FusedOp("), "x = (1)")
+    # A name captured: `torch` read from a parameter instead of the import.
+    captured = neutral.replace("def _reference(problem, inp, act)", "def _reference(problem, torch, act)")
     with pytest.raises(AssertionError):
         check_same_as_neutral(captured, neutral, NEUTRAL)
+    with pytest.raises(AssertionError):
+        check_no_capture(captured, neutral)
 
 
 def test_unusual_but_legal_names_build_and_run(tmp_path, device):

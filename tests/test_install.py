@@ -35,8 +35,8 @@ def test_installed_ops_import_from_another_directory(tmp_path):
 
 
 def test_a_wheel_maps_generated_to_fusegen_ops(tmp_path):
-    """A non-editable install: the wheel carries generated/ as fusegen/ops/ and templates/ as
-    fusegen/templates/, and nothing top-level besides fusegen/. Built from a copy of the
+    """A non-editable install: the wheel carries generated/ as fusegen/ops/, templates/ as
+    fusegen/templates/ and each backend's templates, and nothing top-level besides fusegen/. Built from a copy of the
     sources, so the checkout gets no build/ folder; no network (no isolation, no deps)."""
     source = tmp_path / "source"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -51,7 +51,8 @@ def test_a_wheel_maps_generated_to_fusegen_ops(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {p.name for p in (ROOT / "generated").glob("*.py")}
     assert {f"fusegen/ops/{m}" for m in modules} <= names
-    assert "fusegen/templates/op.py.jinja" in names and "fusegen/cli.py" in names
+    assert "fusegen/templates/init.py.jinja" in names and "fusegen/cli.py" in names
+    assert "fusegen/backends/triton/templates/op.py.jinja" in names and "fusegen/bench/running.py" in names
     assert {n.split("/")[0] for n in names if not n.startswith("fusegen-")} == {"fusegen"}
 
     # Installed from the wheel into a folder of its own, it imports from anywhere.
@@ -62,3 +63,9 @@ def test_a_wheel_maps_generated_to_fusegen_ops(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()) == site / "fusegen" / "ops" / "__init__.py"
+    # And it builds: the backend finds its templates inside the installed package.
+    out = tmp_path / "built"
+    result = subprocess.run([sys.executable, "-m", "fusegen", "build", str(ROOT / "specs" / "gelu.yaml"), "-o", str(out)],
+                            cwd=tmp_path, env=_env(PYTHONPATH=str(site)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (out / "gelu.py").read_text(encoding="utf-8") == (ROOT / "generated" / "gelu.py").read_text(encoding="utf-8")

@@ -47,11 +47,11 @@ set_here("before")
 import torch
 import triton
 set_here("after triton")
-import fusegen.backends.triton
+import fusegen.backends.triton.launch
 set_here("after fusegen.backends.triton")
 from generated.gelu import gelu, reference
 set_here("after the op")
-result = {"is_interpreting": fusegen.backends.triton.is_interpreting()}
+result = {"is_interpreting": fusegen.backends.triton.interpreter.is_interpreting()}
 x = torch.randn(3, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
 try:
     leaf = x.clone().requires_grad_(True)

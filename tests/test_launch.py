@@ -1,5 +1,5 @@
 """The Triton backend's launch decisions: which tiles the autotuner may try, and when a
-cached binary may be launched without Triton's dispatch (launcher.CachedLauncher)."""
+cached binary may be launched without Triton's dispatch (cached_launcher.CachedLauncher)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import torch
 import triton
 
 from fusegen import runtime
-from fusegen.backends.triton import launcher, tuning
+from fusegen.backends.triton import cached_launcher, tuning
 from helpers import op_by_name
 
 
@@ -61,7 +61,7 @@ def gpu_launcher(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     names = ["x_ptr", "x_stride", "n", "scale", "seed", "FLAG"]
     kernel = SimpleNamespace(fn=SimpleNamespace(arg_names=names, do_not_specialize=["seed"]))
-    return launcher.CachedLauncher(kernel)
+    return cached_launcher.CachedLauncher(kernel)
 
 
 def test_key_ignores_the_unspecialized_seed_but_not_its_width(gpu_launcher):

@@ -3,10 +3,15 @@ import pytest
 import sympy
 
 from fusegen.functions import FUNCTIONS, sigmoid
-from fusegen.printers import TorchPrinter, TritonPrinter
+from fusegen.backends.triton.printer import TritonPrinter
+from fusegen.printers import TorchPrinter
+from fusegen.simplify import choice_function
 
 x, y = sympy.symbols("x y", real=True)
-triton, torch_ = TritonPrinter(), TorchPrinter()
+ACT = choice_function("act", 1)
+# How the plan names a choice's helpers and selector: here as the generated code spells them.
+triton = TritonPrinter({("act", None): "_act"}, {"act": "ACT"})
+torch_ = TorchPrinter({("act", None): "_act_torch"}, {"act": "act"})
 
 
 @pytest.mark.parametrize(
@@ -16,8 +21,8 @@ triton, torch_ = TritonPrinter(), TorchPrinter()
         (x**3 + y, "x * x * x + y", "x * x * x + y"),
         (1 / x, "1.0 / x", "1.0 / x"),
         (y / (x + 1), "y / (x + 1)", "y / (x + 1)"),
-        (sympy.sqrt(x), "runtime.sqrt_rn(x)", "torch.sqrt(x)"),
-        (1 / sympy.sqrt(x), "runtime.rsqrt_rn(x)", "torch.rsqrt(x)"),
+        (sympy.sqrt(x), "sqrt_rn(x)", "torch.sqrt(x)"),
+        (1 / sympy.sqrt(x), "rsqrt_rn(x)", "torch.rsqrt(x)"),
         (sigmoid(x), "tl.sigmoid(x)", "torch.sigmoid(x)"),
         (sympy.tanh(x), "libdevice.tanh(x)", "torch.tanh(x)"),
         (sympy.Max(x, 0), "tl.maximum(x, 0, propagate_nan=tl.PropagateNan.ALL)", "torch.clamp_min(x, 0)"),
@@ -71,11 +76,24 @@ def test_integers_past_2_53_print_as_floats():
 
 
 def test_a_choice_of_a_number_gets_a_tensor():
-    from fusegen.simplify import choice_function
-
-    act = choice_function("act", 1)
+    act = ACT
     assert triton.doprint(act(1) * x) == "x * _act(tl.full((), 1, tl.float64 if COMPUTE_FP64 else tl.float32), ACT)"
-    assert torch_.doprint(act(x)) == "_act__torch(x, act)"
+    assert torch_.doprint(act(x)) == "_act_torch(x, act)"
     assert torch_.doprint(act(sympy.Float(0.5))) == (
-        "_act__torch(torch.tensor(0.5, dtype=problem.compute_dtype, device=problem.device), act)"
+        "_act_torch(torch.tensor(0.5, dtype=problem.compute_dtype, device=problem.device), act)"
     )
+
+
+def test_constants_that_are_not_plain_decimals_are_named():
+    printer = TritonPrinter()
+    assert printer.doprint(x * sympy.sqrt(2) / sympy.sqrt(sympy.pi)) == "0.7978845608028654 * x"
+    assert printer.constants == {"0.7978845608028654": "sqrt(2)/sqrt(π)"}
+    printer.constants.clear()
+    printer.doprint(x / 3 + y / 2)  # 1/3 gets a name; 1/2 is plain as 0.5
+    assert printer.constants == {"0.3333333333333333": "1/3"}
+
+
+def test_relu_step_is_one_where():
+    assert triton.doprint(sympy.Heaviside(x, 0)) == "tl.where(x > 0, 1.0, 0.0)"
+    # At 1/2 (sympy's own) the tie needs its own branch.
+    assert triton.doprint(sympy.Heaviside(x)) == "tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0.5))"

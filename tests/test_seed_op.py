@@ -26,7 +26,7 @@ ORACLES = {
     "sigmoid": torch.sigmoid,
     "identity": lambda z: z,
 }
-ACTIVATIONS = list(mod.ACTIVATION_CHOICES)
+ACTIVATIONS = list(next(p for p in mod._OP.params if p.name == "activation").choices)
 
 
 def _inputs(shape=(6, 33), dtype=torch.float32, device="cpu", seed=0):

@@ -13,7 +13,7 @@ def _op(tmp_path, outputs: str, inputs: str = "  x: [..., N]\n  bias: [N]\n", pa
 def test_dropout_is_a_mask_symbol_that_vanishes_without_dropout(tmp_path):
     op = _op(tmp_path, "  y: dropout(x + bias, p)\n", params="params:\n  p: {type: float, default: 0.1, min: 0.0, max: 1.0}\n")
     x, bias = sympy.symbols("x bias", real=True)
-    mask = sympy.Symbol("dropout_mask0", real=True)
+    mask = sympy.Symbol(simplify.mask_name(0), real=True)
     assert dict(op.forward.results)["y"] == mask * (x + bias)
     assert dict(op.forward_no_dropout.results)["y"] == x + bias
     assert op.scalar_params == ()  # p reaches the kernel as a threshold and a scale only
@@ -25,13 +25,14 @@ def test_gradients_and_passthrough(tmp_path):
         "  y: x * bias + residual\n",
         inputs="  x: [..., N]\n  bias: [N]\n  residual: [..., N]\n",
     )
-    x, bias, grad_y = sympy.symbols("x bias grad_y", real=True)
+    x, bias = sympy.symbols("x bias", real=True)
+    grad_y = sympy.Symbol(simplify.grad_output_name("y"), real=True)
     grads = {g.input: g for g in op.gradients}
     assert grads["residual"].passthrough_of == "y"
     assert grads["x"].passthrough_of is None
     results = dict(op.backward.results)
-    assert sympy.simplify(results["grad_x"].xreplace(dict(op.backward.temps)) - grad_y * bias) == 0
-    assert sympy.simplify(results["grad_bias"].xreplace(dict(op.backward.temps)) - grad_y * x) == 0
+    assert sympy.simplify(results["x"].xreplace(dict(op.backward.temps)) - grad_y * bias) == 0
+    assert sympy.simplify(results["bias"].xreplace(dict(op.backward.temps)) - grad_y * x) == 0
 
 
 def test_cse_shares_work_between_gradients(tmp_path):
@@ -39,7 +40,7 @@ def test_cse_shares_work_between_gradients(tmp_path):
     # d/dx and d/dbias are the same expression: computed once.
     assert len(op.backward.temps) == 1
     results = dict(op.backward.results)
-    assert results["grad_x"] == results["grad_bias"] == op.backward.temps[0][0]
+    assert results["x"] == results["bias"] == op.backward.temps[0][0]
 
 
 def test_choice_stays_opaque_with_a_derivative_helper(tmp_path):
@@ -70,8 +71,9 @@ def test_gradient_keeps_common_factors_out_of_the_sum(tmp_path):
     from fusegen.functions import sigmoid
 
     op = _op(tmp_path, "  y: silu(x) * bias\n")
-    x, bias, grad_y = sympy.symbols("x bias grad_y", real=True)
-    grad_x = dict(op.backward.results)["grad_x"].xreplace(dict(op.backward.temps))
+    x, bias = sympy.symbols("x bias", real=True)
+    grad_y = sympy.Symbol(simplify.grad_output_name("y"), real=True)
+    grad_x = dict(op.backward.results)["x"].xreplace(dict(op.backward.temps))
     assert grad_x == grad_y * bias * sigmoid(x) * (x * sigmoid(-x) + 1)
 
 

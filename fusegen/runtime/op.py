@@ -93,6 +93,13 @@ class FusedOp:
             for p, value in zip(self.params, values)
         )
 
+    def init_module(self, module: torch.nn.Module, *values) -> None:
+        """The op's torch.nn.Module, constructed: its params checked, kept by their names."""
+        torch.nn.Module.__init__(module)
+        self.check_params(*values)
+        for param, value in zip(self.params, values):
+            setattr(module, param.name, value)
+
     def check(self, args: tuple, needs_kernel: bool) -> Call:
         """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
         count = len(self.inputs)

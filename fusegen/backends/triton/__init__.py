@@ -1,8 +1,3 @@
-"""The Triton backend: kernels printed from the plan (codegen), and what the generated
-modules use at run time (launch, tuning, kernel_lib). Importing it costs no code
-generation: codegen is imported only by `fusegen build`."""
-from .interpreter import is_interpreting, patch_bfloat16_rounding, patch_libdevice
-
-if is_interpreting():
-    patch_bfloat16_rounding()
-    patch_libdevice()
+"""The Triton backend: kernels printed from the plan (codegen, printer, templates), and what
+the generated modules use at run time (launch, cached_launcher, tuning, kernel_lib, interpreter).
+Light to import: codegen imports no torch, and the run-time modules no codegen."""

@@ -83,8 +83,11 @@ class _InputNames:
 def render(plan: OpPlan) -> str:
     """The text of generated/<op>.py."""
     spec = plan.spec
+    # The op function is module-level: it must not hide what the module's code reads there.
     if spec.name in MODULE_IMPORTS:
         raise SpecError(spec.path, spec.name_line, f"op name '{spec.name}' would hide the module's import of {spec.name}")
+    if spec.name in PYTHON_BUILTINS:
+        raise SpecError(spec.path, spec.name_line, f"op name '{spec.name}' would hide Python's builtin {spec.name}")
     names = _TritonNames(plan)
     op = spec.name
     triton = TritonPrinter(names.triton_helpers, names.constexprs)
@@ -126,13 +129,15 @@ def render(plan: OpPlan) -> str:
         public_arguments=", ".join(public),
         class_name=class_name,
         class_doc=_class_doc(plan),
-        init_signature=", ".join(["self"] + [f"{p.local}={p.default!r}" for p in params]),
-        init_arguments=", ".join(p.local for p in params),
-        param_assignments=[f"self.{p.name} = {p.local}" for p in params],
-        forward_signature=", ".join(["self"] + [i.local for i in plan.inputs]),
+        # The class's methods take the spec's names and read nothing global but _OP (spec
+        # names never start with '_'), so those names need no renaming there.
+        init_signature=", ".join(["self"] + [f"{p.name}={p.default!r}" for p in params]),
+        init_arguments=", ".join(p.name for p in params),
+        has_params=bool(params),
+        forward_signature=", ".join(["self"] + [i.name for i in plan.inputs]),
         module_call=", ".join(
-            [i.local for i in plan.inputs] + [f"self.{p.name}" for p in params]
-            + (["self.training"] if plan.has_dropout else [])
+            [i.name for i in plan.inputs] + [f"self.{p.name}" for p in params]
+            + (["self.training", "None"] if plan.has_dropout else [])
         ),
         extra_repr='f"' + ", ".join(f"{p.name}={{self.{p.name}!r}}" for p in params) + '"',
         has_dropout=plan.has_dropout,

@@ -21,8 +21,12 @@ from fusegen.layout import Choice
 from fusegen.runtime import GradTarget, dropout_scale, dropout_threshold, needs_int64, view_2d
 
 from . import tuning
-from .interpreter import check_runs_off_cuda
-from .launcher import CachedLauncher
+from .interpreter import check_runs_off_cuda, is_interpreting, patch_bfloat16_rounding, patch_libdevice
+from .cached_launcher import CachedLauncher
+
+if is_interpreting():  # every generated module imports this one before its kernels run
+    patch_bfloat16_rounding()
+    patch_libdevice()
 
 
 class Kernels:

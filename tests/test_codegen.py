@@ -1,4 +1,5 @@
-"""render and the build: deterministic, headed, atomic, checked; `fusegen check` on the committed tree."""
+"""The Triton backend's codegen and the build: deterministic, headed, atomic, checked, laid out
+as a person would write it; `fusegen check` on the committed tree."""
 import ast
 import hashlib
 import os
@@ -6,14 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fusegen import cli, ir, render, simplify, spec
+from fusegen import cli, ir, plan, simplify, spec, write
+from fusegen.backends import codegen
+from fusegen.backends.triton.codegen import RESERVED_NAMES, render
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_SPEC = ROOT / "specs" / "bias_gelu_dropout_add.yaml"
 
 
 def _render(path: Path) -> str:
-    return render.render_op_module(simplify.simplify(ir.build_ir(spec.load_spec(path))))
+    return render(plan.plan(simplify.simplify(ir.build_ir(spec.load_spec(path))), RESERVED_NAMES))
 
 
 def test_header_names_spec_and_hash():
@@ -32,7 +35,7 @@ def test_module_defines_what_the_spec_asks():
     assert [a.arg for a in public.args.args] == ["x", "bias", "residual", "p", "activation", "training", "seed"]
     assert [a.arg for a in public.args.kwonlyargs] == ["out"]
     # The op as a torch.nn.Module, exported beside it.
-    assert [n.name for n in tree.body if isinstance(n, ast.ClassDef)] == ["BiasGeluDropoutAdd", "_Autograd"]
+    assert [n.name for n in tree.body if isinstance(n, ast.ClassDef)] == ["BiasGeluDropoutAdd"]
 
 
 def test_build_is_byte_identical_across_processes(tmp_path):
@@ -64,9 +67,9 @@ def test_check_names_stale_files(tmp_path, capsys):
 
 def test_write_only_when_changed(tmp_path):
     target = tmp_path / "m.py"
-    assert render.write_if_changed(target, "a = 1\n") is True
+    assert write.write_if_changed(target, "a = 1\n") is True
     mtime = target.stat().st_mtime_ns
-    assert render.write_if_changed(target, "a = 1\n") is False
+    assert write.write_if_changed(target, "a = 1\n") is False
     assert target.stat().st_mtime_ns == mtime
     assert not [p for p in tmp_path.iterdir() if p.name != "m.py"]  # no temp files left
 
@@ -82,11 +85,11 @@ def test_show_prints_ir_cse_gradients_and_code(capsys):
 def test_check_module_rejects_unresolved_names():
     import pytest
 
-    render.check_module("import torch\n\n\ndef f(x):\n    return torch.exp(x) + len([t for t in x])\n", "m.py")
-    with pytest.raises(render.GeneratedCodeError, match="reads 'torhc', which nothing defines"):
-        render.check_module("import torch\n\n\ndef f(x):\n    return torhc.exp(x)\n", "m.py")
-    with pytest.raises(render.GeneratedCodeError, match="does not parse"):
-        render.check_module("def f(:\n", "m.py")
+    write.check_module("import torch\n\n\ndef f(x):\n    return torch.exp(x) + len([t for t in x])\n", "m.py")
+    with pytest.raises(write.GeneratedCodeError, match="reads 'torhc', which nothing defines"):
+        write.check_module("import torch\n\n\ndef f(x):\n    return torhc.exp(x)\n", "m.py")
+    with pytest.raises(write.GeneratedCodeError, match="does not parse"):
+        write.check_module("def f(:\n", "m.py")
 
 
 def test_a_module_that_fails_its_check_replaces_nothing(tmp_path, monkeypatch, capsys):
@@ -96,8 +99,55 @@ def test_a_module_that_fails_its_check_replaces_nothing(tmp_path, monkeypatch, c
     spec_copy = tmp_path / "specs" / "bias_gelu_dropout_add.yaml"
     spec_copy.parent.mkdir()
     spec_copy.write_text(SEED_SPEC.read_text().replace("doc: y =", "doc: changed, y ="))
-    broken = render.render_op_module
-    monkeypatch.setattr(render, "render_op_module", lambda op: broken(op) + "\nundefined_name_here\n")
+    backend = codegen()
+    broken = backend.render
+    monkeypatch.setattr(backend, "render", lambda op: broken(op) + "\nundefined_name_here\n")
     assert cli.main(["build", str(spec_copy.parent), "-o", str(out)]) == 3
     assert "reads 'undefined_name_here'" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# ---------------------------------------------------------------------------
+# Generated modules read as a person would write them
+
+
+def _generated() -> dict[str, str]:
+    return {p.stem: p.read_text(encoding="utf-8") for p in sorted((ROOT / "generated").glob("*.py"))}
+
+
+def test_no_generated_line_is_over_100_characters():
+    long = [(name, line) for name, text in _generated().items() for line in text.splitlines() if len(line) > 100]
+    assert not long, long[:5]
+
+
+def test_a_simple_op_is_a_short_module_with_no_dropout_plumbing():
+    text = _generated()["gelu"]
+    assert len(text.splitlines()) < 200
+    for word in ("seed", "HAS_DROPOUT", "training", "dropout"):
+        assert word not in text.split('"""', 2)[2], word  # the code, past the module docstring
+
+
+def test_irrational_constants_say_what_they_are():
+    text = _generated()["gelu"]
+    assert "    # 1.4142135623730951 = sqrt(2)\n    y = t0 * (tl.erf(1.4142135623730951 * t0) + 1)" in text
+    assert "# 0.5641895835477563 = 1/sqrt(π)" in text
+
+
+def test_a_step_prints_as_one_where():
+    # relu's derivative: 1 above 0, else 0 (NaN included), with no nested where.
+    text = _generated()["bias_relu"]
+    assert "tl.where(bias + x > 0, 1.0, 0.0)" in text and "< 0, 0.0" not in text
+
+
+def test_long_statements_are_broken_without_changing_the_program():
+    from fusegen.pyformat import format_module
+
+    source = (
+        "def f(a_long_argument_name, another_long_argument_name, yet_another_argument, and_one_more_argument=1):\n"
+        "    y = tl.where(a_long_argument_name > 0, another_long_argument_name * (yet_another_argument + 1.0), "
+        "tl.maximum(and_one_more_argument, a_long_argument_name - another_long_argument_name))\n"
+        "    return (a_long_argument_name + another_long_argument_name) * (yet_another_argument - and_one_more_argument) / y\n"
+    )
+    formatted = format_module(source)
+    assert ast.dump(ast.parse(formatted)) == ast.dump(ast.parse(source))
+    assert max(len(line) for line in formatted.splitlines()) <= 100
