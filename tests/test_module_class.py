@@ -227,7 +227,7 @@ def test_a_param_named_like_a_module_attribute_is_a_spec_error(tmp_path):
     )
 
 
-def test_names_like_the_class_are_the_users(tmp_path):
+def test_names_like_the_class_are_the_users(tmp_path, device):
     """An input and an output named as the op's module class: the class is module-level,
     the names are the functions' own."""
     # Not named gelu: a second fusegen::gelu would replace the library op of generated/gelu.py.
@@ -236,7 +236,7 @@ def test_names_like_the_class_are_the_users(tmp_path):
         "outputs:\n  y: x * GeluNamed\n  GeluNamedModule: x + 1\n"
     )
     module = build_and_import(tmp_path, spec)
-    x, g = torch.randn(3, 4), torch.randn(3, 4)
+    x, g = torch.randn(3, 4, device=device), torch.randn(3, 4, device=device)
     y, z = module.gelu_named(x, GeluNamed=g)
     torch.testing.assert_close(y, x * g)
     torch.testing.assert_close(z, x + 1)

@@ -68,26 +68,30 @@ class Problem:
         return self.has_data and self.m * self.n > 0
 
 
-# Problems already checked, by what the checks depend on (shapes, dtypes, devices): the
-# launcher runs on every call, and a training loop repeats a few shapes.
-_PROBLEMS: dict[tuple, Problem] = {}
 # Fake and functional tensors (torch.compile's) take the uncached path: their shapes may be symbolic.
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 CACHE_SIZE = 4096
 
 
-def broadcast_problem(op: str, inputs: tuple[Input, ...], tensors: tuple) -> Problem:
-    """Check tensors against the spec's dims and broadcast them as torch would."""
-    if all(type(t) in _PLAIN_TENSOR_TYPES for t in tensors):
-        key = (op, inputs, *((t.shape, t.dtype, t.device) for t in tensors))
-        problem = _PROBLEMS.get(key)
-        if problem is None:
-            problem = _check_and_broadcast(op, inputs, tensors)
-            if len(_PROBLEMS) >= CACHE_SIZE:
-                _PROBLEMS.clear()
-            _PROBLEMS[key] = problem
-        return problem
-    return _check_and_broadcast(op, inputs, tensors)
+def broadcast_problem(op: str, inputs: tuple[Input, ...], tensors: tuple, cache: dict | None = None) -> Problem:
+    """Check tensors against the spec's dims and broadcast them as torch would. `cache`: the
+    op's problems already checked, by what the checks depend on (shapes, dtypes, devices):
+    this runs on every call, and a training loop repeats a few shapes."""
+    if cache is None:
+        return _check_and_broadcast(op, inputs, tensors)
+    key = []
+    for t in tensors:
+        if type(t) not in _PLAIN_TENSOR_TYPES:
+            return _check_and_broadcast(op, inputs, tensors)
+        key.append((t.shape, t.dtype, t.device))
+    key = tuple(key)
+    problem = cache.get(key)
+    if problem is None:
+        problem = _check_and_broadcast(op, inputs, tensors)
+        if len(cache) >= CACHE_SIZE:
+            cache.clear()
+        cache[key] = problem
+    return problem
 
 
 def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple) -> Problem:
@@ -153,4 +157,7 @@ def _check_named_dims(op: str, inputs: tuple[Input, ...], tensors: tuple) -> Non
 
 
 def any_requires_grad(tensors) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False

@@ -64,6 +64,13 @@ class FusedOp:
         self._passthrough = tuple(
             outputs.index(passthrough[i.name]) if i.name in passthrough else None for i in inputs
         )
+        # What check() does per call, worked out once: it runs on every launch.
+        self._n_inputs, self._n_params, self._n_outputs = len(inputs), len(params), len(outputs)
+        self._choice_checks = tuple((i, p.name, p.choices) for i, p in enumerate(params) if isinstance(p, Choice))
+        self._scalar_checks = tuple(
+            (i, p.name, p.kind, p.low, p.high) for i, p in enumerate(params) if isinstance(p, Scalar)
+        )
+        self._problems: dict = {}  # checked problems by the tensors' shapes, dtypes and devices
         self._reference_body = reference
         self.kernels = kernels.bind(self)
         self._forward_op, self._backward_op = _register_library_ops(self)
@@ -71,19 +78,18 @@ class FusedOp:
     # -- the public op --------------------------------------------------------------
 
     def __call__(self, *args, out=None):
-        tensors = args[: len(self.inputs)]
         if out is not None:
-            check_out_without_grad(self.name, tensors)
+            check_out_without_grad(self.name, args[:self._n_inputs])
             outputs = self.forward(args, out=out)[0]
         elif torch.compiler.is_compiling():
             outputs = self._forward_op(*args)
             if self.has_dropout:
                 outputs = outputs[:-1]  # the seed tensor, kept for the backward
-        elif torch.is_grad_enabled() and any_requires_grad(tensors):
+        elif torch.is_grad_enabled() and any_requires_grad(args[:self._n_inputs]):
             outputs = _Autograd.apply(self, *args)
         else:
             outputs = self.forward(args)[0]
-        return outputs[0] if len(self.outputs) == 1 else tuple(outputs)
+        return outputs[0] if self._n_outputs == 1 else tuple(outputs)
 
     def check_params(self, *values) -> tuple:
         """The params checked as a call checks them (the module class checks at construction)."""
@@ -102,35 +108,42 @@ class FusedOp:
 
     def check(self, args: tuple, needs_kernel: bool) -> Call:
         """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
-        count = len(self.inputs)
-        for param, value in zip(self.params, args[count:]):
-            if isinstance(param, Choice):
-                check_choice(self.name, param.name, value, param.choices)
-        problem = broadcast_problem(self.name, self.inputs, args[:count])
+        n, name = self._n_inputs, self.name
+        params = list(args[n:n + self._n_params])
+        for i, param, choices in self._choice_checks:
+            if params[i] not in choices:
+                check_choice(name, param, params[i], choices)
+        problem = broadcast_problem(name, self.inputs, args[:n], self._problems)
         if needs_kernel and problem.has_data and problem.device.type != "cuda":
             self.kernels.check_device(problem.device)
-        params = tuple(
-            check_scalar(self.name, p.name, value, p.kind, p.low, p.high) if isinstance(p, Scalar) else value
-            for p, value in zip(self.params, args[count:])
-        )
+        for i, param, kind, low, high in self._scalar_checks:
+            params[i] = check_scalar(name, param, params[i], kind, low, high)
         if not self.has_dropout:
-            return Call(problem, params, False, None)
-        training, seed = args[count + len(self.params):]
-        has_dropout = bool(training) and any(params[i] > 0 for i in self._dropout_indices)
-        return Call(problem, params, has_dropout, check_seed(self.name, seed))
+            return Call(problem, tuple(params), False, None)
+        training, seed = args[n + self._n_params:]
+        has_dropout = False
+        if training:
+            for i in self._dropout_indices:
+                if params[i] > 0:
+                    has_dropout = True
+        return Call(problem, tuple(params), has_dropout, check_seed(name, seed))
 
     def forward(self, args: tuple, out=None, eager: bool = True):
         """Launch the forward kernel; returns the outputs and the seed tensor it used (None
         without dropout). `eager`: not inside a compiled graph, which may be captured."""
         call = self.check(args, needs_kernel=True)
         problem = call.problem
-        tensors = args[: len(self.inputs)]
+        tensors = args[:self._n_inputs]
         seed = seed_tensor(call.seed, problem.device, eager) if call.has_dropout else None
-        count = len(self.outputs)
-        outputs = tuple(output_buffer(self.name, out, i, count, problem, tensors) for i in range(count))
+        count = self._n_outputs
+        if out is None:
+            shape, dtype, device = problem.shape, problem.out_dtype, problem.device
+            outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
+        else:
+            outputs = [output_buffer(self.name, out, i, count, problem, tensors) for i in range(count)]
         if problem.launches:  # not without elements, nor without data (meta or fake tensors)
             self.kernels.forward(call, tensors, outputs, seed)
-        return write_out(out, outputs), seed
+        return (outputs if out is None else write_out(out, tuple(outputs))), seed
 
     def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...]) -> list:
         """Every input's gradient (None where not needed) from the outputs' gradients."""
@@ -257,7 +270,7 @@ def _register_library_ops(op: FusedOp):
 
     @forward_op.register_fake
     def _(*args):
-        problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)])
+        problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)], op._problems)
         outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in op.outputs]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
         return (*outputs, *seed)

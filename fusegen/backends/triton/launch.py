@@ -80,8 +80,13 @@ class _Bound:
         """`tile` (BLOCK_M, BLOCK_N): launch the kernel itself with that tile, not the
         autotuner (tests use it to check every tile computes the same)."""
         problem = call.problem
-        views = [view_2d(t, problem, chunks) for t, chunks in zip(tensors, self._chunks)]
-        args = [*(a for view in views for a in view), *outputs, *self._common(call, seed)]
+        views, args = [], []
+        for tensor, chunks in zip(tensors, self._chunks):
+            view = view_2d(tensor, problem, chunks)
+            views.append(view)
+            args += view
+        args += outputs
+        args += self._common(call, seed)
         args += [needs_int64(problem, views), problem.compute_dtype == torch.float64]
         m, n = problem.m, problem.n
         if tile is not None:
