@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 
+from . import templating
 from .spec import OpSpec
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -21,20 +22,13 @@ _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 def _template_environment() -> jinja2.Environment:
     # A checkout has templates/ beside the package; an installed package carries them as
     # fusegen.templates (see pyproject.toml).
-    if (_TEMPLATE_DIR / "op.py.jinja").is_file():
+    if (_TEMPLATE_DIR / "init.py.jinja").is_file():
         loader: jinja2.BaseLoader = jinja2.FileSystemLoader(str(_TEMPLATE_DIR))
     else:
         loader = jinja2.FunctionLoader(
             lambda name: resources.files("fusegen.templates").joinpath(name).read_text(encoding="utf-8")
         )
-    return jinja2.Environment(
-        loader=loader,
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
+    return templating.environment(loader)
 
 
 def render_starter_spec(name: str) -> str:

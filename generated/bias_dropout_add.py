@@ -198,7 +198,7 @@ def bias_dropout_add_backward_kernel(
 def _reference(problem, x, bias, residual, p, masks):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     if masks is not None:
-        dropout_mask0, = masks
+        (dropout_mask0,) = masks
         y = dropout_mask0 * (bias + x) + residual
     else:
         y = bias + residual + x

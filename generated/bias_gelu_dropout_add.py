@@ -284,7 +284,7 @@ def _activation_torch(x, choice):
 def _reference(problem, x, bias, residual, p, activation, masks):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     if masks is not None:
-        dropout_mask0, = masks
+        (dropout_mask0,) = masks
         y = dropout_mask0 * _activation_torch(bias + x, activation) + residual
     else:
         y = residual + _activation_torch(bias + x, activation)

@@ -62,6 +62,13 @@ def test_shape_for_dims(dims, expected):
     assert cases.shape_for_dims(dims, BSH, "N") == expected
 
 
+def test_ops_without_a_named_dim_get_the_whole_shape():
+    """gelu's x: [...] is (B, S, H), as large as the other ops' inputs, not (B, S)."""
+    spec = load_spec(ROOT / "specs" / "gelu.yaml")
+    assert cases.input_shapes(spec, BSH) == {"x": (8, 2048, H)}
+    assert cases.output_shape(spec, BSH) == (8, 2048, H)
+
+
 def test_chunked_inputs_hold_their_chunks():
     """An input written [..., 2N] holds two N-wide halves (InputSpec.chunks); the output has N."""
     spec = load_spec(ROOT / "specs" / "bias_swiglu.yaml")

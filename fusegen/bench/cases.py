@@ -106,12 +106,13 @@ def hidden_dim_name(out_dims: Sequence[str]) -> str | None:
 
 
 def shape_for_dims(dims: Sequence[str], bsh: tuple[int, int, int], hidden: str | None) -> tuple[int, ...]:
-    """Map spec dims to sizes: '...' → (B, S), the hidden dim → H, other names → B·S, '1' → 1."""
+    """Map spec dims to sizes: '...' → (B, S), the hidden dim → H, other names → B·S, '1' → 1.
+    An op with no named dim (gelu's x: [...]) has '...' stand for all of (B, S, H)."""
     b, s, h = bsh
     shape: list[int] = []
     for dim in dims:
         if dim == ELLIPSIS:
-            shape += [b, s]
+            shape += [b, s] if hidden is not None else [b, s, h]
         elif dim == "1":
             shape.append(1)
         else:

@@ -13,6 +13,7 @@ from importlib import resources
 import jinja2
 import sympy
 
+from fusegen import templating
 from fusegen.errors import SpecError
 from fusegen.functions import FUNCTIONS
 from fusegen.layout import Choice, Scalar, range_text
@@ -470,7 +471,7 @@ def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
     returns = "(" + ", ".join(kernel.outputs) + ("," if len(kernel.outputs) == 1 else "") + ")"
     if kernel.body_no_dropout is None:
         return _ReferenceBody(", ".join(arguments), returns, [], _statements(kernel.body, printer, _torch_constant, tensors))
-    masks = ", ".join(m.local for m in kernel.masks) + ("," if len(kernel.masks) == 1 else "")
+    masks = "(" + ", ".join(m.local for m in kernel.masks) + ("," if len(kernel.masks) == 1 else "") + ")"
     return _ReferenceBody(
         ", ".join(arguments),
         returns,
@@ -643,11 +644,4 @@ def _environment() -> jinja2.Environment:
     loader = jinja2.FunctionLoader(
         lambda name: resources.files("fusegen.backends.triton").joinpath("templates", name).read_text(encoding="utf-8")
     )
-    return jinja2.Environment(
-        loader=loader,
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
+    return templating.environment(loader)
