@@ -154,10 +154,7 @@ def _reference(problem, x, other):
 
 _OP = runtime.FusedOp(
     "add_relu",
-    inputs=(
-        runtime.Input("x", ("...", "N")),
-        runtime.Input("other", ("...", "N")),
-    ),
+    inputs=(runtime.Input("x", ("...", "N")), runtime.Input("other", ("...", "N"))),
     outputs=("y",),
     kernels=launch.Kernels(
         add_relu_kernel,

@@ -212,9 +212,7 @@ _OP = runtime.FusedOp(
         runtime.Input("bias", ("N",)),
         runtime.Input("residual", ("...", "N")),
     ),
-    params=(
-        runtime.Scalar("p", "float", 0.0, 1.0),
-    ),
+    params=(runtime.Scalar("p", "float", 0.0, 1.0),),
     outputs=("y",),
     masks=("p",),  # each dropout's p, by Philox stream
     passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own

@@ -261,9 +261,7 @@ _OP = runtime.FusedOp(
         runtime.Input("x", ("...", "N"), chunks=2),
         runtime.Input("bias", ("N",), chunks=2),
     ),
-    params=(
-        runtime.Choice("activation", ("gelu", "gelu_tanh")),
-    ),
+    params=(runtime.Choice("activation", ("gelu", "gelu_tanh")),),
     outputs=("y",),
     kernels=launch.Kernels(
         bias_geglu_kernel,

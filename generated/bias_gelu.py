@@ -203,13 +203,8 @@ def _reference(problem, x, bias, activation):
 
 _OP = runtime.FusedOp(
     "bias_gelu",
-    inputs=(
-        runtime.Input("x", ("...", "N")),
-        runtime.Input("bias", ("N",)),
-    ),
-    params=(
-        runtime.Choice("activation", ("gelu", "gelu_tanh")),
-    ),
+    inputs=(runtime.Input("x", ("...", "N")), runtime.Input("bias", ("N",))),
+    params=(runtime.Choice("activation", ("gelu", "gelu_tanh")),),
     outputs=("y",),
     kernels=launch.Kernels(
         bias_gelu_kernel,

@@ -153,10 +153,7 @@ def _reference(problem, x, bias):
 
 _OP = runtime.FusedOp(
     "bias_relu",
-    inputs=(
-        runtime.Input("x", ("...", "N")),
-        runtime.Input("bias", ("N",)),
-    ),
+    inputs=(runtime.Input("x", ("...", "N")), runtime.Input("bias", ("N",))),
     outputs=("y",),
     kernels=launch.Kernels(
         bias_relu_kernel,

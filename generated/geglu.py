@@ -199,12 +199,8 @@ def _reference(problem, x_chunk0, x_chunk1, activation):
 
 _OP = runtime.FusedOp(
     "geglu",
-    inputs=(
-        runtime.Input("x", ("...", "N"), chunks=2),
-    ),
-    params=(
-        runtime.Choice("activation", ("gelu", "gelu_tanh")),
-    ),
+    inputs=(runtime.Input("x", ("...", "N"), chunks=2),),
+    params=(runtime.Choice("activation", ("gelu", "gelu_tanh")),),
     outputs=("y",),
     kernels=launch.Kernels(
         geglu_kernel,

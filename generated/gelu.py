@@ -132,9 +132,7 @@ def _reference(problem, x):
 
 _OP = runtime.FusedOp(
     "gelu",
-    inputs=(
-        runtime.Input("x", ("...",)),
-    ),
+    inputs=(runtime.Input("x", ("...",)),),
     outputs=("y",),
     kernels=launch.Kernels(
         gelu_kernel,

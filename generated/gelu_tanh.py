@@ -129,9 +129,7 @@ def _reference(problem, x):
 
 _OP = runtime.FusedOp(
     "gelu_tanh",
-    inputs=(
-        runtime.Input("x", ("...",)),
-    ),
+    inputs=(runtime.Input("x", ("...",)),),
     outputs=("y",),
     kernels=launch.Kernels(
         gelu_tanh_kernel,

@@ -128,12 +128,8 @@ def _reference(problem, x, slope):
 
 _OP = runtime.FusedOp(
     "leaky_relu",
-    inputs=(
-        runtime.Input("x", ("...",)),
-    ),
-    params=(
-        runtime.Scalar("slope", "float", None, None),
-    ),
+    inputs=(runtime.Input("x", ("...",)),),
+    params=(runtime.Scalar("slope", "float", None, None),),
     outputs=("y",),
     kernels=launch.Kernels(
         leaky_relu_kernel,

@@ -121,9 +121,7 @@ def _reference(problem, x):
 
 _OP = runtime.FusedOp(
     "quick_gelu",
-    inputs=(
-        runtime.Input("x", ("...",)),
-    ),
+    inputs=(runtime.Input("x", ("...",)),),
     outputs=("y",),
     kernels=launch.Kernels(
         quick_gelu_kernel,

@@ -127,9 +127,7 @@ def _reference(problem, x):
 
 _OP = runtime.FusedOp(
     "squared_relu",
-    inputs=(
-        runtime.Input("x", ("...",)),
-    ),
+    inputs=(runtime.Input("x", ("...",)),),
     outputs=("y",),
     kernels=launch.Kernels(
         squared_relu_kernel,

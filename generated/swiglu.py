@@ -149,9 +149,7 @@ def _reference(problem, x_chunk0, x_chunk1):
 
 _OP = runtime.FusedOp(
     "swiglu",
-    inputs=(
-        runtime.Input("x", ("...", "N"), chunks=2),
-    ),
+    inputs=(runtime.Input("x", ("...", "N"), chunks=2),),
     outputs=("y",),
     kernels=launch.Kernels(
         swiglu_kernel,

@@ -529,20 +529,21 @@ def _eager_lines(plan: OpPlan, names: _TritonNames) -> list[str]:
 
 
 def _op_declaration(plan: OpPlan, forward: _Kernel, backward: _Kernel) -> list[str]:
-    lines = [f'"{plan.spec.name}",', "inputs=("]
+    """The arguments of `_OP = runtime.FusedOp(...)`, one a line (a long one over several)."""
+    inputs = []
     for i in plan.inputs:
         chunks = f", chunks={i.layout.chunks}" if i.layout.chunks > 1 else ""
-        lines.append(f'    runtime.Input("{i.name}", {_strings(i.layout.dims)}{chunks}),')
-    lines.append("),")
-    if plan.params:
-        lines.append("params=(")
-        for p in plan.params:
-            d = p.declaration
-            if isinstance(d, Scalar):
-                lines.append(f'    runtime.Scalar("{d.name}", "{d.kind}", {d.low!r}, {d.high!r}),')
-            else:
-                lines.append(f'    runtime.Choice("{d.name}", {_strings(d.choices)}),')
-        lines.append("),")
+        inputs.append(f'runtime.Input("{i.name}", {_strings(i.layout.dims)}{chunks})')
+    lines = [f'"{plan.spec.name}",', *_argument("inputs", inputs, tuple_=True)]
+    params = []
+    for p in plan.params:
+        d = p.declaration
+        if isinstance(d, Scalar):
+            params.append(f'runtime.Scalar("{d.name}", "{d.kind}", {d.low!r}, {d.high!r})')
+        else:
+            params.append(f'runtime.Choice("{d.name}", {_strings(d.choices)})')
+    if params:
+        lines += _argument("params", params, tuple_=True)
     lines.append(f"outputs={_strings([name for name, _ in plan.outputs])},")
     if plan.masks:
         lines.append(f"masks={_strings([m.p.name for m in plan.masks])},  # each dropout's p, by Philox stream")
@@ -550,20 +551,23 @@ def _op_declaration(plan: OpPlan, forward: _Kernel, backward: _Kernel) -> list[s
         pairs = ", ".join(f'"{i}": "{o}"' for i, o in plan.passthrough)
         lines.append(f"passthrough={{{pairs}}},  # these inputs' gradients are those outputs' own")
     kernel = plan.backward
-    lines += [
-        "kernels=launch.Kernels(",
-        f"    {forward.name},",
-        f"    {backward.name},",
-    ]
+    kernels = [forward.name, backward.name]
     if plan.forward.scalars:
-        lines.append(f"    scalars={_strings([p.name for p in plan.forward.scalars])},")
-    lines += [
-        f"    backward_reads={_strings([i.name for i in kernel.inputs])},",
-        f"    gradients={_strings([g.input.name for g in kernel.gradients])},",
-        "),",
-        "reference=_reference,",
+        kernels.append(f"scalars={_strings([p.name for p in plan.forward.scalars])}")
+    kernels += [
+        f"backward_reads={_strings([i.name for i in kernel.inputs])}",
+        f"gradients={_strings([g.input.name for g in kernel.gradients])}",
     ]
-    return lines
+    return lines + _argument("kernels", kernels, call="launch.Kernels") + ["reference=_reference,"]
+
+
+def _argument(name: str, items: list[str], tuple_: bool = False, call: str = "") -> list[str]:
+    """`name=(a, b),` or `name=call(a, b),` on one line where it fits, else an item a line."""
+    opening = f"{name}={call}("
+    one_line = opening + ", ".join(items) + ("," if tuple_ and len(items) == 1 else "") + "),"
+    if len(one_line) <= 92:  # inside FusedOp(...), indented 4
+        return [one_line]
+    return [opening, *(f"    {item}," for item in items), "),"]
 
 
 def _strings(items) -> str:
