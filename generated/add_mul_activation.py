@@ -86,9 +86,10 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
 
 @triton.autotune(
     configs=tuning.FORWARD_CONFIGS,
-    key=["M", "N"],
+    key=["M_BUCKET", "N"],
     prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
     do_bench=tuning.autotune_do_bench(),
+    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def add_mul_activation_kernel(
@@ -97,6 +98,7 @@ def add_mul_activation_kernel(
     bias_ptr, bias_stride_m, bias_stride_n,  # bias [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
+    M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     multiplier,
     ACTIVATION: tl.constexpr,  # activation
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -130,9 +132,10 @@ def add_mul_activation_kernel(
 
 @triton.autotune(
     configs=tuning.BACKWARD_CONFIGS,
-    key=["M", "N", "ROWS_PER_PROGRAM"],
+    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
     prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
     do_bench=tuning.autotune_do_bench(),
+    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def add_mul_activation_backward_kernel(
@@ -143,7 +146,7 @@ def add_mul_activation_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_inp_ptr,  # gradient of inp: [M, N]; with SUM_GRAD_INP, column sums [programs, N]
     grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
-    M, N,
+    M, N, M_BUCKET,
     multiplier,
     ACTIVATION: tl.constexpr,  # activation
     INDEX_64: tl.constexpr,  # some offset reaches 2**31

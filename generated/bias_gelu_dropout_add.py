@@ -98,9 +98,10 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
 
 @triton.autotune(
     configs=tuning.FORWARD_CONFIGS,
-    key=["M", "N", "HAS_DROPOUT"],
+    key=["M_BUCKET", "N", "HAS_DROPOUT"],
     prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
     do_bench=tuning.autotune_do_bench(),
+    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def bias_gelu_dropout_add_kernel(
@@ -109,6 +110,7 @@ def bias_gelu_dropout_add_kernel(
     residual_ptr, residual_stride_m, residual_stride_n,  # residual [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
+    M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     ACTIVATION: tl.constexpr,  # activation
@@ -159,9 +161,10 @@ def bias_gelu_dropout_add_kernel(
 
 @triton.autotune(
     configs=tuning.BACKWARD_CONFIGS,
-    key=["M", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
+    key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
     prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
     do_bench=tuning.autotune_do_bench(),
+    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def bias_gelu_dropout_add_backward_kernel(
@@ -170,7 +173,7 @@ def bias_gelu_dropout_add_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
-    M, N,
+    M, N, M_BUCKET,
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     ACTIVATION: tl.constexpr,  # activation

@@ -31,15 +31,17 @@ __all__ = ["quick_gelu", "QuickGelu", "reference", "eager"]
 
 @triton.autotune(
     configs=tuning.FORWARD_CONFIGS,
-    key=["M", "N"],
+    key=["M_BUCKET", "N"],
     prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
     do_bench=tuning.autotune_do_bench(),
+    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def quick_gelu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
+    M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -61,16 +63,17 @@ def quick_gelu_kernel(
 
 @triton.autotune(
     configs=tuning.BACKWARD_CONFIGS,
-    key=["M", "N", "ROWS_PER_PROGRAM"],
+    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
     prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
     do_bench=tuning.autotune_do_bench(),
+    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def quick_gelu_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
-    M, N,
+    M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,

@@ -33,9 +33,10 @@ __all__ = ["scale_add", "ScaleAdd", "reference", "eager"]
 
 @triton.autotune(
     configs=tuning.FORWARD_CONFIGS,
-    key=["M", "N"],
+    key=["M_BUCKET", "N"],
     prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
     do_bench=tuning.autotune_do_bench(),
+    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def scale_add_kernel(
@@ -44,6 +45,7 @@ def scale_add_kernel(
     residual_ptr, residual_stride_m, residual_stride_n,  # residual [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
+    M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -74,12 +76,13 @@ def scale_add_kernel(
 
 @triton.autotune(
     configs=tuning.BACKWARD_CONFIGS,
-    key=["M", "N", "ROWS_PER_PROGRAM"],
+    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
     prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
     # Row sums land one row per column tile, and tile widths differ between configs: every
     # trial, and the launch after tuning, starts from zeros.
     pre_hook=tuning.zero_before_trials("grad_scale_ptr"),
     do_bench=tuning.autotune_do_bench(),
+    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def scale_add_backward_kernel(
@@ -90,7 +93,7 @@ def scale_add_backward_kernel(
     # gradient of scale: [M, N]; with SUM_GRAD_SCALE, column sums [programs, N]; or row sums
     # [column tiles, M]
     grad_scale_ptr,
-    M, N,
+    M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,

@@ -25,7 +25,7 @@ def on_gpu_pruning(monkeypatch):
 
 @pytest.mark.parametrize("m,n", [(128, 1024), (256, 4096), (1000, 1000), (1, 8), (4096, 4)])
 def test_small_problems_get_tiles_that_fill_the_gpu(on_gpu_pruning, m, n):
-    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M": m, "N": n}))
+    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M_BUCKET": tuning.m_bucket(m), "N": n}))
     assert tiles
     for block_m, block_n in tiles:
         assert block_m * block_n <= max(tuning.SMALL_TILE_ELEMENTS, m * n // 256)
@@ -37,7 +37,7 @@ def test_small_problems_get_tiles_that_fill_the_gpu(on_gpu_pruning, m, n):
 
 @pytest.mark.parametrize("m,n", [(8 * 1024, 4096), (16 * 2048, 8192), (2**20, 8), (4096, 1024)])
 def test_large_problems_get_large_tiles(on_gpu_pruning, m, n):
-    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M": m, "N": n}))
+    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M_BUCKET": tuning.m_bucket(m), "N": n}))
     assert tiles
     for block_m, block_n in tiles:
         assert block_m * block_n >= tuning.LARGE_TILE_ELEMENTS
@@ -47,7 +47,7 @@ def test_large_problems_get_large_tiles(on_gpu_pruning, m, n):
 
 def test_interpreter_prunes_to_one_config(monkeypatch):
     monkeypatch.setattr(tuning, "is_interpreting", lambda: True)
-    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M": 128, "N": 1024}))
+    tiles = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, {"M_BUCKET": 128, "N": 1024}))
     assert len(tiles) == 1
 
 
@@ -154,6 +154,38 @@ def test_zero_before_trials_zeros_buffers_and_skips_gradients_not_asked_for():
 
 @pytest.mark.parametrize("m,n", [(16384, 4096), (15, 1000), (3, 7), (100000, 1), (64, 65536 * 20)])
 def test_row_sum_buffer_has_one_slot_per_tile_of_the_narrowest_pruned_config(on_gpu_pruning, m, n):
-    rows = tuning.backward_rows_per_program(m, n)
-    pruned = tuning.prune_backward_configs(tuning.BACKWARD_CONFIGS, {"M": m, "N": n, "ROWS_PER_PROGRAM": rows})
-    assert tuning.narrowest_backward_block_n(m, n, rows) == min(bn for _, bn in _tiles(pruned))
+    bucket = tuning.m_bucket(m)
+    rows = tuning.backward_rows_per_program(bucket, n)
+    pruned = tuning.prune_backward_configs(tuning.BACKWARD_CONFIGS, {"M_BUCKET": bucket, "N": n, "ROWS_PER_PROGRAM": rows})
+    assert tuning.narrowest_backward_block_n(bucket, n, rows) == min(bn for _, bn in _tiles(pruned))
+
+
+# ---------------------------------------------------------------------------
+# Tuning by M's bucket: every M of a bucket makes the same choices
+
+
+@pytest.mark.parametrize("m, bucket", [(0, 1), (1, 1), (2, 2), (3, 4), (1000, 1024), (1024, 1024), (1025, 2048)])
+def test_m_bucket_is_the_next_power_of_two(m, bucket):
+    assert tuning.m_bucket(m) == bucket
+
+
+@pytest.mark.parametrize("n", [7, 1000, 4096])
+def test_every_m_of_a_bucket_prunes_alike(on_gpu_pruning, n):
+    """A config tuned at one M serves every M of its bucket: the pruned set, the backward's
+    rows per program and its row-sum slots depend on the bucket only."""
+    for low in (1025, 8193, 40000):
+        bucket = tuning.m_bucket(low)
+        named = {"M_BUCKET": bucket, "N": n}
+        forward = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, named))
+        rows = tuning.backward_rows_per_program(bucket, n)
+        backward = _tiles(tuning.prune_backward_configs(tuning.BACKWARD_CONFIGS, {**named, "ROWS_PER_PROGRAM": rows}))
+        for m in (low, (low + bucket) // 2, bucket):
+            assert tuning.m_bucket(m) == bucket
+        assert forward and backward
+        assert tuning.narrowest_backward_block_n(bucket, n, rows) == min(bn for _, bn in backward)
+
+
+def test_kernels_key_their_tuning_on_the_bucket():
+    module = op_by_name("swiglu").module
+    for kernel in (module.swiglu_kernel, module.swiglu_backward_kernel):
+        assert "M_BUCKET" in kernel.keys and "M" not in kernel.keys

@@ -33,7 +33,7 @@ RESERVED_NAMES = (
     MODULE_IMPORTS
     | {"reference", "eager", "_OP", "_reference"}
     # the kernels' own arguments and locals
-    | {"rows", "cols", "in_bounds", "M", "N", "seed", "seed_ptr", "first_row", "row_offset"}
+    | {"rows", "cols", "in_bounds", "M", "N", "M_BUCKET", "seed", "seed_ptr", "first_row", "row_offset"}
     | {"HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"}
     # the reference body's and the module class's
     | {"problem", "masks", "self", "training"}
@@ -205,6 +205,7 @@ def _forward_kernel(plan: OpPlan, names: _TritonNames, printer: TritonPrinter) -
     arguments = [_input_argument(i, names) for i in kernel.inputs]
     arguments += [f"{out}_ptr,  # {name}, contiguous [M, N]" for (name, _), out in zip(plan.outputs, kernel.outputs)]
     arguments.append("M, N,  # rows (all leading dims) and columns (the last dim)")
+    arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
     arguments += _shared_arguments(plan, kernel, names, forward=True)
     arguments += ["BLOCK_M: tl.constexpr,", "BLOCK_N: tl.constexpr,"]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
@@ -239,7 +240,7 @@ def _backward_kernel(plan: OpPlan, names: _TritonNames, printer: TritonPrinter) 
         pointer, sums = names.gradient_pointer[name], names.sums[name]
         more = "; or row sums [column tiles, M]" if gradient.one_per_row else ""
         arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
-    arguments.append("M, N,")
+    arguments.append("M, N, M_BUCKET,")
     arguments += _shared_arguments(plan, kernel, names, forward=False)
     for gradient in kernel.gradients:
         name = gradient.input.name
@@ -298,7 +299,7 @@ def _with_arguments(kernel: _Kernel) -> _Kernel:
 
 
 def _key(plan: OpPlan, backward: bool) -> str:
-    key = ["M", "N"] + (["HAS_DROPOUT"] if plan.has_dropout else []) + (["ROWS_PER_PROGRAM"] if backward else [])
+    key = ["M_BUCKET", "N"] + (["HAS_DROPOUT"] if plan.has_dropout else []) + (["ROWS_PER_PROGRAM"] if backward else [])
     return "[" + ", ".join(f'"{k}"' for k in key) + "]"
 
 

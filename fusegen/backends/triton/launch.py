@@ -4,11 +4,11 @@ The generated kernels take their arguments in one order, which the template writ
 `_Bound` follows (both from the same plan):
 
 forward: for each input its pointer, row stride and column stride; each output's pointer;
-    M, N; each scalar param the body reads; each dropout p's threshold and scale; the
+    M, N, M_BUCKET (tuning's view of M); each scalar param the body reads; each dropout p's threshold and scale; the
     seed pointer; each choice (constexpr); HAS_DROPOUT and DROPOUT_WHOLE_GROUPS (ops with
     dropout); INDEX_64; COMPUTE_FP64; then the autotuner's BLOCK_M, BLOCK_N.
 backward: for each input it reads its pointer and strides; for each output its incoming
-    gradient's pointer and strides; each computed gradient's buffer; M, N; scalars,
+    gradient's pointer and strides; each computed gradient's buffer; M, N, M_BUCKET; scalars,
     dropout, seed, choices and the flags as above; for each computed gradient NEEDS_GRAD,
     SUM_GRAD (summed over rows) and, for inputs declared [..., 1], SUM_COLS_GRAD;
     ROWS_PER_PROGRAM; BLOCK_M, BLOCK_N.
@@ -64,9 +64,9 @@ class _Bound:
         check_runs_off_cuda(self.op.name, device, self.forward_kernel)
 
     def _common(self, call, seed) -> list:
-        """M, N, the params, the seed and the dropout flags: what both kernels take."""
+        """M, N, M_BUCKET, the params, the seed and the dropout flags: what both kernels take."""
         problem, params = call.problem, call.params
-        args = [problem.m, problem.n, *(params[i] for i in self._scalars)]
+        args = [problem.m, problem.n, tuning.m_bucket(problem.m), *(params[i] for i in self._scalars)]
         for i in self._dropout:
             args += [dropout_threshold(params[i]), dropout_scale(params[i])]
         if self.op.has_dropout:
@@ -100,11 +100,12 @@ class _Bound:
         """The gradients of the inputs flagged in `needs` (a flag per input), in input order."""
         problem = call.problem
         m, n = problem.m, problem.n
-        rows = rows_per_program or tuning.backward_rows_per_program(m, n)
+        bucket = tuning.m_bucket(m)
+        rows = rows_per_program or tuning.backward_rows_per_program(bucket, n)
         column_tiles = 0
         if any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row)):
             # Row sums land one row per column tile: as many rows as the narrowest tile needs.
-            width = tile[1] if tile is not None else tuning.narrowest_backward_block_n(m, n, rows)
+            width = tile[1] if tile is not None else tuning.narrowest_backward_block_n(bucket, n, rows)
             column_tiles = tuning.cdiv(n, width)
         targets = [
             GradTarget(tensors[i], problem, tuning.cdiv(m, rows), column_tiles, self._chunks[i], one)

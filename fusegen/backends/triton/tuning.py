@@ -89,7 +89,7 @@ def _fitting(configs, m: int, n: int, max_block_m: int, wide_block_n: int = WIDE
 
 def prune_forward_configs(configs, named_args, **kwargs):
     """Keep the tiles that fit the problem; under the interpreter keep exactly one."""
-    m, n = named_args["M"], named_args["N"]
+    m, n = named_args["M_BUCKET"], named_args["N"]
     if is_interpreting():
         return [_interpreter_config(m, n)]
     elements = lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]  # noqa: E731
@@ -101,10 +101,24 @@ def prune_forward_configs(configs, named_args, **kwargs):
 
 
 def prune_backward_configs(configs, named_args, **kwargs):
-    m, n, rows = named_args["M"], named_args["N"], named_args["ROWS_PER_PROGRAM"]
+    m, n, rows = named_args["M_BUCKET"], named_args["N"], named_args["ROWS_PER_PROGRAM"]
     if is_interpreting():
         return [_interpreter_config(m, n, max_block_m=rows)]
     return _fitting(configs, m, n, max_block_m=rows)
+
+
+def m_bucket(m: int) -> int:
+    """What tuning sees of the row count: M rounded up to a power of two. Rows in one bucket
+    share a tuned config (a new sequence length does not retune), and every choice that
+    follows from the config (pruning, the backward's rows per program and row-sum slots) is
+    made from the bucket, so a config tuned at one M of the bucket fits every other."""
+    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+
+
+def persist_results() -> bool:
+    """Tuned configs kept across processes, in Triton's cache (keyed by the kernel, the GPU,
+    the pruned configs and the tuning key); not under the interpreter, which has no GPU."""
+    return not is_interpreting()
 
 
 def autotune_do_bench():
