@@ -347,3 +347,26 @@ def test_eager_seed_batches_stay_reproducible_and_distinct(device):
     assert torch.equal(runtime.seed_tensor(None, x.device, eager=True), seeds[:1])
     # An explicit seed's tensor is kept, never written again.
     assert runtime.seed_tensor(5, x.device, eager=True) is runtime.seed_tensor(5, x.device, eager=True)
+
+
+@pytest.mark.gpu
+def test_eager_seeds_taken_from_threads_are_all_distinct(device):
+    """Threads calling ops at once each get their own seed: none is handed out twice."""
+    import threading
+
+    count, threads = 200, 8
+    taken: list[list[torch.Tensor]] = [[] for _ in range(threads)]
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def take(k: int) -> None:
+        for _ in range(count):
+            taken[k].append(runtime.seed_tensor(None, device, eager=True))
+
+    workers = [threading.Thread(target=take, args=(k,)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seeds = torch.cat([t for per_thread in taken for t in per_thread])
+    assert seeds.numel() == count * threads
+    assert seeds.unique().numel() == count * threads

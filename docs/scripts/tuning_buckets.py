@@ -1,11 +1,11 @@
-"""Tuning that follows real shapes (docs/benchmarks.md): a loop over 50 row counts M in [1k, 64k] vs the same
-number of calls at one M, each in a fresh process. `warm` fills Triton's caches first.
+"""Tuning that follows real shapes (docs/benchmarks.md): a loop over 50 row counts M in
+[1k, 64k] vs the same number of calls at one M, each in a fresh process. `warm` fills
+Triton's caches first. On a CUDA machine, from a checkout's root (it imports generated.swiglu):
 
-    python docs/scripts/tuning_buckets.py NAME warm       # once
-    python docs/scripts/tuning_buckets.py NAME varying    # then each in a fresh process
-    python docs/scripts/tuning_buckets.py NAME one
-
-Run from a checkout's root (it imports generated.swiglu), on a CUDA machine."""
+    PYTHONPATH=. python docs/scripts/tuning_buckets.py NAME warm       # once
+    PYTHONPATH=. python docs/scripts/tuning_buckets.py NAME varying    # each in a fresh process
+    PYTHONPATH=. python docs/scripts/tuning_buckets.py NAME one
+"""
 import random
 import sys
 import time

@@ -3,6 +3,7 @@ host bit for bit (see fusegen.backends.triton.kernel_lib.dropout_mask)."""
 from __future__ import annotations
 
 import operator
+import threading
 
 import torch
 
@@ -81,6 +82,8 @@ class _EagerSeeds:
     def __init__(self):
         self._batches: dict[torch.device, list] = {}
         self._fixed: dict[tuple[int, torch.device], torch.Tensor] = {}
+        # Threads calling ops at once must not take one seed twice (one mask for two calls).
+        self._lock = threading.Lock()
 
     def take(self, seed: int | None, device: torch.device) -> torch.Tensor:
         if seed is not None:
@@ -91,14 +94,15 @@ class _EagerSeeds:
                 tensor = self._fixed[(seed, device)] = torch.full((1,), seed, dtype=torch.int64, device=device)
             return tensor
         generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-        state = (generator.initial_seed(), generator.get_offset())
-        batch = self._batches.get(device)
-        if batch is None or batch[0] != state or batch[2] == SEED_BATCH:
-            seeds = torch.randint(0, SEED_LIMIT - 1, (SEED_BATCH,), dtype=torch.int64, device=device)
-            batch = [(generator.initial_seed(), generator.get_offset()), seeds, 0]
-            self._batches[device] = batch
-        index = batch[2]
-        batch[2] = index + 1
+        with self._lock:
+            state = (generator.initial_seed(), generator.get_offset())
+            batch = self._batches.get(device)
+            if batch is None or batch[0] != state or batch[2] == SEED_BATCH:
+                seeds = torch.randint(0, SEED_LIMIT - 1, (SEED_BATCH,), dtype=torch.int64, device=device)
+                batch = [(generator.initial_seed(), generator.get_offset()), seeds, 0]
+                self._batches[device] = batch
+            index = batch[2]
+            batch[2] = index + 1
         return batch[1][index:index + 1]
 
 
