@@ -83,7 +83,9 @@ class FusedOp:
             outputs = self.forward(args, out=out)[0]
         elif torch.compiler.is_compiling():
             outputs = self._forward_op(*args)
-            if self.has_dropout:
+            if self._n_outputs + self.has_dropout == 1:
+                outputs = (outputs,)  # the schema returns one Tensor, not a tuple of one
+            elif self.has_dropout:
                 outputs = outputs[:-1]  # the seed tensor, kept for the backward
         elif torch.is_grad_enabled() and any_requires_grad(args[:self._n_inputs]):
             outputs = _Autograd.apply(self, *args)
@@ -251,16 +253,20 @@ def _register_library_ops(op: FusedOp):
     """fusegen::<op> and fusegen::<op>_backward: autograd and torch.compile each see one
     opaque op. Saved for backward: the inputs (and the seed tensor), nothing else."""
     arguments = _schema_arguments(op)
-    returns = ", ".join(["Tensor"] * (len(op.outputs) + op.has_dropout))
+    # One result is `-> Tensor`: a schema's `(Tensor)` is not a tuple of one.
+    single = len(op.outputs) + op.has_dropout == 1
+    returns = "Tensor" if single else "(" + ", ".join(["Tensor"] * (len(op.outputs) + op.has_dropout)) + ")"
     if op.has_dropout:
         # It draws random numbers: tagged so, torch.compile never recomputes it in the backward.
-        schema = f"({', '.join(arguments + ['bool training', 'int? seed'])}) -> ({returns})"
+        schema = f"({', '.join(arguments + ['bool training', 'int? seed'])}) -> {returns}"
         tags = (torch.Tag.nondeterministic_seeded,)
     else:
-        schema, tags = f"({', '.join(arguments)}) -> ({returns})", ()
+        schema, tags = f"({', '.join(arguments)}) -> {returns}", ()
 
     def forward_impl(*args):
         outputs, seed = op.forward(args, eager=False)  # a compiled graph may be captured
+        if single:
+            return outputs[0]
         if not op.has_dropout:
             return tuple(outputs)
         # Without dropout the seed is never read: an unfilled tensor keeps the outputs fixed.
@@ -273,11 +279,12 @@ def _register_library_ops(op: FusedOp):
         problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)], op._problems)
         outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in op.outputs]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
-        return (*outputs, *seed)
+        return outputs[0] if single else (*outputs, *seed)
 
     def setup_context(ctx, inputs, output):
         count = len(op.inputs)
-        ctx.save_for_backward(*inputs[:count], *output[len(op.outputs):])
+        outputs = (output,) if single else output
+        ctx.save_for_backward(*inputs[:count], *outputs[len(op.outputs):])
         ctx.op, ctx.params = op, inputs[count:]
 
     def backward(ctx, *grads):

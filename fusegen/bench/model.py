@@ -1,0 +1,232 @@
+"""The model-level benchmark: small GPT-2- and LLaMA-style block stacks trained for a few
+steps, their elementwise ops written in plain PyTorch or swapped for generated ops.
+
+Step times (ms, forward + backward + AdamW) for eager, fusegen, torch.compile, fusegen
+inside torch.compile, and both compiled with CUDA graphs (mode="reduce-overhead"), at a
+host-bound size (hidden 1024, 8×512 tokens) and a GPU-bound one (hidden 4096, 16k tokens).
+Every variant starts from the same weights and data; the largest difference of its losses
+from eager's is reported (with dropout p > 0 the masks differ, so compare at --p 0).
+
+    python -m fusegen.bench.model --model gpt2 --size host --json gpt2_host.json
+
+The ops swapped in: bias_gelu (tanh GELU) and bias_dropout_add in the GPT-2 MLP and
+residuals; swiglu in the LLaMA MLP. Plain PyTorch otherwise (attention, norms, matmuls).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cases import import_generated
+
+SIZES = {
+    # The issue's host-bound case: small matmuls, so each op's host time shows.
+    "host": dict(hidden=1024, mlp=2816, heads=8, layers=4, batch=8, seq=512, vocab=8192),
+    # GPU-bound: large enough that the elementwise traffic matters.
+    "gpu": dict(hidden=4096, mlp=11008, heads=32, layers=2, batch=4, seq=4096, vocab=8192),
+    # For tests on the CPU (the interpreter runs the kernels).
+    "tiny": dict(hidden=32, mlp=48, heads=2, layers=1, batch=2, seq=8, vocab=64),
+}
+VARIANTS = ("eager", "fusegen", "compile", "fusegen+compile", "compile+graphs", "fusegen+compile+graphs")
+
+
+def eager_ops() -> SimpleNamespace:
+    """The elementwise ops as a PyTorch user writes them."""
+    return SimpleNamespace(
+        bias_gelu=lambda x, bias: F.gelu(x + bias, approximate="tanh"),
+        bias_dropout_add=lambda x, bias, residual, p, training: F.dropout(x + bias, p, training) + residual,
+        swiglu=lambda x: F.silu(x.chunk(2, dim=-1)[0]) * x.chunk(2, dim=-1)[1],
+    )
+
+
+def fusegen_ops(generated_dir: Path) -> SimpleNamespace:
+    """The same ops, generated (generated/bias_gelu.py, bias_dropout_add.py, swiglu.py)."""
+    bias_gelu = import_generated("bias_gelu", generated_dir).bias_gelu
+    bias_dropout_add = import_generated("bias_dropout_add", generated_dir).bias_dropout_add
+    swiglu = import_generated("swiglu", generated_dir).swiglu
+    return SimpleNamespace(
+        bias_gelu=lambda x, bias: bias_gelu(x, bias, activation="gelu_tanh"),
+        bias_dropout_add=lambda x, bias, residual, p, training: bias_dropout_add(x, bias, residual, p, training),
+        swiglu=swiglu,
+    )
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, bias: bool):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.proj = nn.Linear(hidden, hidden, bias=False)  # its bias, if any, is the block's to fuse
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).transpose(1, 3).unbind(2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, s, h))
+
+
+class GPT2Block(nn.Module):
+    """Pre-norm block: attention and a tanh-GELU MLP, each ending in bias + dropout + residual."""
+
+    def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops):
+        super().__init__()
+        self.ops, self.p = ops, p
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attention = _Attention(hidden, heads, bias=True)
+        self.attention_bias = nn.Parameter(torch.zeros(hidden))
+        self.fc = nn.Linear(hidden, mlp, bias=False)
+        self.fc_bias = nn.Parameter(torch.zeros(mlp))
+        self.out = nn.Linear(mlp, hidden, bias=False)
+        self.out_bias = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, x):
+        ops = self.ops
+        x = ops.bias_dropout_add(self.attention(self.norm1(x)), self.attention_bias, x, self.p, self.training)
+        h = ops.bias_gelu(self.fc(self.norm2(x)), self.fc_bias)
+        return ops.bias_dropout_add(self.out(h), self.out_bias, x, self.p, self.training)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm block: attention and a SwiGLU MLP (gate and up in one matmul), residuals."""
+
+    def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops):
+        super().__init__()
+        self.ops = ops
+        self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.attention = _Attention(hidden, heads, bias=False)
+        self.gate_up = nn.Linear(hidden, 2 * mlp, bias=False)
+        self.down = nn.Linear(mlp, hidden, bias=False)
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.down(self.ops.swiglu(self.gate_up(self.norm2(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, block, size: dict, p: float, ops):
+        super().__init__()
+        self.embed = nn.Embedding(size["vocab"], size["hidden"])
+        self.blocks = nn.ModuleList(
+            block(size["hidden"], size["mlp"], size["heads"], p, ops) for _ in range(size["layers"])
+        )
+        self.norm = nn.LayerNorm(size["hidden"])
+        self.head = nn.Linear(size["hidden"], size["vocab"], bias=False)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+@dataclass
+class Result:
+    model: str
+    size: str
+    variant: str
+    step_ms: float | None
+    losses: list[float]
+    max_loss_difference: float | None  # against eager's, step by step
+    error: str | None = None
+
+
+def _build(model: str, size: dict, p: float, ops, dtype, device) -> nn.Module:
+    torch.manual_seed(0)  # the same weights for every variant
+    block = GPT2Block if model == "gpt2" else LlamaBlock
+    return Model(block, size, p, ops).to(device=device, dtype=dtype)
+
+
+def run_variant(model: str, size_name: str, variant: str, steps: int, warmup: int, p: float,
+                dtype=torch.bfloat16, device="cuda", generated_dir: Path = Path("generated")) -> Result:
+    size = SIZES[size_name]
+    ops = fusegen_ops(generated_dir) if variant.startswith("fusegen") else eager_ops()
+    net = _build(model, size, p, ops, dtype, device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    forward = net
+    if "compile" in variant:
+        forward = torch.compile(net, mode="reduce-overhead" if "graphs" in variant else None)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    batches = [
+        torch.randint(0, size["vocab"], (2, size["batch"], size["seq"]), generator=g).to(device)
+        for _ in range(min(steps + warmup, 8))
+    ]
+
+    def step(i: int) -> float:
+        tokens, targets = batches[i % len(batches)]
+        if "graphs" in variant:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = forward(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
+
+    losses = [step(i) for i in range(warmup)]
+    synchronize = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    losses += [step(warmup + i) for i in range(steps)]
+    synchronize()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    return Result(model, size_name, variant, step_ms, [float(v) for v in losses], None)
+
+
+def compare_losses(results: list[Result]) -> None:
+    """Each variant's largest step-by-step loss difference from eager's."""
+    eager = next((r for r in results if r.variant == "eager" and r.error is None), None)
+    for r in results:
+        if eager is not None and r.error is None:
+            r.max_loss_difference = max(abs(a - b) for a, b in zip(r.losses, eager.losses))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusegen.bench.model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("gpt2", "llama"), action="append", help="default: both")
+    parser.add_argument("--size", choices=tuple(SIZES), default="host")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--p", type=float, default=0.1, help="GPT-2's dropout probability (default 0.1)")
+    parser.add_argument("--generated", type=Path, default=Path("generated"))
+    parser.add_argument("--json", help="write the results and the run's versions as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m fusegen.bench.model: needs a CUDA device", file=sys.stderr)
+        return 2
+    results = []
+    for model in args.model or ["gpt2", "llama"]:
+        for variant in args.variants.split(","):
+            try:
+                result = run_variant(model, args.size, variant, args.steps, args.warmup, args.p,
+                                     generated_dir=args.generated)
+            except Exception as exc:  # noqa: BLE001 - a failed variant is reported, the others still run
+                result = Result(model, args.size, variant, None, [], None, f"{type(exc).__name__}: {exc}"[:300])
+            results.append(result)
+            torch.cuda.empty_cache()
+        compare_losses([r for r in results if r.model == model])
+    for r in results:
+        shown = "failed: " + r.error if r.error else f"{r.step_ms:8.2f} ms/step"
+        difference = "" if r.max_loss_difference is None else f"  max |loss - eager's| {r.max_loss_difference:.3g}"
+        print(f"{r.model:6s} {r.size:5s} {r.variant:24s} {shown}{difference}")
+    if args.json:
+        meta = dict(torch=torch.__version__, python=platform.python_version(), device=torch.cuda.get_device_name(),
+                    size=SIZES[args.size], p=args.p, steps=args.steps, warmup=args.warmup)
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"metadata": meta, "results": [asdict(r) for r in results]}, handle, indent=1)
+    return 0 if all(r.error is None and math.isfinite(r.step_ms) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
