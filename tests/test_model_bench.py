@@ -1,4 +1,4 @@
-"""The model-level benchmark (fusegen.bench.model) on the CPU: each block stack trains with
+"""The model-level benchmark (fusegen.bench.model), at a tiny size: each block stack trains with
 plain PyTorch ops and with generated ones, from the same weights, to the same losses."""
 import math
 
@@ -9,8 +9,8 @@ from fusegen.bench import model
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_generated_ops_train_to_the_losses_of_plain_pytorch(name):
-    kwargs = dict(steps=2, warmup=1, p=0.0, dtype=torch.float32, device="cpu")
+def test_generated_ops_train_to_the_losses_of_plain_pytorch(name, device):
+    kwargs = dict(steps=2, warmup=1, p=0.0, dtype=torch.float32, device=device)
     results = [model.run_variant(name, "tiny", variant, **kwargs) for variant in ("eager", "fusegen")]
     model.compare_losses(results)
     eager, fusegen = results
