@@ -1,0 +1,126 @@
+"""The text of a Triton module's public face: its docstring, its module class's, the op's
+signature, and the `_OP = runtime.FusedOp(...)` declaration."""
+from __future__ import annotations
+
+import textwrap
+
+from fusegen.layout import Choice, Scalar, range_text
+from fusegen.plan import OpPlan, public_signature
+
+from .kernel_text import KernelText
+
+
+def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> list[str]:
+    """The arguments of `_OP = runtime.FusedOp(...)`, one a line (a long one over several)."""
+    inputs = []
+    for i in plan.inputs:
+        chunks = f", chunks={i.layout.chunks}" if i.layout.chunks > 1 else ""
+        inputs.append(f'runtime.Input("{i.name}", {_strings(i.layout.dims)}{chunks})')
+    lines = [f'"{plan.spec.name}",', *_argument("inputs", inputs, tuple_=True)]
+    params = []
+    for p in plan.params:
+        d = p.declaration
+        if isinstance(d, Scalar):
+            params.append(f'runtime.Scalar("{d.name}", "{d.kind}", {d.low!r}, {d.high!r})')
+        else:
+            params.append(f'runtime.Choice("{d.name}", {_strings(d.choices)})')
+    if params:
+        lines += _argument("params", params, tuple_=True)
+    lines.append(f"outputs={_strings([name for name, _ in plan.outputs])},")
+    if plan.masks:
+        lines.append(f"masks={_strings([m.p.name for m in plan.masks])},  # each dropout's p, by Philox stream")
+    if plan.passthrough:
+        pairs = ", ".join(f'"{i}": "{o}"' for i, o in plan.passthrough)
+        lines.append(f"passthrough={{{pairs}}},  # these inputs' gradients are those outputs' own")
+    kernel = plan.backward
+    kernels = [forward.name, backward.name]
+    if plan.forward.scalars:
+        kernels.append(f"scalars={_strings([p.name for p in plan.forward.scalars])}")
+    kernels += [
+        f"backward_reads={_strings([i.name for i in kernel.inputs])}",
+        f"gradients={_strings([g.input.name for g in kernel.gradients])}",
+    ]
+    return lines + _argument("kernels", kernels, call="launch.Kernels") + ["reference=_reference,"]
+
+
+def _argument(name: str, items: list[str], tuple_: bool = False, call: str = "") -> list[str]:
+    """`name=(a, b),` or `name=call(a, b),` on one line where it fits, else an item a line."""
+    opening = f"{name}={call}("
+    one_line = opening + ", ".join(items) + ("," if tuple_ and len(items) == 1 else "") + "),"
+    if len(one_line) <= 92:  # inside FusedOp(...), indented 4
+        return [one_line]
+    return [opening, *(f"    {item}," for item in items), "),"]
+
+
+def _strings(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(f'"{s}"' for s in items) + ("," if len(items) == 1 else "") + ")"
+
+
+def public_signature_of(plan: OpPlan) -> str:
+    return public_signature(plan.spec, plan.has_dropout)
+
+
+def class_doc(plan: OpPlan) -> list[str]:
+    """Lines not wrapped: where a spec's names fall must not move the line breaks."""
+    lines = [f"The op as a torch.nn.Module: forward({', '.join(i.name for i in plan.inputs)}) calls {plan.spec.name}."]
+    if plan.params:
+        lines.append("Its params are fixed at construction, and checked then.")
+    if plan.has_dropout:
+        lines.append("Dropout is on in train() mode and off in eval(); seeds come from torch's generator.")
+    return lines
+
+
+def docstring(plan: OpPlan, class_name: str) -> list[str]:
+    spec = plan.spec
+    wrap = lambda text, indent="": textwrap.wrap(text, width=92, subsequent_indent=indent)  # noqa: E731
+    class_arguments = ", ".join(f"{p.name}={p.default!r}" for p in plan.params)
+    tensors = ", ".join(i.name for i in plan.inputs)
+    lines = [spec.doc.replace("\\", "\\\\").replace('"', '\\"'), ""]
+    lines += ["    " + line for line in wrap(f"{spec.name}({public_signature_of(plan)})", "    ")]
+    lines += ["    " + line for line in wrap(f"{class_name}({class_arguments})({tensors}): the same, as a torch.nn.Module", "    ")]
+    lines.append("")
+    lines += wrap("Inputs (broadcast as torch broadcasts): " + ", ".join(f"{i.name} {i.layout.declared}" for i in plan.inputs))
+    lines += wrap("Outputs: " + ", ".join(f"{name} [{', '.join(spec.out_dims)}]" for name, _ in plan.outputs))
+    for p in plan.params:
+        d = p.declaration
+        if isinstance(d, Scalar):
+            bounds = range_text(d.low, d.high)
+            bounds = f" {bounds}" if bounds else ""
+            lines += wrap(f"Param {p.name}: {d.kind}{bounds}, default {p.default!r} (runtime: no recompilation).", "    ")
+        elif isinstance(d, Choice):
+            choices = ", ".join(d.choices)
+            lines += wrap(f"Param {p.name}: one of {choices}; default {p.default!r} (compile-time: one kernel each).", "    ")
+    if plan.has_dropout:
+        lines += wrap("training=False, or every dropout p == 0, takes a kernel with no random numbers.", "    ")
+        lines += wrap("seed=None draws the dropout seed from torch's default generator (torch.manual_seed).", "    ")
+    lines += [""] + wrap(
+        "The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write every output "
+        "once, in the dtype torch's type promotion gives."
+    )
+    if plan.has_dropout:
+        lines += wrap(
+            "Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does not depend on "
+            "the input's 2-D layout or the kernel's block shape, and `reference` reproduces it. The seed is a "
+            "one-element int64 tensor on the inputs' device, drawn there by torch (seed=None) or filled in "
+            "(seed=int): no host sync, and a CUDA graph that captured a call draws a new mask on each replay."
+        )
+    redraw = ", draws the same dropout masks again from the seed" if plan.has_dropout else ""
+    saved = " and the seed tensor" if plan.has_dropout else ""
+    lines += [""] + wrap(
+        f"Backward: one fused kernel recomputes the forward from the saved inputs{redraw} and writes every input "
+        "gradient in one pass; gradients of inputs broadcast along rows are summed per program in fp32 and then "
+        f"across programs, in a fixed order (no atomics). Memory: saved for backward are the inputs{saved}, "
+        "nothing else: no mask, no intermediates."
+    )
+    lines += wrap(
+        " ".join(
+            f"The gradient of {i} is the gradient of {o}, passed on without a copy (summed only where {i} was broadcast)."
+            for i, o in plan.passthrough
+        )
+    )
+    lines += [""] + wrap(
+        "`reference` is the same computation in eager PyTorch, generated from the same spec; `eager` is the op as a "
+        "PyTorch user writes it (torch.nn.functional), the benchmarks' baseline."
+    )
+    return lines

@@ -1,0 +1,84 @@
+"""The Triton module's names: what it imports and uses for itself (which no spec-derived
+name may take), its module class's name, and the names it derives from the plan's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusegen.names import PYTHON_BUILTINS, Namer
+from fusegen.plan import OpPlan
+
+# What a generated module imports; an op named so would hide one.
+MODULE_IMPORTS = frozenset(
+    {"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", "dropout_mask", "sqrt_rn", "rsqrt_rn"}
+)
+# Names the generated code uses for itself: fusegen.plan names nothing spec-derived so.
+RESERVED_NAMES = (
+    MODULE_IMPORTS
+    | {"reference", "eager", "_OP", "_reference"}
+    # the kernels' own arguments and locals
+    | {"rows", "cols", "in_bounds", "M", "N", "M_BUCKET", "seed", "seed_ptr", "first_row", "row_offset"}
+    | {"HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"}
+    # the reference body's and the module class's
+    | {"problem", "masks", "self", "training"}
+    | PYTHON_BUILTINS
+)
+
+
+def module_class_name(op_name: str) -> str:
+    """The op's torch.nn.Module class: its name in CamelCase (bias_gelu_dropout_add →
+    BiasGeluDropoutAdd), with "Module" added where that is the op's own name or a name the
+    module already uses (op Gelu → GeluModule, op f → FModule)."""
+    name = "".join(word[:1].upper() + word[1:] for word in op_name.split("_"))
+    taken = name == op_name or name in MODULE_IMPORTS or name in PYTHON_BUILTINS
+    return f"{name}Module" if taken else name
+
+
+@dataclass(frozen=True)
+class InputNames:
+    pointer: str
+    stride_m: str
+    stride_n: str
+
+
+class TritonNames:
+    """The Triton module's own names for what the plan named: pointers, strides, gradient
+    buffers and sums, constexprs, dropout arguments and helper functions; from the plan's
+    namer, so none is a spec name or another's."""
+
+    def __init__(self, plan: OpPlan):
+        namer: Namer = plan.namer.child()
+        self.inputs = {
+            i.name: InputNames(namer.claim(f"{i.local}_ptr"), namer.claim(f"{i.local}_stride_m"),
+                                namer.claim(f"{i.local}_stride_n"))
+            for i in plan.inputs
+        }
+        self.incoming = {
+            g: InputNames(namer.claim(f"{g}_ptr"), namer.claim(f"{g}_stride_m"), namer.claim(f"{g}_stride_n"))
+            for g in plan.backward.incoming
+        }
+        self.gradient_pointer = {}
+        self.needs, self.sums, self.column_sums, self.accumulator = {}, {}, {}, {}
+        for gradient in plan.backward.gradients:
+            name, local = gradient.input.name, gradient.input.local
+            self.gradient_pointer[name] = namer.claim(f"grad_{local}_ptr")
+            self.needs[name] = namer.claim(f"NEEDS_GRAD_{local.upper()}")
+            self.sums[name] = namer.claim(f"SUM_GRAD_{local.upper()}")
+            if gradient.one_per_row:
+                self.column_sums[name] = namer.claim(f"SUM_COLS_GRAD_{local.upper()}")
+            for value in gradient.values:
+                self.accumulator[value] = namer.claim(f"{value}_sum")
+        self.threshold = {p.name: namer.claim(f"dropout_threshold_{p.local}") for p in plan.params if p.dropout_p}
+        self.scale = {p.name: namer.claim(f"dropout_scale_{p.local}") for p in plan.params if p.dropout_p}
+        self.constexprs = {p.name: namer.claim(p.local.upper()) for p in plan.forward.choices}
+        # Module-level helpers start with '_', as spec names never do: they only need to
+        # differ from each other.
+        self.triton_helpers, self.torch_helpers, self.eager_helpers = {}, {}, {}
+        for helper in plan.helpers:
+            param, arity = helper.param, len(helper.args)
+            self.triton_helpers[(param.name, None)] = namer.claim(f"_{param.local}")
+            for k in range(arity):
+                suffix = "_grad" if arity == 1 else f"_grad{k}"
+                self.triton_helpers[(param.name, k)] = namer.claim(f"_{param.local}{suffix}")
+            self.torch_helpers[(param.name, None)] = namer.claim(f"_{param.local}_torch")
+            self.eager_helpers[param.name] = namer.claim(f"_{param.local}_eager")
+        self.chunks = {i.name: namer.claim(f"{i.local}_chunks") for i in plan.inputs if i.layout.chunks > 1}
