@@ -122,7 +122,6 @@ class OpPlan:
     forward: KernelPlan
     backward: KernelPlan
     passthrough: tuple[tuple[str, str], ...]  # (input, output): the input's gradient is the output's
-    reference: KernelPlan  # the same forward, for the eager reference (its body printed for torch)
     eager: tuple[ir.Expr, ...]  # the outputs as the spec writes them, for the user-style baseline
     helpers: tuple[HelperPlan, ...]
     names: dict[str, str]  # spec name → local name, for everything the spec names
@@ -235,7 +234,6 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         forward=forward,
         backward=backward,
         passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients if g.passthrough_of is not None),
-        reference=forward,
         eager=tuple(expr for _, expr in op.ir.outputs),
         helpers=tuple(_helper(h, by_name[h.param]) for h in op.helpers),
         names=names,

@@ -1,16 +1,14 @@
-"""sympy printers shared by every backend: the structure of elementwise code, and PyTorch's
-spellings (the eager reference). A backend's kernel printer (fusegen.backends.triton.printer)
-subclasses ElementwisePrinter.
-
-Both share the structure of elementwise code (numbers, + - * /, small integer powers as
-multiplications, where, max/min); each target supplies only its spellings. `strict` makes
+"""sympy printers shared by every backend. ElementwisePrinter holds the structure of
+elementwise code (numbers, + - * /, small integer powers as multiplications, where,
+max/min); each target supplies only its spellings: PyTorch's here (the eager reference), a
+backend's kernel printer beside it (fusegen.backends.triton.printer). `strict` makes
 anything without a spelling an error at build time instead of silent garbage.
 """
 from __future__ import annotations
 
 import sympy
 from sympy.printing.codeprinter import CodePrinter
-from sympy.printing.precedence import PRECEDENCE, precedence
+from sympy.printing.precedence import precedence
 
 _SMALL_POWERS = (2, 3, 4)
 # Integers beyond this print as floats: a folded constant is within it (fusegen.constants),

@@ -69,11 +69,6 @@ class InputSpec:
         return Input(self.name, self.dims, self.chunks)
 
     @property
-    def value_dims(self) -> tuple[str, ...]:
-        """The dims of one chunk: what the input contributes to broadcasting."""
-        return self.dims
-
-    @property
     def has_ellipsis(self) -> bool:
         return bool(self.dims) and self.dims[0] == ELLIPSIS
 
@@ -625,7 +620,7 @@ def _expression_text(name: str, text: Any, what: str, line: int) -> str:
 
 def _broadcast_dims(inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:
     """The output's dims: the inputs' dims aligned right, as torch broadcasts them."""
-    explicit = {i.name: [d for d in i.value_dims if d != ELLIPSIS] for i in inputs}
+    explicit = {i.name: [d for d in i.dims if d != ELLIPSIS] for i in inputs}
     rank = max(len(d) for d in explicit.values())
     out: list[str] = []
     for pos in range(1, rank + 1):

@@ -23,7 +23,7 @@ def _inputs(op_spec, generator):
                 shape.append(1)
             else:
                 count = item.chunks if dim == item.dims[-1] else 1
-                name = item.value_dims[-1] if count > 1 else dim
+                name = dim
                 shape.append(count * sizes.setdefault(name, 24))
         tensors.append(torch.randn(shape, generator=generator, dtype=torch.float64))
     return tensors

@@ -169,20 +169,16 @@ def test_m_bucket_is_the_next_power_of_two(m, bucket):
     assert tuning.m_bucket(m) == bucket
 
 
-@pytest.mark.parametrize("n", [7, 1000, 4096])
-def test_every_m_of_a_bucket_prunes_alike(on_gpu_pruning, n):
-    """A config tuned at one M serves every M of its bucket: the pruned set, the backward's
-    rows per program and its row-sum slots depend on the bucket only."""
-    for low in (1025, 8193, 40000):
-        bucket = tuning.m_bucket(low)
-        named = {"M_BUCKET": bucket, "N": n}
-        forward = _tiles(tuning.prune_forward_configs(tuning.FORWARD_CONFIGS, named))
-        rows = tuning.backward_rows_per_program(bucket, n)
-        backward = _tiles(tuning.prune_backward_configs(tuning.BACKWARD_CONFIGS, {**named, "ROWS_PER_PROGRAM": rows}))
-        for m in (low, (low + bucket) // 2, bucket):
-            assert tuning.m_bucket(m) == bucket
-        assert forward and backward
-        assert tuning.narrowest_backward_block_n(bucket, n, rows) == min(bn for _, bn in backward)
+def test_row_counts_of_one_bucket_share_one_tuning(device):
+    """Three sequence lengths in (1024, 2048] tune once; 2049 rows start a second bucket."""
+    module = op_by_name("swiglu").module
+    kernel = module.swiglu_kernel
+    kernel.cache.clear()
+    for m in (1025, 1500, 2048, 2049):
+        x = torch.randn(m, 2 * 8, device=device)
+        torch.testing.assert_close(module.swiglu(x), module.reference(x))
+    buckets = sorted(key[0] for key in kernel.cache)  # the key: (M_BUCKET, N, dtypes...)
+    assert buckets == [2048, 4096], list(kernel.cache)
 
 
 def test_kernels_key_their_tuning_on_the_bucket():

@@ -122,7 +122,7 @@ def shape_for_dims(dims: Sequence[str], bsh: tuple[int, int, int], hidden: str |
 
 def input_shape(inp: InputSpec, bsh: tuple[int, int, int], hidden: str | None) -> tuple[int, ...]:
     """An input's sizes: its value dims mapped, the last one times its chunks ([..., 2N] → (B, S, 2·H))."""
-    shape = shape_for_dims(inp.value_dims, bsh, hidden)
+    shape = shape_for_dims(inp.dims, bsh, hidden)
     if inp.chunks == 1:
         return shape
     return shape[:-1] + (inp.chunks * shape[-1],)

@@ -46,8 +46,12 @@ def eager_ops() -> SimpleNamespace:
     return SimpleNamespace(
         bias_gelu=lambda x, bias: F.gelu(x + bias, approximate="tanh"),
         bias_dropout_add=lambda x, bias, residual, p, training: F.dropout(x + bias, p, training) + residual,
-        swiglu=lambda x: F.silu(x.chunk(2, dim=-1)[0]) * x.chunk(2, dim=-1)[1],
+        swiglu=lambda x: _silu_mul(*x.chunk(2, dim=-1)),
     )
+
+
+def _silu_mul(a, b):
+    return F.silu(a) * b
 
 
 def fusegen_ops(generated_dir: Path) -> SimpleNamespace:

@@ -228,20 +228,20 @@ class _Autograd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *_gradients(ctx, grads, ctx.seed))
+        needs = ctx.needs_input_grad[1:1 + len(ctx.op.inputs)]  # after the op argument
+        return (None, *_gradients(ctx.op, grads, ctx.saved_tensors, ctx.params, ctx.seed, needs))
 
 
-def _gradients(ctx, grads: tuple, seed) -> tuple:
-    """The backward shared by both autograd paths: None stands for an output's zero gradient."""
-    op: FusedOp = ctx.op
+def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs) -> tuple:
+    """The backward shared by both autograd paths, one gradient per argument of the op: None
+    stands for an output's zero gradient, and for every argument that is not a tensor."""
     given = [g for g in grads if g is not None]
-    nothing = (None,) * (len(op.inputs) + len(ctx.params))
+    nothing = (None,) * (len(tensors) + len(params))
     if not given:
         return nothing
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
-    needs = ctx.needs_input_grad[-len(nothing):][: len(op.inputs)]
-    input_grads = op.backward(grads, (*ctx.saved_tensors, *ctx.params), seed, needs)
-    return (*input_grads, *nothing[len(op.inputs):])
+    input_grads = op.backward(grads, (*tensors, *params), seed, needs)
+    return (*input_grads, *nothing[len(tensors):])
 
 
 def _schema_arguments(op: FusedOp) -> list[str]:
@@ -285,13 +285,13 @@ def _register_library_ops(op: FusedOp):
         count = len(op.inputs)
         outputs = (output,) if single else output
         ctx.save_for_backward(*inputs[:count], *outputs[len(op.outputs):])
-        ctx.op, ctx.params = op, inputs[count:]
+        ctx.params = inputs[count:]
 
     def backward(ctx, *grads):
         count = len(op.inputs)
         tensors, seed = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
-        ctx_view = _SavedContext(op, tensors, ctx.params, ctx.needs_input_grad)
-        return _gradients(ctx_view, grads[: len(op.outputs)], seed[0] if seed else None)
+        seed = seed[0] if seed else None
+        return _gradients(op, grads[: len(op.outputs)], tensors, ctx.params, seed, ctx.needs_input_grad[:count])
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 
@@ -323,14 +323,6 @@ def _register_library_ops(op: FusedOp):
 
     backward_op.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
     return forward_op, backward_op
-
-
-class _SavedContext:
-    """What _gradients reads of an autograd context, for the library op's saved tensors."""
-
-    def __init__(self, op, saved_tensors, params, needs_input_grad):
-        self.op, self.saved_tensors, self.params = op, saved_tensors, params
-        self.needs_input_grad = needs_input_grad
 
 
 __all__ = ["Call", "FusedOp", "FusegenArgumentError"]

@@ -15,12 +15,12 @@ import jinja2
 from fusegen import templating
 from fusegen.errors import SpecError
 from fusegen.functions import FUNCTIONS
-from fusegen.plan import Body, HelperPlan, OpPlan
+from fusegen.plan import Body, HelperPlan, OpPlan, public_signature
 from fusegen.printers import EagerPrinter, ElementwisePrinter, TorchPrinter
 from fusegen.pyformat import format_module
 
 from .kernel_text import backward_kernel, forward_kernel, kernel_lines, statements, torch_constant, with_argument_comments
-from .module_text import class_doc, docstring, op_declaration, public_signature_of
+from .module_text import class_doc, docstring, op_declaration
 from .naming import MODULE_IMPORTS, PYTHON_BUILTINS, RESERVED_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
 
@@ -81,7 +81,7 @@ def render(plan: OpPlan) -> str:
         torch_helpers=torch_helpers,
         reference=reference,
         op_declaration=op_declaration(plan, forward, backward),
-        public_signature=public_signature_of(plan),
+        public_signature=public_signature(spec, plan.has_dropout),
         public_arguments=", ".join(public),
         class_name=class_name,
         class_doc=class_doc(plan),
@@ -116,7 +116,7 @@ class _ReferenceBody:
 
 
 def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
-    kernel = plan.reference
+    kernel = plan.forward  # the reference computes what the forward kernel does, in torch
     values = [v.local for i in kernel.inputs for v in i.values]
     tensors = set(values) | {m.local for m in kernel.masks}
     arguments = ["problem", *values, *(p.local for p in plan.params)] + (["masks"] if plan.has_dropout else [])

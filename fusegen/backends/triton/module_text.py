@@ -57,10 +57,6 @@ def _strings(items) -> str:
     return "(" + ", ".join(f'"{s}"' for s in items) + ("," if len(items) == 1 else "") + ")"
 
 
-def public_signature_of(plan: OpPlan) -> str:
-    return public_signature(plan.spec, plan.has_dropout)
-
-
 def class_doc(plan: OpPlan) -> list[str]:
     """Lines not wrapped: where a spec's names fall must not move the line breaks."""
     lines = [f"The op as a torch.nn.Module: forward({', '.join(i.name for i in plan.inputs)}) calls {plan.spec.name}."]
@@ -77,7 +73,7 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
     class_arguments = ", ".join(f"{p.name}={p.default!r}" for p in plan.params)
     tensors = ", ".join(i.name for i in plan.inputs)
     lines = [spec.doc.replace("\\", "\\\\").replace('"', '\\"'), ""]
-    lines += ["    " + line for line in wrap(f"{spec.name}({public_signature_of(plan)})", "    ")]
+    lines += ["    " + line for line in wrap(f"{spec.name}({public_signature(spec, plan.has_dropout)})", "    ")]
     lines += ["    " + line for line in wrap(f"{class_name}({class_arguments})({tensors}): the same, as a torch.nn.Module", "    ")]
     lines.append("")
     lines += wrap("Inputs (broadcast as torch broadcasts): " + ", ".join(f"{i.name} {i.layout.declared}" for i in plan.inputs))
