@@ -123,6 +123,10 @@ FUNCTIONS: dict[str, Function] = {
 # sympy function of its arguments.
 BUILTINS = {"where": 3, "dropout": 2, "chunk": 2}
 
+# Row reductions over the last dim: one value per row ([..., 1], broadcast back along it).
+# max and min with two arguments stay the elementwise functions above, as in torch.
+REDUCTIONS = ("sum", "mean", "max", "min")
+
 
 def known_function_names() -> list[str]:
-    return sorted([*FUNCTIONS, *BUILTINS])
+    return sorted({*FUNCTIONS, *BUILTINS, *REDUCTIONS})

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from .errors import SpecError
-from .functions import BUILTINS, FUNCTIONS, known_function_names
+from .functions import BUILTINS, FUNCTIONS, REDUCTIONS, known_function_names
 from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, OpSpec, ScalarParam
 
 # Bounds on one expression, intermediates inlined: later stages recurse over the whole tree.
@@ -94,7 +94,16 @@ class Dropout:
     stream: int  # which dropout in the spec: each gets its own random numbers
 
 
-Expr = Union[Const, InputRef, ChunkRef, ParamRef, Unary, Binary, Compare, Call, ChoiceCall, Where, Dropout]
+@dataclass(frozen=True)
+class Reduce:
+    """A row reduction: `kind` (sum, mean, max, min) of `value` over the last dim, one value
+    per row, broadcast back along it (torch's keepdim=True)."""
+
+    kind: str
+    value: "Expr"
+
+
+Expr = Union[Const, InputRef, ChunkRef, ParamRef, Unary, Binary, Compare, Call, ChoiceCall, Where, Dropout, Reduce]
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,10 @@ class OpIR:
     outputs: tuple[tuple[str, Expr], ...]
     dropouts: tuple[Dropout, ...]
     lets: tuple[tuple[str, Expr], ...] = ()
+
+    @property
+    def has_reductions(self) -> bool:
+        return any(isinstance(node, Reduce) for _, expr in self.outputs for node in walk(expr))
 
 
 _BINARY_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
@@ -141,6 +154,15 @@ def build_ir(spec: OpSpec) -> OpIR:
                 "intermediates): its gradient would be too large to simplify",
             )
     _check_all_used(spec, scope)
+    if any(isinstance(node, Reduce) for _, expr in outputs for node in walk(expr)):
+        for binding, (name, expr) in zip(spec.outputs, outputs):
+            if row_constant(expr, scope.dims):
+                raise SpecError(
+                    spec.path,
+                    binding.line,
+                    f"output '{name}' is constant along each row (one value per row, [..., 1]): such "
+                    "outputs are not supported yet; multiply it into a full-shape output",
+                )
     lets = tuple((name, let.expr) for name, let in scope.lets.items())
     return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets)
 
@@ -150,6 +172,7 @@ class _Scope:
         self.spec = spec
         self.inputs = {i.name for i in spec.inputs}
         self.chunks = {i.name: i.chunks for i in spec.inputs}
+        self.dims = {i.name: i.dims for i in spec.inputs}
         self.scalars = {p.name: p for p in spec.params if isinstance(p, ScalarParam)}
         self.choices = {p.name: p for p in spec.params if isinstance(p, ChoiceParam)}
         self.outputs = {b.name for b in spec.outputs}
@@ -272,6 +295,8 @@ class _Scope:
             return Where(cond, self._value(node.args[1], depth), self._value(node.args[2], depth))
         if name == "dropout":
             return self._dropout(node, depth)
+        if name in REDUCTIONS and (len(node.args) == 1 or name in ("sum", "mean")):
+            return self._reduce(name, node, depth)
         if name == "chunk":
             return self._chunk(node)
         if name in FUNCTIONS:
@@ -300,6 +325,24 @@ class _Scope:
         self.dropouts.append(None)  # type: ignore[arg-type] - this dropout's place, filled below
         self.dropouts[stream] = Dropout(self._value(node.args[0], depth), param.name, stream)
         return self.dropouts[stream]
+
+    def _reduce(self, name: str, node: ast.Call, depth: int) -> Reduce:
+        self._check_arity(name, len(node.args), 1)
+        value = self._value(node.args[0], depth)
+        along, across = _row_shape(value, self.dims, {})
+        if not along:
+            if not any(d for d in self.dims.values()) and self.dims:
+                raise _Located(f"{name}(...) reduces over the last dim, and this op's inputs are 0-d: there is none")
+            raise _Located(
+                f"{name}({_snippet(node.args[0])}) reduces over the last dim, along which its argument is "
+                "constant (built from reductions, [..., 1] inputs and params only)"
+            )
+        if not across:
+            raise _Located(
+                f"{name}({_snippet(node.args[0])}) reduces an expression of [N]-shaped inputs only: the same "
+                "value for every row; reduce an expression of a full-shape input such as [..., N]"
+            )
+        return Reduce(name, value)
 
     def _chunk(self, node: ast.Call) -> ChunkRef:
         self._check_arity("chunk", len(node.args), BUILTINS["chunk"])
@@ -339,6 +382,26 @@ def _call_nesting(expr: Expr, memo: dict) -> int:
     return memo[key]
 
 
+def _row_shape(expr: Expr, dims: dict[str, tuple[str, ...]], memo: dict) -> tuple[bool, bool]:
+    """Whether a value may vary along a row (over the last dim) and across rows."""
+    key = id(expr)
+    if key not in memo:
+        if isinstance(expr, (InputRef, ChunkRef)):
+            d = dims[expr.name]
+            memo[key] = (bool(d) and d[-1] != "1", len(d) > 1 or (bool(d) and d[0] == "..."))
+        elif isinstance(expr, Reduce):
+            memo[key] = (False, _row_shape(expr.value, dims, memo)[1])
+        else:
+            shapes = [_row_shape(c, dims, memo) for c in _children(expr)]
+            memo[key] = (any(a for a, _ in shapes), any(b for _, b in shapes))
+    return memo[key]
+
+
+def row_constant(expr: Expr, dims: dict[str, tuple[str, ...]]) -> bool:
+    """Constant along each row: built from reductions, [..., 1] inputs, params and numbers."""
+    return not _row_shape(expr, dims, {})[0]
+
+
 def _children(expr: Expr) -> tuple:
     if isinstance(expr, Unary):
         return (expr.operand,)
@@ -348,7 +411,7 @@ def _children(expr: Expr) -> tuple:
         return expr.args
     if isinstance(expr, Where):
         return (expr.cond, expr.if_true, expr.if_false)
-    if isinstance(expr, Dropout):
+    if isinstance(expr, (Dropout, Reduce)):
         return (expr.value,)
     return ()
 
@@ -416,6 +479,8 @@ def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, in
         return f"where({parts})", _ATOM
     if isinstance(e, Dropout):
         return f"dropout({_unparse(e.value, names)[0]}, {e.p})", _ATOM
+    if isinstance(e, Reduce):
+        return f"{e.kind}({_unparse(e.value, names)[0]})", _ATOM
     raise TypeError(f"unknown IR node {type(e).__name__}")
 
 

@@ -21,6 +21,7 @@ import sympy
 from . import ir
 from .names import Namer
 from .layout import Choice, Input, Scalar
+from .rows import ADJOINT_PREFIX, ADJOINT_SUM_PREFIX, REDUCTION_PREFIX, TIES_PREFIX, WIDTH, RowProgram
 from .simplify import TEMPORARY_PREFIX, Block, ChoiceHelper, SimplifiedOp, value_names
 from .spec import ChoiceParam, OpSpec
 
@@ -31,6 +32,14 @@ class KernelKind(enum.Enum):
 
     POINTWISE = "pointwise"  # each element of the output from the same element of each input
     POINTWISE_BACKWARD = "pointwise_backward"  # each input's gradient, element by element
+    # A program owns whole rows: reductions along the row (passes of a fusegen.rows.RowProgram),
+    # then each element of the outputs, or of each input's gradient.
+    ROW = "row"
+    ROW_BACKWARD = "row_backward"
+
+    @property
+    def is_row(self) -> bool:
+        return self in (KernelKind.ROW, KernelKind.ROW_BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -97,8 +106,11 @@ class KernelPlan:
     scalars: tuple[ParamPlan, ...]  # numbers the body reads
     masks: tuple[Mask, ...]
     choices: tuple[ParamPlan, ...]
-    body: Body  # with dropout, where the op has any
+    # Pointwise kinds: a Body with dropout (where the op has any) and one without.
+    # Row kinds: one RowProgram; with dropout off its masks are 1.
+    body: Body | RowProgram
     body_no_dropout: Body | None  # training=False or p == 0; None for ops without dropout
+    row_width: str | None = None  # row kinds: the local holding N in the compute type, if read
 
 
 @dataclass(frozen=True)
@@ -173,13 +185,18 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         for value in value_names(spec_input)
         if value in kernel_values
     }
+    rows = isinstance(op.forward, RowProgram)
+    if rows:
+        symbols.update(_row_names(namer, op.forward, op.backward))
     blocks = (op.forward, op.forward_no_dropout, op.backward, op.backward_no_dropout)
-    temps = _temporary_names(namer, blocks)
+    temps = _temporary_names(namer, [b for b in blocks if b is not None])
     rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in {**symbols, **temps}.items()}
     outputs = tuple((name, names[name]) for name, _ in op.ir.outputs)
     has_dropout = bool(masks)
 
-    def body(block: Block, result_names: dict[str, str]) -> Body:
+    def body(block: Block | RowProgram, result_names: dict[str, str]) -> Body | RowProgram:
+        if isinstance(block, RowProgram):
+            return block.renamed(rename, result_names)
         return Body(
             tuple((temps[t.name], e.xreplace(rename)) for t, e in block.temps),
             tuple((result_names[n], e.xreplace(rename)) for n, e in block.results),
@@ -187,8 +204,9 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
 
     scalars = tuple(by_name[s.name] for s in op.scalar_params)
     choices = tuple(p for p in params if isinstance(p.declaration, Choice))
+    width = symbols.get(WIDTH.name)
     forward = KernelPlan(
-        kind=KernelKind.POINTWISE,
+        kind=KernelKind.ROW if rows else KernelKind.POINTWISE,
         inputs=tuple(inputs),
         incoming=(),
         outputs=tuple(local for _, local in outputs),
@@ -197,9 +215,12 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         masks=tuple(masks),
         choices=choices,
         body=body(op.forward, names),
-        body_no_dropout=body(op.forward_no_dropout, names) if has_dropout else None,
+        body_no_dropout=body(op.forward_no_dropout, names) if has_dropout and not rows else None,
+        row_width=width if rows and WIDTH in op.forward.free_symbols() else None,
     )
-    backward_symbols = _free_symbols(op.backward) | _free_symbols(op.backward_no_dropout)
+    backward_symbols = (
+        op.backward.free_symbols() if rows else _free_symbols(op.backward) | _free_symbols(op.backward_no_dropout)
+    )
     spec_inputs = {i.name: i for i in spec.inputs}
     gradients = tuple(
         GradientPlan(
@@ -211,7 +232,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         if any(n in kernel_values for n in value_names(spec_inputs[i.name]))
     )
     backward = KernelPlan(
-        kind=KernelKind.POINTWISE_BACKWARD,
+        kind=KernelKind.ROW_BACKWARD if rows else KernelKind.POINTWISE_BACKWARD,
         inputs=tuple(
             i for i in inputs
             if any(sympy.Symbol(n, real=True) in backward_symbols for n in value_names(spec_inputs[i.name]))
@@ -223,7 +244,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         masks=tuple(masks),
         choices=choices,
         body=body(op.backward, grad_locals),
-        body_no_dropout=body(op.backward_no_dropout, grad_locals) if has_dropout else None,
+        body_no_dropout=body(op.backward_no_dropout, grad_locals) if has_dropout and not rows else None,
+        row_width=width if rows and WIDTH in backward_symbols else None,
     )
     return OpPlan(
         spec=spec,
@@ -244,9 +266,31 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
 def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
     """simplify's %t0, %t1, ... as t0, t1, ...: claimed for the whole module (the backend's
     own names, given out later, must not take them); a helper (namer None) has no others."""
-    used = sorted({t.name for b in blocks for t, _ in b.temps}, key=lambda n: int(n[len(TEMPORARY_PREFIX):]))
+    used = sorted({t.name for b in blocks for t, _ in b.temps if t.name.startswith(TEMPORARY_PREFIX)}, key=lambda n: int(n[len(TEMPORARY_PREFIX):]))
     plain = {name: "t" + name[len(TEMPORARY_PREFIX):] for name in used}
     return plain if namer is None else {name: namer.claim(local) for name, local in plain.items()}
+
+
+def _row_names(namer: Namer, forward: RowProgram, backward: RowProgram) -> dict[str, str]:
+    """Row symbols as the generated code names them: each forward reduction by its kind
+    (mean0, max1), the backward's tie counts, row sums and adjoints (ties0, row_sum2,
+    grad_mean0), and N in the compute type (row_width)."""
+    names = {WIDTH.name: namer.claim("row_width")}
+    kinds = {r.symbol.name: r.kind for r in forward.reductions}
+    for r in backward.reductions:
+        name = r.symbol.name
+        if name.startswith(REDUCTION_PREFIX):
+            names[name] = namer.claim(f"{kinds[name]}{name[len(REDUCTION_PREFIX):]}")
+        elif name.startswith(TIES_PREFIX):
+            names[name] = namer.claim(f"ties{name[len(TIES_PREFIX):]}")
+        elif name.startswith(ADJOINT_SUM_PREFIX):
+            names[name] = namer.claim(f"row_sum{name[len(ADJOINT_SUM_PREFIX):]}")
+    for item in (*backward.row_values, *(v for p in backward.passes for v in p.row_values)):
+        name = item[0].name
+        if name.startswith(ADJOINT_PREFIX):
+            reduction = REDUCTION_PREFIX + name[len(ADJOINT_PREFIX):]
+            names[name] = namer.claim(f"grad_{names[reduction]}")
+    return names
 
 
 def _free_symbols(block: Block) -> set:

@@ -141,6 +141,11 @@ class ElementwisePrinter(CodePrinter):
                 return " * ".join([self._wrapped(base)] * int(value))
             if -value in _SMALL_POWERS:
                 return f"1.0 / ({' * '.join([self._wrapped(base)] * int(-value))})"
+            if (2 * value) % 2 == 1 and abs(value) < max(_SMALL_POWERS):
+                # x**1.5 as x * sqrt(x): a correctly rounded root, not a general power.
+                whole = [self._wrapped(base)] * int(abs(value))
+                text = " * ".join(whole + [f"{self.sqrt}({self._print(base)})"])
+                return text if value > 0 else f"1.0 / ({text})"
         return f"{self.power}({self._power_operand(base)}, {self._power_operand(exp)})"
 
     def _power_operand(self, expr) -> str:
@@ -289,6 +294,9 @@ class EagerPrinter:
             return f"{self.helpers[e.param]}({args}, {self.names[e.param]})"
         if isinstance(e, ir.Dropout):
             return f"F.dropout({self._print(e.value)}, {self.names[e.p]}, training=training)"
+        if isinstance(e, ir.Reduce):
+            method = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin"}[e.kind]
+            return f"{self._operand(e.value)}.{method}(-1, keepdim=True)"
         raise TypeError(f"unknown IR node {type(e).__name__}")
 
     def _argument(self, e, idiom: str, index: int) -> str:

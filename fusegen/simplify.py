@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 import sympy
 
-from . import constants, ir
+from . import calculus, constants, ir, rows
+from .calculus import TEMPORARY_PREFIX, derivative
+from .rows import RowProgram
 from .errors import SpecError
 from .functions import FUNCTIONS
 
 _RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
 _BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "**": operator.pow}
 HELPER_ARGS = ("x", "y", "z")  # a choice helper's argument names, by arity
-TEMPORARY_PREFIX = "%t"  # CSE temporaries: %t0, %t1, ...
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,12 @@ class SimplifiedOp:
     scalar_params: tuple[sympy.Symbol, ...]  # those the kernel needs as values
     masks: tuple[sympy.Symbol, ...]  # one per dropout stream
     grad_outputs: tuple[sympy.Symbol, ...]  # incoming gradient per output
-    forward: Block  # dropout on
-    forward_no_dropout: Block
-    backward: Block  # results named by value (x, x[1]), pass-throughs left out
-    backward_no_dropout: Block
+    # An op with row reductions has one row program each way (fusegen.rows), with dropout on
+    # (off, its masks are 1), and no *_no_dropout blocks.
+    forward: Block | RowProgram  # dropout on
+    forward_no_dropout: Block | None
+    backward: Block | RowProgram  # results named by value (x, x[1]), pass-throughs left out
+    backward_no_dropout: Block | None
     gradients: tuple[Gradient, ...]
     helpers: tuple[ChoiceHelper, ...]
 
@@ -122,6 +125,8 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     params = {p.name: sympy.Symbol(p.name, real=True) for p in spec.scalar_params}
     masks = tuple(sympy.Symbol(mask_name(d.stream), real=True) for d in op.dropouts)
     symbols = {**inputs, **params}
+    if op.has_reductions:
+        return _simplify_rows(op, inputs, params, masks, chunked)
 
     outputs = {}
     for has_dropout in (True, False):
@@ -163,13 +168,53 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     )
 
 
+def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunked: set) -> SimplifiedOp:
+    spec = op.spec
+    reductions = rows.Reductions()
+    outputs = _Lowering(op, {**inputs, **params}, masks, reductions).outputs()
+    grad_outputs = tuple(sympy.Symbol(grad_output_name(name), real=True) for name, _ in op.outputs)
+    lines = {b.name: b.line for b in spec.outputs}
+
+    def check(output: str, name: str, partial: sympy.Expr) -> None:
+        try:
+            constants.check_finite(partial)
+        except constants.ConstantError as exc:
+            message = f"output '{output}': its derivative with respect to {name} has a constant that {exc}"
+            raise SpecError(spec.path, lines[output], message) from None
+
+    found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, check)
+    gradients = tuple(
+        Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in inputs
+    )
+    results = [(g.input, totals[g.input]) for g in gradients if g.passthrough_of is None]
+    elements = set(inputs.values()) | set(masks)
+    forward = rows.schedule(reductions.found, [], outputs, elements)
+    backward = rows.schedule(found, row_values, results, elements | set(grad_outputs))
+    used = forward.free_symbols() | backward.free_symbols()
+    return SimplifiedOp(
+        ir=op,
+        inputs=tuple(inputs.values()),
+        scalar_params=tuple(s for s in params.values() if s in used),
+        masks=masks,
+        grad_outputs=grad_outputs,
+        forward=forward,
+        forward_no_dropout=None,
+        backward=backward,
+        backward_no_dropout=None,
+        gradients=gradients,
+        helpers=tuple(_choice_helper(p) for p in spec.choice_params),
+    )
+
+
 class _Lowering:
     """IR → sympy, node by node. A node whose value is a number is folded to one literal
     (constants.fold), and the numbers sympy gathers into a node's sum or product are checked:
     a constant that cannot be a literal is a spec error naming the field and the subexpression."""
 
-    def __init__(self, op: ir.OpIR, symbols: dict[str, sympy.Symbol], masks: tuple[sympy.Symbol, ...] | None):
+    def __init__(self, op: ir.OpIR, symbols: dict[str, sympy.Symbol], masks: tuple[sympy.Symbol, ...] | None,
+                 reductions: rows.Reductions | None = None):
         self.op = op
+        self.reductions = reductions  # where row reductions go: ops that have them
         self.symbols = symbols
         self.masks = masks
         self.lowered: dict[int, sympy.Basic] = {}  # by id(node): intermediates' trees are shared
@@ -255,6 +300,8 @@ class _Lowering:
         if isinstance(e, ir.Dropout):
             value = self(e.value)
             return value * self.masks[e.stream] if self.masks is not None else value
+        if isinstance(e, ir.Reduce):
+            return self.reductions.add(e.kind, self(e.value))
         raise TypeError(f"unknown IR node {type(e).__name__}")
 
     def _choice_call(self, e: ir.ChoiceCall) -> sympy.Expr:
@@ -301,36 +348,14 @@ def _input_gradients(spec, outputs, inputs, grad_outputs) -> dict[str, sympy.Exp
     return totals
 
 
-def derivative(expr: sympy.Expr, symbol: sympy.Symbol) -> sympy.Expr:
-    """∂expr/∂symbol, its terms' common factors taken out, as the chain rule leaves them.
-
-    The product rule hands back a sum in which a factor is distributed over the terms:
-    ∂(silu(a) * b)/∂a = b*s + a*b*s*sigmoid(-a). Where b = ±inf and a < 0 that sum is
-    inf - inf = NaN, where b * silu'(a), as eager PyTorch computes it, is ±inf; taking the
-    common factors out, b*s*(a*sigmoid(-a) + 1), gives the same value without the NaN,
-    and no more operations. Only the top-level sum is factored, and only for a factor that
-    is not just a number: the terms stay as sympy wrote them (factor_terms would also
-    rewrite function arguments, away from the forward's).
-    """
-    d = sympy.diff(expr, symbol)
-    factored = sympy.gcd_terms(d, fraction=False)
-    if factored.is_Mul and any(not f.is_number and not f.is_Add for f in factored.args):
-        return factored
-    return d
-
-
 def _passthrough(total: sympy.Expr, grad_outputs) -> str | None:
     """The output whose incoming gradient this gradient is, unchanged; else None."""
     return next((g.name[len("grad["):-1] for g in grad_outputs if total == g), None)
 
 
 def _cse(results: list[tuple[str, sympy.Expr]]) -> Block:
-    temps = sympy.numbered_symbols(TEMPORARY_PREFIX, real=True)
-    replacements, reduced = sympy.cse([e for _, e in results], symbols=temps)
-    # A temporary that is only a number (2*sqrt(2/pi)) reads better as the literal it prints to.
-    numbers = {t: e for t, e in replacements if e.is_number}
-    kept = [(t, e.xreplace(numbers)) for t, e in replacements if t not in numbers]
-    return Block(tuple(kept), tuple((n, e.xreplace(numbers)) for (n, _), e in zip(results, reduced)))
+    temps, reduced = calculus.cse([e for _, e in results])
+    return Block(tuple(temps), tuple((n, e) for (n, _), e in zip(results, reduced)))
 
 
 def _choice_helper(param) -> ChoiceHelper:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import SpecError
-from .functions import BUILTINS, FUNCTIONS
+from .functions import BUILTINS, FUNCTIONS, REDUCTIONS
 from .layout import Input
 
 ELLIPSIS = "..."
@@ -331,7 +331,7 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
     if name.startswith("_"):
         raise _Located(line, f"{what} name '{name}' must not start with '_' (reserved for generated code)")
     # An op may share a function's name (op `gelu`): its module never calls that function.
-    if what != "op" and (name in FUNCTIONS or name in BUILTINS):
+    if what != "op" and (name in FUNCTIONS or name in BUILTINS or name in REDUCTIONS):
         raise _Located(line, f"{what} name '{name}' is the name of the function '{name}' of the expression language")
     if what == "op" and name in MODULE_NAMES:
         raise _Located(line, f"op name '{name}' is the name of the generated module's function {name}()")

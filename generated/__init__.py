@@ -12,9 +12,11 @@
 - geglu: y = activation(a) * b, where x = [a, b] along the last dim
 - gelu: y = gelu(x), exact (erf) form
 - gelu_tanh: y = gelu_tanh(x), the tanh approximation of GELU
+- layernorm: y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, over the last dim
 - leaky_relu: y = x if x > 0 else slope * x
 - quick_gelu: y = x * sigmoid(1.702 * x)
 - scale_add: y = x * scale + residual, with one scale per row
+- softmax: y = softmax(x) over the last dim
 - squared_relu: y = relu(x) ** 2
 - swiglu: y = silu(a) * b, where x = [a, b] along the last dim
 """
@@ -31,9 +33,11 @@ OPS = (
     "geglu",
     "gelu",
     "gelu_tanh",
+    "layernorm",
     "leaky_relu",
     "quick_gelu",
     "scale_add",
+    "softmax",
     "squared_relu",
     "swiglu",
 )

@@ -7,7 +7,7 @@ templates/op.py.jinja as ready strings and lists of lines; the template holds la
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
 import jinja2
@@ -16,11 +16,13 @@ from fusegen import templating
 from fusegen.errors import SpecError
 from fusegen.functions import FUNCTIONS
 from fusegen.plan import Body, HelperPlan, OpPlan, public_signature
+from fusegen.rows import RowProgram
 from fusegen.printers import EagerPrinter, ElementwisePrinter, TorchPrinter
 from fusegen.pyformat import format_module
 
 from .kernel_text import backward_kernel, forward_kernel, kernel_lines, statements, torch_constant, with_argument_comments
 from .module_text import class_doc, docstring, op_declaration
+from .row_kernel_text import row_backward_kernel, row_kernel
 from .naming import MODULE_IMPORTS, PYTHON_BUILTINS, RESERVED_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
 
@@ -48,8 +50,9 @@ def render(plan: OpPlan) -> str:
     op = spec.name
     triton = TritonPrinter(names.triton_helpers, names.constexprs)
     torch_printer = TorchPrinter(names.torch_helpers, {p.name: p.local for p in plan.params})
-    forward = forward_kernel(plan, names, triton)
-    backward = backward_kernel(plan, names, triton)
+    rows = plan.forward.kind.is_row
+    forward = (row_kernel if rows else forward_kernel)(plan, names, triton)
+    backward = (row_backward_kernel if rows else backward_kernel)(plan, names, triton)
     triton_helpers = [h for helper in plan.helpers for h in _triton_helpers(helper, names, triton)]
     torch_helpers = [_torch_helper(helper, names, torch_printer) for helper in plan.helpers]
     reference = _reference(plan, torch_printer)
@@ -71,10 +74,11 @@ def render(plan: OpPlan) -> str:
         uses_functional="F." in "\n".join(eager_lines + [line for h in eager_helpers for b in h.branches for line in b["lines"]]),
         uses_libdevice="libdevice." in kernel_code,
         kernel_lib_names=", ".join(
-            n for n in ("dropout_mask", "rsqrt_rn", "sqrt_rn") if f"{n}(" in kernel_code
+            n for n in ("dropout_mask", "row_max", "row_min", "rsqrt_rn", "sqrt_rn") if f"{n}(" in kernel_code
         ),
         exports=", ".join(f'"{n}"' for n in (op, class_name, "reference", "eager")),
         triton_helpers=triton_helpers,
+        row_kernels=rows,
         forward=with_argument_comments(forward),
         backward=with_argument_comments(backward),
         column_sum_buffers=", ".join(f'"{names.gradient_pointer[g.input.name]}"' for g in plan.backward.gradients if g.one_per_row),
@@ -113,6 +117,10 @@ class _ReferenceBody:
     returns: str
     dropout_lines: list[str]
     plain_lines: list[str]
+    lines: list[str] = field(default_factory=list)  # after either branch
+
+
+_TORCH_REDUCTIONS = {"sum": "torch.sum", "mean": "torch.mean", "max": "torch.amax", "min": "torch.amin"}
 
 
 def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
@@ -121,6 +129,34 @@ def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
     tensors = set(values) | {m.local for m in kernel.masks}
     arguments = ["problem", *values, *(p.local for p in plan.params)] + (["masks"] if plan.has_dropout else [])
     returns = "(" + ", ".join(kernel.outputs) + ("," if len(kernel.outputs) == 1 else "") + ")"
+    if kernel.kind.is_row:
+        # One body; with dropout off its masks are 1, as in the kernel.
+        masks = "(" + ", ".join(m.local for m in kernel.masks) + ("," if len(kernel.masks) == 1 else "") + ")"
+        body: RowProgram = kernel.body
+        # What varies along the row: the tensors, and the temporaries computed per element.
+        elements = tensors | {t.name for p in body.passes for t, _ in p.temps} | {t.name for t, _ in body.final_temps}
+
+        def assign(items, constant=None) -> list[str]:
+            return statements(Body(tuple((t.name, e) for t, e in items), ()), printer, constant, elements)
+
+        lines = [f"{kernel.row_width} = problem.n"] if kernel.row_width else []
+        lines += assign(body.row_values)
+        emitted: set = set()
+        for p in body.passes:
+            lines += assign([t for t in p.temps if t[0] not in emitted])
+            emitted |= {t for t, _ in p.temps}
+            for r in p.reductions:
+                value = statements(Body((), (("_", r.value),)), printer, torch_constant, elements)
+                text = value[-1][len("_ = "):]
+                lines += value[:-1] + [f"{r.symbol.name} = {_TORCH_REDUCTIONS[r.kind]}({text}, dim=-1, keepdim=True)"]
+            lines += assign(p.row_values)
+        lines += assign([t for t in body.final_temps if t[0] not in emitted])
+        lines += statements(Body((), body.results), printer, torch_constant, elements)
+        if not plan.has_dropout:
+            return _ReferenceBody(", ".join(arguments), returns, [], [], lines)
+        return _ReferenceBody(
+            ", ".join(arguments), returns, [f"{masks} = masks"], [f"{m.local} = 1.0" for m in kernel.masks], lines
+        )
     if kernel.body_no_dropout is None:
         return _ReferenceBody(", ".join(arguments), returns, [], statements(kernel.body, printer, torch_constant, tensors))
     masks = "(" + ", ".join(m.local for m in kernel.masks) + ("," if len(kernel.masks) == 1 else "") + ")"

@@ -125,3 +125,24 @@ def patch_libdevice() -> None:
     for name in _LIBDEVICE:
         setattr(libdevice, name, interpreted(getattr(cuda_libdevice, name)))
     _LIBDEVICE_PATCHED = True
+
+
+_INDEX_PATCHED = False
+
+
+def patch_scalar_index() -> None:
+    """A runtime int as a loop bound (`range(0, N, BLOCK_N)`): the interpreter holds scalars
+    as one-element arrays, which NumPy 2 no longer converts with int()."""
+    global _INDEX_PATCHED
+    if _INDEX_PATCHED:
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    _INDEX_PATCHED = True

@@ -81,3 +81,26 @@ def rsqrt_rn(x):
     fp64; in fp32 `/` is div.full, up to 2 ulp off."""
     root = sqrt_rn(x)
     return 1.0 / root if x.dtype == tl.float64 else tl.div_rn(tl.full((), 1.0, tl.float32), root)
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_max(tile):
+    """The largest element of each row of a tile, as [rows, 1]; NaN if the row holds one, as
+    torch.amax (tl.max's maximum drops NaN)."""
+    return tl.reduce(tile, 1, _maximum, keep_dims=True)
+
+
+@triton.jit
+def row_min(tile):
+    """The smallest element of each row of a tile, as [rows, 1]; NaN as in row_max."""
+    return tl.reduce(tile, 1, _minimum, keep_dims=True)

@@ -21,17 +21,25 @@ from fusegen.layout import Choice
 from fusegen.runtime import GradTarget, dropout_scale, dropout_threshold, needs_int64, view_2d
 
 from . import tuning
-from .interpreter import check_runs_off_cuda, is_interpreting, patch_bfloat16_rounding, patch_libdevice
+from .interpreter import (
+    check_runs_off_cuda,
+    is_interpreting,
+    patch_bfloat16_rounding,
+    patch_libdevice,
+    patch_scalar_index,
+)
 from .cached_launcher import CachedLauncher
 
 if is_interpreting():  # every generated module imports this one before its kernels run
     patch_bfloat16_rounding()
     patch_libdevice()
+    patch_scalar_index()
 
 
 class Kernels:
     """What a generated module hands its FusedOp: the kernels, and which params and inputs
-    they take beyond the ones every kernel takes (by spec name)."""
+    they take beyond the ones every kernel takes (by spec name). Pointwise kernels; row
+    kernels take RowKernels."""
 
     def __init__(self, forward, backward, *, scalars: tuple[str, ...] = (), backward_reads: tuple[str, ...],
                  gradients: tuple[str, ...]):
@@ -40,6 +48,14 @@ class Kernels:
 
     def bind(self, op) -> "_Bound":
         return _Bound(self, op)
+
+
+class RowKernels(Kernels):
+    """Row kernels (fusegen.backends.triton.row_kernel_text): the same arguments, then
+    BLOCK_N and ONE_TILE; a grid over rows only."""
+
+    def bind(self, op) -> "_BoundRows":
+        return _BoundRows(self, op)
 
 
 class _Bound:
@@ -129,4 +145,53 @@ class _Bound:
                 self.backward_kernel.fn[grid](*args, BLOCK_M=tile[0], BLOCK_N=tile[1])
             else:
                 self._backward[lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta["BLOCK_N"]))](*args)
+        return [t.result() for t in targets if t is not None]
+
+
+class _BoundRows(_Bound):
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None) -> None:
+        problem = call.problem
+        views, args = [], []
+        for tensor, chunks in zip(tensors, self._chunks):
+            view = view_2d(tensor, problem, chunks)
+            views.append(view)
+            args += view
+        args += outputs
+        args += self._common(call, seed)
+        args += [needs_int64(problem, views), problem.compute_dtype == torch.float64]
+        m, n = problem.m, problem.n
+        block_n = tile[1] if tile is not None else tuning.row_block_n(n)
+        args += [block_n, block_n >= n]  # BLOCK_N, ONE_TILE
+        if tile is not None:
+            self.forward_kernel.fn[(tuning.cdiv(m, tile[0]),)](*args, BLOCK_M=tile[0])
+            return
+        self._forward[lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]),)](*args)
+
+    def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
+                 rows_per_program: int | None = None) -> list[torch.Tensor]:
+        problem = call.problem
+        m, n = problem.m, problem.n
+        rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m))
+        # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
+        targets = [
+            GradTarget(tensors[i], problem, tuning.cdiv(m, rows), 1, self._chunks[i], one) if needs[i] else None
+            for i, one in zip(self._gradients, self._one_per_row)
+        ]
+        if problem.launches:
+            views = [view_2d(tensors[i], problem, self._chunks[i]) for i in self._reads]
+            grad_views = [view_2d(g, problem) for g in grads]
+            args = [*(a for view in views + grad_views for a in view)]
+            args += [None if t is None else t.buffer for t in targets]
+            args += self._common(call, seed)
+            args += [needs_int64(problem, views + grad_views), problem.compute_dtype == torch.float64]
+            for target, one in zip(targets, self._one_per_row):
+                args += [target is not None, target is not None and target.kind == "rows"]
+                if one:
+                    args.append(target is not None and target.kind == "columns")
+            block_n = tile[1] if tile is not None else tuning.row_block_n(n, backward=True)
+            args += [rows, block_n, block_n >= n]  # ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE
+            if tile is not None:
+                self.backward_kernel.fn[(tuning.cdiv(m, rows),)](*args, BLOCK_M=tile[0])
+            else:
+                self._backward[(tuning.cdiv(m, rows),)](*args)
         return [t.result() for t in targets if t is not None]

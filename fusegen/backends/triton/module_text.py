@@ -40,7 +40,8 @@ def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> l
         f"backward_reads={_strings([i.name for i in kernel.inputs])}",
         f"gradients={_strings([g.input.name for g in kernel.gradients])}",
     ]
-    return lines + _argument("kernels", kernels, call="launch.Kernels") + ["reference=_reference,"]
+    call = "launch.RowKernels" if plan.forward.kind.is_row else "launch.Kernels"
+    return lines + _argument("kernels", kernels, call=call) + ["reference=_reference,"]
 
 
 def _argument(name: str, items: list[str], tuple_: bool = False, call: str = "") -> list[str]:

@@ -9,7 +9,8 @@ from fusegen.plan import OpPlan
 
 # What a generated module imports; an op named so would hide one.
 MODULE_IMPORTS = frozenset(
-    {"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", "dropout_mask", "sqrt_rn", "rsqrt_rn"}
+    {"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", "dropout_mask", "sqrt_rn", "rsqrt_rn",
+     "row_max", "row_min"}
 )
 # Names the generated code uses for itself: fusegen.plan names nothing spec-derived so.
 RESERVED_NAMES = (
@@ -18,6 +19,8 @@ RESERVED_NAMES = (
     # the kernels' own arguments and locals
     | {"rows", "cols", "in_bounds", "M", "N", "M_BUCKET", "seed", "seed_ptr", "first_row", "row_offset"}
     | {"HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"}
+    # the row kernels' own
+    | {"first_col", "partial", "tile_sum", "ONE_TILE"}
     # the reference body's and the module class's
     | {"problem", "masks", "self", "training"}
     | PYTHON_BUILTINS
@@ -82,3 +85,9 @@ class TritonNames:
             self.torch_helpers[(param.name, None)] = namer.claim(f"_{param.local}_torch")
             self.eager_helpers[param.name] = namer.claim(f"_{param.local}_eager")
         self.chunks = {i.name: namer.claim(f"{i.local}_chunks") for i in plan.inputs if i.layout.chunks > 1}
+        # Row kernels' looped reductions: a [BLOCK_M, BLOCK_N] tile each, reduced after the loop.
+        self.tiles: dict[str, str] = {}
+        for kernel in (plan.forward, plan.backward):
+            for r in kernel.body.reductions if kernel.kind.is_row else ():
+                if r.symbol.name not in self.tiles:
+                    self.tiles[r.symbol.name] = namer.claim(f"{r.symbol.name}_tile")

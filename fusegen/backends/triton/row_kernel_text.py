@@ -1,0 +1,315 @@
+"""The text of an op's row kernels (plan kinds ROW and ROW_BACKWARD): a program owns BLOCK_M
+whole rows and runs the plan's RowProgram over them.
+
+Two layouts of the same program, chosen per call by the ONE_TILE constexpr:
+
+- ONE_TILE (the row fits one BLOCK_N tile): the inputs are loaded once, and every pass of the
+  program is straight-line code over the same registers;
+- otherwise each pass is a loop along the row, BLOCK_N columns at a time, that loads what the
+  pass reads and accumulates its reductions in [BLOCK_M, BLOCK_N] tiles (reduced along the
+  row after the loop), then a last loop computes and stores the results.
+
+Masks of dropout are drawn per tile from each element's flat index, so every pass (and the
+backward) draws the same ones; with dropout off they are 1.
+"""
+from __future__ import annotations
+
+from fusegen.plan import KernelPlan, OpPlan
+from fusegen.rows import Reduction, RowProgram
+
+from .kernel_text import (
+    KernelText,
+    _depends_on,
+    _gradient_stores,
+    _gradient_sums,
+    _input_argument,
+    _loads,
+    _row_width,
+    _scalars_in_compute_type,
+    _shared_arguments,
+    _column,
+    triton_constant,
+)
+from .naming import TritonNames
+from .printer import COMPUTE_DTYPE, TritonPrinter
+
+_TAIL_ARGUMENTS = [
+    "BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it",
+    "ONE_TILE: tl.constexpr,  # BLOCK_N >= N",
+    "BLOCK_M: tl.constexpr,",
+]
+_NEUTRAL = {"sum": "0.0", "mean": "0.0", "max": '-float("inf")', "min": 'float("inf")'}
+
+
+def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
+    kernel = plan.forward
+    arguments = [_input_argument(i, names) for i in kernel.inputs]
+    arguments += [f"{out}_ptr,  # {name}, contiguous [M, N]" for (name, _), out in zip(plan.outputs, kernel.outputs)]
+    arguments.append("M, N,  # rows (all leading dims) and columns (the last dim, reduced along)")
+    arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
+    arguments += _shared_arguments(plan, kernel, names, forward=True)
+    arguments += _TAIL_ARGUMENTS
+    program = _Program(plan, kernel, names, printer)
+    stores = [
+        f"tl.store({out}_ptr + rows[:, None] * N + cols[None, :], {out}.to({out}_ptr.dtype.element_ty), mask=in_bounds)"
+        for out in kernel.outputs
+    ]
+    lines = [
+        "rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "if INDEX_64:",
+        "    rows = rows.to(tl.int64)",
+        *program.prologue(),
+        "if ONE_TILE:",
+        *_indent(program.one_tile(stores)),
+        "else:",
+        *_indent(program.looped(stores, [], [])),
+    ]
+    return KernelText(name=f"{plan.spec.name}_kernel", key=_key(plan, backward=False), arguments=arguments,
+                      plain_lines=lines)
+
+
+def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
+    kernel = plan.backward
+    arguments = [_input_argument(i, names) for i in kernel.inputs]
+    for (output, _), incoming in zip(plan.outputs, kernel.incoming):
+        n = names.incoming[incoming]
+        arguments.append(f"{n.pointer}, {n.stride_m}, {n.stride_n},  # incoming gradient of {output}")
+    for gradient in kernel.gradients:
+        name, width = gradient.input.name, _row_width(gradient.input)
+        pointer, sums = names.gradient_pointer[name], names.sums[name]
+        more = "; or row sums [1, M]" if gradient.one_per_row else ""
+        arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
+    arguments.append("M, N, M_BUCKET,")
+    arguments += _shared_arguments(plan, kernel, names, forward=False)
+    for gradient in kernel.gradients:
+        name = gradient.input.name
+        arguments += [f"{names.needs[name]}: tl.constexpr,", f"{names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows"]
+        if gradient.one_per_row:
+            arguments.append(f"{names.column_sums[name]}: tl.constexpr,  # {name} is broadcast along columns")
+    arguments.append("ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums")
+    arguments += _TAIL_ARGUMENTS
+    program = _Program(plan, kernel, names, printer)
+    # One tile: [N]-like gradients summed in registers over the program's rows, stored after.
+    one_tile = ["cols = tl.arange(0, BLOCK_N)", "if INDEX_64:", "    cols = cols.to(tl.int64)"]
+    one_tile += [
+        f"{names.accumulator[v]} = tl.zeros((BLOCK_M, BLOCK_N), {COMPUTE_DTYPE})" for g in kernel.gradients for v in g.values
+    ]
+    stores = [line for g in kernel.gradients for line in _gradient_stores(g, names)]
+    one_tile += [
+        "for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):",
+        "    rows = first_row + row_offset + tl.arange(0, BLOCK_M)",
+        *_indent(program.one_tile(stores, columns_set=True)),
+        *[line for g in kernel.gradients for line in _gradient_sums(g, names)],
+    ]
+    # Looped: each tile's share of an [N]-like gradient is added to the program's row of sums.
+    looped_stores, before, after = [], [], []
+    for g in kernel.gradients:
+        looped_stores += _looped_gradient_stores(g, names)
+        if g.one_per_row:
+            name = g.input.name
+            accumulator = names.accumulator[g.values[0]]
+            before.append(f"{accumulator} = tl.zeros((BLOCK_M, BLOCK_N), {COMPUTE_DTYPE})")
+            after += [
+                f"if {names.needs[name]} and {names.column_sums[name]}:",
+                f"    tl.store({names.gradient_pointer[name]} + rows, tl.sum({accumulator}, axis=1), mask=rows < M)",
+            ]
+    looped = [
+        "for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):",
+        "    rows = first_row + row_offset + tl.arange(0, BLOCK_M)",
+        "    # The program's row of column sums is read back below: every thread's writes first.",
+        "    tl.debug_barrier()",
+        *_indent(program.looped(looped_stores, before, after)),
+    ]
+    lines = [
+        "first_row = tl.program_id(0) * ROWS_PER_PROGRAM",
+        "if INDEX_64:",
+        "    first_row = first_row.to(tl.int64)",
+        *program.prologue(),
+        "if ONE_TILE:",
+        *_indent(one_tile),
+        "else:",
+        *_indent(looped),
+    ]
+    return KernelText(name=f"{plan.spec.name}_backward_kernel", key=_key(plan, backward=True), arguments=arguments,
+                      plain_lines=lines)
+
+
+def _key(plan: OpPlan, backward: bool) -> str:
+    key = ["M_BUCKET", "N"] + (["HAS_DROPOUT"] if plan.has_dropout else []) + (["ROWS_PER_PROGRAM"] if backward else [])
+    return "[" + ", ".join(f'"{k}"' for k in key) + "]"
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return ["    " + line for line in lines]
+
+
+class _Program:
+    """The lines of one RowProgram, in either layout."""
+
+    def __init__(self, plan: OpPlan, kernel: KernelPlan, names: TritonNames, printer: TritonPrinter):
+        self.plan, self.kernel, self.names, self.printer = plan, kernel, names, printer
+        self.body: RowProgram = kernel.body
+        self.tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
+        self.tensors |= set(kernel.incoming)
+        self.temps = {t.name: e for t, e in self.body.temps}
+
+    # -- pieces ------------------------------------------------------------------
+
+    def prologue(self) -> list[str]:
+        lines = _scalars_in_compute_type(self.kernel)
+        if self.kernel.row_width is not None:
+            lines.append(f"{self.kernel.row_width} = tl.full((), N, {COMPUTE_DTYPE})")
+        if self.plan.has_dropout:
+            lines += ["if HAS_DROPOUT:", "    seed = tl.load(seed_ptr)"]
+        return lines + self._assignments(self.body.row_values)
+
+    def _assignments(self, items, constant=None) -> list[str]:
+        lines = []
+        for target, expr in items:
+            text = self.printer.doprint(expr)
+            for literal, meaning in self.printer.constants.items():
+                lines.append(f"# {literal} = {meaning}")
+            self.printer.constants.clear()
+            if constant is not None and not _depends_on(expr, self.temps, self.tensors):
+                text = constant(text)
+            lines.append(f"{target.name if hasattr(target, 'name') else target} = {text}")
+        return lines
+
+    def _reads(self, exprs) -> tuple[list, list]:
+        """The inputs and masks these expressions read, directly or through temporaries."""
+        seen, pending = set(), [s.name for e in exprs for s in e.free_symbols]
+        while pending:
+            name = pending.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in self.temps:
+                pending.extend(s.name for s in self.temps[name].free_symbols)
+        inputs = [i for i in self.kernel.inputs if any(v.local in seen for v in i.values)]
+        masks = [m for m in self.kernel.masks if m.local in seen]
+        incoming = [g for g in self.kernel.incoming if g in seen]
+        return inputs, masks, incoming
+
+    def _loads(self, inputs, masks, incoming, first_col: str) -> list[str]:
+        names = self.names
+        lines = [line for i in inputs for line in _loads(i, names.inputs[i.name])]
+        for g in incoming:
+            n = names.incoming[g]
+            lines += [
+                f"{g} = tl.load({n.pointer} + rows[:, None] * {n.stride_m} + cols[None, :] * {n.stride_n}, mask=in_bounds)",
+                f"{g} = {g}.to({COMPUTE_DTYPE})",
+            ]
+        for m in masks:
+            lines += [
+                "if HAS_DROPOUT:",
+                f"    {m.local} = dropout_mask(seed, rows, {first_col}, N, BLOCK_N, {m.stream}, "
+                f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS)",
+                "else:",
+                f"    {m.local} = tl.full((BLOCK_M, BLOCK_N), 1.0, {COMPUTE_DTYPE})",
+            ]
+        return lines
+
+    def _value(self, reduction: Reduction) -> str:
+        text = self.printer.doprint(reduction.value)
+        if not _depends_on(reduction.value, self.temps, self.tensors):
+            text = triton_constant(text)
+        return f"tl.where(in_bounds, {text}, {_NEUTRAL[reduction.kind]})"
+
+    # -- layouts ---------------------------------------------------------------------
+
+    def one_tile(self, stores: list[str], columns_set: bool = False) -> list[str]:
+        body = self.body
+        lines = [] if columns_set else ["cols = tl.arange(0, BLOCK_N)", "if INDEX_64:", "    cols = cols.to(tl.int64)"]
+        lines.append("in_bounds = (rows[:, None] < M) & (cols[None, :] < N)")
+        every = [r.value for r in body.reductions] + [e for _, e in body.results]
+        lines += self._loads(*self._reads(every), first_col="0")
+        emitted: set = set()
+        for p in body.passes:
+            lines += self._assignments([t for t in p.temps if t[0] not in emitted])
+            emitted |= {t for t, _ in p.temps}
+            for r in p.reductions:
+                lines.append(f"{r.symbol.name} = {_reduce(r.kind, self._value(r))}")
+            lines += self._assignments(p.row_values)
+        lines += self._assignments([t for t in body.final_temps if t[0] not in emitted])
+        lines += self._assignments(body.results, triton_constant)
+        return lines + stores
+
+    def _loop(self, exprs) -> list[str]:
+        return [
+            "for first_col in range(0, N, BLOCK_N):",
+            "    cols = first_col + tl.arange(0, BLOCK_N)",
+            "    if INDEX_64:",
+            "        cols = cols.to(tl.int64)",
+            "    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
+            *_indent(self._loads(*self._reads(exprs), first_col="first_col")),
+        ]
+
+    def looped(self, stores: list[str], before: list[str], after: list[str]) -> list[str]:
+        body = self.body
+        lines = []
+        for p in body.passes:
+            for r in p.reductions:
+                lines.append(f"{self.names.tiles[r.symbol.name]} = tl.full((BLOCK_M, BLOCK_N), {_NEUTRAL[r.kind]}, {COMPUTE_DTYPE})")
+            lines += self._loop([r.value for r in p.reductions])
+            lines += _indent(self._assignments(p.temps))
+            for r in p.reductions:
+                tile = self.names.tiles[r.symbol.name]
+                lines.append(f"    {tile} = {_accumulate(r.kind, tile, self._value(r))}")
+            for r in p.reductions:
+                lines.append(f"{r.symbol.name} = {_reduce(r.kind, self.names.tiles[r.symbol.name])}")
+            lines += self._assignments(p.row_values)
+        lines += before
+        lines += self._loop([e for _, e in body.results])
+        lines += _indent(self._assignments(body.final_temps))
+        lines += _indent(self._assignments(body.results, triton_constant))
+        lines += _indent(stores)
+        return lines + after
+
+
+def _reduce(kind: str, tile: str) -> str:
+    """A [BLOCK_M, BLOCK_N] tile reduced along the row to [BLOCK_M, 1]."""
+    if kind == "max":
+        return f"row_max({tile})"
+    if kind == "min":
+        return f"row_min({tile})"
+    total = f"tl.sum({tile}, axis=1, keep_dims=True)"
+    return f"{total} / N" if kind == "mean" else total
+
+
+def _accumulate(kind: str, tile: str, value: str) -> str:
+    if kind == "max":
+        return f"tl.maximum({tile}, {value}, propagate_nan=tl.PropagateNan.ALL)"
+    if kind == "min":
+        return f"tl.minimum({tile}, {value}, propagate_nan=tl.PropagateNan.ALL)"
+    return f"{tile} + {value}"
+
+
+def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
+    """A looped tile's gradient: written in full, added to the program's row of column sums
+    (the first row block writes it), or added to the row sums' tile."""
+    name = gradient.input.name
+    pointer, width = names.gradient_pointer[name], _row_width(gradient.input)
+    lines = [f"if {names.needs[name]}:", f"    if {names.sums[name]}:"]
+    for k, v in enumerate(gradient.values):
+        column = "cols" if k == 0 else f"cols + {'' if k == 1 else f'{k} * '}N"
+        lines += [
+            f"        partial = {pointer} + tl.program_id(0) * {width} + {column}",
+            f"        tile_sum = tl.sum(tl.where(in_bounds, {v}, 0.0), axis=0)",
+            "        if row_offset == 0:",
+            "            tl.store(partial, tile_sum, mask=cols < N)",
+            "        else:",
+            "            tl.store(partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N)",
+        ]
+    if gradient.one_per_row:
+        accumulator = names.accumulator[gradient.values[0]]
+        lines += [
+            f"    elif {names.column_sums[name]}:",
+            f"        {accumulator} += tl.where(in_bounds, {gradient.values[0]}, 0.0)",
+        ]
+    lines.append("    else:")
+    lines += [
+        f"        tl.store({pointer} + rows[:, None] * {width} + {_column(k)}, {v}.to({pointer}.dtype.element_ty), "
+        "mask=in_bounds)"
+        for k, v in enumerate(gradient.values)
+    ]
+    return lines

@@ -1,0 +1,290 @@
+"""Row reductions in simplify: the forward as a row program, its backward by reverse mode,
+and both scheduled into passes over the row.
+
+A row program computes, per row, its reductions (`sum`, `mean`, `max`, `min` of an element
+expression; each a row symbol, constant along the row), row values built from them, and
+finally its element results. sympy sees each reduction as a plain symbol, so the
+derivatives, CSE and printers of the pointwise path apply unchanged.
+
+The backward is reverse mode over that two-level graph. With g_o the outputs' incoming
+gradients, e_k the element expression of reduction r_k and ē_k = a_k·w_k its per-element
+adjoint (w = 1 for a sum, 1/N for a mean, and for max/min 1/ties at the elements equal to
+r_k, 0 elsewhere, as torch.amax splits it):
+
+    a_k = Σ_row Σ_o g_o ∂f_o/∂r_k  +  Σ_{k' > k} a_k' · w_k' · Σ_row ∂e_k'/∂r_k
+    grad_v = Σ_o g_o ∂f_o/∂v  +  Σ_k ē_k ∂e_k/∂v
+
+The adjoints are linear in each other, so every row sum they need depends on the forward's
+reductions only: the backward sweeps the row once more for all of them, however deep the
+forward nests, then computes the a_k as row values.
+
+Scheduling: a reduction's level is one more than the deepest row symbol it reads; each level
+is one pass over the row (a kernel whose rows fit one tile makes every pass over the same
+registers). CSE runs over the whole program; each pass lists the element temporaries it
+needs, and row-constant temporaries are computed once, after the pass that makes them ready.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from .calculus import cse, derivative
+
+REDUCTION_PREFIX = "%r"  # the forward's reductions: %r0, %r1, ...
+TIES_PREFIX = "%c"  # the backward's count of maximal (minimal) elements per max (min) reduction
+ADJOINT_SUM_PREFIX = "%s"  # the backward's row sums
+ADJOINT_PREFIX = "%a"  # the backward's adjoint of each forward reduction
+WIDTH = sympy.Symbol("%N", real=True)  # the row's length, in the compute type
+
+
+@dataclass(frozen=True)
+class Reduction:
+    symbol: sympy.Symbol
+    kind: str  # sum, mean, max or min
+    value: sympy.Expr  # the element expression reduced along the row
+
+
+@dataclass(frozen=True)
+class RowPass:
+    """One sweep along the row: element temporaries computed per tile, the reductions it
+    accumulates, then the row values (constant along the row) those make ready."""
+
+    temps: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
+    reductions: tuple[Reduction, ...]
+    row_values: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
+
+
+@dataclass(frozen=True)
+class RowProgram:
+    row_values: tuple[tuple[sympy.Symbol, sympy.Expr], ...]  # before any pass: params only
+    passes: tuple[RowPass, ...]
+    final_temps: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
+    results: tuple[tuple[str, sympy.Expr], ...]  # element results, each computed per tile
+
+    @property
+    def reductions(self) -> tuple[Reduction, ...]:
+        return tuple(r for p in self.passes for r in p.reductions)
+
+    @property
+    def temps(self) -> tuple[tuple[sympy.Symbol, sympy.Expr], ...]:
+        """Every temporary, each once, in order."""
+        seen, found = set(), []
+        for t, e in (*self.row_values, *(item for p in self.passes for item in (*p.temps, *p.row_values)),
+                     *self.final_temps):
+            if t not in seen:
+                seen.add(t)
+                found.append((t, e))
+        return tuple(found)
+
+    def renamed(self, rename: dict, results: dict[str, str]) -> "RowProgram":
+        """The program over other symbols (`rename`, sympy's xreplace) and result names."""
+
+        def pairs(items):
+            return tuple((s.xreplace(rename), e.xreplace(rename)) for s, e in items)
+
+        return RowProgram(
+            pairs(self.row_values),
+            tuple(
+                RowPass(
+                    pairs(p.temps),
+                    tuple(Reduction(r.symbol.xreplace(rename), r.kind, r.value.xreplace(rename)) for r in p.reductions),
+                    pairs(p.row_values),
+                )
+                for p in self.passes
+            ),
+            pairs(self.final_temps),
+            tuple((results[n], e.xreplace(rename)) for n, e in self.results),
+        )
+
+    def free_symbols(self) -> set:
+        found = set()
+        for _, e in (*self.row_values, *self.final_temps, *self.results):
+            found |= e.free_symbols
+        for p in self.passes:
+            for _, e in (*p.temps, *p.row_values):
+                found |= e.free_symbols
+            for r in p.reductions:
+                found |= r.value.free_symbols
+        return found
+
+
+class Reductions:
+    """The reductions a lowering meets, each once: `max(x)` written twice is one reduction."""
+
+    def __init__(self):
+        self.found: list[Reduction] = []
+        self._by_value: dict[tuple[str, sympy.Expr], sympy.Symbol] = {}
+
+    def add(self, kind: str, value: sympy.Expr) -> sympy.Expr:
+        if value.is_number:  # sum(x - x): the reduction of a constant
+            return value * WIDTH if kind == "sum" else value
+        key = (kind, value)
+        if key not in self._by_value:
+            symbol = sympy.Symbol(f"{REDUCTION_PREFIX}{len(self.found)}", real=True)
+            self._by_value[key] = symbol
+            self.found.append(Reduction(symbol, kind, value))
+        return self._by_value[key]
+
+
+def backward(
+    reductions: list[Reduction],
+    outputs: list[tuple[str, sympy.Expr]],
+    values: dict[str, sympy.Symbol],
+    grad_outputs: tuple[sympy.Symbol, ...],
+    check,
+) -> tuple[list[Reduction], list[tuple[sympy.Symbol, sympy.Expr]], dict[str, sympy.Expr]]:
+    """The backward's reductions, its row values (the adjoints) and each value's gradient.
+    `check(output, value_name, partial)` refuses a derivative that cannot be a kernel's."""
+    found = list(reductions)  # recomputed from the inputs: nothing of size M×N is saved
+    # Per reduction: the adjoint's factor along the row, and which elements receive it.
+    weights: dict[int, tuple[sympy.Expr, sympy.Basic | None]] = {}
+    for k, r in enumerate(reductions):
+        if r.kind in ("max", "min"):
+            ties = sympy.Symbol(f"{TIES_PREFIX}{k}", real=True)
+            at_extreme = sympy.Eq(r.value, r.symbol)
+            found.append(Reduction(ties, "sum", sympy.Piecewise((1, at_extreme), (0, True))))
+            weights[k] = (1 / ties, at_extreme)
+        else:
+            weights[k] = (1 / WIDTH if r.kind == "mean" else sympy.Integer(1), None)
+
+    def selected(k: int, expr: sympy.Expr) -> sympy.Expr:
+        factor, at = weights[k]
+        return expr if at is None else sympy.Piecewise((expr, at), (0, True))
+
+    sums = 0
+    row_values: list[tuple[sympy.Symbol, sympy.Expr]] = []
+    adjoints: dict[int, sympy.Symbol] = {}
+
+    def row_sum(expr: sympy.Expr) -> sympy.Symbol:
+        nonlocal sums
+        symbol = sympy.Symbol(f"{ADJOINT_SUM_PREFIX}{sums}", real=True)
+        sums += 1
+        found.append(Reduction(symbol, "sum", expr))
+        return symbol
+
+    for k in reversed(range(len(reductions))):
+        r = reductions[k].symbol
+        terms = []
+        direct = sympy.Add(*(g * derivative(f, r) for g, (_, f) in zip(grad_outputs, outputs)))
+        if direct != 0:
+            terms.append(row_sum(direct))
+        for later in range(k + 1, len(reductions)):
+            if later not in adjoints:
+                continue
+            partial = derivative(reductions[later].value, r)
+            if partial != 0:
+                terms.append(adjoints[later] * weights[later][0] * row_sum(selected(later, partial)))
+        if terms:
+            adjoints[k] = sympy.Symbol(f"{ADJOINT_PREFIX}{k}", real=True)
+            row_values.append((adjoints[k], sympy.Add(*terms)))
+
+    gradients = {}
+    for name, symbol in values.items():
+        terms = []
+        for g, (output, f) in zip(grad_outputs, outputs):
+            partial = derivative(f, symbol)
+            check(output, name, partial)
+            terms.append(g * partial)
+        for k, a in adjoints.items():
+            partial = derivative(reductions[k].value, symbol)
+            if partial != 0:
+                terms.append(a * weights[k][0] * selected(k, partial))
+        gradients[name] = sympy.Add(*terms)
+    return found, row_values, gradients
+
+
+def schedule(
+    reductions: list[Reduction],
+    row_values: list[tuple[sympy.Symbol, sympy.Expr]],
+    results: list[tuple[str, sympy.Expr]],
+    elements: set[sympy.Symbol],
+) -> RowProgram:
+    """CSE the whole program and cut it into passes. `elements`: the symbols that differ
+    along the row (inputs, masks, incoming gradients), loaded or drawn per tile."""
+    exprs = [r.value for r in reductions] + [e for _, e in row_values] + [e for _, e in results]
+    temps, reduced = cse(exprs)
+    n_red, n_row = len(reductions), len(row_values)
+    reductions = [Reduction(r.symbol, r.kind, e) for r, e in zip(reductions, reduced[:n_red])]
+    row_values = [(s, e) for (s, _), e in zip(row_values, reduced[n_red:n_red + n_row])]
+    results = [(n, e) for (n, _), e in zip(results, reduced[n_red + n_row:])]
+
+    definitions = dict(temps)
+    level: dict[sympy.Symbol, int] = {}
+    per_element: dict[sympy.Symbol, bool] = {}
+
+    def depth(expr: sympy.Expr) -> int:
+        return max((level.get(s, 0) for s in expr.free_symbols), default=0)
+
+    def varies(expr: sympy.Expr) -> bool:
+        return any(s in elements or per_element.get(s, False) for s in expr.free_symbols)
+
+    # Temps are numbered in dependency order, reductions and row values listed so too; but a
+    # temp may read a reduction listed after it, so levels settle in a loop.
+    for r in reductions:
+        level[r.symbol] = 0
+    for s, _ in row_values:
+        level[s] = 0
+    changed = True
+    while changed:
+        changed = False
+        for t, e in temps:
+            new = depth(e)
+            if level.get(t) != new:
+                level[t], changed = new, True
+            per_element[t] = varies(e)
+        for r in reductions:
+            new = depth(r.value) + 1
+            if level[r.symbol] != new:
+                level[r.symbol], changed = new, True
+        for s, e in row_values:
+            new = depth(e)
+            if level[s] != new:
+                level[s], changed = new, True
+
+    def needed(exprs_needing) -> list[tuple[sympy.Symbol, sympy.Expr]]:
+        """The element temps these expressions read, through other element temps, in order."""
+        wanted, pending = set(), [s for e in exprs_needing for s in e.free_symbols]
+        while pending:
+            s = pending.pop()
+            if s in wanted or s not in definitions or not per_element[s]:
+                continue
+            wanted.add(s)
+            pending.extend(definitions[s].free_symbols)
+        return [(t, e) for t, e in temps if t in wanted]
+
+    passes_count = max((level[r.symbol] for r in reductions), default=0)
+    row_items = [(t, e) for t, e in temps if not per_element[t]] + list(row_values)
+    by_level: dict[int, list] = {}
+    for s, e in row_items:
+        by_level.setdefault(level[s], []).append((s, e))
+    for at in by_level:
+        by_level[at] = _dependency_order(by_level[at])
+    passes = []
+    for p in range(1, passes_count + 1):
+        mine = [r for r in reductions if level[r.symbol] == p]
+        passes.append(RowPass(tuple(needed([r.value for r in mine])), tuple(mine), tuple(by_level.get(p, ()))))
+    return RowProgram(
+        row_values=tuple(by_level.get(0, ())),
+        passes=tuple(passes),
+        final_temps=tuple(needed([e for _, e in results])),
+        results=tuple(results),
+    )
+
+
+def _dependency_order(items: list[tuple[sympy.Symbol, sympy.Expr]]) -> list:
+    """Row values of one level, each after the ones of that level it reads, else in order."""
+    names = {s for s, _ in items}
+    done: set = set()
+    ordered: list = []
+    pending = list(items)
+    while pending:
+        for i, (s, e) in enumerate(pending):
+            if not (e.free_symbols & names) - done:
+                ordered.append((s, e))
+                done.add(s)
+                del pending[i]
+                break
+        else:  # a cycle cannot happen: CSE and the adjoints only read what is defined before
+            raise AssertionError("row values depend on each other in a cycle")
+    return ordered
