@@ -297,6 +297,8 @@ class _Scope:
             return self._dropout(node, depth)
         if name in REDUCTIONS and (len(node.args) == 1 or name in ("sum", "mean")):
             return self._reduce(name, node, depth)
+        if name in REDUCTIONS and len(node.args) != 2:
+            raise _Located(f"{name}() takes 1 argument (a row reduction) or 2 (elementwise), got {len(node.args)}")
         if name == "chunk":
             return self._chunk(node)
         if name in FUNCTIONS:

@@ -135,6 +135,7 @@ class OpPlan:
     backward: KernelPlan
     passthrough: tuple[tuple[str, str], ...]  # (input, output): the input's gradient is the output's
     eager: tuple[ir.Expr, ...]  # the outputs as the spec writes them, for the user-style baseline
+    eager_lets: tuple[tuple[str, ir.Expr], ...]  # its intermediates, each a local (by that local's name)
     helpers: tuple[HelperPlan, ...]
     names: dict[str, str]  # spec name → local name, for everything the spec names
     namer: Namer  # every name given out so far: a backend's own derived names come from it
@@ -257,6 +258,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         backward=backward,
         passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients if g.passthrough_of is not None),
         eager=tuple(expr for _, expr in op.ir.outputs),
+        eager_lets=tuple((namer.claim(name), expr) for name, expr in op.ir.lets),
         helpers=tuple(_helper(h, by_name[h.param]) for h in op.helpers),
         names=names,
         namer=namer,

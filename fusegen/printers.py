@@ -257,17 +257,24 @@ class EagerPrinter:
     torch's own dropout. Prints the IR rather than sympy on purpose: the point is the user's
     spelling (F.gelu, F.dropout), not fusegen's definitions."""
 
-    def __init__(self, names: dict[str, str], chunks: dict[str, str], helpers: dict[str, str]):
+    def __init__(self, names: dict[str, str], chunks: dict[str, str], helpers: dict[str, str],
+                 lets: dict[int, str] | None = None):
         self.names = names  # spec name → the name the generated function uses
         self.chunks = chunks  # chunked input → the name of its tuple of chunks
         self.helpers = helpers  # choice param → its eager helper
+        self.lets = lets or {}  # id(an intermediate's tree) → the local that holds it
+        self._defining = None
 
     def doprint(self, expr) -> str:
+        """An expression; an intermediate's tree (other than `expr` itself) by its local."""
+        self._defining = id(expr)
         return self._print(expr)
 
     def _print(self, e) -> str:
         from . import ir  # printers otherwise depend on sympy only
 
+        if id(e) in self.lets and id(e) != self._defining:
+            return self.lets[id(e)]
         if isinstance(e, ir.Const):
             return repr(e.value)
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
@@ -315,7 +322,8 @@ class EagerPrinter:
         from . import ir
 
         text = self._print(e)
-        return f"({text})" if isinstance(e, (ir.Binary, ir.Compare, ir.Unary)) else text
+        atom = id(e) in self.lets and id(e) != self._defining  # an intermediate, printed as its local
+        return f"({text})" if isinstance(e, (ir.Binary, ir.Compare, ir.Unary)) and not atom else text
 
     def _tensor(self, e) -> str:
         from . import ir

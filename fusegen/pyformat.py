@@ -56,9 +56,11 @@ def _statement(code: str, indent: str) -> list[str]:
     return [indent + code]
 
 
-def _expression(expr: str, indent: str) -> list[str]:
-    """An expression inside brackets, over as many lines as it needs."""
-    if len(indent) + len(expr) <= LIMIT:
+def _expression(expr: str, indent: str, reserve: int = 0) -> list[str]:
+    """An expression inside brackets, over as many lines as it needs; `reserve` columns kept
+    free at the end (for a comma that follows)."""
+    limit = LIMIT - reserve
+    if len(indent) + len(expr) <= limit:
         return [indent + expr]
     parts = [expr]
     for level in _PRECEDENCE_LEVELS:
@@ -68,13 +70,13 @@ def _expression(expr: str, indent: str) -> list[str]:
     if len(parts) > 1:
         lines: list[str] = []
         for part in parts:
-            if lines and len(lines[-1]) + 1 + len(part) <= LIMIT:
+            if lines and len(lines[-1]) + 1 + len(part) <= limit:
                 lines[-1] += " " + part
             else:
                 piece = part.strip()
-                if len(indent) + len(piece) > LIMIT:
+                if len(indent) + len(piece) > limit:
                     operator, rest = _leading_operator(piece)
-                    sub = _expression(rest, indent)
+                    sub = _expression(rest, indent, reserve)
                     sub[0] = indent + operator + sub[0].lstrip()
                     lines.extend(sub)
                 else:
@@ -96,7 +98,7 @@ def _broken_call(opening: str, arguments: str, closing: str, indent: str) -> lis
     lines = [opening]
     for argument in _split(arguments, (", ",)):
         argument = argument.strip().removeprefix(", ")
-        lines.extend(_with_comma(_expression(argument, inner)))
+        lines.extend(_with_comma(_expression(argument, inner, reserve=1)))
     return lines + [indent + closing]
 
 

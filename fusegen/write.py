@@ -4,6 +4,7 @@ templates (the generated package's __init__.py, `fusegen new`'s starter spec).""
 from __future__ import annotations
 
 import ast
+import textwrap
 import builtins
 import os
 import symtable
@@ -38,7 +39,10 @@ def render_starter_spec(name: str) -> str:
 
 def render_package_init(specs: list[OpSpec]) -> str:
     return _template_environment().get_template("init.py.jinja").render(
-        ops=[dict(name=s.name, doc=s.doc) for s in sorted(specs, key=lambda s: s.name)]
+        ops=[
+            dict(name=s.name, doc="\n  ".join(textwrap.wrap(f"{s.name}: {s.doc}", width=96))[len(s.name) + 2:])
+            for s in sorted(specs, key=lambda s: s.name)
+        ]
     )
 
 

@@ -3,20 +3,27 @@
 
 - add_mul_activation: y = activation(x + multiplier * inp + bias)
 - add_relu: y = relu(x + other)
+- add_rmsnorm: h = x + residual; y = rmsnorm(h) * weight
 - bias_dropout_add: y = dropout(x + bias, p) + residual
 - bias_geglu: y = activation(a) * b, where x + bias = [a, b] along the last dim
 - bias_gelu: y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 - bias_gelu_dropout_add: y = dropout(activation(x + bias), p) + residual
+- bias_layernorm: y = layer_norm(x + bias) * gamma + beta, over the last dim
 - bias_relu: y = relu(x + bias)
 - bias_swiglu: y = silu(a) * b, where x + bias = [a, b] along the last dim
 - geglu: y = activation(a) * b, where x = [a, b] along the last dim
 - gelu: y = gelu(x), exact (erf) form
 - gelu_tanh: y = gelu_tanh(x), the tanh approximation of GELU
-- layernorm: y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, over the last dim
+- layernorm: y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias, over the last dim
+- layernorm_dropout_add: y = dropout(layer_norm(x + bias) * gamma + beta, p) + residual
 - leaky_relu: y = x if x > 0 else slope * x
+- log_softmax: y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
 - quick_gelu: y = x * sigmoid(1.702 * x)
+- rmsnorm: y = x * rsqrt(mean(x**2) + eps) * weight, over the last dim
 - scale_add: y = x * scale + residual, with one scale per row
-- softmax: y = softmax(x) over the last dim
+- scaled_masked_softmax_dropout: y = dropout(softmax(x * scale + mask), p), softmax over the last
+  dim
+- softmax: y = exp(x - max(x)) / sum(exp(x - max(x))), over the last dim
 - squared_relu: y = relu(x) ** 2
 - swiglu: y = silu(a) * b, where x = [a, b] along the last dim
 """
@@ -24,19 +31,25 @@
 OPS = (
     "add_mul_activation",
     "add_relu",
+    "add_rmsnorm",
     "bias_dropout_add",
     "bias_geglu",
     "bias_gelu",
     "bias_gelu_dropout_add",
+    "bias_layernorm",
     "bias_relu",
     "bias_swiglu",
     "geglu",
     "gelu",
     "gelu_tanh",
     "layernorm",
+    "layernorm_dropout_add",
     "leaky_relu",
+    "log_softmax",
     "quick_gelu",
+    "rmsnorm",
     "scale_add",
+    "scaled_masked_softmax_dropout",
     "softmax",
     "squared_relu",
     "swiglu",

@@ -302,7 +302,8 @@ def add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=N
 class AddMulActivation(torch.nn.Module):
     """y = activation(x + multiplier * inp + bias)
 
-    The op as a torch.nn.Module: forward(x, inp, bias) calls add_mul_activation.
+    The op as a torch.nn.Module: forward(x, inp, bias)
+    calls add_mul_activation.
     Its params are fixed at construction, and checked then.
     """
 

@@ -182,7 +182,8 @@ def add_relu(x, other, *, out=None):
 class AddRelu(torch.nn.Module):
     """y = relu(x + other)
 
-    The op as a torch.nn.Module: forward(x, other) calls add_relu.
+    The op as a torch.nn.Module: forward(x, other)
+    calls add_relu.
     """
 
     def forward(self, x, other):

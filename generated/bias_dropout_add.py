@@ -242,7 +242,8 @@ def bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None, *, out=
 class BiasDropoutAdd(torch.nn.Module):
     """y = dropout(x + bias, p) + residual
 
-    The op as a torch.nn.Module: forward(x, bias, residual) calls bias_dropout_add.
+    The op as a torch.nn.Module: forward(x, bias, residual)
+    calls bias_dropout_add.
     Its params are fixed at construction, and checked then.
     Dropout is on in train() mode and off in eval(); seeds come from torch's generator.
     """

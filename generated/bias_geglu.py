@@ -289,7 +289,8 @@ def bias_geglu(x, bias, activation='gelu_tanh', *, out=None):
 class BiasGeglu(torch.nn.Module):
     """y = activation(a) * b, where x + bias = [a, b] along the last dim
 
-    The op as a torch.nn.Module: forward(x, bias) calls bias_geglu.
+    The op as a torch.nn.Module: forward(x, bias)
+    calls bias_geglu.
     Its params are fixed at construction, and checked then.
     """
 

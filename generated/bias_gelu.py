@@ -232,7 +232,8 @@ def bias_gelu(x, bias, activation='gelu', *, out=None):
 class BiasGelu(torch.nn.Module):
     """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 
-    The op as a torch.nn.Module: forward(x, bias) calls bias_gelu.
+    The op as a torch.nn.Module: forward(x, bias)
+    calls bias_gelu.
     Its params are fixed at construction, and checked then.
     """
 

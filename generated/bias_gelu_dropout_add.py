@@ -341,7 +341,8 @@ def bias_gelu_dropout_add(
 class BiasGeluDropoutAdd(torch.nn.Module):
     """y = dropout(activation(x + bias), p) + residual
 
-    The op as a torch.nn.Module: forward(x, bias, residual) calls bias_gelu_dropout_add.
+    The op as a torch.nn.Module: forward(x, bias, residual)
+    calls bias_gelu_dropout_add.
     Its params are fixed at construction, and checked then.
     Dropout is on in train() mode and off in eval(); seeds come from torch's generator.
     """

@@ -181,7 +181,8 @@ def bias_relu(x, bias, *, out=None):
 class BiasRelu(torch.nn.Module):
     """y = relu(x + bias)
 
-    The op as a torch.nn.Module: forward(x, bias) calls bias_relu.
+    The op as a torch.nn.Module: forward(x, bias)
+    calls bias_relu.
     """
 
     def forward(self, x, bias):

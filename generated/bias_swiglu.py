@@ -240,7 +240,8 @@ def bias_swiglu(x, bias, *, out=None):
 class BiasSwiglu(torch.nn.Module):
     """y = silu(a) * b, where x + bias = [a, b] along the last dim
 
-    The op as a torch.nn.Module: forward(x, bias) calls bias_swiglu.
+    The op as a torch.nn.Module: forward(x, bias)
+    calls bias_swiglu.
     """
 
     def forward(self, x, bias):

@@ -228,7 +228,8 @@ def geglu(x, activation='gelu_tanh', *, out=None):
 class Geglu(torch.nn.Module):
     """y = activation(a) * b, where x = [a, b] along the last dim
 
-    The op as a torch.nn.Module: forward(x) calls geglu.
+    The op as a torch.nn.Module: forward(x)
+    calls geglu.
     Its params are fixed at construction, and checked then.
     """
 

@@ -160,7 +160,8 @@ def gelu(x, *, out=None):
 class Gelu(torch.nn.Module):
     """y = gelu(x), exact (erf) form
 
-    The op as a torch.nn.Module: forward(x) calls gelu.
+    The op as a torch.nn.Module: forward(x)
+    calls gelu.
     """
 
     def forward(self, x):

@@ -157,7 +157,8 @@ def gelu_tanh(x, *, out=None):
 class GeluTanh(torch.nn.Module):
     """y = gelu_tanh(x), the tanh approximation of GELU
 
-    The op as a torch.nn.Module: forward(x) calls gelu_tanh.
+    The op as a torch.nn.Module: forward(x)
+    calls gelu_tanh.
     """
 
     def forward(self, x):

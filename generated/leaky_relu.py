@@ -158,7 +158,8 @@ def leaky_relu(x, slope=0.01, *, out=None):
 class LeakyRelu(torch.nn.Module):
     """y = x if x > 0 else slope * x
 
-    The op as a torch.nn.Module: forward(x) calls leaky_relu.
+    The op as a torch.nn.Module: forward(x)
+    calls leaky_relu.
     Its params are fixed at construction, and checked then.
     """
 

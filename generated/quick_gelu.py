@@ -149,7 +149,8 @@ def quick_gelu(x, *, out=None):
 class QuickGelu(torch.nn.Module):
     """y = x * sigmoid(1.702 * x)
 
-    The op as a torch.nn.Module: forward(x) calls quick_gelu.
+    The op as a torch.nn.Module: forward(x)
+    calls quick_gelu.
     """
 
     def forward(self, x):

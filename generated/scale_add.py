@@ -206,7 +206,8 @@ def scale_add(x, scale, residual, *, out=None):
 class ScaleAdd(torch.nn.Module):
     """y = x * scale + residual, with one scale per row
 
-    The op as a torch.nn.Module: forward(x, scale, residual) calls scale_add.
+    The op as a torch.nn.Module: forward(x, scale, residual)
+    calls scale_add.
     """
 
     def forward(self, x, scale, residual):

@@ -155,7 +155,8 @@ def squared_relu(x, *, out=None):
 class SquaredRelu(torch.nn.Module):
     """y = relu(x) ** 2
 
-    The op as a torch.nn.Module: forward(x) calls squared_relu.
+    The op as a torch.nn.Module: forward(x)
+    calls squared_relu.
     """
 
     def forward(self, x):

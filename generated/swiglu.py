@@ -177,7 +177,8 @@ def swiglu(x, *, out=None):
 class Swiglu(torch.nn.Module):
     """y = silu(a) * b, where x = [a, b] along the last dim
 
-    The op as a torch.nn.Module: forward(x) calls swiglu.
+    The op as a torch.nn.Module: forward(x)
+    calls swiglu.
     """
 
     def forward(self, x):

@@ -73,6 +73,8 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = settings[name]
             elif name == "INDEX_64":
                 constexprs[name] = settings.get("INDEX_64", False)
+            elif name == "ONE_TILE":
+                constexprs[name] = settings.get("ONE_TILE", True)
             elif name == "DROPOUT_WHOLE_GROUPS":
                 constexprs[name] = settings.get("WHOLE_GROUPS", True)
             elif name.startswith("NEEDS_GRAD_"):
@@ -111,7 +113,11 @@ def compile_module(path: Path) -> list[str]:
     for kernel_name in (f"{op}_kernel", f"{op}_backward_kernel"):
         kernel = getattr(module, kernel_name)
         kernel = kernel.fn if isinstance(kernel, Autotuner) else kernel
-        for pointer, settings in variants(choices):
+        cases = variants(choices)
+        if any(p.name == "ONE_TILE" for p in kernel.params):
+            # Row kernels: the looped layout too, with each way of writing gradients.
+            cases += [(pointer, {**settings, "ONE_TILE": False}) for pointer, settings in cases if pointer != "fp16"]
+        for pointer, settings in cases:
             sig, constexprs = signature(kernel, pointer, scalar_types, settings)
             try:
                 triton.compile(ASTSource(kernel, signature=sig, constexprs=constexprs), target=H100)

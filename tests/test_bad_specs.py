@@ -134,7 +134,7 @@ CASES = [
     ("unknown_name", H + "inputs:\n  x: [N]\nparams:\n  alpha: {type: float, default: 1.0}\noutputs:\n  y: x * alpha + beta\n",
      "specs/x.yaml:8: unknown name 'beta' (known: alpha, x)"),
     ("unknown_function", H + "inputs:\n  x: [..., N]\n  bias: [N]\noutputs:\n  y: gelux(x + bias)\n",
-     "specs/x.yaml:7: unknown function 'gelux' (known: abs, chunk, dropout, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, tanh, where)"),
+     "specs/x.yaml:7: unknown function 'gelux' (known: abs, chunk, dropout, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, mean, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, sum, tanh, where)"),
     ("unknown_choice", H + "inputs:\n  x: [N]\nparams:\n  act: {choices: [relu, gelux], default: relu}\noutputs:\n  y: act(x)\n",
      "specs/x.yaml:6: param 'act': unknown function 'gelux' in choices (known: abs, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, tanh)"),
     ("choice_not_a_name", H + "inputs:\n  x: [N]\nparams:\n  act: {choices: [relu, [gelu]], default: relu}\noutputs:\n  y: act(x)\n",
@@ -145,8 +145,8 @@ CASES = [
      "specs/x.yaml:6: param 'act': all choices must take the same number of arguments"),
     ("choice_empty", H + "inputs:\n  x: [N]\nparams:\n  act: {choices: [], default: relu}\noutputs:\n  y: act(x)\n",
      "specs/x.yaml:6: param 'act': 'choices' must not be empty"),
-    ("wrong_arity", H + "inputs:\n  x: [N]\noutputs:\n  y: max(x)\n",
-     "specs/x.yaml:6: max() takes 2 arguments, got 1"),
+    ("wrong_arity", H + "inputs:\n  x: [N]\noutputs:\n  y: tanh(x, x)\n",
+     "specs/x.yaml:6: tanh() takes 1 argument, got 2"),
     ("wrong_arity_choice", H + "inputs:\n  x: [N]\nparams:\n  act: {choices: [relu, gelu], default: relu}\noutputs:\n  y: act(x, 1)\n",
      "specs/x.yaml:8: act() takes 1 argument, got 2"),
     ("unparsable", H + "inputs:\n  x: [N]\noutputs:\n  y: x +* 2\n",
@@ -248,6 +248,25 @@ CASES = [
      'specs/x.yaml:2: \'doc\' must not contain a backslash or \'"""\''),
     ("doc_not_string", "name: op\ndoc: [y, x]\ninputs:\n  x: [N]\noutputs:\n  y: x\n",
      "specs/x.yaml:2: 'doc' must be a string, got a list"),
+    # Row reductions
+    ("reduce_row_constant", H + "inputs:\n  x: [..., N]\n  s: [..., 1]\noutputs:\n  y: x - sum(s * 2)\n",
+     "specs/x.yaml:7: sum(s * 2) reduces over the last dim, along which its argument is constant (built from "
+     "reductions, [..., 1] inputs and params only)"),
+    ("reduce_of_a_reduction", H + "inputs:\n  x: [..., N]\noutputs:\n  y: x - max(mean(x))\n",
+     "specs/x.yaml:6: max(mean(x)) reduces over the last dim, along which its argument is constant (built from "
+     "reductions, [..., 1] inputs and params only)"),
+    ("reduce_n_only", H + "inputs:\n  x: [..., N]\n  bias: [N]\noutputs:\n  y: x - mean(bias)\n",
+     "specs/x.yaml:7: mean(bias) reduces an expression of [N]-shaped inputs only: the same value for every row; "
+     "reduce an expression of a full-shape input such as [..., N]"),
+    ("reduce_0d", H + "inputs:\n  x: []\noutputs:\n  y: x - sum(x)\n",
+     "specs/x.yaml:6: sum(...) reduces over the last dim, and this op's inputs are 0-d: there is none"),
+    ("reduce_two_arguments", H + "inputs:\n  x: [..., N]\noutputs:\n  y: x - sum(x, x)\n",
+     "specs/x.yaml:6: sum() takes 1 argument, got 2"),
+    ("reduce_row_constant_output", H + "inputs:\n  x: [..., N]\noutputs:\n  y: x - max(x)\n  lse: log(sum(exp(x)))\n",
+     "specs/x.yaml:7: output 'lse' is constant along each row (one value per row, [..., 1]): such outputs are not "
+     "supported yet; multiply it into a full-shape output"),
+    ("reduction_name_as_input", H + "inputs:\n  mean: [..., N]\noutputs:\n  y: mean\n",
+     "specs/x.yaml:4: input name 'mean' is the name of the function 'mean' of the expression language"),
 ]
 
 

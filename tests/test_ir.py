@@ -208,8 +208,8 @@ def test_walk_visits_parents_first(tmp_path):
 
 HOSTILE = [
     ("__import__('os').system('touch pwned')", "unsupported call: __import__('os').system('touch pwned') (call a function by its name)"),
-    ("__import__('os')", "unknown function '__import__' (known: abs, chunk, dropout, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, tanh, where)"),
-    ("eval('1')", "unknown function 'eval' (known: abs, chunk, dropout, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, tanh, where)"),
+    ("__import__('os')", "unknown function '__import__' (known: abs, chunk, dropout, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, mean, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, sum, tanh, where)"),
+    ("eval('1')", "unknown function 'eval' (known: abs, chunk, dropout, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, mean, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, sum, tanh, where)"),
     ("a.__class__", "unsupported syntax: a.__class__"),
     ("exp.__globals__", "unsupported syntax: exp.__globals__"),
     ("a[0]", "unsupported syntax: a[0]"),
@@ -267,9 +267,10 @@ def test_parsing_evaluates_nothing(tmp_path, monkeypatch):
 
 
 ERRORS = [
-    ("gelux(a)", "unknown function 'gelux' (known: abs, chunk, dropout, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, tanh, where)"),
+    ("gelux(a)", "unknown function 'gelux' (known: abs, chunk, dropout, erf, exp, gelu, gelu_tanh, identity, leaky_relu, log, max, mean, min, quick_gelu, relu, rsqrt, sigmoid, silu, sqrt, squared_relu, sum, tanh, where)"),
     ("a + z", "unknown name 'z' (known: a, b, c, k, p, q)"),
-    ("max(a)", "max() takes 2 arguments, got 1"),
+    ("max()", "max() takes 1 argument (a row reduction) or 2 (elementwise), got 0"),
+    ("min(a, b, a)", "min() takes 1 argument (a row reduction) or 2 (elementwise), got 3"),
     ("exp(a, b)", "exp() takes 1 argument, got 2"),
     ("where(a > 0, a)", "where() takes 3 arguments, got 2"),
     ("dropout(a)", "dropout() takes 2 arguments, got 1"),

@@ -200,7 +200,11 @@ class FusedOp:
             if call.has_dropout:
                 seed = seed_tensor(call.seed, problem.device, eager=True)  # drawn as the op draws it
                 masks = [[dropout_mask_reference(seed, problem, stream, p) for stream, p in enumerate(call.params[i] for i in self._mask_params)]]
-        results = self._reference_body(problem, *values, *params, *masks)
+        if problem.n == 0:  # empty rows: nothing to compute (and no row has a max to take)
+            results = tuple(torch.empty(problem.shape, dtype=problem.compute_dtype, device=problem.device)
+                            for _ in self.outputs)
+        else:
+            results = self._reference_body(problem, *values, *params, *masks)
         results = tuple(r.to(problem.out_dtype) for r in results)
         results = write_out(out, results, copy=True)
         return results[0] if len(self.outputs) == 1 else tuple(results)

@@ -60,7 +60,7 @@ def _strings(items) -> str:
 
 def class_doc(plan: OpPlan) -> list[str]:
     """Lines not wrapped: where a spec's names fall must not move the line breaks."""
-    lines = [f"The op as a torch.nn.Module: forward({', '.join(i.name for i in plan.inputs)}) calls {plan.spec.name}."]
+    lines = [f"The op as a torch.nn.Module: forward({', '.join(i.name for i in plan.inputs)})", f"calls {plan.spec.name}."]
     if plan.params:
         lines.append("Its params are fixed at construction, and checked then.")
     if plan.has_dropout:

@@ -1,0 +1,284 @@
+"""Row reductions: the row program simplify makes (passes, the derived backward), and the
+library's row ops against independent oracles (torch.nn.functional), in both of the row
+kernels' layouts (the whole row in one tile, and a loop along it), with ties, NaN, broadcast
+inputs of every kind and dropout inside a reduction.
+
+Every generated op is also covered by test_ops.py against its own reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusegen.ir import build_ir
+from fusegen.simplify import simplify
+from fusegen.spec import load_spec
+from tests.helpers import ROOT, build_and_import, check_against_truth, op_by_name
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's inf - inf in masked lanes
+
+
+def _program(text: str, tmp_path):
+    path = tmp_path / "op.yaml"
+    path.write_text(text, encoding="utf-8")
+    return simplify(build_ir(load_spec(path)))
+
+
+# ---------------------------------------------------------------------------
+# simplify: passes and the backward's structure
+
+
+@pytest.mark.parametrize(
+    "name,forward_passes,backward_passes",
+    [("layernorm", 2, 3), ("rmsnorm", 1, 2), ("softmax", 2, 3), ("log_softmax", 2, 3), ("add_rmsnorm", 1, 2)],
+)
+def test_passes_follow_the_nesting_of_reductions(name, forward_passes, backward_passes):
+    """A pass per level of nesting; the backward adds one for every adjoint's row sums, however
+    deep the forward nests (the adjoints are linear in each other)."""
+    op = simplify(build_ir(load_spec(ROOT / "specs" / f"{name}.yaml")))
+    assert len(op.forward.passes) == forward_passes
+    assert len(op.backward.passes) == backward_passes
+
+
+def test_a_reduction_written_twice_is_computed_once(tmp_path):
+    op = _program(
+        "name: op\ndoc: d\ninputs: {x: [..., N]}\noutputs:\n  y: exp(x - max(x)) / sum(exp(x - max(x)))\n", tmp_path
+    )
+    assert [r.kind for r in op.forward.reductions] == ["max", "sum"]
+
+
+def test_max_backward_counts_ties():
+    op = simplify(build_ir(load_spec(ROOT / "specs" / "softmax.yaml")))
+    kinds = [r.symbol.name[:2] for r in op.backward.reductions]
+    assert "%c" in kinds, "the backward of a max must count the row's maximal elements"
+
+
+# ---------------------------------------------------------------------------
+# The library against torch.nn.functional
+
+
+def _layouts(op):
+    """The autotuned launch, and the kernels launched with a tile narrower than the row (the
+    looped layout), forward and backward."""
+    return ["autotuned", (2, 8)]
+
+
+def _forward_backward(op, tensors: dict, params: dict, grads: tuple, layout):
+    module = op.module
+    args = tuple(tensors.values()) + tuple(params.values())
+    if layout == "autotuned":
+        leaves = {n: t.detach().clone().requires_grad_(True) for n, t in tensors.items()}
+        outs = module.__dict__[op.name](*leaves.values(), *params.values())
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        got = torch.autograd.grad(outs, list(leaves.values()), grads, allow_unused=True)
+        return [o.detach() for o in outs], list(got)
+    fused = module._OP
+    if fused.has_dropout:
+        args += (True, 7)
+    call = fused.check(args, needs_kernel=True)
+    outs = [torch.empty(call.problem.shape, dtype=call.problem.out_dtype) for _ in fused.outputs]
+    fused.kernels.forward(call, tuple(tensors.values()), outs, None, tile=layout)
+    needs = [through is None for through in fused._passthrough]
+    kernel = iter(fused.kernels.backward(call, tuple(tensors.values()), grads, needs, None, tile=layout,
+                                         rows_per_program=16))
+    got = [next(kernel) if need else grads[through].sum_to_size(t.shape)
+           for need, through, t in zip(needs, fused._passthrough, tensors.values())]
+    return outs, got
+
+
+def _oracle_case(name, m, n, dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, n, generator=g, dtype=dtype) * 2 + 0.5
+    w = torch.randn(n, generator=g, dtype=dtype)
+    b = torch.randn(n, generator=g, dtype=dtype)
+    c = torch.randn(n, generator=g, dtype=dtype)
+    r = torch.randn(m, n, generator=g, dtype=dtype)
+    if name == "layernorm":
+        return {"x": x, "weight": w, "bias": b}, {"eps": 1e-5}, lambda x, weight, bias: F.layer_norm(x, (n,), weight, bias, 1e-5)
+    if name == "bias_layernorm":
+        return ({"x": x, "bias": c, "gamma": w, "beta": b}, {"eps": 1e-6},
+                lambda x, bias, gamma, beta: F.layer_norm(x + bias, (n,), gamma, beta, 1e-6))
+    if name == "rmsnorm":
+        return {"x": x, "weight": w}, {"eps": 1e-6}, lambda x, weight: F.rms_norm(x, (n,), weight, 1e-6)
+    if name == "add_rmsnorm":
+        return ({"x": x, "residual": r, "weight": w}, {"eps": 1e-6},
+                lambda x, residual, weight: (x + residual, F.rms_norm(x + residual, (n,), weight, 1e-6)))
+    if name == "softmax":
+        return {"x": x}, {}, lambda x: torch.softmax(x, -1)
+    if name == "log_softmax":
+        return {"x": x}, {}, lambda x: torch.log_softmax(x, -1)
+    if name == "scaled_masked_softmax_dropout":
+        mask = torch.where(torch.rand(m, n, generator=g) < 0.3, float("-inf"), 0.0).to(dtype)
+        mask[:, 0] = 0.0  # no row masked entirely (softmax of an all -inf row is NaN everywhere)
+        return ({"x": x, "mask": mask}, {"scale": 0.125, "p": 0.0},
+                lambda x, mask: torch.softmax(x * 0.125 + mask, -1))
+    if name == "layernorm_dropout_add":
+        return ({"x": x, "bias": c, "gamma": w, "beta": b, "residual": r}, {"eps": 1e-5, "p": 0.0},
+                lambda x, bias, gamma, beta, residual: F.layer_norm(x + bias, (n,), gamma, beta, 1e-5) + residual)
+    raise KeyError(name)
+
+
+ORACLE_OPS = ["layernorm", "bias_layernorm", "rmsnorm", "add_rmsnorm", "softmax", "log_softmax",
+              "scaled_masked_softmax_dropout", "layernorm_dropout_add"]
+
+
+@pytest.mark.parametrize("layout", ["autotuned", (2, 8), (1, 4)], ids=["autotuned", "looped-2x8", "looped-1x4"])
+@pytest.mark.parametrize("name", ORACLE_OPS)
+def test_library_matches_torch_functional(name, layout, device):
+    """fp64 against torch's own ops, forward and backward, with dropout off (p = 0)."""
+    op = op_by_name(name)
+    tensors, params, oracle = _oracle_case(name, 5, 37, torch.float64)
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+    leaves = {k: v.clone().requires_grad_(k != "mask") for k, v in tensors.items()}
+    truth = oracle(*leaves.values())
+    truth = truth if isinstance(truth, tuple) else (truth,)
+    g = torch.Generator().manual_seed(4)
+    grads = tuple(torch.randn(t.shape, generator=g, dtype=torch.float64).to(device) for t in truth)
+    wanted = [v for k, v in leaves.items() if k != "mask"]
+    truth_grads = torch.autograd.grad(truth, wanted, grads)
+    outs, got = _forward_backward(op, tensors, params, grads, layout)
+    for out, ref in zip(outs, truth):
+        check_against_truth(out, ref.detach(), what=f"{name} {layout} forward")
+    got = [gr for k, gr in zip(tensors, got) if k != "mask"]
+    for k, gr, ref in zip([k for k in tensors if k != "mask"], got, truth_grads):
+        check_against_truth(gr, ref, what=f"{name} {layout} grad {k}")
+
+
+@pytest.mark.parametrize("name", ["layernorm", "softmax", "rmsnorm"])
+def test_rows_wider_than_one_tile(name, device):
+    """N past the interpreter's one-tile width (1024; on a GPU past 16384 take the same loop):
+    the autotuned launch loops along the row."""
+    op = op_by_name(name)
+    n = 3000 if device == "cpu" else 40000
+    tensors, params, oracle = _oracle_case(name, 3, n, torch.float64)
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+    leaves = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
+    truth = oracle(*leaves.values())
+    grad = torch.randn(truth.shape, dtype=torch.float64, device=device)
+    truth_grads = torch.autograd.grad(truth, list(leaves.values()), grad)
+    outs, got = _forward_backward(op, tensors, params, (grad,), "autotuned")
+    check_against_truth(outs[0], truth.detach(), what=f"{name} N={n}")
+    for k, gr, ref in zip(tensors, got, truth_grads):
+        check_against_truth(gr, ref, what=f"{name} N={n} grad {k}")
+
+
+@pytest.mark.parametrize("layout", ["autotuned", (2, 4)], ids=["autotuned", "looped"])
+def test_max_ties_split_the_gradient_evenly(layout, tmp_path, device):
+    """As torch.amax: the row max's gradient is shared by every element equal to it."""
+    module = build_and_import(tmp_path, "name: centre\ndoc: d\ninputs: {x: [..., N]}\noutputs:\n  y: x * 2 - max(x)\n")
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64,
+                     device=device)
+    grad = torch.randn(x.shape, dtype=torch.float64, device=device)
+    leaf = x.clone().requires_grad_(True)
+    (truth,) = torch.autograd.grad(leaf * 2 - leaf.amax(-1, keepdim=True), leaf, grad)
+    outs, (got,) = _forward_backward(_Module(module, "centre"), {"x": x}, {}, (grad,), layout)
+    check_against_truth(outs[0], x * 2 - x.amax(-1, keepdim=True), what="forward")
+    torch.testing.assert_close(got, truth, rtol=1e-14, atol=1e-14)
+
+
+def test_nan_in_a_row_spreads_to_that_row_only(device):
+    op = op_by_name("softmax")
+    x = torch.randn(3, 10, dtype=torch.float32, device=device)
+    x[1, 4] = float("nan")
+    y = op.fn(x)
+    assert torch.isnan(y[1]).all()
+    torch.testing.assert_close(y[[0, 2]], torch.softmax(x[[0, 2]], -1))
+
+
+@pytest.mark.parametrize("layout", ["autotuned", (2, 8)], ids=["autotuned", "looped"])
+def test_every_kind_of_broadcast_input(layout, tmp_path, device):
+    """[..., 1] (a row sum of its gradient, in the kernel), [N] (column sums across programs)
+    and [B, 1, N]-like leading broadcasts (summed by torch) in one row op."""
+    module = build_and_import(
+        tmp_path,
+        "name: tempered\ndoc: d\ninputs:\n  x: [..., N]\n  temperature: [..., 1]\n  bias: [N]\n  shift: [..., N]\n"
+        "let:\n  s: x / temperature + bias + shift\n  e: exp(s - max(s))\noutputs:\n  y: e / sum(e)\n",
+    )
+    g = torch.Generator().manual_seed(9)
+    tensors = {
+        "x": torch.randn(2, 3, 19, generator=g, dtype=torch.float64),
+        "temperature": torch.rand(2, 3, 1, generator=g, dtype=torch.float64) + 0.5,
+        "bias": torch.randn(19, generator=g, dtype=torch.float64),
+        "shift": torch.randn(2, 1, 19, generator=g, dtype=torch.float64),
+    }
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+    leaves = {k: v.clone().requires_grad_(True) for k, v in tensors.items()}
+    truth = torch.softmax(leaves["x"] / leaves["temperature"] + leaves["bias"] + leaves["shift"], -1)
+    grad = torch.randn(truth.shape, generator=g, dtype=torch.float64).to(device)
+    truth_grads = torch.autograd.grad(truth, list(leaves.values()), grad)
+    outs, got = _forward_backward(_Module(module, "tempered"), tensors, {}, (grad,), layout)
+    check_against_truth(outs[0], truth.detach(), what="forward")
+    for k, gr, ref in zip(tensors, got, truth_grads):
+        assert gr.shape == tensors[k].shape
+        check_against_truth(gr, ref, what=f"grad {k}")
+
+
+@pytest.mark.parametrize("layout", ["autotuned", (2, 8)], ids=["autotuned", "looped"])
+def test_dropout_inside_a_reduction_draws_each_mask_once(layout, tmp_path, device):
+    """d = dropout(x) used twice, inside and outside a mean: the same mask for both uses, the
+    reference's, bit for bit; the backward draws it again."""
+    module = build_and_import(
+        tmp_path,
+        "name: centred_dropout\ndoc: d\ninputs: {x: [..., N]}\nparams:\n  p: {type: float, default: 0.5, min: 0.0, "
+        "max: 1.0}\nlet:\n  d: dropout(x, p)\noutputs:\n  y: d - mean(d)\n",
+    )
+    x = torch.randn(6, 24, dtype=torch.float64, device=device)
+    fused = module._OP
+    call = fused.check((x, 0.5, True, 11), needs_kernel=True)
+    leaf = x.clone().requires_grad_(True)
+    truth = module.reference(leaf, 0.5, True, 11)
+    grad = torch.randn(x.shape, dtype=torch.float64, device=device)
+    (truth_grad,) = torch.autograd.grad(truth, leaf, grad)
+    if layout == "autotuned":
+        leaf2 = x.clone().requires_grad_(True)
+        y = module.centred_dropout(leaf2, 0.5, True, 11)
+        (got,) = torch.autograd.grad(y, leaf2, grad)
+    else:
+        from fusegen.runtime import seed_tensor
+
+        seed = seed_tensor(call.seed, x.device)
+        y = torch.empty_like(x)
+        fused.kernels.forward(call, (x,), [y], seed, tile=layout)
+        (got,) = fused.kernels.backward(call, (x,), (grad,), [True], seed, tile=layout, rows_per_program=16)
+    kept = truth.detach() + truth.detach().mean(-1, keepdim=True)  # d itself: 0 where dropped
+    assert torch.equal(y.detach() + y.detach().mean(-1, keepdim=True) == 0, kept == 0)
+    check_against_truth(y.detach(), truth.detach(), what="forward")
+    check_against_truth(got, truth_grad, what="backward")
+
+
+def test_row_sums_of_gradients_are_deterministic_in_the_loop(device):
+    op = op_by_name("layernorm")
+    tensors, params, _ = _oracle_case("layernorm", 70, 40, torch.float32)
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+    grad = torch.randn(70, 40, device=device)
+    first = _forward_backward(op, tensors, params, (grad,), (2, 8))[1]
+    second = _forward_backward(op, tensors, params, (grad,), (2, 8))[1]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+class _Module:
+    """A module built in a test, shaped as the helpers' Op for _forward_backward."""
+
+    def __init__(self, module, name):
+        self.module, self.name = module, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 4096, 16385, 65536, 262144])
+def test_softmax_and_layernorm_at_any_width_on_gpu(n):
+    """Rows from 1 column to a vocabulary's: one tile up to 16384 (8192 backward), then the loop."""
+    m = 4
+    for name in ("softmax", "layernorm"):
+        op = op_by_name(name)
+        tensors, params, oracle = _oracle_case(name, m, n, torch.float32)
+        tensors = {k: v.cuda() for k, v in tensors.items()}
+        leaves64 = {k: v.double().requires_grad_(True) for k, v in tensors.items()}
+        truth = oracle(*leaves64.values())
+        grad = torch.randn(truth.shape, device="cuda")
+        truth_grads = torch.autograd.grad(truth, list(leaves64.values()), grad.double())
+        outs, got = _forward_backward(op, tensors, params, (grad,), "autotuned")
+        check_against_truth(outs[0], truth.detach(), what=f"{name} N={n}")
+        for k, gr, ref in zip(tensors, got, truth_grads):
+            check_against_truth(gr, ref, what=f"{name} N={n} grad {k}")
