@@ -266,7 +266,9 @@ def _truth_gradients(op, tensors, kwargs, needs, grad_outs):
     copies = float64_copies(tensors, needs)
     outs = _run(op.reference, copies, kwargs)
     wanted = [copies[n] for n in op.input_names if needs[n]]
-    grads = torch.autograd.grad(outs, wanted, [g.to(torch.float64) for g in grad_outs], allow_unused=True)
+    # An output that none of the wanted inputs reaches (add_rmsnorm's h, for its weight) has no graph.
+    pairs = [(o, g.to(torch.float64)) for o, g in zip(outs, grad_outs) if o.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
     return {n: (torch.zeros_like(copies[n]) if g is None else g) for n, g in zip([n for n in op.input_names if needs[n]], grads)}
 
 

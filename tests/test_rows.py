@@ -77,7 +77,8 @@ def _forward_backward(op, tensors: dict, params: dict, grads: tuple, layout):
     if fused.has_dropout:
         args += (True, 7)
     call = fused.check(args, needs_kernel=True)
-    outs = [torch.empty(call.problem.shape, dtype=call.problem.out_dtype) for _ in fused.outputs]
+    outs = [torch.empty(call.problem.shape, dtype=call.problem.out_dtype, device=call.problem.device)
+            for _ in fused.outputs]
     fused.kernels.forward(call, tuple(tensors.values()), outs, None, tile=layout)
     needs = [through is None for through in fused._passthrough]
     kernel = iter(fused.kernels.backward(call, tuple(tensors.values()), grads, needs, None, tile=layout,
