@@ -137,24 +137,32 @@ def backward(
     """The backward's reductions, its row values (the adjoints) and each value's gradient.
     `check(output, value_name, partial)` refuses a derivative that cannot be a kernel's."""
     found = list(reductions)  # recomputed from the inputs: nothing of size M×N is saved
-    # Per reduction: the adjoint's factor along the row, and which elements receive it.
+    # Per reduction: the adjoint's factor along the row, and which elements receive it. A max
+    # (min) counts its ties, on first use: an adjoint that cancels needs none.
     weights: dict[int, tuple[sympy.Expr, sympy.Basic | None]] = {}
-    for k, r in enumerate(reductions):
-        if r.kind in ("max", "min"):
-            ties = sympy.Symbol(f"{TIES_PREFIX}{k}", real=True)
-            at_extreme = sympy.Eq(r.value, r.symbol)
-            found.append(Reduction(ties, "sum", sympy.Piecewise((1, at_extreme), (0, True))))
-            weights[k] = (1 / ties, at_extreme)
-        else:
-            weights[k] = (1 / WIDTH if r.kind == "mean" else sympy.Integer(1), None)
+
+    def weight(k: int) -> tuple[sympy.Expr, sympy.Basic | None]:
+        if k not in weights:
+            r = reductions[k]
+            if r.kind in ("max", "min"):
+                ties = sympy.Symbol(f"{TIES_PREFIX}{k}", real=True)
+                at_extreme = sympy.Eq(r.value, r.symbol)
+                found.append(Reduction(ties, "sum", sympy.Piecewise((1, at_extreme), (0, True))))
+                weights[k] = (1 / ties, at_extreme)
+            else:
+                weights[k] = (1 / WIDTH if r.kind == "mean" else sympy.Integer(1), None)
+        return weights[k]
 
     def selected(k: int, expr: sympy.Expr) -> sympy.Expr:
-        factor, at = weights[k]
+        factor, at = weight(k)
         return expr if at is None else sympy.Piecewise((expr, at), (0, True))
 
     sums = 0
     row_values: list[tuple[sympy.Symbol, sympy.Expr]] = []
     adjoints: dict[int, sympy.Symbol] = {}
+    # a_k = Σ_row element[k], where the adjoint is one row sum of an element expression.
+    element: dict[int, sympy.Expr] = {}
+    elements = set(values.values()) | set(grad_outputs)
 
     def row_sum(expr: sympy.Expr) -> sympy.Symbol:
         nonlocal sums
@@ -165,16 +173,28 @@ def backward(
 
     for k in reversed(range(len(reductions))):
         r = reductions[k].symbol
+        summed = sympy.Add(*(g * derivative(f, r) for g, (_, f) in zip(grad_outputs, outputs)))
         terms = []
-        direct = sympy.Add(*(g * derivative(f, r) for g, (_, f) in zip(grad_outputs, outputs)))
-        if direct != 0:
-            terms.append(row_sum(direct))
         for later in range(k + 1, len(reductions)):
             if later not in adjoints:
                 continue
             partial = derivative(reductions[later].value, r)
-            if partial != 0:
-                terms.append(adjoints[later] * weights[later][0] * row_sum(selected(later, partial)))
+            if partial == 0:
+                continue
+            factor, at = weight(later)
+            closed = None if at is not None else _closed_row_sum(partial, reductions, elements)
+            if closed is not None and later in element:
+                # a_later · factor · closed = Σ_row (factor · closed · element[later]): one sum, in
+                # which terms may cancel (softmax's max: its adjoint is exactly zero).
+                summed += factor * closed * element[later]
+            elif closed is not None:
+                terms.append(adjoints[later] * factor * closed)
+            else:
+                terms.append(adjoints[later] * factor * row_sum(selected(later, partial)))
+        if summed != 0:
+            terms.insert(0, row_sum(summed))
+            if len(terms) == 1:
+                element[k] = summed
         if terms:
             adjoints[k] = sympy.Symbol(f"{ADJOINT_PREFIX}{k}", real=True)
             row_values.append((adjoints[k], sympy.Add(*terms)))
@@ -189,9 +209,34 @@ def backward(
         for k, a in adjoints.items():
             partial = derivative(reductions[k].value, symbol)
             if partial != 0:
-                terms.append(a * weights[k][0] * selected(k, partial))
+                terms.append(a * weight(k)[0] * selected(k, partial))
         gradients[name] = sympy.Add(*terms)
     return found, row_values, gradients
+
+
+def _closed_row_sum(expr: sympy.Expr, reductions: list[Reduction], elements: set) -> sympy.Expr | None:
+    """Σ_row expr in closed form, from a forward sum or mean, where there is one: expr = c·e_j
+    (Σ = c·r_j, or c·N·r_j for a mean) or expr = α·e_j + β (α·Σe_j + β·N), with c, α and β
+    constant along the row. None where expr needs a row sum of its own."""
+    for r in reductions:
+        if r.kind not in ("sum", "mean"):
+            continue
+        total = r.symbol if r.kind == "sum" else WIDTH * r.symbol
+        ratio = sympy.cancel(expr / r.value)
+        if not (ratio.free_symbols & elements):
+            return ratio * total
+        # Linear in e_j: write one element symbol t of e_j (e_j linear in t) in terms of u = e_j.
+        u = sympy.Dummy("u", real=True)
+        for t in sorted(r.value.free_symbols & elements, key=lambda s: s.name):
+            coefficient = r.value.diff(t)
+            if coefficient == 0 or coefficient.free_symbols & elements or r.value.diff(t, 2) != 0:
+                continue
+            rewritten = sympy.expand(expr.subs(t, (u - r.value.subs(t, 0)) / coefficient))
+            if rewritten.free_symbols & elements or not rewritten.is_polynomial(u) or sympy.degree(rewritten, u) > 1:
+                continue
+            alpha, beta = rewritten.diff(u), rewritten.subs(u, 0)
+            return alpha * total + beta * WIDTH
+    return None
 
 
 def schedule(

@@ -198,7 +198,7 @@ def bias_layernorm_backward_kernel(
     # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
-    t6 = 1.0 / row_width
+    t5 = 1.0 / row_width
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_N)
         if INDEX_64:
@@ -231,9 +231,7 @@ def bias_layernorm_backward_kernel(
             t0 = bias + x
             mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
             t1 = -mean0 + t0
-            t5 = 2 * bias - 2 * mean0 + 2 * x
             mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
-            row_sum2 = tl.sum(tl.where(in_bounds, -t5, 0.0), axis=1, keep_dims=True)
             t2 = eps + mean1
             t3 = grad_y * rsqrt_rn(t2)
             t4 = gamma * t3
@@ -244,11 +242,10 @@ def bias_layernorm_backward_kernel(
             )
             row_sum1 = tl.sum(tl.where(in_bounds, -t4, 0.0), axis=1, keep_dims=True)
             grad_mean1 = row_sum0
-            t7 = grad_mean1 * t6
-            grad_mean0 = row_sum1 + row_sum2 * t7
-            t8 = grad_mean0 * t6 + t4 + t5 * t7
-            grad_x = t8
-            grad_bias = t8
+            grad_mean0 = row_sum1
+            t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias - 2 * mean0 + 2 * x) + t4
+            grad_x = t6
+            grad_bias = t6
             grad_gamma = t1 * t3
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
@@ -324,9 +321,6 @@ def bias_layernorm_backward_kernel(
             mean1_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
-            row_sum2_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -343,11 +337,8 @@ def bias_layernorm_backward_kernel(
                 bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = bias + x
                 t1 = -mean0 + t0
-                t5 = 2 * bias - 2 * mean0 + 2 * x
                 mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
-                row_sum2_tile = row_sum2_tile + tl.where(in_bounds, -t5, 0.0)
             mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
-            row_sum2 = tl.sum(row_sum2_tile, axis=1, keep_dims=True)
             t2 = eps + mean1
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
@@ -391,8 +382,7 @@ def bias_layernorm_backward_kernel(
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
             grad_mean1 = row_sum0
-            t7 = grad_mean1 * t6
-            grad_mean0 = row_sum1 + row_sum2 * t7
+            grad_mean0 = row_sum1
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -421,10 +411,9 @@ def bias_layernorm_backward_kernel(
                 t1 = -mean0 + t0
                 t3 = grad_y * rsqrt_rn(t2)
                 t4 = gamma * t3
-                t5 = 2 * bias - 2 * mean0 + 2 * x
-                t8 = grad_mean0 * t6 + t4 + t5 * t7
-                grad_x = t8
-                grad_bias = t8
+                t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias - 2 * mean0 + 2 * x) + t4
+                grad_x = t6
+                grad_bias = t6
                 grad_gamma = t1 * t3
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:

@@ -170,7 +170,7 @@ def layernorm_backward_kernel(
     # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
-    t5 = 1.0 / row_width
+    t4 = 1.0 / row_width
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_N)
         if INDEX_64:
@@ -196,9 +196,7 @@ def layernorm_backward_kernel(
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             mean0 = tl.sum(tl.where(in_bounds, x, 0.0), axis=1, keep_dims=True) / N
             t0 = -mean0 + x
-            t4 = 2 * mean0 - 2 * x
             mean1 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
-            row_sum2 = tl.sum(tl.where(in_bounds, t4, 0.0), axis=1, keep_dims=True)
             t1 = eps + mean1
             t2 = grad_y * rsqrt_rn(t1)
             t3 = t2 * weight
@@ -209,9 +207,8 @@ def layernorm_backward_kernel(
             )
             row_sum1 = tl.sum(tl.where(in_bounds, -t3, 0.0), axis=1, keep_dims=True)
             grad_mean1 = row_sum0
-            t6 = grad_mean1 * t5
-            grad_mean0 = row_sum1 + row_sum2 * t6
-            grad_x = grad_mean0 * t5 + t3 - t4 * t6
+            grad_mean0 = row_sum1
+            grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (-2 * mean0 + 2 * x) + t3
             grad_weight = t0 * t2
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
@@ -265,9 +262,6 @@ def layernorm_backward_kernel(
             mean1_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
-            row_sum2_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -278,11 +272,8 @@ def layernorm_backward_kernel(
                 )
                 x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = -mean0 + x
-                t4 = 2 * mean0 - 2 * x
                 mean1_tile = mean1_tile + tl.where(in_bounds, t0 * t0, 0.0)
-                row_sum2_tile = row_sum2_tile + tl.where(in_bounds, t4, 0.0)
             mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
-            row_sum2 = tl.sum(row_sum2_tile, axis=1, keep_dims=True)
             t1 = eps + mean1
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
@@ -320,8 +311,7 @@ def layernorm_backward_kernel(
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
             grad_mean1 = row_sum0
-            t6 = grad_mean1 * t5
-            grad_mean0 = row_sum1 + row_sum2 * t6
+            grad_mean0 = row_sum1
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -344,8 +334,7 @@ def layernorm_backward_kernel(
                 t0 = -mean0 + x
                 t2 = grad_y * rsqrt_rn(t1)
                 t3 = t2 * weight
-                t4 = 2 * mean0 - 2 * x
-                grad_x = grad_mean0 * t5 + t3 - t4 * t6
+                grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (-2 * mean0 + 2 * x) + t3
                 grad_weight = t0 * t2
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:

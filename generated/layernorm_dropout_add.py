@@ -270,7 +270,7 @@ def layernorm_dropout_add_backward_kernel(
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
-    t7 = 1.0 / row_width
+    t6 = 1.0 / row_width
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_N)
         if INDEX_64:
@@ -320,9 +320,7 @@ def layernorm_dropout_add_backward_kernel(
             t0 = bias + x
             mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
             t1 = -mean0 + t0
-            t6 = 2 * bias - 2 * mean0 + 2 * x
             mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
-            row_sum2 = tl.sum(tl.where(in_bounds, -t6, 0.0), axis=1, keep_dims=True)
             t2 = eps + mean1
             t3 = dropout_mask0 * grad_y
             t4 = rsqrt_rn(t2) * t3
@@ -334,11 +332,10 @@ def layernorm_dropout_add_backward_kernel(
             )
             row_sum1 = tl.sum(tl.where(in_bounds, -t5, 0.0), axis=1, keep_dims=True)
             grad_mean1 = row_sum0
-            t8 = grad_mean1 * t7
-            grad_mean0 = row_sum1 + row_sum2 * t8
-            t9 = grad_mean0 * t7 + t5 + t6 * t8
-            grad_x = t9
-            grad_bias = t9
+            grad_mean0 = row_sum1
+            t7 = grad_mean0 * t6 + grad_mean1 * t6 * (2 * bias - 2 * mean0 + 2 * x) + t5
+            grad_x = t7
+            grad_bias = t7
             grad_gamma = t1 * t4
             grad_beta = t3
             if NEEDS_GRAD_X:
@@ -431,9 +428,6 @@ def layernorm_dropout_add_backward_kernel(
             mean1_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
-            row_sum2_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -450,11 +444,8 @@ def layernorm_dropout_add_backward_kernel(
                 bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = bias + x
                 t1 = -mean0 + t0
-                t6 = 2 * bias - 2 * mean0 + 2 * x
                 mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
-                row_sum2_tile = row_sum2_tile + tl.where(in_bounds, -t6, 0.0)
             mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
-            row_sum2 = tl.sum(row_sum2_tile, axis=1, keep_dims=True)
             t2 = eps + mean1
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
@@ -515,8 +506,7 @@ def layernorm_dropout_add_backward_kernel(
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
             grad_mean1 = row_sum0
-            t8 = grad_mean1 * t7
-            grad_mean0 = row_sum1 + row_sum2 * t8
+            grad_mean0 = row_sum1
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -562,10 +552,9 @@ def layernorm_dropout_add_backward_kernel(
                 t3 = dropout_mask0 * grad_y
                 t4 = rsqrt_rn(t2) * t3
                 t5 = gamma * t4
-                t6 = 2 * bias - 2 * mean0 + 2 * x
-                t9 = grad_mean0 * t7 + t5 + t6 * t8
-                grad_x = t9
-                grad_bias = t9
+                t7 = grad_mean0 * t6 + grad_mean1 * t6 * (2 * bias - 2 * mean0 + 2 * x) + t5
+                grad_x = t7
+                grad_bias = t7
                 grad_gamma = t1 * t4
                 grad_beta = t3
                 if NEEDS_GRAD_X:

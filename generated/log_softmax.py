@@ -158,16 +158,11 @@ def log_softmax_backward_kernel(
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             max0 = row_max(tl.where(in_bounds, x, -float("inf")))
-            row_sum1 = tl.sum(tl.where(in_bounds, -grad_y, 0.0), axis=1, keep_dims=True)
             t0 = libdevice.exp(-max0 + x)
-            t1 = tl.where(max0 == x, 1, 0)
             sum1 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True)
-            ties0 = tl.sum(tl.where(in_bounds, t1, 0.0), axis=1, keep_dims=True)
-            row_sum2 = tl.sum(tl.where(in_bounds, -t0, 0.0), axis=1, keep_dims=True)
             row_sum0 = tl.sum(tl.where(in_bounds, -grad_y / sum1, 0.0), axis=1, keep_dims=True)
             grad_sum1 = row_sum0
-            grad_max0 = grad_sum1 * row_sum2 + row_sum1
-            grad_x = grad_max0 * t1 / ties0 + grad_sum1 * t0 + grad_y
+            grad_x = grad_sum1 * t0 + grad_y
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
                     grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -190,9 +185,6 @@ def log_softmax_backward_kernel(
             max0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), -float("inf"), tl.float64 if COMPUTE_FP64 else tl.float32
             )
-            row_sum1_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -202,26 +194,13 @@ def log_softmax_backward_kernel(
                     x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
                 )
                 x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
-                )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 max0_tile = tl.maximum(
                     max0_tile,
                     tl.where(in_bounds, x, -float("inf")),
                     propagate_nan=tl.PropagateNan.ALL,
                 )
-                row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -grad_y, 0.0)
             max0 = row_max(max0_tile)
-            row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
             sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
-            ties0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            row_sum2_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -232,13 +211,8 @@ def log_softmax_backward_kernel(
                 )
                 x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = libdevice.exp(-max0 + x)
-                t1 = tl.where(max0 == x, 1, 0)
                 sum1_tile = sum1_tile + tl.where(in_bounds, t0, 0.0)
-                ties0_tile = ties0_tile + tl.where(in_bounds, t1, 0.0)
-                row_sum2_tile = row_sum2_tile + tl.where(in_bounds, -t0, 0.0)
             sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
-            ties0 = tl.sum(ties0_tile, axis=1, keep_dims=True)
-            row_sum2 = tl.sum(row_sum2_tile, axis=1, keep_dims=True)
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
@@ -255,7 +229,6 @@ def log_softmax_backward_kernel(
                 row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -grad_y / sum1, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             grad_sum1 = row_sum0
-            grad_max0 = grad_sum1 * row_sum2 + row_sum1
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -271,8 +244,7 @@ def log_softmax_backward_kernel(
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = libdevice.exp(-max0 + x)
-                t1 = tl.where(max0 == x, 1, 0)
-                grad_x = grad_max0 * t1 / ties0 + grad_sum1 * t0 + grad_y
+                grad_x = grad_sum1 * t0 + grad_y
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:
                         partial = grad_x_ptr + tl.program_id(0) * N + cols

@@ -273,21 +273,14 @@ def scaled_masked_softmax_dropout_backward_kernel(
             t0 = mask + scale * x
             max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
             t1 = libdevice.exp(-max0 + t0)
-            t2 = max0 == t0
-            t3 = tl.where(t2, 1, 0)
             sum1 = tl.sum(tl.where(in_bounds, t1, 0.0), axis=1, keep_dims=True)
-            ties0 = tl.sum(tl.where(in_bounds, t3, 0.0), axis=1, keep_dims=True)
-            row_sum2 = tl.sum(tl.where(in_bounds, -t1, 0.0), axis=1, keep_dims=True)
-            t4 = dropout_mask0 * grad_y * t1
-            t5 = t4 / sum1
-            row_sum0 = tl.sum(tl.where(in_bounds, -t4 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
-            row_sum1 = tl.sum(tl.where(in_bounds, -t5, 0.0), axis=1, keep_dims=True)
+            t2 = dropout_mask0 * grad_y * t1
+            row_sum0 = tl.sum(tl.where(in_bounds, -t2 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
             grad_sum1 = row_sum0
-            grad_max0 = grad_sum1 * row_sum2 + row_sum1
-            t7 = grad_max0 / ties0
-            t6 = grad_sum1 * t1
-            grad_x = scale * t5 + scale * t6 + t7 * tl.where(t2, scale, 0)
-            grad_mask = t3 * t7 + t5 + t6
+            t3 = grad_sum1 * t1
+            t4 = t2 / sum1
+            grad_x = scale * t3 + scale * t4
+            grad_mask = t3 + t4
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
                     grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -348,12 +341,6 @@ def scaled_masked_softmax_dropout_backward_kernel(
                 )
             max0 = row_max(max0_tile)
             sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
-            ties0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            row_sum2_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -370,20 +357,11 @@ def scaled_masked_softmax_dropout_backward_kernel(
                 mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = mask + scale * x
                 t1 = libdevice.exp(-max0 + t0)
-                t2 = max0 == t0
-                t3 = tl.where(t2, 1, 0)
                 sum1_tile = sum1_tile + tl.where(in_bounds, t1, 0.0)
-                ties0_tile = ties0_tile + tl.where(in_bounds, t3, 0.0)
-                row_sum2_tile = row_sum2_tile + tl.where(in_bounds, -t1, 0.0)
             sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
-            ties0 = tl.sum(ties0_tile, axis=1, keep_dims=True)
-            row_sum2 = tl.sum(row_sum2_tile, axis=1, keep_dims=True)
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
-            row_sum1_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -421,15 +399,10 @@ def scaled_masked_softmax_dropout_backward_kernel(
                     )
                 t0 = mask + scale * x
                 t1 = libdevice.exp(-max0 + t0)
-                t4 = dropout_mask0 * grad_y * t1
-                t5 = t4 / sum1
-                row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t4 / (sum1 * sum1), 0.0)
-                row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t5, 0.0)
+                t2 = dropout_mask0 * grad_y * t1
+                row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t2 / (sum1 * sum1), 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
-            row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
             grad_sum1 = row_sum0
-            grad_max0 = grad_sum1 * row_sum2 + row_sum1
-            t7 = grad_max0 / ties0
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -467,13 +440,11 @@ def scaled_masked_softmax_dropout_backward_kernel(
                     )
                 t0 = mask + scale * x
                 t1 = libdevice.exp(-max0 + t0)
-                t2 = max0 == t0
-                t3 = tl.where(t2, 1, 0)
-                t4 = dropout_mask0 * grad_y * t1
-                t5 = t4 / sum1
-                t6 = grad_sum1 * t1
-                grad_x = scale * t5 + scale * t6 + t7 * tl.where(t2, scale, 0)
-                grad_mask = t3 * t7 + t5 + t6
+                t2 = dropout_mask0 * grad_y * t1
+                t3 = grad_sum1 * t1
+                t4 = t2 / sum1
+                grad_x = scale * t3 + scale * t4
+                grad_mask = t3 + t4
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:
                         partial = grad_x_ptr + tl.program_id(0) * N + cols

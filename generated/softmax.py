@@ -159,17 +159,11 @@ def softmax_backward_kernel(
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             max0 = row_max(tl.where(in_bounds, x, -float("inf")))
             t0 = libdevice.exp(-max0 + x)
-            t1 = tl.where(max0 == x, 1, 0)
             sum1 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True)
-            ties0 = tl.sum(tl.where(in_bounds, t1, 0.0), axis=1, keep_dims=True)
-            row_sum2 = tl.sum(tl.where(in_bounds, -t0, 0.0), axis=1, keep_dims=True)
-            t2 = grad_y * t0
-            t3 = t2 / sum1
-            row_sum0 = tl.sum(tl.where(in_bounds, -t2 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
-            row_sum1 = tl.sum(tl.where(in_bounds, -t3, 0.0), axis=1, keep_dims=True)
+            t1 = grad_y * t0
+            row_sum0 = tl.sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
             grad_sum1 = row_sum0
-            grad_max0 = grad_sum1 * row_sum2 + row_sum1
-            grad_x = grad_max0 * t1 / ties0 + grad_sum1 * t0 + t3
+            grad_x = grad_sum1 * t0 + t1 / sum1
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
                     grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -208,12 +202,6 @@ def softmax_backward_kernel(
                 )
             max0 = row_max(max0_tile)
             sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
-            ties0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            row_sum2_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -224,19 +212,11 @@ def softmax_backward_kernel(
                 )
                 x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = libdevice.exp(-max0 + x)
-                t1 = tl.where(max0 == x, 1, 0)
                 sum1_tile = sum1_tile + tl.where(in_bounds, t0, 0.0)
-                ties0_tile = ties0_tile + tl.where(in_bounds, t1, 0.0)
-                row_sum2_tile = row_sum2_tile + tl.where(in_bounds, -t0, 0.0)
             sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
-            ties0 = tl.sum(ties0_tile, axis=1, keep_dims=True)
-            row_sum2 = tl.sum(row_sum2_tile, axis=1, keep_dims=True)
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
-            row_sum1_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -252,14 +232,10 @@ def softmax_backward_kernel(
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = libdevice.exp(-max0 + x)
-                t2 = grad_y * t0
-                t3 = t2 / sum1
-                row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t2 / (sum1 * sum1), 0.0)
-                row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t3, 0.0)
+                t1 = grad_y * t0
+                row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
-            row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
             grad_sum1 = row_sum0
-            grad_max0 = grad_sum1 * row_sum2 + row_sum1
             for first_col in range(0, N, BLOCK_N):
                 cols = first_col + tl.arange(0, BLOCK_N)
                 if INDEX_64:
@@ -275,10 +251,8 @@ def softmax_backward_kernel(
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = libdevice.exp(-max0 + x)
-                t1 = tl.where(max0 == x, 1, 0)
-                t2 = grad_y * t0
-                t3 = t2 / sum1
-                grad_x = grad_max0 * t1 / ties0 + grad_sum1 * t0 + t3
+                t1 = grad_y * t0
+                grad_x = grad_sum1 * t0 + t1 / sum1
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:
                         partial = grad_x_ptr + tl.program_id(0) * N + cols
