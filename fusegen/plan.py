@@ -279,8 +279,10 @@ def _row_names(namer: Namer, forward: RowProgram, backward: RowProgram) -> dict[
     grad_mean0), and N in the compute type (row_width)."""
     names = {WIDTH.name: namer.claim("row_width")}
     kinds = {r.symbol.name: r.kind for r in forward.reductions}
-    for r in backward.reductions:
+    for r in (*forward.reductions, *backward.reductions):
         name = r.symbol.name
+        if name in names:
+            continue
         if name.startswith(REDUCTION_PREFIX):
             names[name] = namer.claim(f"{kinds[name]}{name[len(REDUCTION_PREFIX):]}")
         elif name.startswith(TIES_PREFIX):

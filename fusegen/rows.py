@@ -61,6 +61,10 @@ class RowProgram:
     passes: tuple[RowPass, ...]
     final_temps: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
     results: tuple[tuple[str, sympy.Expr], ...]  # element results, each computed per tile
+    # The forward saves each of its reductions per row (fp32; fp64 for fp64), in order; the
+    # backward loads those it reads, by their place in that order, instead of reducing again.
+    saved: tuple[sympy.Symbol, ...] = ()
+    loaded: tuple[tuple[sympy.Symbol, int], ...] = ()
 
     @property
     def reductions(self) -> tuple[Reduction, ...]:
@@ -95,6 +99,8 @@ class RowProgram:
             ),
             pairs(self.final_temps),
             tuple((results[n], e.xreplace(rename)) for n, e in self.results),
+            tuple(s.xreplace(rename) for s in self.saved),
+            tuple((s.xreplace(rename), k) for s, k in self.loaded),
         )
 
     def free_symbols(self) -> set:
@@ -136,7 +142,7 @@ def backward(
 ) -> tuple[list[Reduction], list[tuple[sympy.Symbol, sympy.Expr]], dict[str, sympy.Expr]]:
     """The backward's reductions, its row values (the adjoints) and each value's gradient.
     `check(output, value_name, partial)` refuses a derivative that cannot be a kernel's."""
-    found = list(reductions)  # recomputed from the inputs: nothing of size M×N is saved
+    found: list[Reduction] = []  # the forward's reductions are saved per row, not reduced again
     # Per reduction: the adjoint's factor along the row, and which elements receive it. A max
     # (min) counts its ties, on first use: an adjoint that cancels needs none.
     weights: dict[int, tuple[sympy.Expr, sympy.Basic | None]] = {}
@@ -244,6 +250,7 @@ def schedule(
     row_values: list[tuple[sympy.Symbol, sympy.Expr]],
     results: list[tuple[str, sympy.Expr]],
     elements: set[sympy.Symbol],
+    saved: tuple[sympy.Symbol, ...] = (),
 ) -> RowProgram:
     """CSE the whole program and cut it into passes. `elements`: the symbols that differ
     along the row (inputs, masks, incoming gradients), loaded or drawn per tile."""
@@ -309,12 +316,18 @@ def schedule(
     for p in range(1, passes_count + 1):
         mine = [r for r in reductions if level[r.symbol] == p]
         passes.append(RowPass(tuple(needed([r.value for r in mine])), tuple(mine), tuple(by_level.get(p, ()))))
-    return RowProgram(
+    program = RowProgram(
         row_values=tuple(by_level.get(0, ())),
         passes=tuple(passes),
         final_temps=tuple(needed([e for _, e in results])),
         results=tuple(results),
     )
+    if not saved:  # a forward: it saves every reduction it makes
+        return RowProgram(*[getattr(program, f) for f in ("row_values", "passes", "final_temps", "results")],
+                          saved=tuple(r.symbol for r in reductions))
+    used = program.free_symbols()
+    return RowProgram(*[getattr(program, f) for f in ("row_values", "passes", "final_temps", "results")],
+                      loaded=tuple((symbol, k) for k, symbol in enumerate(saved) if symbol in used))
 
 
 def _dependency_order(items: list[tuple[sympy.Symbol, sympy.Expr]]) -> list:

@@ -45,6 +45,7 @@ def add_rmsnorm_kernel(
     weight_ptr, weight_stride_m, weight_stride_n,  # weight [N], as [M, N]
     h_ptr,  # h, contiguous [M, N]
     y_ptr,  # y, contiguous [M, N]
+    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps,
@@ -78,6 +79,7 @@ def add_rmsnorm_kernel(
         weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = residual + x
         mean0 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         h = t0
         y = t0 * weight * rsqrt_rn(eps + mean0)
         tl.store(
@@ -106,6 +108,7 @@ def add_rmsnorm_kernel(
             t0 = residual + x
             mean0_tile = mean0_tile + tl.where(in_bounds, t0 * t0, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -159,6 +162,7 @@ def add_rmsnorm_backward_kernel(
     # gradient of residual: [M, N]; with SUM_GRAD_RESIDUAL, column sums [programs, N]
     grad_residual_ptr,
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
+    saved_ptr,  # the forward's reductions, [reductions, M]
     M, N, M_BUCKET,
     eps,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -190,6 +194,8 @@ def add_rmsnorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            t1 = eps + mean0
             x = tl.load(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
@@ -216,8 +222,6 @@ def add_rmsnorm_backward_kernel(
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = residual + x
-            mean0 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
-            t1 = eps + mean0
             row_sum0 = tl.sum(
                 tl.where(in_bounds, -0.5 * grad_y * t0 * weight / (t1 * sqrt_rn(t1)), 0.0),
                 axis=1,
@@ -280,27 +284,7 @@ def add_rmsnorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                residual = tl.load(
-                    residual_ptr + rows[:, None] * residual_stride_m
-                    + cols[None, :] * residual_stride_n,
-                    mask=in_bounds,
-                )
-                residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = residual + x
-                mean0_tile = mean0_tile + tl.where(in_bounds, t0 * t0, 0.0)
-            mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean0
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
@@ -447,6 +431,7 @@ _OP = runtime.FusedOp(
         scalars=("eps",),
         backward_reads=("x", "residual", "weight"),
         gradients=("x", "residual", "weight"),
+        statistics=1,
     ),
     reference=_reference,
 )

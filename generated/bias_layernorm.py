@@ -47,6 +47,7 @@ def bias_layernorm_kernel(
     gamma_ptr, gamma_stride_m, gamma_stride_n,  # gamma [N], as [M, N]
     beta_ptr, beta_stride_m, beta_stride_n,  # beta [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
+    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps,
@@ -83,8 +84,10 @@ def bias_layernorm_kernel(
         beta = beta.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = bias + x
         mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = -mean0 + t0
         mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 1 * M + rows, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         y = beta + gamma * t1 * rsqrt_rn(eps + mean1)
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
@@ -108,6 +111,7 @@ def bias_layernorm_kernel(
             t0 = bias + x
             mean0_tile = mean0_tile + tl.where(in_bounds, t0, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
@@ -127,6 +131,7 @@ def bias_layernorm_kernel(
             t1 = -mean0 + t0
             mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 1 * M + rows, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -177,6 +182,7 @@ def bias_layernorm_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
     grad_gamma_ptr,  # gradient of gamma: [M, N]; with SUM_GRAD_GAMMA, column sums [programs, N]
+    saved_ptr,  # the forward's reductions, [reductions, M]
     M, N, M_BUCKET,
     eps,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -198,7 +204,6 @@ def bias_layernorm_backward_kernel(
     # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
-    t5 = 1.0 / row_width
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_N)
         if INDEX_64:
@@ -209,6 +214,10 @@ def bias_layernorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
+            t0 = eps + mean1
+            t4 = 1.0 / row_width
             x = tl.load(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
@@ -228,25 +237,21 @@ def bias_layernorm_backward_kernel(
                 mask=in_bounds,
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            t0 = bias + x
-            mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
-            t1 = -mean0 + t0
-            mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
-            t2 = eps + mean1
-            t3 = grad_y * rsqrt_rn(t2)
-            t4 = gamma * t3
+            t1 = bias - mean0 + x
+            t2 = grad_y * rsqrt_rn(t0)
+            t3 = gamma * t2
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * gamma * grad_y * t1 / (t2 * sqrt_rn(t2)), 0.0),
+                tl.where(in_bounds, -0.5 * gamma * grad_y * t1 / (t0 * sqrt_rn(t0)), 0.0),
                 axis=1,
                 keep_dims=True,
             )
-            row_sum1 = tl.sum(tl.where(in_bounds, -t4, 0.0), axis=1, keep_dims=True)
+            row_sum1 = tl.sum(tl.where(in_bounds, -t3, 0.0), axis=1, keep_dims=True)
             grad_mean1 = row_sum0
             grad_mean0 = row_sum1
-            t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias - 2 * mean0 + 2 * x) + t4
-            grad_x = t6
-            grad_bias = t6
-            grad_gamma = t1 * t3
+            t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias - 2 * mean0 + 2 * x) + t3
+            grad_x = t5
+            grad_bias = t5
+            grad_gamma = t1 * t2
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
                     grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -298,48 +303,10 @@ def bias_layernorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                bias = tl.load(
-                    bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                    mask=in_bounds,
-                )
-                bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = bias + x
-                mean0_tile = mean0_tile + tl.where(in_bounds, t0, 0.0)
-            mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-            mean1_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                bias = tl.load(
-                    bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                    mask=in_bounds,
-                )
-                bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = bias + x
-                t1 = -mean0 + t0
-                mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
-            mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
-            t2 = eps + mean1
+            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
+            t0 = eps + mean1
+            t4 = 1.0 / row_width
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
@@ -370,15 +337,14 @@ def bias_layernorm_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = bias + x
-                t1 = -mean0 + t0
-                t3 = grad_y * rsqrt_rn(t2)
-                t4 = gamma * t3
+                t1 = bias - mean0 + x
+                t2 = grad_y * rsqrt_rn(t0)
+                t3 = gamma * t2
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * gamma * grad_y * t1 / (t2 * sqrt_rn(t2)), 0.0)
+                    + tl.where(in_bounds, -0.5 * gamma * grad_y * t1 / (t0 * sqrt_rn(t0)), 0.0)
                 )
-                row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t4, 0.0)
+                row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t3, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
             grad_mean1 = row_sum0
@@ -407,14 +373,13 @@ def bias_layernorm_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = bias + x
-                t1 = -mean0 + t0
-                t3 = grad_y * rsqrt_rn(t2)
-                t4 = gamma * t3
-                t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias - 2 * mean0 + 2 * x) + t4
-                grad_x = t6
-                grad_bias = t6
-                grad_gamma = t1 * t3
+                t1 = bias - mean0 + x
+                t2 = grad_y * rsqrt_rn(t0)
+                t3 = gamma * t2
+                t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias - 2 * mean0 + 2 * x) + t3
+                grad_x = t5
+                grad_bias = t5
+                grad_gamma = t1 * t2
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:
                         partial = grad_x_ptr + tl.program_id(0) * N + cols
@@ -492,6 +457,7 @@ _OP = runtime.FusedOp(
         scalars=("eps",),
         backward_reads=("x", "bias", "gamma"),
         gradients=("x", "bias", "gamma"),
+        statistics=2,
     ),
     reference=_reference,
 )

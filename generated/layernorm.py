@@ -46,6 +46,7 @@ def layernorm_kernel(
     weight_ptr, weight_stride_m, weight_stride_n,  # weight [N], as [M, N]
     bias_ptr, bias_stride_m, bias_stride_n,  # bias [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
+    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps,
@@ -77,8 +78,10 @@ def layernorm_kernel(
         )
         bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         mean0 = tl.sum(tl.where(in_bounds, x, 0.0), axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t0 = -mean0 + x
         mean1 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 1 * M + rows, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         y = bias + t0 * weight * rsqrt_rn(eps + mean1)
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
@@ -96,6 +99,7 @@ def layernorm_kernel(
             x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             mean0_tile = mean0_tile + tl.where(in_bounds, x, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
@@ -109,6 +113,7 @@ def layernorm_kernel(
             t0 = -mean0 + x
             mean1_tile = mean1_tile + tl.where(in_bounds, t0 * t0, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 1 * M + rows, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -151,6 +156,7 @@ def layernorm_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
+    saved_ptr,  # the forward's reductions, [reductions, M]
     M, N, M_BUCKET,
     eps,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -170,7 +176,6 @@ def layernorm_backward_kernel(
     # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
-    t4 = 1.0 / row_width
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_N)
         if INDEX_64:
@@ -180,6 +185,10 @@ def layernorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
+            t1 = eps + mean1
+            t4 = 1.0 / row_width
             x = tl.load(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
@@ -194,10 +203,7 @@ def layernorm_backward_kernel(
                 mask=in_bounds,
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            mean0 = tl.sum(tl.where(in_bounds, x, 0.0), axis=1, keep_dims=True) / N
             t0 = -mean0 + x
-            mean1 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
-            t1 = eps + mean1
             t2 = grad_y * rsqrt_rn(t1)
             t3 = t2 * weight
             row_sum0 = tl.sum(
@@ -245,36 +251,10 @@ def layernorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                mean0_tile = mean0_tile + tl.where(in_bounds, x, 0.0)
-            mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-            mean1_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = -mean0 + x
-                mean1_tile = mean1_tile + tl.where(in_bounds, t0 * t0, 0.0)
-            mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
+            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
+            t4 = 1.0 / row_width
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
@@ -395,6 +375,7 @@ _OP = runtime.FusedOp(
         scalars=("eps",),
         backward_reads=("x", "weight"),
         gradients=("x", "weight"),
+        statistics=2,
     ),
     reference=_reference,
 )

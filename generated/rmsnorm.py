@@ -43,6 +43,7 @@ def rmsnorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     weight_ptr, weight_stride_m, weight_stride_n,  # weight [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
+    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps,
@@ -70,6 +71,7 @@ def rmsnorm_kernel(
         )
         weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         mean0 = tl.sum(tl.where(in_bounds, x * x, 0.0), axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         y = weight * x * rsqrt_rn(eps + mean0)
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
@@ -87,6 +89,7 @@ def rmsnorm_kernel(
             x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             mean0_tile = mean0_tile + tl.where(in_bounds, x * x, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -123,6 +126,7 @@ def rmsnorm_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
+    saved_ptr,  # the forward's reductions, [reductions, M]
     M, N, M_BUCKET,
     eps,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -151,6 +155,8 @@ def rmsnorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            t0 = eps + mean0
             x = tl.load(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
@@ -165,8 +171,6 @@ def rmsnorm_backward_kernel(
                 mask=in_bounds,
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            mean0 = tl.sum(tl.where(in_bounds, x * x, 0.0), axis=1, keep_dims=True) / N
-            t0 = eps + mean0
             row_sum0 = tl.sum(
                 tl.where(in_bounds, -0.5 * grad_y * weight * x / (t0 * sqrt_rn(t0)), 0.0),
                 axis=1,
@@ -211,20 +215,7 @@ def rmsnorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                mean0_tile = mean0_tile + tl.where(in_bounds, x * x, 0.0)
-            mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
@@ -328,6 +319,7 @@ _OP = runtime.FusedOp(
         scalars=("eps",),
         backward_reads=("x", "weight"),
         gradients=("x", "weight"),
+        statistics=1,
     ),
     reference=_reference,
 )

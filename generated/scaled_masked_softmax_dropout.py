@@ -56,6 +56,7 @@ def scaled_masked_softmax_dropout_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     mask_ptr, mask_stride_m, mask_stride_n,  # mask [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
+    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     scale,
@@ -105,8 +106,10 @@ def scaled_masked_softmax_dropout_kernel(
             )
         t0 = mask + scale * x
         max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         t1 = libdevice.exp(-max0 + t0)
         sum1 = tl.sum(tl.where(in_bounds, t1, 0.0), axis=1, keep_dims=True)
+        tl.store(saved_ptr + 1 * M + rows, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         y = dropout_mask0 * t1 / sum1
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
@@ -134,6 +137,7 @@ def scaled_masked_softmax_dropout_kernel(
                 max0_tile, tl.where(in_bounds, t0, -float("inf")), propagate_nan=tl.PropagateNan.ALL
             )
         max0 = row_max(max0_tile)
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
@@ -153,6 +157,7 @@ def scaled_masked_softmax_dropout_kernel(
             t1 = libdevice.exp(-max0 + t0)
             sum1_tile = sum1_tile + tl.where(in_bounds, t1, 0.0)
         sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+        tl.store(saved_ptr + 1 * M + rows, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -207,6 +212,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_mask_ptr,  # gradient of mask: [M, N]; with SUM_GRAD_MASK, column sums [programs, N]
+    saved_ptr,  # the forward's reductions, [reductions, M]
     M, N, M_BUCKET,
     scale,
     dropout_threshold_p, dropout_scale_p,
@@ -240,6 +246,8 @@ def scaled_masked_softmax_dropout_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+            max0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
             x = tl.load(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
@@ -270,17 +278,14 @@ def scaled_masked_softmax_dropout_backward_kernel(
                 dropout_mask0 = tl.full(
                     (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                 )
-            t0 = mask + scale * x
-            max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
-            t1 = libdevice.exp(-max0 + t0)
-            sum1 = tl.sum(tl.where(in_bounds, t1, 0.0), axis=1, keep_dims=True)
-            t2 = dropout_mask0 * grad_y * t1
-            row_sum0 = tl.sum(tl.where(in_bounds, -t2 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
+            t0 = libdevice.exp(mask - max0 + scale * x)
+            t1 = dropout_mask0 * grad_y * t0
+            row_sum0 = tl.sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
             grad_sum1 = row_sum0
-            t3 = grad_sum1 * t1
-            t4 = t2 / sum1
-            grad_x = scale * t3 + scale * t4
-            grad_mask = t3 + t4
+            t2 = grad_sum1 * t0
+            t3 = t1 / sum1
+            grad_x = scale * t2 + scale * t3
+            grad_mask = t2 + t3
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
                     grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -316,49 +321,8 @@ def scaled_masked_softmax_dropout_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            max0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), -float("inf"), tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                mask = tl.load(
-                    mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n,
-                    mask=in_bounds,
-                )
-                mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = mask + scale * x
-                max0_tile = tl.maximum(
-                    max0_tile,
-                    tl.where(in_bounds, t0, -float("inf")),
-                    propagate_nan=tl.PropagateNan.ALL,
-                )
-            max0 = row_max(max0_tile)
-            sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                mask = tl.load(
-                    mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n,
-                    mask=in_bounds,
-                )
-                mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = mask + scale * x
-                t1 = libdevice.exp(-max0 + t0)
-                sum1_tile = sum1_tile + tl.where(in_bounds, t1, 0.0)
-            sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+            max0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
@@ -397,10 +361,9 @@ def scaled_masked_softmax_dropout_backward_kernel(
                     dropout_mask0 = tl.full(
                         (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                     )
-                t0 = mask + scale * x
-                t1 = libdevice.exp(-max0 + t0)
-                t2 = dropout_mask0 * grad_y * t1
-                row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t2 / (sum1 * sum1), 0.0)
+                t0 = libdevice.exp(mask - max0 + scale * x)
+                t1 = dropout_mask0 * grad_y * t0
+                row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             grad_sum1 = row_sum0
             for first_col in range(0, N, BLOCK_N):
@@ -438,13 +401,12 @@ def scaled_masked_softmax_dropout_backward_kernel(
                     dropout_mask0 = tl.full(
                         (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                     )
-                t0 = mask + scale * x
-                t1 = libdevice.exp(-max0 + t0)
-                t2 = dropout_mask0 * grad_y * t1
-                t3 = grad_sum1 * t1
-                t4 = t2 / sum1
-                grad_x = scale * t3 + scale * t4
-                grad_mask = t3 + t4
+                t0 = libdevice.exp(mask - max0 + scale * x)
+                t1 = dropout_mask0 * grad_y * t0
+                t2 = grad_sum1 * t0
+                t3 = t1 / sum1
+                grad_x = scale * t2 + scale * t3
+                grad_mask = t2 + t3
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:
                         partial = grad_x_ptr + tl.program_id(0) * N + cols
@@ -508,6 +470,7 @@ _OP = runtime.FusedOp(
         scalars=("scale",),
         backward_reads=("x", "mask"),
         gradients=("x", "mask"),
+        statistics=2,
     ),
     reference=_reference,
 )

@@ -42,6 +42,7 @@ __all__ = ["softmax", "Softmax", "reference", "eager"]
 def softmax_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
+    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -61,8 +62,10 @@ def softmax_kernel(
         x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
         x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         max0 = row_max(tl.where(in_bounds, x, -float("inf")))
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         t0 = libdevice.exp(-max0 + x)
         sum1 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True)
+        tl.store(saved_ptr + 1 * M + rows, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         y = t0 / sum1
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
@@ -84,6 +87,7 @@ def softmax_kernel(
                 max0_tile, tl.where(in_bounds, x, -float("inf")), propagate_nan=tl.PropagateNan.ALL
             )
         max0 = row_max(max0_tile)
+        tl.store(saved_ptr + 0 * M + rows, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
@@ -97,6 +101,7 @@ def softmax_kernel(
             t0 = libdevice.exp(-max0 + x)
             sum1_tile = sum1_tile + tl.where(in_bounds, t0, 0.0)
         sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+        tl.store(saved_ptr + 1 * M + rows, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -127,6 +132,7 @@ def softmax_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
+    saved_ptr,  # the forward's reductions, [reductions, M]
     M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -148,6 +154,8 @@ def softmax_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+            max0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
             x = tl.load(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
@@ -157,9 +165,7 @@ def softmax_backward_kernel(
                 mask=in_bounds,
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            max0 = row_max(tl.where(in_bounds, x, -float("inf")))
             t0 = libdevice.exp(-max0 + x)
-            sum1 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True)
             t1 = grad_y * t0
             row_sum0 = tl.sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
             grad_sum1 = row_sum0
@@ -183,37 +189,8 @@ def softmax_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            max0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), -float("inf"), tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                max0_tile = tl.maximum(
-                    max0_tile,
-                    tl.where(in_bounds, x, -float("inf")),
-                    propagate_nan=tl.PropagateNan.ALL,
-                )
-            max0 = row_max(max0_tile)
-            sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
-            for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-                )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = libdevice.exp(-max0 + x)
-                sum1_tile = sum1_tile + tl.where(in_bounds, t0, 0.0)
-            sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+            max0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
             )
@@ -289,6 +266,7 @@ _OP = runtime.FusedOp(
         softmax_backward_kernel,
         backward_reads=("x",),
         gradients=("x",),
+        statistics=2,
     ),
     reference=_reference,
 )

@@ -118,12 +118,12 @@ def test_unseeded_calls_draw_new_masks_and_manual_seed_replays_them(device):
 
 def test_seed_tensor_is_one_int64_on_the_inputs_device(device):
     x = _randn(4, 8, device=device)
-    outputs, seed = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, None))
+    outputs, seed, _ = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, None))
     assert seed.shape == (1,) and seed.dtype == torch.int64 and seed.device == x.device
     assert 0 <= int(seed) < 2**63
-    outputs, seed = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, 77))
+    outputs, seed, _ = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, 77))
     assert int(seed) == 77
-    outputs, seed = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, None), eager=False)
+    outputs, seed, _ = seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", True, None), eager=False)
     assert seed.shape == (1,) and seed.dtype == torch.int64 and seed.device == x.device
     # No dropout this call (eval, or p == 0): nothing drawn, no seed.
     assert seed_op._OP.forward((x, x[0], x, 0.5, "gelu_tanh", False, None))[1] is None

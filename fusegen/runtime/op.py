@@ -35,8 +35,10 @@ class Call:
 class FusedOp:
     """One generated op. `kernels` is the backend's launcher (see
     fusegen.backends.triton.launch.Kernels): `kernels.bind(op)` gives an object with
-    `check_device(device)`, `forward(call, tensors, outputs, seed)` and
-    `backward(call, tensors, grad_outputs, needs, seed) -> gradients`."""
+    `check_device(device)`, `forward(call, tensors, outputs, seed, saved=None)` and
+    `backward(call, tensors, grad_outputs, needs, seed, saved=None) -> gradients`;
+    `kernels.statistics` is how many values per row the forward keeps for the backward
+    (row reductions: the `saved` buffer, [statistics, M] in the compute dtype), 0 for none."""
 
     def __init__(
         self,
@@ -72,6 +74,7 @@ class FusedOp:
         )
         self._problems: dict = {}  # checked problems by the tensors' shapes, dtypes and devices
         self._reference_body = reference
+        self.statistics = kernels.statistics
         self.kernels = kernels.bind(self)
         self._forward_op, self._backward_op = _register_library_ops(self)
 
@@ -83,10 +86,10 @@ class FusedOp:
             outputs = self.forward(args, out=out)[0]
         elif torch.compiler.is_compiling():
             outputs = self._forward_op(*args)
-            if self._n_outputs + self.has_dropout == 1:
+            if self._n_outputs + self.has_dropout + bool(self.statistics) == 1:
                 outputs = (outputs,)  # the schema returns one Tensor, not a tuple of one
-            elif self.has_dropout:
-                outputs = outputs[:-1]  # the seed tensor, kept for the backward
+            else:
+                outputs = outputs[:self._n_outputs]  # then the seed and statistics, kept for the backward
         elif torch.is_grad_enabled() and any_requires_grad(args[:self._n_inputs]):
             outputs = _Autograd.apply(self, *args)
         else:
@@ -131,8 +134,9 @@ class FusedOp:
         return Call(problem, tuple(params), has_dropout, check_seed(name, seed))
 
     def forward(self, args: tuple, out=None, eager: bool = True):
-        """Launch the forward kernel; returns the outputs and the seed tensor it used (None
-        without dropout). `eager`: not inside a compiled graph, which may be captured."""
+        """Launch the forward kernel; returns the outputs, the seed tensor it used (None
+        without dropout) and the statistics it kept for the backward (None without).
+        `eager`: not inside a compiled graph, which may be captured."""
         call = self.check(args, needs_kernel=True)
         problem = call.problem
         tensors = args[:self._n_inputs]
@@ -143,11 +147,14 @@ class FusedOp:
             outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
         else:
             outputs = [output_buffer(self.name, out, i, count, problem, tensors) for i in range(count)]
+        saved = None
+        if self.statistics:
+            saved = torch.empty((self.statistics, problem.m), dtype=problem.compute_dtype, device=problem.device)
         if problem.launches:  # not without elements, nor without data (meta or fake tensors)
-            self.kernels.forward(call, tensors, outputs, seed)
-        return (outputs if out is None else write_out(out, tuple(outputs))), seed
+            self.kernels.forward(call, tensors, outputs, seed, saved=saved)
+        return (outputs if out is None else write_out(out, tuple(outputs))), seed, saved
 
-    def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...]) -> list:
+    def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], saved=None) -> list:
         """Every input's gradient (None where not needed) from the outputs' gradients."""
         tensors = args[: len(self.inputs)]
         kernel_needs = [need and through is None for need, through in zip(needs, self._passthrough)]
@@ -157,11 +164,12 @@ class FusedOp:
             # and functional tensors are Tensor subclasses), and under create_graph, where
             # its autograd (which refuses double backward) must be recorded.
             if type(grads[0]) is torch.Tensor and not torch.is_grad_enabled():
-                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs))
+                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs, saved))
             else:
                 count = len(self.inputs) + len(self.params)
                 # The forward's seed tensor replaces its seed argument; training stays.
                 extra = (args[count], seed) if self.has_dropout else ()
+                extra += (saved,) if self.statistics else ()
                 params = args[len(self.inputs):count]
                 kernel_grads = iter(self._backward_op(list(grads), list(tensors), *params, *extra, kernel_needs))
         return [
@@ -169,11 +177,11 @@ class FusedOp:
             for need, through, tensor in zip(needs, self._passthrough, tensors)
         ]
 
-    def backward_kernels(self, grads, args, seed, needs) -> list:
+    def backward_kernels(self, grads, args, seed, needs, saved=None) -> list:
         """Launch the backward kernel: the gradients of the inputs flagged in `needs`."""
         call = self.check(args, needs_kernel=True)
         tensors = args[: len(self.inputs)]
-        return self.kernels.backward(call, tensors, grads, needs, seed)
+        return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved)
 
     # -- the eager reference ----------------------------------------------------------
 
@@ -223,20 +231,23 @@ class _Autograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op: FusedOp, *args):
-        outputs, seed = op.forward(args)
+        outputs, seed, saved = op.forward(args)
         count = len(op.inputs)
-        ctx.save_for_backward(*args[:count])
+        ctx.save_for_backward(*args[:count], *(() if saved is None else (saved,)))
         ctx.op, ctx.params, ctx.seed = op, args[count:], seed
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        needs = ctx.needs_input_grad[1:1 + len(ctx.op.inputs)]  # after the op argument
-        return (None, *_gradients(ctx.op, grads, ctx.saved_tensors, ctx.params, ctx.seed, needs))
+        count = len(ctx.op.inputs)
+        needs = ctx.needs_input_grad[1:1 + count]  # after the op argument
+        tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
+        saved = saved[0] if saved else None
+        return (None, *_gradients(ctx.op, grads, tensors, ctx.params, ctx.seed, needs, saved))
 
 
-def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs) -> tuple:
+def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, saved=None) -> tuple:
     """The backward shared by both autograd paths, one gradient per argument of the op: None
     stands for an output's zero gradient, and for every argument that is not a tensor."""
     given = [g for g in grads if g is not None]
@@ -244,7 +255,7 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
     if not given:
         return nothing
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
-    input_grads = op.backward(grads, (*tensors, *params), seed, needs)
+    input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved)
     return (*input_grads, *nothing[len(tensors):])
 
 
@@ -255,11 +266,13 @@ def _schema_arguments(op: FusedOp) -> list[str]:
 
 def _register_library_ops(op: FusedOp):
     """fusegen::<op> and fusegen::<op>_backward: autograd and torch.compile each see one
-    opaque op. Saved for backward: the inputs (and the seed tensor), nothing else."""
+    opaque op. Saved for backward: the inputs (the seed tensor, the row statistics), nothing else."""
     arguments = _schema_arguments(op)
+    # The forward's results: the outputs, then the seed tensor and the statistics kept for backward.
+    extras = op.has_dropout + bool(op.statistics)
     # One result is `-> Tensor`: a schema's `(Tensor)` is not a tuple of one.
-    single = len(op.outputs) + op.has_dropout == 1
-    returns = "Tensor" if single else "(" + ", ".join(["Tensor"] * (len(op.outputs) + op.has_dropout)) + ")"
+    single = len(op.outputs) + extras == 1
+    returns = "Tensor" if single else "(" + ", ".join(["Tensor"] * (len(op.outputs) + extras)) + ")"
     if op.has_dropout:
         # It draws random numbers: tagged so, torch.compile never recomputes it in the backward.
         schema = f"({', '.join(arguments + ['bool training', 'int? seed'])}) -> {returns}"
@@ -268,13 +281,16 @@ def _register_library_ops(op: FusedOp):
         schema, tags = f"({', '.join(arguments)}) -> {returns}", ()
 
     def forward_impl(*args):
-        outputs, seed = op.forward(args, eager=False)  # a compiled graph may be captured
+        outputs, seed, saved = op.forward(args, eager=False)  # a compiled graph may be captured
         if single:
             return outputs[0]
-        if not op.has_dropout:
-            return tuple(outputs)
-        # Without dropout the seed is never read: an unfilled tensor keeps the outputs fixed.
-        return (*outputs, torch.empty((1,), dtype=torch.int64, device=outputs[0].device) if seed is None else seed)
+        results = list(outputs)
+        if op.has_dropout:
+            # Without dropout the seed is never read: an unfilled tensor keeps the outputs fixed.
+            results.append(torch.empty((1,), dtype=torch.int64, device=outputs[0].device) if seed is None else seed)
+        if op.statistics:
+            results.append(saved)
+        return tuple(results)
 
     forward_op = torch.library.custom_op(f"fusegen::{op.name}", forward_impl, mutates_args=(), schema=schema, tags=tags)
 
@@ -283,7 +299,9 @@ def _register_library_ops(op: FusedOp):
         problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)], op._problems)
         outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in op.outputs]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
-        return outputs[0] if single else (*outputs, *seed)
+        saved = [torch.empty((op.statistics, problem.m), dtype=problem.compute_dtype, device=problem.device)
+                 ] if op.statistics else []
+        return outputs[0] if single else (*outputs, *seed, *saved)
 
     def setup_context(ctx, inputs, output):
         count = len(op.inputs)
@@ -293,25 +311,28 @@ def _register_library_ops(op: FusedOp):
 
     def backward(ctx, *grads):
         count = len(op.inputs)
-        tensors, seed = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
-        seed = seed[0] if seed else None
-        return _gradients(op, grads[: len(op.outputs)], tensors, ctx.params, seed, ctx.needs_input_grad[:count])
+        tensors, extras = ctx.saved_tensors[:count], list(ctx.saved_tensors[count:])
+        seed = extras.pop(0) if op.has_dropout else None
+        saved = extras.pop(0) if op.statistics else None
+        return _gradients(op, grads[: len(op.outputs)], tensors, ctx.params, seed, ctx.needs_input_grad[:count], saved)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 
     # The backward op's own arguments start with '_', as spec names never do.
-    extra = ["bool training", "Tensor _seed"] if op.has_dropout else []
+    extra = (["bool training", "Tensor _seed"] if op.has_dropout else []) + (["Tensor _saved"] if op.statistics else [])
     backward_schema = ", ".join(
         ["Tensor[] _grads", "Tensor[] _inputs", *arguments[len(op.inputs):], *extra, "bool[] _needs_grad"]
     )
 
     def backward_impl(grads, tensors, *rest):
         *params, needs = rest
-        seed = None
+        seed = saved = None
+        if op.statistics:
+            *params, saved = params
         if op.has_dropout:
             *params, training, seed = params
             params = (*params, training, None)  # the seed argument: the tensor is passed on its own
-        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs)
+        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs, saved)
 
     backward_op = torch.library.custom_op(
         f"fusegen::{op.name}_backward", backward_impl, mutates_args=(), schema=f"({backward_schema}) -> Tensor[]"

@@ -42,9 +42,10 @@ class Kernels:
     kernels take RowKernels."""
 
     def __init__(self, forward, backward, *, scalars: tuple[str, ...] = (), backward_reads: tuple[str, ...],
-                 gradients: tuple[str, ...]):
+                 gradients: tuple[str, ...], statistics: int = 0):
         self.forward, self.backward = forward, backward
         self.scalars, self.backward_reads, self.gradients = scalars, backward_reads, gradients
+        self.statistics = statistics  # values per row the forward keeps for the backward
 
     def bind(self, op) -> "_Bound":
         return _Bound(self, op)
@@ -52,7 +53,8 @@ class Kernels:
 
 class RowKernels(Kernels):
     """Row kernels (fusegen.backends.triton.row_kernel_text): the same arguments, then
-    BLOCK_N and ONE_TILE; a grid over rows only."""
+    BLOCK_N and ONE_TILE; a grid over rows only. The forward also writes each row's
+    reductions to `saved` ([statistics, M]), which the backward reads."""
 
     def bind(self, op) -> "_BoundRows":
         return _BoundRows(self, op)
@@ -92,9 +94,10 @@ class _Bound:
             args += [call.has_dropout, problem.n % 4 == 0]  # HAS_DROPOUT, DROPOUT_WHOLE_GROUPS
         return args
 
-    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None) -> None:
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
         """`tile` (BLOCK_M, BLOCK_N): launch the kernel itself with that tile, not the
-        autotuner (tests use it to check every tile computes the same)."""
+        autotuner (tests use it to check every tile computes the same). Pointwise kernels
+        keep nothing for the backward: `saved` is None."""
         problem = call.problem
         views, args = [], []
         for tensor, chunks in zip(tensors, self._chunks):
@@ -112,7 +115,7 @@ class _Bound:
         self._forward[lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]), tuning.cdiv(n, meta["BLOCK_N"]))](*args)
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None) -> list[torch.Tensor]:
+                 rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
         """The gradients of the inputs flagged in `needs` (a flag per input), in input order."""
         problem = call.problem
         m, n = problem.m, problem.n
@@ -149,14 +152,21 @@ class _Bound:
 
 
 class _BoundRows(_Bound):
-    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None) -> None:
+    def __init__(self, kernels: Kernels, op):
+        super().__init__(kernels, op)
+        self.statistics = kernels.statistics
+
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
         problem = call.problem
+        if saved is None:  # a caller that has no backward to feed (tests launching the kernel)
+            saved = self._saved_buffer(problem)
         views, args = [], []
         for tensor, chunks in zip(tensors, self._chunks):
             view = view_2d(tensor, problem, chunks)
             views.append(view)
             args += view
         args += outputs
+        args.append(saved)
         args += self._common(call, seed)
         args += [needs_int64(problem, views), problem.compute_dtype == torch.float64]
         m, n = problem.m, problem.n
@@ -167,10 +177,19 @@ class _BoundRows(_Bound):
             return
         self._forward[lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]),)](*args)
 
+    def _saved_buffer(self, problem) -> torch.Tensor:
+        return torch.empty((self.statistics, problem.m), dtype=problem.compute_dtype, device=problem.device)
+
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None) -> list[torch.Tensor]:
+                 rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
         problem = call.problem
         m, n = problem.m, problem.n
+        if saved is None and problem.launches:
+            # No forward's statistics at hand (tests launching the kernel): a forward makes them.
+            saved = self._saved_buffer(problem)
+            outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+                       for _ in self.op.outputs]
+            self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
         rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m))
         # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
         targets = [
@@ -182,6 +201,7 @@ class _BoundRows(_Bound):
             grad_views = [view_2d(g, problem) for g in grads]
             args = [*(a for view in views + grad_views for a in view)]
             args += [None if t is None else t.buffer for t in targets]
+            args.append(saved)
             args += self._common(call, seed)
             args += [needs_int64(problem, views + grad_views), problem.compute_dtype == torch.float64]
             for target, one in zip(targets, self._one_per_row):

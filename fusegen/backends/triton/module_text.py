@@ -40,6 +40,8 @@ def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> l
         f"backward_reads={_strings([i.name for i in kernel.inputs])}",
         f"gradients={_strings([g.input.name for g in kernel.gradients])}",
     ]
+    if plan.forward.kind.is_row and plan.forward.body.saved:
+        kernels.append(f"statistics={len(plan.forward.body.saved)}")
     call = "launch.RowKernels" if plan.forward.kind.is_row else "launch.Kernels"
     return lines + _argument("kernels", kernels, call=call) + ["reference=_reference,"]
 

@@ -45,6 +45,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
     kernel = plan.forward
     arguments = [_input_argument(i, names) for i in kernel.inputs]
     arguments += [f"{out}_ptr,  # {name}, contiguous [M, N]" for (name, _), out in zip(plan.outputs, kernel.outputs)]
+    arguments.append("saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward")
     arguments.append("M, N,  # rows (all leading dims) and columns (the last dim, reduced along)")
     arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
     arguments += _shared_arguments(plan, kernel, names, forward=True)
@@ -79,6 +80,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         pointer, sums = names.gradient_pointer[name], names.sums[name]
         more = "; or row sums [1, M]" if gradient.one_per_row else ""
         arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
+    arguments.append("saved_ptr,  # the forward's reductions, [reductions, M]")
     arguments.append("M, N, M_BUCKET,")
     arguments += _shared_arguments(plan, kernel, names, forward=False)
     for gradient in kernel.gradients:
@@ -161,7 +163,7 @@ class _Program:
             lines.append(f"{self.kernel.row_width} = tl.full((), N, {COMPUTE_DTYPE})")
         if self.plan.has_dropout:
             lines += ["if HAS_DROPOUT:", "    seed = tl.load(seed_ptr)"]
-        return lines + self._assignments(self.body.row_values)
+        return lines
 
     def _assignments(self, items, constant=None) -> list[str]:
         lines = []
@@ -209,6 +211,22 @@ class _Program:
             ]
         return lines
 
+    def _saved_stores(self, reductions) -> list[str]:
+        """The forward keeps each reduction per row for the backward."""
+        places = {s.name: k for k, s in enumerate(self.body.saved)}
+        return [
+            f"tl.store(saved_ptr + {places[r.symbol.name]} * M + rows, tl.reshape({r.symbol.name}, (BLOCK_M,)), "
+            "mask=rows < M)"
+            for r in reductions if r.symbol.name in places
+        ]
+
+    def _saved_loads(self) -> list[str]:
+        """The backward's reductions of the forward, as the forward computed them."""
+        return [
+            f"{symbol.name} = tl.load(saved_ptr + {k} * M + rows, mask=rows < M, other=0.0)[:, None]"
+            for symbol, k in self.body.loaded
+        ]
+
     def _value(self, reduction: Reduction) -> str:
         text = self.printer.doprint(reduction.value)
         if not _depends_on(reduction.value, self.temps, self.tensors):
@@ -221,6 +239,7 @@ class _Program:
         body = self.body
         lines = [] if columns_set else ["cols = tl.arange(0, BLOCK_N)", "if INDEX_64:", "    cols = cols.to(tl.int64)"]
         lines.append("in_bounds = (rows[:, None] < M) & (cols[None, :] < N)")
+        lines += self._saved_loads() + self._assignments(body.row_values)
         every = [r.value for r in body.reductions] + [e for _, e in body.results]
         lines += self._loads(*self._reads(every), first_col="0")
         emitted: set = set()
@@ -229,6 +248,7 @@ class _Program:
             emitted |= {t for t, _ in p.temps}
             for r in p.reductions:
                 lines.append(f"{r.symbol.name} = {_reduce(r.kind, self._value(r))}")
+            lines += self._saved_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += self._assignments([t for t in body.final_temps if t[0] not in emitted])
         lines += self._assignments(body.results, triton_constant)
@@ -246,7 +266,7 @@ class _Program:
 
     def looped(self, stores: list[str], before: list[str], after: list[str]) -> list[str]:
         body = self.body
-        lines = []
+        lines = self._saved_loads() + self._assignments(body.row_values)
         for p in body.passes:
             for r in p.reductions:
                 lines.append(f"{self.names.tiles[r.symbol.name]} = tl.full((BLOCK_M, BLOCK_N), {_NEUTRAL[r.kind]}, {COMPUTE_DTYPE})")
@@ -257,6 +277,7 @@ class _Program:
                 lines.append(f"    {tile} = {_accumulate(r.kind, tile, self._value(r))}")
             for r in p.reductions:
                 lines.append(f"{r.symbol.name} = {_reduce(r.kind, self.names.tiles[r.symbol.name])}")
+            lines += self._saved_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += before
         lines += self._loop([e for _, e in body.results])
