@@ -121,6 +121,9 @@ def grad_output_name(output: str) -> str:
 def simplify(op: ir.OpIR) -> SimplifiedOp:
     spec = op.spec
     chunked = {n for i in spec.inputs if i.chunks > 1 for n in value_names(i)}
+    # An input broadcast by its declaration ([N], [..., 1]) has its gradient summed: in the
+    # backward kernel, which reads the incoming gradient anyway, not by torch, in a pass of its own.
+    chunked |= {i.name for i in spec.inputs if not i.has_ellipsis or i.dims[-1] == "1"}
     inputs = {n: sympy.Symbol(n, real=True) for i in spec.inputs for n in value_names(i)}
     params = {p.name: sympy.Symbol(p.name, real=True) for p in spec.scalar_params}
     masks = tuple(sympy.Symbol(mask_name(d.stream), real=True) for d in op.dropouts)
@@ -141,7 +144,8 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
         Gradient(
             name,
             _passthrough(totals[True][name], grad_outputs)
-            if totals[True][name] == totals[False][name] and name not in chunked  # a chunk is never a whole tensor
+            # A chunk is never a whole tensor; a broadcast input's gradient is a sum.
+            if totals[True][name] == totals[False][name] and name not in chunked
             else None,
         )
         for name in inputs

@@ -16,8 +16,6 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
-The gradient of beta is the gradient of y, passed on without a copy (summed only where beta
-was broadcast).
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -182,6 +180,7 @@ def bias_layernorm_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
     grad_gamma_ptr,  # gradient of gamma: [M, N]; with SUM_GRAD_GAMMA, column sums [programs, N]
+    grad_beta_ptr,  # gradient of beta: [M, N]; with SUM_GRAD_BETA, column sums [programs, N]
     saved_ptr,  # the forward's reductions, [reductions, M]
     M, N, M_BUCKET,
     eps,
@@ -193,6 +192,8 @@ def bias_layernorm_backward_kernel(
     SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
     NEEDS_GRAD_GAMMA: tl.constexpr,
     SUM_GRAD_GAMMA: tl.constexpr,  # gamma is broadcast along rows
+    NEEDS_GRAD_BETA: tl.constexpr,
+    SUM_GRAD_BETA: tl.constexpr,  # beta is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
@@ -211,6 +212,7 @@ def bias_layernorm_backward_kernel(
         grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_gamma_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+        grad_beta_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
@@ -252,6 +254,7 @@ def bias_layernorm_backward_kernel(
             grad_x = t5
             grad_bias = t5
             grad_gamma = t1 * t2
+            grad_beta = grad_y
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
                     grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -279,6 +282,15 @@ def bias_layernorm_backward_kernel(
                         grad_gamma.to(grad_gamma_ptr.dtype.element_ty),
                         mask=in_bounds,
                     )
+            if NEEDS_GRAD_BETA:
+                if SUM_GRAD_BETA:
+                    grad_beta_sum += tl.where(in_bounds, grad_beta, 0.0)
+                else:
+                    tl.store(
+                        grad_beta_ptr + rows[:, None] * N + cols[None, :],
+                        grad_beta.to(grad_beta_ptr.dtype.element_ty),
+                        mask=in_bounds,
+                    )
         if NEEDS_GRAD_X and SUM_GRAD_X:
             # One reduction across rows per program, after the loop.
             tl.store(
@@ -296,6 +308,13 @@ def bias_layernorm_backward_kernel(
             tl.store(
                 grad_gamma_ptr + tl.program_id(0) * N + cols,
                 tl.sum(grad_gamma_sum, axis=0),
+                mask=cols < N,
+            )
+        if NEEDS_GRAD_BETA and SUM_GRAD_BETA:
+            # One reduction across rows per program, after the loop.
+            tl.store(
+                grad_beta_ptr + tl.program_id(0) * N + cols,
+                tl.sum(grad_beta_sum, axis=0),
                 mask=cols < N,
             )
     else:
@@ -380,6 +399,7 @@ def bias_layernorm_backward_kernel(
                 grad_x = t5
                 grad_bias = t5
                 grad_gamma = t1 * t2
+                grad_beta = grad_y
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:
                         partial = grad_x_ptr + tl.program_id(0) * N + cols
@@ -428,6 +448,22 @@ def bias_layernorm_backward_kernel(
                             grad_gamma.to(grad_gamma_ptr.dtype.element_ty),
                             mask=in_bounds,
                         )
+                if NEEDS_GRAD_BETA:
+                    if SUM_GRAD_BETA:
+                        partial = grad_beta_ptr + tl.program_id(0) * N + cols
+                        tile_sum = tl.sum(tl.where(in_bounds, grad_beta, 0.0), axis=0)
+                        if row_offset == 0:
+                            tl.store(partial, tile_sum, mask=cols < N)
+                        else:
+                            tl.store(
+                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
+                            )
+                    else:
+                        tl.store(
+                            grad_beta_ptr + rows[:, None] * N + cols[None, :],
+                            grad_beta.to(grad_beta_ptr.dtype.element_ty),
+                            mask=in_bounds,
+                        )
 
 
 def _reference(problem, x, bias, gamma, beta, eps):
@@ -450,13 +486,12 @@ _OP = runtime.FusedOp(
     ),
     params=(runtime.Scalar("eps", "float", 0.0, None),),
     outputs=("y",),
-    passthrough={"beta": "y"},  # these inputs' gradients are those outputs' own
     kernels=launch.RowKernels(
         bias_layernorm_kernel,
         bias_layernorm_backward_kernel,
         scalars=("eps",),
         backward_reads=("x", "bias", "gamma"),
-        gradients=("x", "bias", "gamma"),
+        gradients=("x", "bias", "gamma", "beta"),
         statistics=2,
     ),
     reference=_reference,

@@ -16,8 +16,6 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
-The gradient of bias is the gradient of y, passed on without a copy (summed only where bias
-was broadcast).
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -156,6 +154,7 @@ def layernorm_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
+    grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
     saved_ptr,  # the forward's reductions, [reductions, M]
     M, N, M_BUCKET,
     eps,
@@ -165,6 +164,8 @@ def layernorm_backward_kernel(
     SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
     NEEDS_GRAD_WEIGHT: tl.constexpr,
     SUM_GRAD_WEIGHT: tl.constexpr,  # weight is broadcast along rows
+    NEEDS_GRAD_BIAS: tl.constexpr,
+    SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
@@ -182,6 +183,7 @@ def layernorm_backward_kernel(
             cols = cols.to(tl.int64)
         grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+        grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
@@ -216,6 +218,7 @@ def layernorm_backward_kernel(
             grad_mean0 = row_sum1
             grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (-2 * mean0 + 2 * x) + t3
             grad_weight = t0 * t2
+            grad_bias = grad_y
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
                     grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -234,6 +237,15 @@ def layernorm_backward_kernel(
                         grad_weight.to(grad_weight_ptr.dtype.element_ty),
                         mask=in_bounds,
                     )
+            if NEEDS_GRAD_BIAS:
+                if SUM_GRAD_BIAS:
+                    grad_bias_sum += tl.where(in_bounds, grad_bias, 0.0)
+                else:
+                    tl.store(
+                        grad_bias_ptr + rows[:, None] * N + cols[None, :],
+                        grad_bias.to(grad_bias_ptr.dtype.element_ty),
+                        mask=in_bounds,
+                    )
         if NEEDS_GRAD_X and SUM_GRAD_X:
             # One reduction across rows per program, after the loop.
             tl.store(
@@ -244,6 +256,13 @@ def layernorm_backward_kernel(
             tl.store(
                 grad_weight_ptr + tl.program_id(0) * N + cols,
                 tl.sum(grad_weight_sum, axis=0),
+                mask=cols < N,
+            )
+        if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
+            # One reduction across rows per program, after the loop.
+            tl.store(
+                grad_bias_ptr + tl.program_id(0) * N + cols,
+                tl.sum(grad_bias_sum, axis=0),
                 mask=cols < N,
             )
     else:
@@ -316,6 +335,7 @@ def layernorm_backward_kernel(
                 t3 = t2 * weight
                 grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (-2 * mean0 + 2 * x) + t3
                 grad_weight = t0 * t2
+                grad_bias = grad_y
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:
                         partial = grad_x_ptr + tl.program_id(0) * N + cols
@@ -348,6 +368,22 @@ def layernorm_backward_kernel(
                             grad_weight.to(grad_weight_ptr.dtype.element_ty),
                             mask=in_bounds,
                         )
+                if NEEDS_GRAD_BIAS:
+                    if SUM_GRAD_BIAS:
+                        partial = grad_bias_ptr + tl.program_id(0) * N + cols
+                        tile_sum = tl.sum(tl.where(in_bounds, grad_bias, 0.0), axis=0)
+                        if row_offset == 0:
+                            tl.store(partial, tile_sum, mask=cols < N)
+                        else:
+                            tl.store(
+                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
+                            )
+                    else:
+                        tl.store(
+                            grad_bias_ptr + rows[:, None] * N + cols[None, :],
+                            grad_bias.to(grad_bias_ptr.dtype.element_ty),
+                            mask=in_bounds,
+                        )
 
 
 def _reference(problem, x, weight, bias, eps):
@@ -368,13 +404,12 @@ _OP = runtime.FusedOp(
     ),
     params=(runtime.Scalar("eps", "float", 0.0, None),),
     outputs=("y",),
-    passthrough={"bias": "y"},  # these inputs' gradients are those outputs' own
     kernels=launch.RowKernels(
         layernorm_kernel,
         layernorm_backward_kernel,
         scalars=("eps",),
         backward_reads=("x", "weight"),
-        gradients=("x", "weight"),
+        gradients=("x", "weight", "bias"),
         statistics=2,
     ),
     reference=_reference,

@@ -369,7 +369,13 @@ def test_backward_non_contiguous(op, kind, device):
     leaves64 = {n: bases64[n].as_strided(v.shape, v.stride(), v.storage_offset()) for n, v in views.items()}
     truth_outs = _run(op.reference, leaves64, kwargs)
     truth = torch.autograd.grad(truth_outs, [bases64[n] for n in op.input_names], [g.double() for g in grad_outs])
+    scale = max(torch.linalg.vector_norm(g.double()).item() for g in grad_outs)
     for name, grad, want in zip(op.input_names, got, truth):
+        if torch.linalg.vector_norm(want).item() < 1e-10 * scale:
+            # Zero but for rounding: a [N] input expanded from one number shifts every row of
+            # a layer norm by a constant, which the norm removes. No relative error to take.
+            assert torch.linalg.vector_norm(grad.double()).item() < 1e-5 * scale, f"{op.name} {kind} grad {name}"
+            continue
         check_against_truth(grad, want, what=f"{op.name} {kind} grad {name}")
 
 
@@ -432,6 +438,7 @@ def _small(configs, limit=2048):
 
 FORWARD_TILES = sorted(set(_small(tuning.FORWARD_CONFIGS) + [(2, 16), (8, 8)]))
 BACKWARD_TILES = sorted(set(_small(tuning.BACKWARD_CONFIGS) + [(2, 16), (8, 8)]))
+ROW_TILES = [(1, 4), (2, 8), (4, 32)]  # row kernels: looped along a row of 20 or 22, and one tile
 
 
 @pytest.mark.parametrize("n", [20, 22], ids=["n%4=0", "n%4=2"])
@@ -447,11 +454,19 @@ def test_dropout_masks_independent_of_tiles(op, n, device):
     params = params_for(op, p=0.5)
     seed = 2**33 + 12345  # above 32 bits: both halves of the Philox key matter
 
+    # A row op's tile decides only whether a row is one tile or a loop, which sums in another
+    # order: the same masks (the same zeros), values equal up to that rounding.
+    rows_op = op.module._OP.statistics > 0
     autotuned = _run(op.fn, tensors, with_seed(op, params, seed=seed))
-    for block_m, block_n in FORWARD_TILES:
+    for block_m, block_n in ROW_TILES if rows_op else FORWARD_TILES:
         outs = launch_forward(op, tensors, params, seed, block_m, block_n)
         for name, out, ref in zip(op.output_names, outs, autotuned):
-            assert torch.equal(out, ref), f"{op.name}.{name}: tile {block_m}x{block_n} changed the forward"
+            what = f"{op.name}.{name}: tile {block_m}x{block_n} changed the forward"
+            if rows_op:
+                assert torch.equal(out == 0, ref == 0), what
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=what)
+            else:
+                assert torch.equal(out, ref), what
 
     kwargs = with_seed(op, params, seed=seed)
     g = torch.Generator().manual_seed(5)
@@ -459,7 +474,7 @@ def test_dropout_masks_independent_of_tiles(op, n, device):
     needs = {n: True for n in op.input_names}
     truth = _truth_gradients(op, tensors, kwargs, needs, [grads_out[n] for n in op.output_names])
     first = None
-    for block_m, block_n in BACKWARD_TILES:
+    for block_m, block_n in ROW_TILES if rows_op else BACKWARD_TILES:
         for rows in sorted({max(16, block_m), 2 * max(16, block_m)}):
             grads = launch_backward(op, grads_out, tensors, params, seed, block_m, block_n, rows)
             assert grads, f"{op.name}: the backward kernel computes no gradient"
@@ -473,7 +488,7 @@ def test_dropout_masks_independent_of_tiles(op, n, device):
                     assert torch.equal(zero_got, zero_ref), f"{what}: grad {name} zeros differ from the mask's"
             if first is None:
                 first = grads
-            else:
+            elif not rows_op:
                 for name, grad in grads.items():
                     if grad.shape == autotuned[0].shape:
                         assert torch.equal(grad, first[name]), f"{what}: grad {name} bits depend on the tile"
