@@ -438,7 +438,7 @@ def _small(configs, limit=2048):
 
 FORWARD_TILES = sorted(set(_small(tuning.FORWARD_CONFIGS) + [(2, 16), (8, 8)]))
 BACKWARD_TILES = sorted(set(_small(tuning.BACKWARD_CONFIGS) + [(2, 16), (8, 8)]))
-ROW_TILES = [(1, 4), (2, 8), (4, 32)]  # row kernels: looped along a row of 20 or 22, and one tile
+ROW_TILES = [(2, 8), (4, 32)]  # row kernels: looped along a row of 20 or 22, and one tile
 
 
 @pytest.mark.parametrize("n", [20, 22], ids=["n%4=0", "n%4=2"])
@@ -475,7 +475,7 @@ def test_dropout_masks_independent_of_tiles(op, n, device):
     truth = _truth_gradients(op, tensors, kwargs, needs, [grads_out[n] for n in op.output_names])
     first = None
     for block_m, block_n in ROW_TILES if rows_op else BACKWARD_TILES:
-        for rows in sorted({max(16, block_m), 2 * max(16, block_m)}):
+        for rows in [16] if rows_op else sorted({max(16, block_m), 2 * max(16, block_m)}):
             grads = launch_backward(op, grads_out, tensors, params, seed, block_m, block_n, rows)
             assert grads, f"{op.name}: the backward kernel computes no gradient"
             what = f"{op.name} backward tile {block_m}x{block_n} rows/program {rows}"
