@@ -114,6 +114,7 @@ class OpIR:
     outputs: tuple[tuple[str, Expr], ...]
     dropouts: tuple[Dropout, ...]
     lets: tuple[tuple[str, Expr], ...] = ()
+    row_outputs: frozenset[str] = frozenset()  # outputs with one value per row, [..., 1]
 
     @property
     def has_reductions(self) -> bool:
@@ -154,17 +155,12 @@ def build_ir(spec: OpSpec) -> OpIR:
                 "intermediates): its gradient would be too large to simplify",
             )
     _check_all_used(spec, scope)
+    # With row reductions, an output constant along the row has one value per row: [..., 1].
+    row_outputs = frozenset()
     if any(isinstance(node, Reduce) for _, expr in outputs for node in walk(expr)):
-        for binding, (name, expr) in zip(spec.outputs, outputs):
-            if row_constant(expr, scope.dims):
-                raise SpecError(
-                    spec.path,
-                    binding.line,
-                    f"output '{name}' is constant along each row (one value per row, [..., 1]): such "
-                    "outputs are not supported yet; multiply it into a full-shape output",
-                )
+        row_outputs = frozenset(name for name, expr in outputs if row_constant(expr, scope.dims))
     lets = tuple((name, let.expr) for name, let in scope.lets.items())
-    return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets)
+    return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets, row_outputs=row_outputs)
 
 
 class _Scope:

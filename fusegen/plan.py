@@ -22,7 +22,8 @@ from . import ir
 from .names import Namer
 from .layout import Choice, Input, Scalar
 from .rows import ADJOINT_PREFIX, ADJOINT_SUM_PREFIX, REDUCTION_PREFIX, TIES_PREFIX, WIDTH, RowProgram
-from .simplify import TEMPORARY_PREFIX, Block, ChoiceHelper, SimplifiedOp, value_names
+from .calculus import TEMPORARY_PREFIX
+from .simplify import Block, ChoiceHelper, SimplifiedOp, value_names
 from .spec import ChoiceParam, OpSpec
 
 
@@ -130,6 +131,7 @@ class OpPlan:
     inputs: tuple[InputPlan, ...]
     params: tuple[ParamPlan, ...]
     outputs: tuple[tuple[str, str], ...]  # (spec name, local name)
+    row_outputs: frozenset[str]  # spec names of outputs with one value per row, [..., 1]
     masks: tuple[Mask, ...]
     forward: KernelPlan
     backward: KernelPlan
@@ -253,6 +255,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         inputs=tuple(inputs),
         params=tuple(params),
         outputs=outputs,
+        row_outputs=op.ir.row_outputs,
         masks=tuple(masks),
         forward=forward,
         backward=backward,

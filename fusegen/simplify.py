@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import sympy
 
 from . import calculus, constants, ir, rows
-from .calculus import TEMPORARY_PREFIX, derivative
+from .calculus import derivative
 from .rows import RowProgram
 from .errors import SpecError
 from .functions import FUNCTIONS
@@ -186,7 +186,7 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
             message = f"output '{output}': its derivative with respect to {name} has a constant that {exc}"
             raise SpecError(spec.path, lines[output], message) from None
 
-    found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, check)
+    found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, check, op.row_outputs)
     gradients = tuple(
         Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in inputs
     )

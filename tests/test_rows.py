@@ -87,8 +87,8 @@ def _forward_backward(op, tensors: dict, params: dict, grads: tuple, layout):
     if fused.has_dropout:
         args += (True, 7)
     call = fused.check(args, needs_kernel=True)
-    outs = [torch.empty(call.problem.shape, dtype=call.problem.out_dtype, device=call.problem.device)
-            for _ in fused.outputs]
+    outs = [torch.empty(fused.output_shape(call.problem, i), dtype=call.problem.out_dtype, device=call.problem.device)
+            for i in range(len(fused.outputs))]
     fused.kernels.forward(call, tuple(tensors.values()), outs, None, tile=layout)
     needs = [through is None for through in fused._passthrough]
     kernel = iter(fused.kernels.backward(call, tuple(tensors.values()), grads, needs, None, tile=layout,
@@ -267,6 +267,45 @@ def test_row_sums_of_gradients_are_deterministic_in_the_loop(device):
     second = _forward_backward(op, tensors, params, (grad,), (4, 16))[1]
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+LOG_SOFTMAX_LSE = (
+    "name: log_softmax_lse\ndoc: d\ninputs: {x: [..., N], temperature: [..., 1]}\nlet:\n  s: x / temperature\n"
+    "  lse: max(s) + log(sum(exp(s - max(s))))\noutputs:\n  y: s - lse\n  lse_out: lse\n"
+)
+
+
+@pytest.mark.parametrize("layout", ["autotuned", (2, 8)], ids=["autotuned", "looped"])
+def test_an_output_constant_along_the_row_has_one_value_per_row(layout, tmp_path, device):
+    """A log-sum-exp output is [..., 1]: forward, gradients through both outputs (a row's
+    lse gradient counted once, also in the [..., 1] input's row sum), out= and meta."""
+    module = build_and_import(tmp_path, LOG_SOFTMAX_LSE)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 4, 21, generator=g, dtype=torch.float64).to(device)
+    t = (torch.rand(3, 4, 1, generator=g, dtype=torch.float64) + 0.5).to(device)
+    leaves = [x.clone().requires_grad_(True), t.clone().requires_grad_(True)]
+    s = leaves[0] / leaves[1]
+    truth = (torch.log_softmax(s, -1), torch.logsumexp(s, -1, keepdim=True))
+    grads = (torch.randn(3, 4, 21, generator=g, dtype=torch.float64).to(device),
+             torch.randn(3, 4, 1, generator=g, dtype=torch.float64).to(device))
+    truth_grads = torch.autograd.grad(truth, leaves, grads)
+    outs, got = _forward_backward(_Module(module, "log_softmax_lse"), {"x": x, "temperature": t}, {}, grads, layout)
+    assert outs[1].shape == (3, 4, 1)
+    for out, ref in zip(outs, truth):
+        check_against_truth(out, ref.detach(), what="forward")
+    for name, gr, ref in zip(("x", "temperature"), got, truth_grads):
+        check_against_truth(gr, ref, what=f"grad {name}")
+    # Only the lse's gradient given: the y output's is zero.
+    leaf = x.clone().requires_grad_(True)
+    (only,) = torch.autograd.grad(module.log_softmax_lse(leaf, t)[1], leaf, grads[1])
+    (want,) = torch.autograd.grad(torch.logsumexp(leaves[0] / t, -1, keepdim=True), leaves[0], grads[1])
+    check_against_truth(only, want, what="grad x through lse alone")
+    out = (torch.empty_like(x), torch.empty(3, 4, 1, dtype=torch.float64, device=device))
+    module.log_softmax_lse(x, t, out=out)
+    check_against_truth(out[1], truth[1].detach(), what="out=")
+    meta = module.log_softmax_lse(x.to("meta"), t.to("meta"))
+    assert meta[0].shape == (3, 4, 21) and meta[1].shape == (3, 4, 1)
+    assert module.reference(x, t)[1].shape == (3, 4, 1)
 
 
 class _Module:

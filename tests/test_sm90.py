@@ -6,7 +6,6 @@ on the CPU and fails on the GPU. tests/sm90_compile.py compiles each kernel for 
 choice, dtype and flag combination, in a subprocess without TRITON_INTERPRET.
 """
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path

@@ -47,6 +47,7 @@ class FusedOp:
         inputs: tuple[Input, ...],
         params: tuple[Scalar | Choice, ...] = (),
         outputs: tuple[str, ...],
+        row_outputs: tuple[str, ...] = (),
         masks: tuple[str, ...] = (),
         passthrough: dict[str, str] | None = None,
         kernels,
@@ -56,6 +57,8 @@ class FusedOp:
         self.inputs = inputs
         self.params = params
         self.outputs = outputs
+        # Outputs with one value per row ([..., 1]: a row reduction's, e.g. a log-sum-exp).
+        self._row_outputs = tuple(name in row_outputs for name in outputs)
         self.has_dropout = bool(masks)
         names = [p.name for p in params]
         # masks: each dropout mask's p, by stream; the kernels take each such p once, in order.
@@ -143,16 +146,23 @@ class FusedOp:
         seed = seed_tensor(call.seed, problem.device, eager) if call.has_dropout else None
         count = self._n_outputs
         if out is None:
-            shape, dtype, device = problem.shape, problem.out_dtype, problem.device
-            outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
+            dtype, device = problem.out_dtype, problem.device
+            outputs = [torch.empty(self.output_shape(problem, i), dtype=dtype, device=device) for i in range(count)]
         else:
-            outputs = [output_buffer(self.name, out, i, count, problem, tensors) for i in range(count)]
+            outputs = [output_buffer(self.name, out, i, count, problem, tensors, self.output_shape(problem, i))
+                       for i in range(count)]
         saved = None
         if self.statistics:
             saved = torch.empty((self.statistics, problem.m), dtype=problem.compute_dtype, device=problem.device)
         if problem.launches:  # not without elements, nor without data (meta or fake tensors)
             self.kernels.forward(call, tensors, outputs, seed, saved=saved)
         return (outputs if out is None else write_out(out, tuple(outputs))), seed, saved
+
+    def output_shape(self, problem: Problem, index: int) -> tuple:
+        """The problem's shape; for an output with one value per row, its last dim is 1."""
+        if self._row_outputs[index] and len(problem.shape):
+            return (*problem.shape[:-1], 1)
+        return problem.shape
 
     def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], saved=None) -> list:
         """Every input's gradient (None where not needed) from the outputs' gradients."""
@@ -209,8 +219,8 @@ class FusedOp:
                 seed = seed_tensor(call.seed, problem.device, eager=True)  # drawn as the op draws it
                 masks = [[dropout_mask_reference(seed, problem, stream, p) for stream, p in enumerate(call.params[i] for i in self._mask_params)]]
         if problem.n == 0:  # empty rows: nothing to compute (and no row has a max to take)
-            results = tuple(torch.empty(problem.shape, dtype=problem.compute_dtype, device=problem.device)
-                            for _ in self.outputs)
+            results = tuple(torch.empty(self.output_shape(problem, i), dtype=problem.compute_dtype,
+                                        device=problem.device) for i in range(self._n_outputs))
         else:
             results = self._reference_body(problem, *values, *params, *masks)
         results = tuple(r.to(problem.out_dtype) for r in results)
@@ -297,7 +307,8 @@ def _register_library_ops(op: FusedOp):
     @forward_op.register_fake
     def _(*args):
         problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)], op._problems)
-        outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device) for _ in op.outputs]
+        outputs = [torch.empty(op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
+                   for i in range(len(op.outputs))]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
         saved = [torch.empty((op.statistics, problem.m), dtype=problem.compute_dtype, device=problem.device)
                  ] if op.statistics else []

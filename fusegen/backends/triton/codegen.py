@@ -140,6 +140,9 @@ def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
         body: RowProgram = kernel.body
         # What varies along the row: the tensors, and the temporaries computed per element.
         elements = tensors | {t.name for p in body.passes for t, _ in p.temps} | {t.name for t, _ in body.final_temps}
+        # and the row values, [..., 1] tensors: an output of them alone is one value a row
+        elements |= {r.symbol.name for r in body.reductions}
+        elements |= {t.name for t, _ in (*body.row_values, *(v for p in body.passes for v in p.row_values))}
 
         def assign(items, constant=None) -> list[str]:
             return statements(Body(tuple((t.name, e) for t, e in items), ()), printer, constant, elements)

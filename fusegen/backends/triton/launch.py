@@ -187,8 +187,8 @@ class _BoundRows(_Bound):
         if saved is None and problem.launches:
             # No forward's statistics at hand (tests launching the kernel): a forward makes them.
             saved = self._saved_buffer(problem)
-            outputs = [torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
-                       for _ in self.op.outputs]
+            outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
+                       for i in range(len(self.op.outputs))]
             self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
         rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m))
         # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].

@@ -27,6 +27,9 @@ def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> l
     if params:
         lines += _argument("params", params, tuple_=True)
     lines.append(f"outputs={_strings([name for name, _ in plan.outputs])},")
+    if plan.row_outputs:
+        row_outputs = [name for name, _ in plan.outputs if name in plan.row_outputs]
+        lines.append(f"row_outputs={_strings(row_outputs)},  # one value per row: [..., 1]")
     if plan.masks:
         lines.append(f"masks={_strings([m.p.name for m in plan.masks])},  # each dropout's p, by Philox stream")
     if plan.passthrough:
@@ -80,7 +83,8 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
     lines += ["    " + line for line in wrap(f"{class_name}({class_arguments})({tensors}): the same, as a torch.nn.Module", "    ")]
     lines.append("")
     lines += wrap("Inputs (broadcast as torch broadcasts): " + ", ".join(f"{i.name} {i.layout.declared}" for i in plan.inputs))
-    lines += wrap("Outputs: " + ", ".join(f"{name} [{', '.join(spec.out_dims)}]" for name, _ in plan.outputs))
+    dims = {name: [*spec.out_dims[:-1], "1"] if name in plan.row_outputs else spec.out_dims for name, _ in plan.outputs}
+    lines += wrap("Outputs: " + ", ".join(f"{name} [{', '.join(dims[name])}]" for name, _ in plan.outputs))
     for p in plan.params:
         d = p.declaration
         if isinstance(d, Scalar):

@@ -44,17 +44,28 @@ _NEUTRAL = {"sum": "0.0", "mean": "0.0", "max": '-float("inf")', "min": 'float("
 def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.forward
     arguments = [_input_argument(i, names) for i in kernel.inputs]
-    arguments += [f"{out}_ptr,  # {name}, contiguous [M, N]" for (name, _), out in zip(plan.outputs, kernel.outputs)]
+    arguments += [
+        f"{out}_ptr,  # {name}, contiguous [M, {'1' if name in plan.row_outputs else 'N'}]"
+        for (name, _), out in zip(plan.outputs, kernel.outputs)
+    ]
     arguments.append("saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward")
     arguments.append("M, N,  # rows (all leading dims) and columns (the last dim, reduced along)")
     arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
     arguments += _shared_arguments(plan, kernel, names, forward=True)
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
-    stores = [
-        f"tl.store({out}_ptr + rows[:, None] * N + cols[None, :], {out}.to({out}_ptr.dtype.element_ty), mask=in_bounds)"
-        for out in kernel.outputs
-    ]
+    stores = []
+    for (name, _), out in zip(plan.outputs, kernel.outputs):
+        if name in plan.row_outputs:  # one value a row, stored from the row's first column
+            stores.append(
+                f"tl.store({out}_ptr + rows[:, None] + cols[None, :] * 0, {out}.to({out}_ptr.dtype.element_ty), "
+                "mask=in_bounds & (cols[None, :] == 0))"
+            )
+        else:
+            stores.append(
+                f"tl.store({out}_ptr + rows[:, None] * N + cols[None, :], {out}.to({out}_ptr.dtype.element_ty), "
+                "mask=in_bounds)"
+            )
     lines = [
         "rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)",
         "if INDEX_64:",
@@ -153,6 +164,8 @@ class _Program:
         self.body: RowProgram = kernel.body
         self.tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
         self.tensors |= set(kernel.incoming)
+        # Row values are [BLOCK_M, 1] tensors too: an expression of them needs no broadcast.
+        self.tensors |= {r.symbol.name for r in self.body.reductions} | {s.name for s, _ in self.body.loaded}
         self.temps = {t.name: e for t, e in self.body.temps}
 
     # -- pieces ------------------------------------------------------------------
