@@ -190,7 +190,9 @@ class _BoundRows(_Bound):
             outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
                        for i in range(len(self.op.outputs))]
             self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
-        rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m))
+        summed = any(needs[i] and _summed_over_rows(tensors[i], problem) for i in self._gradients)
+        # Many rows a program only where a gradient is summed over rows: fewer partial sums.
+        rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)
         # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
         targets = [
             GradTarget(tensors[i], problem, tuning.cdiv(m, rows), 1, self._chunks[i], one) if needs[i] else None
@@ -215,3 +217,10 @@ class _BoundRows(_Bound):
             else:
                 self._backward[(tuning.cdiv(m, rows),)](*args)
         return [t.result() for t in targets if t is not None]
+
+
+def _summed_over_rows(tensor: torch.Tensor, problem) -> bool:
+    """Whether an input's gradient is a sum over rows (bias [N] against [..., N])."""
+    return tensor.dim() < len(problem.shape) or any(
+        size == 1 and full != 1 for size, full in zip(tensor.shape[:-1], problem.shape[-tensor.dim():-1])
+    )

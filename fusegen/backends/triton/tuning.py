@@ -162,10 +162,13 @@ def prune_row_backward_configs(configs, named_args, **kwargs):
     return _row_configs(configs, named_args["M_BUCKET"], named_args["BLOCK_N"], named_args["ROWS_PER_PROGRAM"])
 
 
-def row_backward_rows_per_program(m: int) -> int:
-    """Rows each row-backward program walks: about ROW_BACKWARD_PROGRAMS programs, each
-    writing one row of partial column sums per [N]-like input (summed after, in order)."""
+def row_backward_rows_per_program(m: int, summed: bool = True) -> int:
+    """Rows each row-backward program walks: where some gradient is summed over rows, about
+    ROW_BACKWARD_PROGRAMS programs, each writing one row of partial column sums per [N]-like
+    input (summed after, in order); otherwise as few as the tallest tile, for more programs."""
     rows = MIN_ROWS_PER_PROGRAM
+    if not summed:
+        return rows
     while rows < MAX_ROWS_PER_PROGRAM and cdiv(m, 2 * rows) >= ROW_BACKWARD_PROGRAMS:
         rows *= 2
     return rows
