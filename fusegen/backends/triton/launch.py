@@ -155,6 +155,13 @@ class _BoundRows(_Bound):
     def __init__(self, kernels: Kernels, op):
         super().__init__(kernels, op)
         self.statistics = kernels.statistics
+        self._block_n: dict[tuple[int, bool], int] = {}  # by (N, backward): this runs every launch
+
+    def block_n(self, n: int, backward: bool = False) -> int:
+        key = (n, backward)
+        if key not in self._block_n:
+            self._block_n[key] = tuning.row_block_n(n, backward)
+        return self._block_n[key]
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
         problem = call.problem
@@ -170,7 +177,7 @@ class _BoundRows(_Bound):
         args += self._common(call, seed)
         args += [needs_int64(problem, views), problem.compute_dtype == torch.float64]
         m, n = problem.m, problem.n
-        block_n = tile[1] if tile is not None else tuning.row_block_n(n)
+        block_n = tile[1] if tile is not None else self.block_n(n)
         args += [block_n, block_n >= n]  # BLOCK_N, ONE_TILE
         if tile is not None:
             self.forward_kernel.fn[(tuning.cdiv(m, tile[0]),)](*args, BLOCK_M=tile[0])
@@ -210,7 +217,7 @@ class _BoundRows(_Bound):
                 args += [target is not None, target is not None and target.kind == "rows"]
                 if one:
                     args.append(target is not None and target.kind == "columns")
-            block_n = tile[1] if tile is not None else tuning.row_block_n(n, backward=True)
+            block_n = tile[1] if tile is not None else self.block_n(n, backward=True)
             args += [rows, block_n, block_n >= n]  # ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE
             if tile is not None:
                 self.backward_kernel.fn[(tuning.cdiv(m, rows),)](*args, BLOCK_M=tile[0])

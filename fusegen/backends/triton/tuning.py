@@ -128,7 +128,7 @@ _INTERPRETER_ONE_TILE = 1024
 
 def row_block_n(n: int, backward: bool = False) -> int:
     """BLOCK_N for a row kernel: the whole row where it fits, else the loop's step."""
-    width = max(MIN_BLOCK_N, triton.next_power_of_2(n))
+    width = max(MIN_BLOCK_N, 1 << max(n - 1, 0).bit_length())
     if is_interpreting():
         return min(width, _INTERPRETER_ONE_TILE)
     if width <= (ONE_TILE_LIMIT_BACKWARD if backward else ONE_TILE_LIMIT):
