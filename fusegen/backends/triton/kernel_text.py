@@ -33,19 +33,19 @@ class KernelText:
 
 def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.forward
-    arguments = [_input_argument(i, names) for i in kernel.inputs]
+    arguments = [input_argument(i, names) for i in kernel.inputs]
     arguments += [f"{out}_ptr,  # {name}, contiguous [M, N]" for (name, _), out in zip(plan.outputs, kernel.outputs)]
     arguments.append("M, N,  # rows (all leading dims) and columns (the last dim)")
     arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
-    arguments += _shared_arguments(plan, kernel, names, forward=True)
+    arguments += shared_arguments(plan, kernel, names, forward=True)
     arguments += ["BLOCK_M: tl.constexpr,", "BLOCK_N: tl.constexpr,"]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     result = KernelText(
         name=f"{plan.spec.name}_kernel",
         key=_key(plan, backward=False),
         arguments=arguments,
-        prologue=_scalars_in_compute_type(kernel),
-        loads=[line for i in kernel.inputs for line in _loads(i, names.inputs[i.name])],
+        prologue=scalars_in_compute_type(kernel),
+        loads=[line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])],
         stores=[
             f"tl.store({out}_ptr + rows[:, None] * N + cols[None, :], {out}.to({out}_ptr.dtype.element_ty), mask=in_bounds)"
             for out in kernel.outputs
@@ -62,17 +62,17 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
 
 def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.backward
-    arguments = [_input_argument(i, names) for i in kernel.inputs]
+    arguments = [input_argument(i, names) for i in kernel.inputs]
     for (output, _), incoming in zip(plan.outputs, kernel.incoming):
         n = names.incoming[incoming]
         arguments.append(f"{n.pointer}, {n.stride_m}, {n.stride_n},  # incoming gradient of {output}")
     for gradient in kernel.gradients:
-        name, width = gradient.input.name, _row_width(gradient.input)
+        name, width = gradient.input.name, width_text(gradient.input)
         pointer, sums = names.gradient_pointer[name], names.sums[name]
         more = "; or row sums [column tiles, M]" if gradient.one_per_row else ""
         arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
     arguments.append("M, N, M_BUCKET,")
-    arguments += _shared_arguments(plan, kernel, names, forward=False)
+    arguments += shared_arguments(plan, kernel, names, forward=False)
     for gradient in kernel.gradients:
         name = gradient.input.name
         arguments += [f"{names.needs[name]}: tl.constexpr,", f"{names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows"]
@@ -85,10 +85,10 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
     ]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     tensors |= set(kernel.incoming)
-    prologue = _scalars_in_compute_type(kernel)
+    prologue = scalars_in_compute_type(kernel)
     if kernel.body_no_dropout is not None:
         prologue += ["if HAS_DROPOUT:", "    seed = tl.load(seed_ptr)"]
-    loads = [line for i in kernel.inputs for line in _loads(i, names.inputs[i.name])]
+    loads = [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
     for incoming in kernel.incoming:
         n = names.incoming[incoming]
         loads += [
@@ -105,8 +105,8 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
             f"{names.accumulator[v]} = tl.zeros((BLOCK_M, BLOCK_N), {COMPUTE_DTYPE})"
             for g in kernel.gradients for v in g.values
         ],
-        stores=[line for g in kernel.gradients for line in _gradient_stores(g, names)],
-        epilogue=[line for g in kernel.gradients for line in _gradient_sums(g, names)],
+        stores=[line for g in kernel.gradients for line in gradient_stores(g, names)],
+        epilogue=[line for g in kernel.gradients for line in gradient_sums(g, names)],
     )
     if kernel.body_no_dropout is not None:
         result.dropout_lines = _mask_lines(plan, names) + statements(kernel.body, printer, triton_constant, tensors)
@@ -134,7 +134,7 @@ def _key(plan: OpPlan, backward: bool) -> str:
     return "[" + ", ".join(f'"{k}"' for k in key) + "]"
 
 
-def _shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forward: bool) -> list[str]:
+def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forward: bool) -> list[str]:
     """Params, dropout and the flags: in the order fusegen.backends.triton.launch passes them."""
     arguments = [f"{p.local}," for p in kernel.scalars]
     for p in plan.params:
@@ -156,35 +156,35 @@ def _shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forw
     return arguments
 
 
-def _input_argument(i: InputPlan, names: TritonNames) -> str:
+def input_argument(i: InputPlan, names: TritonNames) -> str:
     n = names.inputs[i.name]
-    return f"{n.pointer}, {n.stride_m}, {n.stride_n},  # {i.name} {i.layout.declared}, as [M, {_row_width(i)}]"
+    return f"{n.pointer}, {n.stride_m}, {n.stride_n},  # {i.name} {i.layout.declared}, as [M, {width_text(i)}]"
 
 
-def _row_width(i: InputPlan) -> str:
+def width_text(i: InputPlan) -> str:
     chunks = i.layout.chunks
     return "N" if chunks == 1 else f"{chunks} * N"
 
 
-def _column(chunk: int) -> str:
+def column_offset(chunk: int) -> str:
     """Where chunk k of an input's row starts: chunk k of x [..., kN] is at cols + k * N."""
     if chunk == 0:
         return "cols[None, :]"
     return f"(cols[None, :] + {'' if chunk == 1 else f'{chunk} * '}N)"
 
 
-def _loads(i: InputPlan, n: InputNames) -> list[str]:
+def input_loads(i: InputPlan, n: InputNames) -> list[str]:
     lines = []
     for value in i.values:
         lines += [
-            f"{value.local} = tl.load({n.pointer} + rows[:, None] * {n.stride_m} + {_column(value.chunk)} * {n.stride_n}, "
+            f"{value.local} = tl.load({n.pointer} + rows[:, None] * {n.stride_m} + {column_offset(value.chunk)} * {n.stride_n}, "
             "mask=in_bounds)",
             f"{value.local} = {value.local}{_TO_COMPUTE}",
         ]
     return lines
 
 
-def _scalars_in_compute_type(kernel: KernelPlan) -> list[str]:
+def scalars_in_compute_type(kernel: KernelPlan) -> list[str]:
     if not kernel.scalars:
         return []
     return ["# Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int."] + [
@@ -200,9 +200,9 @@ def _mask_lines(plan: OpPlan, names: TritonNames) -> list[str]:
     ]
 
 
-def _gradient_stores(gradient: GradientPlan, names: TritonNames) -> list[str]:
+def gradient_stores(gradient: GradientPlan, names: TritonNames) -> list[str]:
     name = gradient.input.name
-    pointer, width = names.gradient_pointer[name], _row_width(gradient.input)
+    pointer, width = names.gradient_pointer[name], width_text(gradient.input)
     lines = [f"if {names.needs[name]}:", f"    if {names.sums[name]}:"]
     lines += [f"        {names.accumulator[v]} += tl.where(in_bounds, {v}, 0.0)" for v in gradient.values]
     if gradient.one_per_row:
@@ -214,16 +214,16 @@ def _gradient_stores(gradient: GradientPlan, names: TritonNames) -> list[str]:
         ]
     lines.append("    else:")
     lines += [
-        f"        tl.store({pointer} + rows[:, None] * {width} + {_column(k)}, {v}.to({pointer}.dtype.element_ty), "
+        f"        tl.store({pointer} + rows[:, None] * {width} + {column_offset(k)}, {v}.to({pointer}.dtype.element_ty), "
         "mask=in_bounds)"
         for k, v in enumerate(gradient.values)
     ]
     return lines
 
 
-def _gradient_sums(gradient: GradientPlan, names: TritonNames) -> list[str]:
+def gradient_sums(gradient: GradientPlan, names: TritonNames) -> list[str]:
     name = gradient.input.name
-    pointer, width = names.gradient_pointer[name], _row_width(gradient.input)
+    pointer, width = names.gradient_pointer[name], width_text(gradient.input)
     lines = [f"if {names.needs[name]} and {names.sums[name]}:", "    # One reduction across rows per program, after the loop."]
     for k, v in enumerate(gradient.values):
         column = "cols" if k == 0 else f"cols + {'' if k == 1 else f'{k} * '}N"
@@ -254,13 +254,13 @@ def statements(body: Body, printer: ElementwisePrinter, constant, tensors: set[s
         emit(target, printer.doprint(expr))
     for target, expr in body.results:
         text = printer.doprint(expr)
-        if constant is not None and not _depends_on(expr, temps, tensors):
+        if constant is not None and not depends_on(expr, temps, tensors):
             text = constant(text)
         emit(target, text)
     return lines
 
 
-def _depends_on(expr: sympy.Expr, temps: dict, tensors: set[str]) -> bool:
+def depends_on(expr: sympy.Expr, temps: dict, tensors: set[str]) -> bool:
     """Whether a result reaches one of `tensors`, directly or through temporaries."""
     pending, seen = [s.name for s in expr.free_symbols], set()
     while pending:

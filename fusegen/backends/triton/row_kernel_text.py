@@ -19,15 +19,15 @@ from fusegen.rows import Reduction, RowProgram
 
 from .kernel_text import (
     KernelText,
-    _depends_on,
-    _gradient_stores,
-    _gradient_sums,
-    _input_argument,
-    _loads,
-    _row_width,
-    _scalars_in_compute_type,
-    _shared_arguments,
-    _column,
+    depends_on,
+    gradient_stores,
+    gradient_sums,
+    input_argument,
+    input_loads,
+    width_text,
+    scalars_in_compute_type,
+    shared_arguments,
+    column_offset,
     triton_constant,
 )
 from .naming import TritonNames
@@ -43,7 +43,7 @@ _NEUTRAL = {"sum": "0.0", "mean": "0.0", "max": '-float("inf")', "min": 'float("
 
 def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.forward
-    arguments = [_input_argument(i, names) for i in kernel.inputs]
+    arguments = [input_argument(i, names) for i in kernel.inputs]
     arguments += [
         f"{out}_ptr,  # {name}, contiguous [M, {'1' if name in plan.row_outputs else 'N'}]"
         for (name, _), out in zip(plan.outputs, kernel.outputs)
@@ -51,7 +51,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
     arguments.append("saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward")
     arguments.append("M, N,  # rows (all leading dims) and columns (the last dim, reduced along)")
     arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
-    arguments += _shared_arguments(plan, kernel, names, forward=True)
+    arguments += shared_arguments(plan, kernel, names, forward=True)
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
     stores = []
@@ -82,18 +82,18 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
 
 def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.backward
-    arguments = [_input_argument(i, names) for i in kernel.inputs]
+    arguments = [input_argument(i, names) for i in kernel.inputs]
     for (output, _), incoming in zip(plan.outputs, kernel.incoming):
         n = names.incoming[incoming]
         arguments.append(f"{n.pointer}, {n.stride_m}, {n.stride_n},  # incoming gradient of {output}")
     for gradient in kernel.gradients:
-        name, width = gradient.input.name, _row_width(gradient.input)
+        name, width = gradient.input.name, width_text(gradient.input)
         pointer, sums = names.gradient_pointer[name], names.sums[name]
         more = "; or row sums [1, M]" if gradient.one_per_row else ""
         arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
     arguments.append("saved_ptr,  # the forward's reductions, [reductions, M]")
     arguments.append("M, N, M_BUCKET,")
-    arguments += _shared_arguments(plan, kernel, names, forward=False)
+    arguments += shared_arguments(plan, kernel, names, forward=False)
     for gradient in kernel.gradients:
         name = gradient.input.name
         arguments += [f"{names.needs[name]}: tl.constexpr,", f"{names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows"]
@@ -107,12 +107,12 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
     one_tile += [
         f"{names.accumulator[v]} = tl.zeros((BLOCK_M, BLOCK_N), {COMPUTE_DTYPE})" for g in kernel.gradients for v in g.values
     ]
-    stores = [line for g in kernel.gradients for line in _gradient_stores(g, names)]
+    stores = [line for g in kernel.gradients for line in gradient_stores(g, names)]
     one_tile += [
         "for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):",
         "    rows = first_row + row_offset + tl.arange(0, BLOCK_M)",
         *_indent(program.one_tile(stores, columns_set=True)),
-        *[line for g in kernel.gradients for line in _gradient_sums(g, names)],
+        *[line for g in kernel.gradients for line in gradient_sums(g, names)],
     ]
     # Looped: each tile's share of an [N]-like gradient is added to the program's row of sums.
     looped_stores, before, after = [], [], []
@@ -171,7 +171,7 @@ class _Program:
     # -- pieces ------------------------------------------------------------------
 
     def prologue(self) -> list[str]:
-        lines = _scalars_in_compute_type(self.kernel)
+        lines = scalars_in_compute_type(self.kernel)
         if self.kernel.row_width is not None:
             lines.append(f"{self.kernel.row_width} = tl.full((), N, {COMPUTE_DTYPE})")
         if self.plan.has_dropout:
@@ -185,7 +185,7 @@ class _Program:
             for literal, meaning in self.printer.constants.items():
                 lines.append(f"# {literal} = {meaning}")
             self.printer.constants.clear()
-            if constant is not None and not _depends_on(expr, self.temps, self.tensors):
+            if constant is not None and not depends_on(expr, self.temps, self.tensors):
                 text = constant(text)
             lines.append(f"{target.name if hasattr(target, 'name') else target} = {text}")
         return lines
@@ -207,7 +207,7 @@ class _Program:
 
     def _loads(self, inputs, masks, incoming, first_col: str) -> list[str]:
         names = self.names
-        lines = [line for i in inputs for line in _loads(i, names.inputs[i.name])]
+        lines = [line for i in inputs for line in input_loads(i, names.inputs[i.name])]
         for g in incoming:
             n = names.incoming[g]
             lines += [
@@ -242,7 +242,7 @@ class _Program:
 
     def _value(self, reduction: Reduction) -> str:
         text = self.printer.doprint(reduction.value)
-        if not _depends_on(reduction.value, self.temps, self.tensors):
+        if not depends_on(reduction.value, self.temps, self.tensors):
             text = triton_constant(text)
         return f"tl.where(in_bounds, {text}, {_NEUTRAL[reduction.kind]})"
 
@@ -322,7 +322,7 @@ def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
     """A looped tile's gradient: written in full, added to the program's row of column sums
     (the first row block writes it), or added to the row sums' tile."""
     name = gradient.input.name
-    pointer, width = names.gradient_pointer[name], _row_width(gradient.input)
+    pointer, width = names.gradient_pointer[name], width_text(gradient.input)
     lines = [f"if {names.needs[name]}:", f"    if {names.sums[name]}:"]
     for k, v in enumerate(gradient.values):
         column = "cols" if k == 0 else f"cols + {'' if k == 1 else f'{k} * '}N"
@@ -342,7 +342,7 @@ def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
         ]
     lines.append("    else:")
     lines += [
-        f"        tl.store({pointer} + rows[:, None] * {width} + {_column(k)}, {v}.to({pointer}.dtype.element_ty), "
+        f"        tl.store({pointer} + rows[:, None] * {width} + {column_offset(k)}, {v}.to({pointer}.dtype.element_ty), "
         "mask=in_bounds)"
         for k, v in enumerate(gradient.values)
     ]
