@@ -118,7 +118,7 @@ class OpIR:
 
     @property
     def has_reductions(self) -> bool:
-        return any(isinstance(node, Reduce) for _, expr in self.outputs for node in walk(expr))
+        return _has_reductions(self.outputs)
 
 
 _BINARY_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
@@ -157,7 +157,7 @@ def build_ir(spec: OpSpec) -> OpIR:
     _check_all_used(spec, scope)
     # With row reductions, an output constant along the row has one value per row: [..., 1].
     row_outputs = frozenset()
-    if any(isinstance(node, Reduce) for _, expr in outputs for node in walk(expr)):
+    if _has_reductions(outputs):
         row_outputs = frozenset(name for name, expr in outputs if row_constant(expr, scope.dims))
     lets = tuple((name, let.expr) for name, let in scope.lets.items())
     return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets, row_outputs=row_outputs)
@@ -378,6 +378,10 @@ def _call_nesting(expr: Expr, memo: dict) -> int:
         depth = max((_call_nesting(c, memo) for c in _children(expr)), default=0)
         memo[key] = depth + isinstance(expr, (Call, ChoiceCall))
     return memo[key]
+
+
+def _has_reductions(outputs) -> bool:
+    return any(isinstance(node, Reduce) for _, expr in outputs for node in walk(expr))
 
 
 def _row_shape(expr: Expr, dims: dict[str, tuple[str, ...]], memo: dict) -> tuple[bool, bool]:

@@ -21,7 +21,7 @@ import sympy
 from . import ir
 from .names import Namer
 from .layout import Choice, Input, Scalar
-from .rows import ADJOINT_PREFIX, ADJOINT_SUM_PREFIX, REDUCTION_PREFIX, TIES_PREFIX, WIDTH, RowProgram
+from .rows import ADJOINT_PREFIX, ADJOINT_SUM_PREFIX, EXTREME_PREFIX, REDUCTION_PREFIX, TIES_PREFIX, WIDTH, RowProgram
 from .calculus import TEMPORARY_PREFIX
 from .simplify import Block, ChoiceHelper, SimplifiedOp, value_names
 from .spec import ChoiceParam, OpSpec
@@ -290,6 +290,9 @@ def _row_names(namer: Namer, forward: RowProgram, backward: RowProgram) -> dict[
             names[name] = namer.claim(f"{kinds[name]}{name[len(REDUCTION_PREFIX):]}")
         elif name.startswith(TIES_PREFIX):
             names[name] = namer.claim(f"ties{name[len(TIES_PREFIX):]}")
+        elif name.startswith(EXTREME_PREFIX):
+            k = name[len(EXTREME_PREFIX):]
+            names[name] = namer.claim(f"{kinds[REDUCTION_PREFIX + k]}{k}_again")
         elif name.startswith(ADJOINT_SUM_PREFIX):
             names[name] = namer.claim(f"row_sum{name[len(ADJOINT_SUM_PREFIX):]}")
     for item in (*backward.row_values, *(v for p in backward.passes for v in p.row_values)):

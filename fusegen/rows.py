@@ -32,6 +32,7 @@ import sympy
 from .calculus import cse, derivative
 
 REDUCTION_PREFIX = "%r"  # the forward's reductions: %r0, %r1, ...
+EXTREME_PREFIX = "%e"  # the backward's own max (min) of a max (min) reduction's elements
 TIES_PREFIX = "%c"  # the backward's count of maximal (minimal) elements per max (min) reduction
 ADJOINT_SUM_PREFIX = "%s"  # the backward's row sums
 ADJOINT_PREFIX = "%a"  # the backward's adjoint of each forward reduction
@@ -118,12 +119,13 @@ class RowProgram:
 class Reductions:
     """The reductions a lowering meets, each once: `max(x)` written twice is one reduction."""
 
-    def __init__(self):
+    def __init__(self, along: set[sympy.Symbol]):
+        self.along = along  # the symbols that vary along a row: inputs but [..., 1] ones, masks
         self.found: list[Reduction] = []
         self._by_value: dict[tuple[str, sympy.Expr], sympy.Symbol] = {}
 
     def add(self, kind: str, value: sympy.Expr) -> sympy.Expr:
-        if value.is_number:  # sum(x - x): the reduction of a constant
+        if not value.free_symbols & self.along:  # sum(x - x + t): constant along the row, once simplified
             return value * WIDTH if kind == "sum" else value
         key = (kind, value)
         if key not in self._by_value:
@@ -138,6 +140,7 @@ def backward(
     outputs: list[tuple[str, sympy.Expr]],
     values: dict[str, sympy.Symbol],
     grad_outputs: tuple[sympy.Symbol, ...],
+    masks: tuple[sympy.Symbol, ...],
     check,
     row_outputs: frozenset[str] = frozenset(),
 ) -> tuple[list[Reduction], list[tuple[sympy.Symbol, sympy.Expr]], dict[str, sympy.Expr]]:
@@ -157,8 +160,13 @@ def backward(
         if k not in weights:
             r = reductions[k]
             if r.kind in ("max", "min"):
+                # Which elements are the extreme: compared with the extreme this kernel finds
+                # again from the same code, not the forward's saved one (another kernel may
+                # round the element expression differently: x / t as x * (1 / t)).
+                extreme = sympy.Symbol(f"{EXTREME_PREFIX}{k}", real=True)
+                found.append(Reduction(extreme, r.kind, r.value))
                 ties = sympy.Symbol(f"{TIES_PREFIX}{k}", real=True)
-                at_extreme = sympy.Eq(r.value, r.symbol)
+                at_extreme = sympy.Eq(r.value, extreme)
                 found.append(Reduction(ties, "sum", sympy.Piecewise((1, at_extreme), (0, True))))
                 weights[k] = (1 / ties, at_extreme)
             else:
@@ -174,7 +182,7 @@ def backward(
     adjoints: dict[int, sympy.Symbol] = {}
     # a_k = Σ_row element[k], where the adjoint is one row sum of an element expression.
     element: dict[int, sympy.Expr] = {}
-    elements = set(values.values()) | set(grad_outputs)
+    elements = set(values.values()) | set(masks) | set(grad_outputs)
 
     def row_sum(expr: sympy.Expr) -> sympy.Symbol:
         nonlocal sums
@@ -256,10 +264,12 @@ def schedule(
     row_values: list[tuple[sympy.Symbol, sympy.Expr]],
     results: list[tuple[str, sympy.Expr]],
     elements: set[sympy.Symbol],
-    saved: tuple[sympy.Symbol, ...] = (),
+    forward_saved: tuple[sympy.Symbol, ...] | None = None,
 ) -> RowProgram:
     """CSE the whole program and cut it into passes. `elements`: the symbols that differ
-    along the row (inputs, masks, incoming gradients), loaded or drawn per tile."""
+    along the row (inputs, masks, incoming gradients), loaded or drawn per tile.
+    `forward_saved`: for a backward, the reductions its forward saves (None: a forward,
+    which saves every reduction it makes)."""
     exprs = [r.value for r in reductions] + [e for _, e in row_values] + [e for _, e in results]
     temps, reduced = cse(exprs)
     n_red, n_row = len(reductions), len(row_values)
@@ -328,12 +338,12 @@ def schedule(
         final_temps=tuple(needed([e for _, e in results])),
         results=tuple(results),
     )
-    if not saved:  # a forward: it saves every reduction it makes
+    if forward_saved is None:
         return RowProgram(*[getattr(program, f) for f in ("row_values", "passes", "final_temps", "results")],
                           saved=tuple(r.symbol for r in reductions))
     used = program.free_symbols()
     return RowProgram(*[getattr(program, f) for f in ("row_values", "passes", "final_temps", "results")],
-                      loaded=tuple((symbol, k) for k, symbol in enumerate(saved) if symbol in used))
+                      loaded=tuple((symbol, k) for k, symbol in enumerate(forward_saved) if symbol in used))
 
 
 def _dependency_order(items: list[tuple[sympy.Symbol, sympy.Expr]]) -> list:

@@ -174,7 +174,8 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
 
 def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunked: set) -> SimplifiedOp:
     spec = op.spec
-    reductions = rows.Reductions()
+    along = {inputs[n] for i in spec.inputs if i.dims and i.dims[-1] != "1" for n in value_names(i)}
+    reductions = rows.Reductions(along | set(masks))
     outputs = _Lowering(op, {**inputs, **params}, masks, reductions).outputs()
     grad_outputs = tuple(sympy.Symbol(grad_output_name(name), real=True) for name, _ in op.outputs)
     lines = {b.name: b.line for b in spec.outputs}
@@ -186,14 +187,14 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
             message = f"output '{output}': its derivative with respect to {name} has a constant that {exc}"
             raise SpecError(spec.path, lines[output], message) from None
 
-    found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, check, op.row_outputs)
+    found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, masks, check, op.row_outputs)
     gradients = tuple(
         Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in inputs
     )
     results = [(g.input, totals[g.input]) for g in gradients if g.passthrough_of is None]
     elements = set(inputs.values()) | set(masks)
     forward = rows.schedule(reductions.found, [], outputs, elements)
-    backward = rows.schedule(found, row_values, results, elements | set(grad_outputs), saved=forward.saved)
+    backward = rows.schedule(found, row_values, results, elements | set(grad_outputs), forward_saved=forward.saved)
     used = forward.free_symbols() | backward.free_symbols()
     return SimplifiedOp(
         ir=op,

@@ -9,13 +9,16 @@ Inputs (broadcast as torch broadcasts): x [..., N], weight [N], bias [N]
 Outputs: y [..., N]
 Param eps: float ≥ 0.0, default 1e-05 (runtime: no recompilation).
 
-The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
-every output once, in the dtype torch's type promotion gives.
+The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
+once and reduced in registers, a wider one is swept once per level of nested reductions.
+They compute in fp32 (fp64 for fp64 inputs) and write every output once, in the dtype
+torch's type promotion gives.
 
-Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
+per-row reductions and writes every input gradient in one pass; gradients of inputs
+broadcast along rows are summed per program in fp32 and then across programs, in a fixed
+order (no atomics). Memory: saved for backward are the inputs and each row's reductions
+(fp32, [M, reductions]), nothing else: no mask, no intermediates.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -44,7 +47,7 @@ def layernorm_kernel(
     weight_ptr, weight_stride_m, weight_stride_n,  # weight [N], as [M, N]
     bias_ptr, bias_stride_m, bias_stride_n,  # bias [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
-    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
+    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps,
@@ -76,10 +79,10 @@ def layernorm_kernel(
         )
         bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         mean0 = tl.sum(tl.where(in_bounds, x, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t0 = -mean0 + x
         mean1 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 1 * M + rows, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         y = bias + t0 * weight * rsqrt_rn(eps + mean1)
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
@@ -97,7 +100,7 @@ def layernorm_kernel(
             x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             mean0_tile = mean0_tile + tl.where(in_bounds, x, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
@@ -111,7 +114,7 @@ def layernorm_kernel(
             t0 = -mean0 + x
             mean1_tile = mean1_tile + tl.where(in_bounds, t0 * t0, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 1 * M + rows, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -155,7 +158,7 @@ def layernorm_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
     grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
-    saved_ptr,  # the forward's reductions, [reductions, M]
+    saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
     eps,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -187,8 +190,8 @@ def layernorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
-            mean1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t4 = 1.0 / row_width
             x = tl.load(
@@ -270,8 +273,8 @@ def layernorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
-            mean1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t4 = 1.0 / row_width
             row_sum0_tile = tl.full(

@@ -15,19 +15,22 @@ Param p: float in [0.0, 1.0], default 0.1 (runtime: no recompilation).
 training=False, or every dropout p == 0, takes a kernel with no random numbers.
 seed=None draws the dropout seed from torch's default generator (torch.manual_seed).
 
-The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
-every output once, in the dtype torch's type promotion gives.
+The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
+once and reduced in registers, a wider one is swept once per level of nested reductions.
+They compute in fp32 (fp64 for fp64 inputs) and write every output once, in the dtype
+torch's type promotion gives.
 Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
 not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
 it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
 (seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
 draws a new mask on each replay.
 
-Backward: one fused kernel recomputes the forward from the saved inputs, draws the same
-dropout masks again from the seed and writes every input gradient in one pass; gradients of
-inputs broadcast along rows are summed per program in fp32 and then across programs, in a
-fixed order (no atomics). Memory: saved for backward are the inputs and the seed tensor,
-nothing else: no mask, no intermediates.
+Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
+per-row reductions, draws the same dropout masks again from the seed and writes every input
+gradient in one pass; gradients of inputs broadcast along rows are summed per program in
+fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
+the inputs and the seed tensor and each row's reductions (fp32, [M, reductions]), nothing
+else: no mask, no intermediates.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 
@@ -61,7 +64,7 @@ def layernorm_dropout_add_kernel(
     beta_ptr, beta_stride_m, beta_stride_n,  # beta [N], as [M, N]
     residual_ptr, residual_stride_m, residual_stride_n,  # residual [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
-    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
+    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps,
@@ -125,10 +128,10 @@ def layernorm_dropout_add_kernel(
             )
         t0 = bias + x
         mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = -mean0 + t0
         mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 1 * M + rows, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         y = dropout_mask0 * (beta + gamma * t1 * rsqrt_rn(eps + mean1)) + residual
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
@@ -152,7 +155,7 @@ def layernorm_dropout_add_kernel(
             t0 = bias + x
             mean0_tile = mean0_tile + tl.where(in_bounds, t0, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
@@ -172,7 +175,7 @@ def layernorm_dropout_add_kernel(
             t1 = -mean0 + t0
             mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 1 * M + rows, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -246,7 +249,7 @@ def layernorm_dropout_add_backward_kernel(
     grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
     grad_gamma_ptr,  # gradient of gamma: [M, N]; with SUM_GRAD_GAMMA, column sums [programs, N]
     grad_beta_ptr,  # gradient of beta: [M, N]; with SUM_GRAD_BETA, column sums [programs, N]
-    saved_ptr,  # the forward's reductions, [reductions, M]
+    saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
     eps,
     dropout_threshold_p, dropout_scale_p,
@@ -287,8 +290,8 @@ def layernorm_dropout_add_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
-            mean1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t5 = 1.0 / row_width
             x = tl.load(
@@ -410,8 +413,8 @@ def layernorm_dropout_add_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
-            mean1 = tl.load(saved_ptr + 1 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t5 = 1.0 / row_width
             row_sum0_tile = tl.full(

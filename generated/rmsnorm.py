@@ -9,13 +9,16 @@ Inputs (broadcast as torch broadcasts): x [..., N], weight [N]
 Outputs: y [..., N]
 Param eps: float ≥ 0.0, default 1e-06 (runtime: no recompilation).
 
-The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
-every output once, in the dtype torch's type promotion gives.
+The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
+once and reduced in registers, a wider one is swept once per level of nested reductions.
+They compute in fp32 (fp64 for fp64 inputs) and write every output once, in the dtype
+torch's type promotion gives.
 
-Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
+per-row reductions and writes every input gradient in one pass; gradients of inputs
+broadcast along rows are summed per program in fp32 and then across programs, in a fixed
+order (no atomics). Memory: saved for backward are the inputs and each row's reductions
+(fp32, [M, reductions]), nothing else: no mask, no intermediates.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -43,7 +46,7 @@ def rmsnorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     weight_ptr, weight_stride_m, weight_stride_n,  # weight [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
-    saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward
+    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps,
@@ -71,7 +74,7 @@ def rmsnorm_kernel(
         )
         weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         mean0 = tl.sum(tl.where(in_bounds, x * x, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 1 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         y = weight * x * rsqrt_rn(eps + mean0)
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
@@ -89,7 +92,7 @@ def rmsnorm_kernel(
             x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             mean0_tile = mean0_tile + tl.where(in_bounds, x * x, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + 0 * M + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 1 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             if INDEX_64:
@@ -126,7 +129,7 @@ def rmsnorm_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
-    saved_ptr,  # the forward's reductions, [reductions, M]
+    saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
     eps,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -155,7 +158,7 @@ def rmsnorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 1 + 0, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
             x = tl.load(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
@@ -215,7 +218,7 @@ def rmsnorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + 0 * M + rows, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 1 + 0, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
             row_sum0_tile = tl.full(
                 (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32

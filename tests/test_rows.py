@@ -68,12 +68,6 @@ def test_shift_invariance_cancels_the_max_adjoint():
 # The library against torch.nn.functional
 
 
-def _layouts(op):
-    """The autotuned launch, and the kernels launched with a tile narrower than the row (the
-    looped layout), forward and backward."""
-    return ["autotuned", (2, 8)]
-
-
 def _forward_backward(op, tensors: dict, params: dict, grads: tuple, layout):
     module = op.module
     args = tuple(tensors.values()) + tuple(params.values())
@@ -306,6 +300,66 @@ def test_an_output_constant_along_the_row_has_one_value_per_row(layout, tmp_path
     meta = module.log_softmax_lse(x.to("meta"), t.to("meta"))
     assert meta[0].shape == (3, 4, 21) and meta[1].shape == (3, 4, 1)
     assert module.reference(x, t)[1].shape == (3, 4, 1)
+
+
+@pytest.mark.parametrize("layout", ["autotuned", (2, 8)], ids=["autotuned", "looped"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # dropout inside nested reductions: a mask is not constant along the row
+        "name: op\ndoc: d\ninputs: {x: [..., N]}\nparams:\n  p: {type: float, default: 0.5, min: 0.0, max: 1.0}\n"
+        "let:\n  hc: dropout(x - mean(x), p)\noutputs:\n  y: hc * rsqrt(mean(hc * hc) + 1.0e-5)\n",
+        # a max of x / t, which a backward may round otherwise (x * (1 / t)): ties found again
+        "name: op\ndoc: d\ninputs: {x: [..., N], t: [..., 1]}\noutputs:\n  y: x * 2 - max(x / t)\n",
+        # reductions of what is constant along the row, once simplified: sum(t) = N t
+        "name: op\ndoc: d\ninputs: {x: [..., N], t: [..., 1]}\noutputs:\n  y: x - sum(x - x + t) - mean(x * 0 + sum(x))\n"
+        "  z: sum(x - x + 2) * t\n",
+    ],
+    ids=["dropout-nested", "max-recomputed", "folded"],
+)
+def test_derived_backward_against_autograd_of_the_reference(spec, layout, tmp_path, device):
+    module = build_and_import(tmp_path, spec)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, 21, generator=g, dtype=torch.float64).to(device)
+    tensors = {"x": x}
+    if "t: [..., 1]" in spec:
+        tensors["t"] = (torch.rand(40, 1, generator=g, dtype=torch.float64) + 0.5).to(device)
+    extra = (0.5, True, 3) if "dropout" in spec else ()
+    leaves = [t.clone().requires_grad_(True) for t in tensors.values()]
+    truth = module.reference(*leaves, *extra)
+    truth = truth if isinstance(truth, tuple) else (truth,)
+    grads = tuple(torch.randn(t.shape, generator=g, dtype=torch.float64).to(device) for t in truth)
+    truth_grads = torch.autograd.grad(truth, leaves, grads)
+    fused = module._OP
+    call = fused.check((*tensors.values(), *extra), needs_kernel=True)
+    from fusegen.runtime import seed_tensor
+
+    seed = seed_tensor(call.seed, x.device) if call.has_dropout else None
+    outs = [torch.empty(fused.output_shape(call.problem, i), dtype=x.dtype, device=device)
+            for i in range(len(fused.outputs))]
+    tile = None if layout == "autotuned" else layout
+    fused.kernels.forward(call, tuple(tensors.values()), outs, seed, tile=tile)
+    got = fused.kernels.backward(call, tuple(tensors.values()), grads, [True] * len(tensors), seed, tile=tile,
+                                 rows_per_program=16)
+    for out, ref in zip(outs, truth):
+        assert out.shape == ref.shape
+        check_against_truth(out, ref.detach(), what="forward")
+    for name, gr, ref in zip(tensors, got, truth_grads):
+        assert not torch.isnan(gr).any(), f"grad {name}: NaN"
+        check_against_truth(gr, ref, what=f"grad {name}")
+
+
+def test_empty_rows(tmp_path, device):
+    """N = 0: an op with a one-value-per-row output refuses it (no row to reduce); other
+    ops' references stay differentiable."""
+    module = build_and_import(tmp_path, LOG_SOFTMAX_LSE)
+    x, t = torch.randn(3, 0, device=device), torch.rand(3, 1, device=device)
+    with pytest.raises(ValueError, match="one value per row of an empty row"):
+        module.log_softmax_lse(x, t)
+    for name in ("softmax", "gelu"):
+        leaf = torch.randn(3, 0, device=device, requires_grad=True)
+        op_by_name(name).reference(leaf).sum().backward()
+        assert leaf.grad.shape == (3, 0)
 
 
 class _Module:

@@ -38,7 +38,7 @@ class FusedOp:
     `check_device(device)`, `forward(call, tensors, outputs, seed, saved=None)` and
     `backward(call, tensors, grad_outputs, needs, seed, saved=None) -> gradients`;
     `kernels.statistics` is how many values per row the forward keeps for the backward
-    (row reductions: the `saved` buffer, [statistics, M] in the compute dtype), 0 for none."""
+    (row reductions: the `saved` buffer, [M, statistics] in the compute dtype), 0 for none."""
 
     def __init__(
         self,
@@ -122,6 +122,10 @@ class FusedOp:
             if params[i] not in choices:
                 check_choice(name, param, params[i], choices)
         problem = broadcast_problem(name, self.inputs, args[:n], self._problems)
+        if problem.n == 0 and True in self._row_outputs:
+            raise FusegenArgumentError(
+                f"{name}(): the last dim is empty, and an output with one value per row of an empty row is not defined"
+            )
         if needs_kernel and problem.has_data and problem.device.type != "cuda":
             self.kernels.check_device(problem.device)
         for i, param, kind, low, high in self._scalar_checks:
@@ -153,7 +157,7 @@ class FusedOp:
                        for i in range(count)]
         saved = None
         if self.statistics:
-            saved = torch.empty((self.statistics, problem.m), dtype=problem.compute_dtype, device=problem.device)
+            saved = torch.empty((problem.m, self.statistics), dtype=problem.compute_dtype, device=problem.device)
         if problem.launches:  # not without elements, nor without data (meta or fake tensors)
             self.kernels.forward(call, tensors, outputs, seed, saved=saved)
         return (outputs if out is None else write_out(out, tuple(outputs))), seed, saved
@@ -218,9 +222,12 @@ class FusedOp:
             if call.has_dropout:
                 seed = seed_tensor(call.seed, problem.device, eager=True)  # drawn as the op draws it
                 masks = [[dropout_mask_reference(seed, problem, stream, p) for stream, p in enumerate(call.params[i] for i in self._mask_params)]]
-        if problem.n == 0:  # empty rows: nothing to compute (and no row has a max to take)
-            results = tuple(torch.empty(self.output_shape(problem, i), dtype=problem.compute_dtype,
-                                        device=problem.device) for i in range(self._n_outputs))
+        if problem.n == 0 and self.statistics:
+            # Empty rows: nothing to compute, and no row has a max to take. Zeros that depend
+            # on the inputs, so that the reference stays differentiable.
+            nothing = sum(v.sum() for v in values) * 0
+            results = tuple(torch.zeros(self.output_shape(problem, i), dtype=problem.compute_dtype,
+                                        device=problem.device) + nothing for i in range(self._n_outputs))
         else:
             results = self._reference_body(problem, *values, *params, *masks)
         results = tuple(r.to(problem.out_dtype) for r in results)
@@ -310,7 +317,7 @@ def _register_library_ops(op: FusedOp):
         outputs = [torch.empty(op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
                    for i in range(len(op.outputs))]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
-        saved = [torch.empty((op.statistics, problem.m), dtype=problem.compute_dtype, device=problem.device)
+        saved = [torch.empty((problem.m, op.statistics), dtype=problem.compute_dtype, device=problem.device)
                  ] if op.statistics else []
         return outputs[0] if single else (*outputs, *seed, *saved)
 

@@ -159,7 +159,10 @@ def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
                 lines += value[:-1] + [f"{r.symbol.name} = {_TORCH_REDUCTIONS[r.kind]}({text}, dim=-1, keepdim=True)"]
             lines += assign(p.row_values)
         lines += assign([t for t in body.final_temps if t[0] not in emitted])
-        lines += statements(Body((), body.results), printer, torch_constant, elements)
+        row_locals = {local for name, local in plan.outputs if name in plan.row_outputs}
+        for result in body.results:  # a constant row output is one value per row
+            constant = _torch_row_constant if result[0] in row_locals else torch_constant
+            lines += statements(Body((), (result,)), printer, constant, elements)
         if not plan.has_dropout:
             return _ReferenceBody(", ".join(arguments), returns, [], [], lines)
         return _ReferenceBody(
@@ -174,6 +177,10 @@ def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
         [f"{masks} = masks"] + statements(kernel.body, printer, torch_constant, tensors),
         statements(kernel.body_no_dropout, printer, torch_constant, tensors),
     )
+
+
+def _torch_row_constant(text: str) -> str:
+    return f"torch.full(problem.shape[:-1] + (1,), {text}, dtype=problem.compute_dtype, device=problem.device)"
 
 
 # ---------------------------------------------------------------------------

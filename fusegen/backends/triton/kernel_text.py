@@ -42,7 +42,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     result = KernelText(
         name=f"{plan.spec.name}_kernel",
-        key=_key(plan, backward=False),
+        key=kernel_key(plan, backward=False),
         arguments=arguments,
         prologue=scalars_in_compute_type(kernel),
         loads=[line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])],
@@ -97,7 +97,7 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
         ]
     result = KernelText(
         name=f"{plan.spec.name}_backward_kernel",
-        key=_key(plan, backward=True),
+        key=kernel_key(plan, backward=True),
         arguments=arguments,
         prologue=prologue,
         loads=loads,
@@ -129,7 +129,8 @@ def with_argument_comments(kernel: KernelText) -> KernelText:
     return kernel
 
 
-def _key(plan: OpPlan, backward: bool) -> str:
+def kernel_key(plan: OpPlan, backward: bool) -> str:
+    """The autotuner's key: what a tuned config is kept for."""
     key = ["M_BUCKET", "N"] + (["HAS_DROPOUT"] if plan.has_dropout else []) + (["ROWS_PER_PROGRAM"] if backward else [])
     return "[" + ", ".join(f'"{k}"' for k in key) + "]"
 

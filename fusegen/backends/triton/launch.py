@@ -19,6 +19,7 @@ import torch
 
 from fusegen.layout import Choice
 from fusegen.runtime import GradTarget, dropout_scale, dropout_threshold, needs_int64, view_2d
+from fusegen.runtime.views import INT32_LIMIT
 
 from . import tuning
 from .interpreter import (
@@ -54,7 +55,7 @@ class Kernels:
 class RowKernels(Kernels):
     """Row kernels (fusegen.backends.triton.row_kernel_text): the same arguments, then
     BLOCK_N and ONE_TILE; a grid over rows only. The forward also writes each row's
-    reductions to `saved` ([statistics, M]), which the backward reads."""
+    reductions to `saved` ([M, statistics]), which the backward reads."""
 
     def bind(self, op) -> "_BoundRows":
         return _BoundRows(self, op)
@@ -165,7 +166,7 @@ class _BoundRows(_Bound):
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
         problem = call.problem
-        if saved is None:  # a caller that has no backward to feed (tests launching the kernel)
+        if saved is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
             saved = self._saved_buffer(problem)
         views, args = [], []
         for tensor, chunks in zip(tensors, self._chunks):
@@ -175,7 +176,7 @@ class _BoundRows(_Bound):
         args += outputs
         args.append(saved)
         args += self._common(call, seed)
-        args += [needs_int64(problem, views), problem.compute_dtype == torch.float64]
+        args += [self._index_64(problem, views), problem.compute_dtype == torch.float64]
         m, n = problem.m, problem.n
         block_n = tile[1] if tile is not None else self.block_n(n)
         args += [block_n, block_n >= n]  # BLOCK_N, ONE_TILE
@@ -185,13 +186,17 @@ class _BoundRows(_Bound):
         self._forward[lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]),)](*args)
 
     def _saved_buffer(self, problem) -> torch.Tensor:
-        return torch.empty((self.statistics, problem.m), dtype=problem.compute_dtype, device=problem.device)
+        return torch.empty((problem.m, self.statistics), dtype=problem.compute_dtype, device=problem.device)
+
+    def _index_64(self, problem, views) -> bool:
+        """Some offset reaches 2**31: in a tensor, or in the [M, statistics] buffer."""
+        return needs_int64(problem, views) or problem.m * self.statistics >= INT32_LIMIT
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
                  rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
         problem = call.problem
         m, n = problem.m, problem.n
-        if saved is None and problem.launches:
+        if saved is None and self.statistics and problem.launches:
             # No forward's statistics at hand (tests launching the kernel): a forward makes them.
             saved = self._saved_buffer(problem)
             outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
@@ -212,7 +217,7 @@ class _BoundRows(_Bound):
             args += [None if t is None else t.buffer for t in targets]
             args.append(saved)
             args += self._common(call, seed)
-            args += [needs_int64(problem, views + grad_views), problem.compute_dtype == torch.float64]
+            args += [self._index_64(problem, views + grad_views), problem.compute_dtype == torch.float64]
             for target, one in zip(targets, self._one_per_row):
                 args += [target is not None, target is not None and target.kind == "rows"]
                 if one:

@@ -97,10 +97,18 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
     if plan.has_dropout:
         lines += wrap("training=False, or every dropout p == 0, takes a kernel with no random numbers.", "    ")
         lines += wrap("seed=None draws the dropout seed from torch's default generator (torch.manual_seed).", "    ")
-    lines += [""] + wrap(
-        "The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write every output "
-        "once, in the dtype torch's type promotion gives."
-    )
+    rows = plan.forward.kind.is_row
+    if rows:
+        lines += [""] + wrap(
+            "The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
+            "reduced in registers, a wider one is swept once per level of nested reductions. They compute in fp32 "
+            "(fp64 for fp64 inputs) and write every output once, in the dtype torch's type promotion gives."
+        )
+    else:
+        lines += [""] + wrap(
+            "The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write every output "
+            "once, in the dtype torch's type promotion gives."
+        )
     if plan.has_dropout:
         lines += wrap(
             "Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does not depend on "
@@ -110,6 +118,9 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
         )
     redraw = ", draws the same dropout masks again from the seed" if plan.has_dropout else ""
     saved = " and the seed tensor" if plan.has_dropout else ""
+    if rows:
+        redraw = " and the forward's per-row reductions" + redraw
+        saved += " and each row's reductions (fp32, [M, reductions])"
     lines += [""] + wrap(
         f"Backward: one fused kernel recomputes the forward from the saved inputs{redraw} and writes every input "
         "gradient in one pass; gradients of inputs broadcast along rows are summed per program in fp32 and then "

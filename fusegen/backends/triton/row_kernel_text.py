@@ -23,6 +23,7 @@ from .kernel_text import (
     gradient_stores,
     gradient_sums,
     input_argument,
+    kernel_key,
     input_loads,
     width_text,
     scalars_in_compute_type,
@@ -48,7 +49,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         f"{out}_ptr,  # {name}, contiguous [M, {'1' if name in plan.row_outputs else 'N'}]"
         for (name, _), out in zip(plan.outputs, kernel.outputs)
     ]
-    arguments.append("saved_ptr,  # [reductions, M]: each row's reductions, kept for the backward")
+    arguments.append("saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward")
     arguments.append("M, N,  # rows (all leading dims) and columns (the last dim, reduced along)")
     arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
@@ -76,7 +77,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         "else:",
         *_indent(program.looped(stores, [], [])),
     ]
-    return KernelText(name=f"{plan.spec.name}_kernel", key=_key(plan, backward=False), arguments=arguments,
+    return KernelText(name=f"{plan.spec.name}_kernel", key=kernel_key(plan, backward=False), arguments=arguments,
                       plain_lines=lines)
 
 
@@ -91,7 +92,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         pointer, sums = names.gradient_pointer[name], names.sums[name]
         more = "; or row sums [1, M]" if gradient.one_per_row else ""
         arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
-    arguments.append("saved_ptr,  # the forward's reductions, [reductions, M]")
+    arguments.append("saved_ptr,  # the forward's reductions, [M, reductions]")
     arguments.append("M, N, M_BUCKET,")
     arguments += shared_arguments(plan, kernel, names, forward=False)
     for gradient in kernel.gradients:
@@ -143,13 +144,8 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         "else:",
         *_indent(looped),
     ]
-    return KernelText(name=f"{plan.spec.name}_backward_kernel", key=_key(plan, backward=True), arguments=arguments,
+    return KernelText(name=f"{plan.spec.name}_backward_kernel", key=kernel_key(plan, backward=True), arguments=arguments,
                       plain_lines=lines)
-
-
-def _key(plan: OpPlan, backward: bool) -> str:
-    key = ["M_BUCKET", "N"] + (["HAS_DROPOUT"] if plan.has_dropout else []) + (["ROWS_PER_PROGRAM"] if backward else [])
-    return "[" + ", ".join(f'"{k}"' for k in key) + "]"
 
 
 def _indent(lines: list[str]) -> list[str]:
@@ -227,16 +223,18 @@ class _Program:
     def _saved_stores(self, reductions) -> list[str]:
         """The forward keeps each reduction per row for the backward."""
         places = {s.name: k for k, s in enumerate(self.body.saved)}
+        count = len(self.body.saved)
         return [
-            f"tl.store(saved_ptr + {places[r.symbol.name]} * M + rows, tl.reshape({r.symbol.name}, (BLOCK_M,)), "
+            f"tl.store(saved_ptr + rows * {count} + {places[r.symbol.name]}, tl.reshape({r.symbol.name}, (BLOCK_M,)), "
             "mask=rows < M)"
             for r in reductions if r.symbol.name in places
         ]
 
     def _saved_loads(self) -> list[str]:
         """The backward's reductions of the forward, as the forward computed them."""
+        count = len(self.plan.forward.body.saved)
         return [
-            f"{symbol.name} = tl.load(saved_ptr + {k} * M + rows, mask=rows < M, other=0.0)[:, None]"
+            f"{symbol.name} = tl.load(saved_ptr + rows * {count} + {k}, mask=rows < M, other=0.0)[:, None]"
             for symbol, k in self.body.loaded
         ]
 
