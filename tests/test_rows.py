@@ -385,7 +385,10 @@ def test_softmax_and_layernorm_at_any_width_on_gpu(n):
         outs, got = _forward_backward(op, tensors, params, (grad,), "autotuned")
         check_against_truth(outs[0], truth.detach(), what=f"{name} N={n}")
         for k, gr, ref in zip(tensors, got, truth_grads):
-            if ref.abs().max() < 1e-9:  # zero but for float64 rounding (layer norm's weight at N = 1)
-                assert gr.abs().max() < 1e-6, f"{name} N={n} grad {k}"
+            if ref.abs().max() < 1e-9:
+                # Zero but for rounding (N = 1): bounded by the terms that cancel, as large as
+                # |grad| |weight| / sqrt(eps) for layer norm.
+                scale = grad.abs().max() * (tensors["weight"].abs().max() / 1e-5**0.5 if name == "layernorm" else 1)
+                assert gr.abs().max() <= 1e-5 * scale, f"{name} N={n} grad {k}"
             else:
                 check_against_truth(gr, ref, what=f"{name} N={n} grad {k}")
