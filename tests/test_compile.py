@@ -56,9 +56,14 @@ def test_compile_draws_seed_inside_the_op(device):
     torch.testing.assert_close(first, second, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["gelu", "swiglu", "scale_add", "add_mul_activation", "bias_dropout_add"])
+@pytest.mark.parametrize(
+    "name",
+    ["gelu", "swiglu", "scale_add", "add_mul_activation", "bias_dropout_add", "layernorm", "add_rmsnorm",
+     "scaled_masked_softmax_dropout"],
+)
 def test_every_kind_of_op_compiles_fullgraph_forward_and_backward(name, device):
-    """One output or several, chunked inputs, [..., 1] inputs, choices, dropout: the library
+    """One output or several, chunked inputs, [..., 1] inputs, choices, dropout, row reductions
+    (whose forward also returns the statistics it keeps for the backward): the library
     op's schema, fake function and autograd hold under torch.compile(fullgraph=True)."""
     op = op_by_name(name)
     kwargs = with_seed(op, params_for(op, p=0.0))  # p = 0: eager and compiled compute the same
