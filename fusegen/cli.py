@@ -142,7 +142,11 @@ def cmd_show(args) -> int:
     print("\n## IR")
     for name, expr in op.simplified.ir.outputs:
         print(f"{name} = {expr}")
-    for title, body in [
+    if p.forward.kind.is_row:  # one program each way; with dropout off its masks are 1
+        for title, program in [("forward", p.forward.body), ("backward", p.backward.body)]:
+            print(f"\n## {title}, simplified and CSE'd, as passes along each row")
+            print("\n".join(program.lines()))
+    for title, body in [] if p.forward.kind.is_row else [
         ("forward (dropout on)", p.forward.body if p.has_dropout else None),
         ("forward (dropout off)" if p.has_dropout else "forward", p.forward.body_no_dropout or p.forward.body),
         ("backward (dropout on)", p.backward.body if p.has_dropout else None),

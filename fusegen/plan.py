@@ -271,7 +271,11 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
 def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
     """simplify's %t0, %t1, ... as t0, t1, ...: claimed for the whole module (the backend's
     own names, given out later, must not take them); a helper (namer None) has no others."""
-    used = sorted({t.name for b in blocks for t, _ in b.temps if t.name.startswith(TEMPORARY_PREFIX)}, key=lambda n: int(n[len(TEMPORARY_PREFIX):]))
+    defined = [pair for b in blocks for pair in (b.definitions if isinstance(b, RowProgram) else b.temps)]
+    used = sorted(
+        {t.name for t, _ in defined if t.name.startswith(TEMPORARY_PREFIX)},  # not a row program's row values
+        key=lambda n: int(n[len(TEMPORARY_PREFIX):]),
+    )
     plain = {name: "t" + name[len(TEMPORARY_PREFIX):] for name in used}
     return plain if namer is None else {name: namer.claim(local) for name, local in plain.items()}
 

@@ -82,6 +82,14 @@ def test_show_prints_ir_cse_gradients_and_code(capsys):
     assert "grad_residual = grad_y  (passed through, no copy)" in out
 
 
+def test_show_prints_a_row_program_pass_by_pass(capsys):
+    assert cli.main(["show", str(SEED_SPEC.parent / "layernorm.yaml")]) == 0
+    out = capsys.readouterr().out
+    forward, backward = out.split("## backward")[0], out.split("## backward")[1].split("## generated module")[0]
+    assert "# pass 1 along the row\nmean0 = mean(x)\n# pass 2 along the row" in forward
+    assert "mean0 = (kept by the forward, column 0)" in backward and backward.count("# pass") == 1
+
+
 def test_check_module_rejects_unresolved_names():
     import pytest
 

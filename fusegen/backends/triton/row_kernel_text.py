@@ -162,7 +162,7 @@ class _Program:
         self.tensors |= set(kernel.incoming)
         # Row values are [BLOCK_M, 1] tensors too: an expression of them needs no broadcast.
         self.tensors |= {r.symbol.name for r in self.body.reductions} | {s.name for s, _ in self.body.loaded}
-        self.temps = {t.name: e for t, e in self.body.temps}
+        self.temps = {t.name: e for t, e in self.body.definitions}
 
     # -- pieces ------------------------------------------------------------------
 
