@@ -32,20 +32,30 @@ class GradTarget:
         self.shape, self.dtype = tensor.shape, tensor.dtype
         accumulate = torch.float64 if problem.compute_dtype == torch.float64 else torch.float32
         device = problem.device
+        width = problem.n * chunks
+        full_shape = (*problem.shape[:-1], width) if len(problem.shape) else problem.shape
+        self.kind = self.kind_of(tensor, problem, chunks, one_per_row)
+        if self.kind == "full":
+            self.buffer = torch.empty(full_shape, dtype=tensor.dtype, device=device)
+        elif self.kind == "rows":
+            self.buffer = torch.empty((row_blocks, width), dtype=accumulate, device=device)
+        elif self.kind == "columns":
+            self.buffer = torch.zeros((column_tiles, problem.m), dtype=accumulate, device=device)
+        else:
+            self.buffer = torch.empty(full_shape, dtype=accumulate, device=device)
+
+    @staticmethod
+    def kind_of(tensor: torch.Tensor, problem: Problem, chunks: int = 1, one_per_row: bool = False) -> str:
+        """How the input's gradient is written (the kinds above), from how it was broadcast."""
         width = problem.n * chunks  # a chunked input ([..., 2N]) has all its chunks side by side
         full_shape = (*problem.shape[:-1], width) if len(problem.shape) else problem.shape
         if tensor.shape == full_shape:
-            self.kind = "full"
-            self.buffer = torch.empty(full_shape, dtype=tensor.dtype, device=device)
-        elif tensor.numel() == width and tensor.dim() >= 1 and tensor.shape[-1] == width:
-            self.kind = "rows"
-            self.buffer = torch.empty((row_blocks, width), dtype=accumulate, device=device)
-        elif one_per_row and tensor.shape == (*problem.shape[:-1], 1):
-            self.kind = "columns"
-            self.buffer = torch.zeros((column_tiles, problem.m), dtype=accumulate, device=device)
-        else:
-            self.kind = "sum"
-            self.buffer = torch.empty(full_shape, dtype=accumulate, device=device)
+            return "full"
+        if tensor.numel() == width and tensor.dim() >= 1 and tensor.shape[-1] == width:
+            return "rows"
+        if one_per_row and tensor.shape == (*problem.shape[:-1], 1):
+            return "columns"
+        return "sum"
 
     def result(self) -> torch.Tensor:
         if self.kind == "full":

@@ -100,20 +100,30 @@ class _Bound:
         autotuner (tests use it to check every tile computes the same). Pointwise kernels
         keep nothing for the backward: `saved` is None."""
         problem = call.problem
-        views, args = [], []
-        for tensor, chunks in zip(tensors, self._chunks):
-            view = view_2d(tensor, problem, chunks)
-            views.append(view)
-            args += view
-        args += outputs
-        args += self._common(call, seed)
-        args += [needs_int64(problem, views), problem.compute_dtype == torch.float64]
+        args = self._forward_args(call, tensors, outputs, seed, ())
         m, n = problem.m, problem.n
         if tile is not None:
             grid = (tuning.cdiv(m, tile[0]), tuning.cdiv(n, tile[1]))
             self.forward_kernel.fn[grid](*args, BLOCK_M=tile[0], BLOCK_N=tile[1])
             return
         self._forward[lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]), tuning.cdiv(n, meta["BLOCK_N"]))](*args)
+
+    def _forward_args(self, call, tensors, outputs, seed, extra) -> list:
+        """The forward's arguments up to COMPUTE_FP64: views, outputs, `extra` buffers, the rest."""
+        problem = call.problem
+        views, args = [], []
+        for tensor, chunks in zip(tensors, self._chunks):
+            view = view_2d(tensor, problem, chunks)
+            views.append(view)
+            args += view
+        args += outputs
+        args += extra
+        args += self._common(call, seed)
+        args += [self._index_64(problem, views), problem.compute_dtype == torch.float64]
+        return args
+
+    def _index_64(self, problem, views) -> bool:
+        return needs_int64(problem, views)
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
                  rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
@@ -138,7 +148,7 @@ class _Bound:
             args = [*(a for view in views + grad_views for a in view)]
             args += [None if t is None else t.buffer for t in targets]
             args += self._common(call, seed)
-            args += [needs_int64(problem, views + grad_views), problem.compute_dtype == torch.float64]
+            args += [self._index_64(problem, views + grad_views), problem.compute_dtype == torch.float64]
             for target, one in zip(targets, self._one_per_row):
                 args += [target is not None, target is not None and target.kind == "rows"]
                 if one:
@@ -168,15 +178,7 @@ class _BoundRows(_Bound):
         problem = call.problem
         if saved is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
             saved = self._saved_buffer(problem)
-        views, args = [], []
-        for tensor, chunks in zip(tensors, self._chunks):
-            view = view_2d(tensor, problem, chunks)
-            views.append(view)
-            args += view
-        args += outputs
-        args.append(saved)
-        args += self._common(call, seed)
-        args += [self._index_64(problem, views), problem.compute_dtype == torch.float64]
+        args = self._forward_args(call, tensors, outputs, seed, (saved,))
         m, n = problem.m, problem.n
         block_n = tile[1] if tile is not None else self.block_n(n)
         args += [block_n, block_n >= n]  # BLOCK_N, ONE_TILE
@@ -202,7 +204,8 @@ class _BoundRows(_Bound):
             outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
                        for i in range(len(self.op.outputs))]
             self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
-        summed = any(needs[i] and _summed_over_rows(tensors[i], problem) for i in self._gradients)
+        summed = any(needs[i] and GradTarget.kind_of(tensors[i], problem, self._chunks[i]) == "rows"
+                     for i in self._gradients)
         # Many rows a program only where a gradient is summed over rows: fewer partial sums.
         rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)
         # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
@@ -230,9 +233,3 @@ class _BoundRows(_Bound):
                 self._backward[(tuning.cdiv(m, rows),)](*args)
         return [t.result() for t in targets if t is not None]
 
-
-def _summed_over_rows(tensor: torch.Tensor, problem) -> bool:
-    """Whether an input's gradient is a sum over rows (bias [N] against [..., N])."""
-    return tensor.dim() < len(problem.shape) or any(
-        size == 1 and full != 1 for size, full in zip(tensor.shape[:-1], problem.shape[-tensor.dim():-1])
-    )
