@@ -119,17 +119,19 @@ def test_cached_launches_match_reference_across_alignments_and_shapes():
 def test_one_value_per_row_gradient_is_summed_in_the_kernel(monkeypatch, device, n):
     module = op_by_name("scale_add").module
     kinds = []
-    init = runtime.GradTarget.__init__
+    of = runtime.GradTarget.of
 
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        kinds.append(self.kind)
+    def spy(*args, **kwargs):
+        target = of(*args, **kwargs)
+        kinds.append(target.kind)
+        return target
 
-    monkeypatch.setattr(runtime.GradTarget, "__init__", spy)
+    monkeypatch.setattr(runtime.GradTarget, "of", spy)
     # Tune on this call (on the GPU): trial configs of other tile widths write other rows of
     # the row-sum buffer, which must not reach the result.
     module.scale_add_backward_kernel.cache.clear()
     module._OP.kernels._backward._entries.clear()
+    module._OP._prepared.clear()
     x = torch.randn(3, 5, n, dtype=torch.float64, device=device, requires_grad=True)
     scale = torch.randn(3, 5, 1, dtype=torch.float64, device=device, requires_grad=True)
     residual = torch.randn(3, 5, n, dtype=torch.float64, device=device)

@@ -392,3 +392,62 @@ def test_softmax_and_layernorm_at_any_width_on_gpu(n):
                 assert gr.abs().max() <= 1e-5 * scale, f"{name} N={n} grad {k}"
             else:
                 check_against_truth(gr, ref, what=f"{name} N={n} grad {k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["layernorm_dropout_add", "scaled_masked_softmax_dropout"])
+def test_row_ops_with_dropout_under_cuda_graphs(name):
+    """A captured forward + backward of a row op with dropout: each replay draws a new mask,
+    torch.manual_seed repeats the replays, and each replay's output and gradients are the
+    reference's at the seed that replay drew (read back from the captured seed tensor)."""
+    op = op_by_name(name)
+    fused = op.module._OP
+    m, n = 48, 1000
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn((m, n) if spec.dims[0] == "..." else (n,), generator=gen).cuda() for spec in fused.inputs]
+    params = tuple(p.default for p in op.spec.params)
+    args = (*tensors, *params, True, None)
+    grad_y = torch.randn(m, n, generator=gen).cuda()
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    public = op.module.__dict__[name]
+    needs = (True,) * len(tensors)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # tune and compile outside the capture
+        for _ in range(3):
+            torch.autograd.grad(public(*leaves, *params), leaves, grad_y)
+            (y0,), seed0, saved0 = fused.forward(args, eager=False)
+            fused.backward_kernels((grad_y,), args, seed0, needs, saved0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_public = public(*leaves, *params)
+        grads_public = torch.autograd.grad(y_public, leaves, grad_y)
+        (y,), seed, saved = fused.forward(args, eager=False)
+        grads = fused.backward_kernels((grad_y,), args, seed, needs, saved)
+    torch.cuda.synchronize()
+
+    def replays(count):
+        got = []
+        for _ in range(count):
+            graph.replay()
+            got.append((y_public.detach().clone(), [g.clone() for g in grads_public], int(seed.item()),
+                        y.clone(), [g.clone() for g in grads]))
+        return got
+
+    torch.manual_seed(4)
+    first = replays(3)
+    for i, (y_pub, _, s, y_int, g_int) in enumerate(first):
+        for j in range(i):
+            assert not torch.equal(y_pub, first[j][0]) and s != first[j][2], f"replays {j} and {i} drew one mask"
+        refs = [t.double().requires_grad_(True) for t in tensors]
+        truth = fused.reference(*refs, *params, True, s)
+        truth_grads = torch.autograd.grad(truth, refs, grad_y.double())
+        check_against_truth(y_int, truth.detach(), what=f"{name} replay {i}")
+        for k, (gr, ref) in enumerate(zip(g_int, truth_grads)):
+            check_against_truth(gr, ref, what=f"{name} replay {i} grad {k}")
+    torch.manual_seed(4)
+    again = replays(3)
+    for (y_pub, g_pub, s, *_), (y_pub2, g_pub2, s2, *_) in zip(first, again):
+        assert s == s2 and torch.equal(y_pub, y_pub2)
+        assert all(torch.equal(a, b) for a, b in zip(g_pub, g_pub2))

@@ -1,6 +1,8 @@
 """Where a backward kernel writes each input's gradient, and how that becomes the gradient."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .arguments import Problem
@@ -14,8 +16,10 @@ def sum_to_input(grad: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return grad.sum_to_size(tensor.shape)
 
 
+@dataclass(frozen=True)
 class GradTarget:
-    """One input's gradient buffer, by how the input was broadcast:
+    """One input's gradient buffer, by how the input was broadcast (worked out once per kind
+    of call; `new_buffer` and `result` run per call):
 
     - same shape as the output ("full"): written in place, in the input's dtype;
     - broadcast along rows ("rows": bias [N] against [..., N]): per-program column sums in
@@ -27,22 +31,27 @@ class GradTarget:
     - any other broadcast ("sum"): a full fp32 gradient, summed to the input's shape here.
     """
 
-    def __init__(self, tensor: torch.Tensor, problem: Problem, row_blocks: int, column_tiles: int,
-                 chunks: int = 1, one_per_row: bool = False):
-        self.shape, self.dtype = tensor.shape, tensor.dtype
+    kind: str
+    buffer_shape: tuple
+    buffer_dtype: torch.dtype
+    device: torch.device
+    shape: torch.Size  # the input's, and its gradient's
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, problem: Problem, row_blocks: int, column_tiles: int,
+           chunks: int = 1, one_per_row: bool = False) -> "GradTarget":
         accumulate = torch.float64 if problem.compute_dtype == torch.float64 else torch.float32
-        device = problem.device
         width = problem.n * chunks
-        full_shape = (*problem.shape[:-1], width) if len(problem.shape) else problem.shape
-        self.kind = self.kind_of(tensor, problem, chunks, one_per_row)
-        if self.kind == "full":
-            self.buffer = torch.empty(full_shape, dtype=tensor.dtype, device=device)
-        elif self.kind == "rows":
-            self.buffer = torch.empty((row_blocks, width), dtype=accumulate, device=device)
-        elif self.kind == "columns":
-            self.buffer = torch.zeros((column_tiles, problem.m), dtype=accumulate, device=device)
-        else:
-            self.buffer = torch.empty(full_shape, dtype=accumulate, device=device)
+        full_shape = (*problem.shape[:-1], width) if len(problem.shape) else tuple(problem.shape)
+        kind = cls.kind_of(tensor, problem, chunks, one_per_row)
+        shape, dtype = {
+            "full": (full_shape, tensor.dtype),
+            "rows": ((row_blocks, width), accumulate),
+            "columns": ((column_tiles, problem.m), accumulate),
+            "sum": (full_shape, accumulate),
+        }[kind]
+        return cls(kind, shape, dtype, problem.device, tensor.shape, tensor.dtype)
 
     @staticmethod
     def kind_of(tensor: torch.Tensor, problem: Problem, chunks: int = 1, one_per_row: bool = False) -> str:
@@ -57,9 +66,15 @@ class GradTarget:
             return "columns"
         return "sum"
 
-    def result(self) -> torch.Tensor:
+    def new_buffer(self) -> torch.Tensor:
+        if self.kind == "columns":
+            return torch.zeros(self.buffer_shape, dtype=self.buffer_dtype, device=self.device)
+        return torch.empty(self.buffer_shape, dtype=self.buffer_dtype, device=self.device)
+
+    def result(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The gradient, from the buffer the kernel wrote."""
         if self.kind == "full":
-            return self.buffer
-        if self.kind in ("rows", "columns"):
-            return self.buffer.sum(dim=0).reshape(self.shape).to(self.dtype)
-        return self.buffer.sum_to_size(self.shape).to(self.dtype)
+            return buffer
+        if self.kind == "sum":
+            return buffer.sum_to_size(self.shape).to(self.dtype)
+        return buffer.sum(dim=0).reshape(self.shape).to(self.dtype)

@@ -15,6 +15,7 @@ from .arguments import FusegenArgumentError, Problem, any_requires_grad, broadca
 from .dropout import check_seed, dropout_mask_reference, seed_tensor
 from .gradients import sum_to_input
 from .out import check_out_without_grad, output_buffer, write_out
+from .prepared import CACHE_SIZE, PreparedCall, call_key
 from ..layout import Choice, Input, Scalar
 
 _SCHEMA_TYPES = {"float": "float", "int": "int"}
@@ -76,6 +77,8 @@ class FusedOp:
             (i, p.name, p.kind, p.low, p.high) for i, p in enumerate(params) if isinstance(p, Scalar)
         )
         self._problems: dict = {}  # checked problems by the tensors' shapes, dtypes and devices
+        self._prepared: dict = {}  # PreparedCall by call_key
+        self._seed_position = self._n_inputs + self._n_params + 1 if self.has_dropout else None
         self._reference_body = reference
         self.statistics = kernels.statistics
         self.kernels = kernels.bind(self)
@@ -94,10 +97,25 @@ class FusedOp:
             else:
                 outputs = outputs[:self._n_outputs]  # then the seed and statistics, kept for the backward
         elif torch.is_grad_enabled() and any_requires_grad(args[:self._n_inputs]):
-            outputs = _Autograd.apply(self, *args)
+            outputs = _Autograd.apply(self, self.prepare(args), *args)
         else:
-            outputs = self.forward(args)[0]
+            prepared = self.prepare(args)
+            outputs = (self.forward(args) if prepared is None else prepared.forward(args))[0]
         return outputs[0] if self._n_outputs == 1 else tuple(outputs)
+
+    def prepare(self, args: tuple) -> PreparedCall | None:
+        """This kind of call's checks, views and launches, worked out on its first call
+        (fusegen.runtime.prepared); None for arguments that take the full path every call."""
+        key = call_key(args, self._n_inputs, self._seed_position)
+        if key is None:
+            return None
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            prepared = PreparedCall(self, self.check(args, needs_kernel=True), args[:self._n_inputs])
+            if len(self._prepared) >= CACHE_SIZE:
+                self._prepared.clear()
+            self._prepared[key] = prepared
+        return prepared
 
     def check_params(self, *values) -> tuple:
         """The params checked as a call checks them (the module class checks at construction)."""
@@ -144,6 +162,10 @@ class FusedOp:
         """Launch the forward kernel; returns the outputs, the seed tensor it used (None
         without dropout) and the statistics it kept for the backward (None without).
         `eager`: not inside a compiled graph, which may be captured."""
+        if out is None:
+            prepared = self.prepare(args)
+            if prepared is not None:
+                return prepared.forward(args, eager)
         call = self.check(args, needs_kernel=True)
         problem = call.problem
         tensors = args[:self._n_inputs]
@@ -168,8 +190,10 @@ class FusedOp:
             return (*problem.shape[:-1], 1)
         return problem.shape
 
-    def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], saved=None) -> list:
-        """Every input's gradient (None where not needed) from the outputs' gradients."""
+    def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], saved=None,
+                 prepared: PreparedCall | None = None) -> list:
+        """Every input's gradient (None where not needed) from the outputs' gradients.
+        `prepared`: the forward's kind of call, when it had one."""
         tensors = args[: len(self.inputs)]
         kernel_needs = [need and through is None for need, through in zip(needs, self._passthrough)]
         kernel_grads = iter(())
@@ -178,7 +202,7 @@ class FusedOp:
             # and functional tensors are Tensor subclasses), and under create_graph, where
             # its autograd (which refuses double backward) must be recorded.
             if type(grads[0]) is torch.Tensor and not torch.is_grad_enabled():
-                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs, saved))
+                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs, saved, prepared))
             else:
                 count = len(self.inputs) + len(self.params)
                 # The forward's seed tensor replaces its seed argument; training stays.
@@ -191,10 +215,18 @@ class FusedOp:
             for need, through, tensor in zip(needs, self._passthrough, tensors)
         ]
 
-    def backward_kernels(self, grads, args, seed, needs, saved=None) -> list:
+    def backward_kernels(self, grads, args, seed, needs, saved=None, prepared: PreparedCall | None = None) -> list:
         """Launch the backward kernel: the gradients of the inputs flagged in `needs`."""
-        call = self.check(args, needs_kernel=True)
         tensors = args[: len(self.inputs)]
+        if prepared is None:
+            prepared = self.prepare(args)
+        if prepared is not None:
+            for g in grads:
+                if type(g) is not torch.Tensor:  # e.g. a tensor subclass: the full path
+                    break
+            else:
+                return prepared.backward(grads, tensors, seed, needs, saved)
+        call = self.check(args, needs_kernel=True)
         return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved)
 
     # -- the eager reference ----------------------------------------------------------
@@ -247,24 +279,26 @@ class _Autograd(torch.autograd.Function):
     unused output would cost a kernel each."""
 
     @staticmethod
-    def forward(ctx, op: FusedOp, *args):
-        outputs, seed, saved = op.forward(args)
-        count = len(op.inputs)
+    def forward(ctx, op: FusedOp, prepared: PreparedCall | None, *args):
+        outputs, seed, saved = op.forward(args) if prepared is None else prepared.forward(args)
+        count = op._n_inputs
         ctx.save_for_backward(*args[:count], *(() if saved is None else (saved,)))
-        ctx.op, ctx.params, ctx.seed = op, args[count:], seed
+        ctx.op, ctx.prepared, ctx.params, ctx.seed = op, prepared, args[count:], seed
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        count = len(ctx.op.inputs)
-        needs = ctx.needs_input_grad[1:1 + count]  # after the op argument
+        op = ctx.op
+        count = op._n_inputs
+        needs = ctx.needs_input_grad[2:2 + count]  # after the op and prepared arguments
         tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
         saved = saved[0] if saved else None
-        return (None, *_gradients(ctx.op, grads, tensors, ctx.params, ctx.seed, needs, saved))
+        return (None, None, *_gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared))
 
 
-def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, saved=None) -> tuple:
+def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, saved=None,
+               prepared: PreparedCall | None = None) -> tuple:
     """The backward shared by both autograd paths, one gradient per argument of the op: None
     stands for an output's zero gradient, and for every argument that is not a tensor."""
     given = [g for g in grads if g is not None]
@@ -272,7 +306,7 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
     if not given:
         return nothing
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
-    input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved)
+    input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved, prepared)
     return (*input_grads, *nothing[len(tensors):])
 
 

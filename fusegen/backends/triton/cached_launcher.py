@@ -15,6 +15,9 @@ other arguments: for each tensor its dtype and 16-byte alignment; each int by va
 do_not_specialize, which only contribute their integer width; floats by type; None and
 bools by value; the constexprs by value; the current device. The grid function must
 depend only on those values and the config (the generated launchers' grids do).
+
+`launch` returns the `Binary` it ran: a caller that knows its next calls have the same key
+(launch.Launch, prepared once per kind of call) launches that directly, without the key.
 """
 from __future__ import annotations
 
@@ -66,32 +69,65 @@ class CachedLauncher:
         tokens.extend(constexprs.items())
         return tuple(tokens)
 
-    def launch(self, grid, args: tuple, constexprs: dict) -> None:
-        if self._interpreting or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+    def launch(self, grid, args: tuple, constexprs: dict) -> "Binary | None":
+        """Launch; returns the binary it launched when a later call with the same key may
+        launch it directly (None under the interpreter, with launch hooks, or before Triton
+        could say which binary it ran)."""
+        if self._interpreting or hooks_active():
             # The interpreter has no binary to call; launch hooks (profilers) want Triton's path.
             self.kernel[grid](*args, **constexprs)
-            return
+            return None
         key = self.key(args, constexprs)
-        entry = self._entries.get(key)
-        if entry is None:
+        binary = self._entries.get(key)
+        if binary is None:
             # Triton tunes, compiles and launches this call; later ones with the key reuse its work.
-            self._remember(key, self.kernel[grid](*args, **constexprs), grid, args, constexprs)
-            return
-        run, function, metadata, grid_x, grid_y, grid_z, tail = entry
-        stream = torch._C._cuda_getCurrentRawStream(key[len(args)])
-        run(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *args, *tail)
+            binary = self._remember(key, self.kernel[grid](*args, **constexprs), grid, args, constexprs)
+        else:
+            binary(args)
+        return binary
 
-    def _remember(self, key, compiled, grid, args, constexprs) -> None:
+    def _remember(self, key, compiled, grid, args, constexprs) -> "Binary | None":
         """The binary, grid and trailing constexprs of the call Triton just made."""
         if hasattr(compiled, "result"):  # an asynchronous compile's future
             compiled = compiled.result()
         named = {**dict(zip(self._arg_names, args)), **constexprs, **self.kernel.best_config.kwargs}
         trailing = self._arg_names[len(args):]
         if compiled is None or any(name not in named for name in trailing):
-            return  # e.g. a parameter left to its default: keep Triton's path
+            return None  # e.g. a parameter left to its default: keep Triton's path
         dims = grid(named) if callable(grid) else grid
-        dims = (*dims, 1, 1)[:3]
-        entry = (compiled.run, compiled.function, compiled.packed_metadata, *dims, tuple(named[n] for n in trailing))
+        binary = Binary(compiled, (*dims, 1, 1)[:3], tuple(named[n] for n in trailing), key[len(args)])
         if len(self._entries) >= _CACHE_SIZE:
             self._entries.clear()
-        self._entries[key] = entry
+        self._entries[key] = binary
+        return binary
+
+
+def hooks_active() -> bool:
+    """Whether a profiler hooked Triton's launches (then every launch takes Triton's path)."""
+    return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
+
+
+class Binary:
+    """One compiled kernel with its grid and trailing constexprs: `binary(args)` launches it
+    on the current stream of its device, through the C function Triton's launcher ends with
+    (its Python wrapper only allocates scratch memory, which these kernels do not use)."""
+
+    __slots__ = ("device", "_launch", "_grid", "_head", "_tail")
+
+    def __init__(self, compiled, grid: tuple[int, int, int], tail: tuple, device: int):
+        self.device = device
+        self._grid = grid
+        self._tail = tail
+        run = compiled.run
+        meta = (compiled.packed_metadata, None, None, None)  # launch metadata, enter and exit hooks
+        if getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0 \
+                and hasattr(run, "launch"):
+            self._launch = run.launch
+            self._head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, *meta)
+        else:
+            self._launch = run
+            self._head = (compiled.function, *meta)
+
+    def __call__(self, args) -> None:
+        x, y, z = self._grid
+        self._launch(x, y, z, torch._C._cuda_getCurrentRawStream(self.device), *self._head, *args, *self._tail)

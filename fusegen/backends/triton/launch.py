@@ -29,7 +29,8 @@ from .interpreter import (
     patch_libdevice,
     patch_scalar_index,
 )
-from .cached_launcher import CachedLauncher
+from .cached_launcher import CachedLauncher, hooks_active
+from .kernel_lib import sum_partials_kernel
 
 if is_interpreting():  # every generated module imports this one before its kernels run
     patch_bfloat16_rounding()
@@ -61,6 +62,106 @@ class RowKernels(Kernels):
         return _BoundRows(self, op)
 
 
+class Slot:
+    """Where a per-call tensor goes in a prepared argument list: `values[index]`."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class Launch:
+    """One kernel's launch for one kind of call (shapes, strides, dtypes, params, alignment),
+    worked out once: the argument list with a `Slot` for each tensor that changes from call
+    to call, the grid, and after the first launch the binary itself. `launch(values)` fills
+    the slots and launches; it holds no tensor between calls.
+
+    Launching the remembered binary directly is safe because everything its key depends on
+    is fixed by the kind of call, except the alignment of tensors allocated per call
+    (outputs, gradient buffers, copies, seeds), which torch's allocator and the seed batches
+    keep 16-byte aligned."""
+
+    __slots__ = ("_launcher", "_grid", "_template", "_slots", "_copies", "_constexprs", "_binary")
+
+    def __init__(self, launcher, grid, template: list, copies: tuple = (), constexprs: dict | None = None):
+        self._launcher, self._grid, self._template = launcher, grid, template
+        self._slots = tuple((position, a.index) for position, a in enumerate(template) if type(a) is Slot)
+        self._copies = copies  # (value index, problem, chunks): a broadcast whose [M, N] view is a copy
+        self._constexprs = constexprs or {}
+        self._binary = None
+
+    def __call__(self, values: tuple) -> None:
+        if self._copies:
+            values = list(values)
+            for i, problem, chunks in self._copies:
+                values[i] = view_2d(values[i], problem, chunks)[0]
+        args = self._template.copy()
+        binary = self._binary
+        if binary is not None and torch._C._cuda_getDevice() == binary.device and not hooks_active():
+            # Addresses, not tensors: Triton's C launcher then skips asking the driver about
+            # each pointer (the devices were checked when this kind of call was prepared).
+            for position, i in self._slots:
+                value = values[i]
+                args[position] = None if value is None else value.data_ptr()
+            binary(args)
+            return
+        for position, i in self._slots:
+            args[position] = values[i]
+        self._binary = self._launcher.launch(self._grid, args, self._constexprs)
+
+
+class _Tile:
+    """A kernel launched with a given tile, not the autotuner (tests check every tile)."""
+
+    def __init__(self, kernel):
+        self.fn = kernel.fn
+
+    def launch(self, grid, args, constexprs) -> None:
+        self.fn[grid](*args, **constexprs)
+
+
+_SUM_PARTIALS = CachedLauncher(sum_partials_kernel)
+
+
+def _sum_partials(target: GradTarget) -> Launch | None:
+    """For a gradient the backward kernel leaves as partial sums ([R, N]: kinds "rows" and
+    "columns"), the launch that sums them into the gradient, in its dtype: one small kernel,
+    where torch's sum, reshape and cast cost three launches' host time."""
+    if target is None or target.kind not in ("rows", "columns"):
+        return None
+    r, n = target.buffer_shape
+    return Launch(_SUM_PARTIALS, lambda meta: (tuning.cdiv(n, meta["BLOCK_N"]),), [Slot(0), Slot(1), r, n])
+
+
+class PreparedBackward:
+    """The backward kernel's launch for one kind of call, and where it writes each gradient:
+    `prepared(tensors, grads, seed, saved)` gives the gradients of the inputs it was
+    prepared for, in input order."""
+
+    __slots__ = ("_launch", "_targets", "_sums")
+
+    def __init__(self, launch: Launch | None, targets: list):
+        self._launch, self._targets = launch, targets
+        self._sums = [_sum_partials(t) if launch is not None else None for t in targets]
+
+    def __call__(self, tensors, grads, seed, saved) -> list[torch.Tensor]:
+        buffers = [None if t is None else t.new_buffer() for t in self._targets]
+        if self._launch is not None:
+            self._launch((*tensors, *grads, *buffers, saved, seed))
+        results = []
+        for target, buffer, sums in zip(self._targets, buffers, self._sums):
+            if target is None:
+                continue
+            if sums is None:
+                results.append(target.result(buffer))
+            else:
+                result = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                sums((buffer, result))
+                results.append(result)
+        return results
+
+
 class _Bound:
     def __init__(self, kernels: Kernels, op):
         inputs = [i.name for i in op.inputs]
@@ -82,6 +183,36 @@ class _Bound:
     def check_device(self, device: torch.device) -> None:
         check_runs_off_cuda(self.op.name, device, self.forward_kernel)
 
+    # -- the calls that tests and the slow path make: prepare, then launch once ---------
+
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
+        """`tile` (BLOCK_M, BLOCK_N): launch the kernel itself with that tile, not the
+        autotuner (tests use it to check every tile computes the same). Pointwise kernels
+        keep nothing for the backward: `saved` is None."""
+        if call.problem.launches:
+            self.prepare_forward(call, tensors, tile)((*tensors, *outputs, saved, seed))
+
+    def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
+                 rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
+        """The gradients of the inputs flagged in `needs` (a flag per input), in input order."""
+        return self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program)(tensors, grads, seed, saved)
+
+    # -- preparing: once per kind of call ------------------------------------------------
+
+    @staticmethod
+    def _views(problem, tensors, chunks, values):
+        """The [M, N] views' argument triples (a slot for values[k], then the strides) of
+        tensors[k], the copies among them (a broadcast whose view is a copy, made per call),
+        and the views themselves (for INDEX_64)."""
+        args, copies, views = [], [], []
+        for tensor, chunk, value in zip(tensors, chunks, values):
+            view = view_2d(tensor, problem, chunk)
+            if view[0] is not tensor:
+                copies.append((value, problem, chunk))
+            views.append(view)
+            args += [Slot(value), view[1], view[2]]
+        return args, copies, views
+
     def _common(self, call, seed) -> list:
         """M, N, M_BUCKET, the params, the seed and the dropout flags: what both kernels take."""
         problem, params = call.problem, call.params
@@ -95,39 +226,61 @@ class _Bound:
             args += [call.has_dropout, problem.n % 4 == 0]  # HAS_DROPOUT, DROPOUT_WHOLE_GROUPS
         return args
 
-    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
-        """`tile` (BLOCK_M, BLOCK_N): launch the kernel itself with that tile, not the
-        autotuner (tests use it to check every tile computes the same). Pointwise kernels
-        keep nothing for the backward: `saved` is None."""
+    def _forward_args(self, call, tensors) -> tuple[list, tuple]:
+        """The forward's arguments up to COMPUTE_FP64, with slots for the values
+        (*tensors, *outputs, saved, seed), and the copies among the views."""
         problem = call.problem
-        args = self._forward_args(call, tensors, outputs, seed, ())
-        m, n = problem.m, problem.n
-        if tile is not None:
-            grid = (tuning.cdiv(m, tile[0]), tuning.cdiv(n, tile[1]))
-            self.forward_kernel.fn[grid](*args, BLOCK_M=tile[0], BLOCK_N=tile[1])
-            return
-        self._forward[lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]), tuning.cdiv(n, meta["BLOCK_N"]))](*args)
-
-    def _forward_args(self, call, tensors, outputs, seed, extra) -> list:
-        """The forward's arguments up to COMPUTE_FP64: views, outputs, `extra` buffers, the rest."""
-        problem = call.problem
-        views, args = [], []
-        for tensor, chunks in zip(tensors, self._chunks):
-            view = view_2d(tensor, problem, chunks)
-            views.append(view)
-            args += view
-        args += outputs
-        args += extra
-        args += self._common(call, seed)
+        count, outputs = len(tensors), len(self.op.outputs)
+        args, copies, views = self._views(problem, tensors, self._chunks, range(count))
+        args += [Slot(count + j) for j in range(outputs)]
+        args += self._extra_forward_args(count + outputs)
+        args += self._common(call, Slot(count + outputs + 1))
         args += [self._index_64(problem, views), problem.compute_dtype == torch.float64]
-        return args
+        return args, tuple(copies)
+
+    def _extra_forward_args(self, saved: int) -> list:
+        return []  # pointwise kernels keep nothing for the backward
 
     def _index_64(self, problem, views) -> bool:
         return needs_int64(problem, views)
 
-    def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
-        """The gradients of the inputs flagged in `needs` (a flag per input), in input order."""
+    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None) -> Launch:
+        """The forward's launch for calls like this one: `launch((*tensors, *outputs, saved, seed))`."""
+        problem = call.problem
+        m, n = problem.m, problem.n
+        args, copies = self._forward_args(call, tensors)
+        if tile is not None:
+            grid = (tuning.cdiv(m, tile[0]), tuning.cdiv(n, tile[1]))
+            return Launch(_Tile(self.forward_kernel), grid, args, copies, {"BLOCK_M": tile[0], "BLOCK_N": tile[1]})
+        return Launch(self._forward, lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]), tuning.cdiv(n, meta["BLOCK_N"])),
+                      args, copies)
+
+    def _backward_args(self, call, tensors, grads, targets) -> tuple[list, tuple]:
+        """The backward's arguments up to its gradient flags, with slots for the values
+        (*tensors, *grads, *gradient buffers, saved, seed)."""
+        problem = call.problem
+        count = len(tensors)
+        reads = self._reads
+        args, copies, views = self._views(problem, [tensors[i] for i in reads], [self._chunks[i] for i in reads], reads)
+        grad_args, grad_copies, grad_views = self._views(
+            problem, grads, [1] * len(grads), range(count, count + len(grads))
+        )
+        args += grad_args
+        args += [Slot(count + len(grads) + k) for k in range(len(targets))]
+        args += self._extra_backward_args(count + len(grads) + len(targets))
+        args += self._common(call, Slot(count + len(grads) + len(targets) + 1))
+        args += [self._index_64(problem, views + grad_views), problem.compute_dtype == torch.float64]
+        for target, one in zip(targets, self._one_per_row):
+            args += [target is not None, target is not None and target.kind == "rows"]
+            if one:
+                args.append(target is not None and target.kind == "columns")
+        return args, (*copies, *grad_copies)
+
+    def _extra_backward_args(self, saved: int) -> list:
+        return []
+
+    def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
+                         rows_per_program: int | None = None) -> PreparedBackward:
         problem = call.problem
         m, n = problem.m, problem.n
         bucket = tuning.m_bucket(m)
@@ -138,98 +291,87 @@ class _Bound:
             width = tile[1] if tile is not None else tuning.narrowest_backward_block_n(bucket, n, rows)
             column_tiles = tuning.cdiv(n, width)
         targets = [
-            GradTarget(tensors[i], problem, tuning.cdiv(m, rows), column_tiles, self._chunks[i], one)
+            GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), column_tiles, self._chunks[i], one)
             if needs[i] else None
             for i, one in zip(self._gradients, self._one_per_row)
         ]
-        if problem.launches:
-            views = [view_2d(tensors[i], problem, self._chunks[i]) for i in self._reads]
-            grad_views = [view_2d(g, problem) for g in grads]
-            args = [*(a for view in views + grad_views for a in view)]
-            args += [None if t is None else t.buffer for t in targets]
-            args += self._common(call, seed)
-            args += [self._index_64(problem, views + grad_views), problem.compute_dtype == torch.float64]
-            for target, one in zip(targets, self._one_per_row):
-                args += [target is not None, target is not None and target.kind == "rows"]
-                if one:
-                    args.append(target is not None and target.kind == "columns")
-            args.append(rows)
-            if tile is not None:
-                grid = (tuning.cdiv(m, rows), tuning.cdiv(n, tile[1]))
-                self.backward_kernel.fn[grid](*args, BLOCK_M=tile[0], BLOCK_N=tile[1])
-            else:
-                self._backward[lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta["BLOCK_N"]))](*args)
-        return [t.result() for t in targets if t is not None]
+        if not problem.launches:
+            return PreparedBackward(None, targets)
+        args, copies = self._backward_args(call, tensors, grads, targets)
+        args.append(rows)
+        if tile is not None:
+            grid = (tuning.cdiv(m, rows), tuning.cdiv(n, tile[1]))
+            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {"BLOCK_M": tile[0], "BLOCK_N": tile[1]})
+        else:
+            launch = Launch(self._backward, lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta["BLOCK_N"])),
+                            args, copies)
+        return PreparedBackward(launch, targets)
 
 
 class _BoundRows(_Bound):
     def __init__(self, kernels: Kernels, op):
         super().__init__(kernels, op)
         self.statistics = kernels.statistics
-        self._block_n: dict[tuple[int, bool], int] = {}  # by (N, backward): this runs every launch
-
-    def block_n(self, n: int, backward: bool = False) -> int:
-        key = (n, backward)
-        if key not in self._block_n:
-            self._block_n[key] = tuning.row_block_n(n, backward)
-        return self._block_n[key]
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
-        problem = call.problem
         if saved is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
-            saved = self._saved_buffer(problem)
-        args = self._forward_args(call, tensors, outputs, seed, (saved,))
-        m, n = problem.m, problem.n
-        block_n = tile[1] if tile is not None else self.block_n(n)
-        args += [block_n, block_n >= n]  # BLOCK_N, ONE_TILE
-        if tile is not None:
-            self.forward_kernel.fn[(tuning.cdiv(m, tile[0]),)](*args, BLOCK_M=tile[0])
-            return
-        self._forward[lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]),)](*args)
+            saved = self._saved_buffer(call.problem)
+        super().forward(call, tensors, outputs, seed, tile, saved)
 
     def _saved_buffer(self, problem) -> torch.Tensor:
         return torch.empty((problem.m, self.statistics), dtype=problem.compute_dtype, device=problem.device)
+
+    def _extra_forward_args(self, saved: int) -> list:
+        return [Slot(saved)]  # each row's reductions, [M, statistics]
+
+    _extra_backward_args = _extra_forward_args
 
     def _index_64(self, problem, views) -> bool:
         """Some offset reaches 2**31: in a tensor, or in the [M, statistics] buffer."""
         return needs_int64(problem, views) or problem.m * self.statistics >= INT32_LIMIT
 
+    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None) -> Launch:
+        problem = call.problem
+        m, n = problem.m, problem.n
+        args, copies = self._forward_args(call, tensors)
+        block_n = tile[1] if tile is not None else tuning.row_block_n(n)
+        args += [block_n, block_n >= n]  # BLOCK_N, ONE_TILE
+        if tile is not None:
+            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]),), args, copies, {"BLOCK_M": tile[0]})
+        return Launch(self._forward, lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]),), args, copies)
+
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
                  rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
         problem = call.problem
-        m, n = problem.m, problem.n
         if saved is None and self.statistics and problem.launches:
             # No forward's statistics at hand (tests launching the kernel): a forward makes them.
             saved = self._saved_buffer(problem)
             outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
                        for i in range(len(self.op.outputs))]
             self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
+        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, saved)
+
+    def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
+                         rows_per_program: int | None = None) -> PreparedBackward:
+        problem = call.problem
+        m, n = problem.m, problem.n
         summed = any(needs[i] and GradTarget.kind_of(tensors[i], problem, self._chunks[i]) == "rows"
                      for i in self._gradients)
         # Many rows a program only where a gradient is summed over rows: fewer partial sums.
         rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)
         # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
         targets = [
-            GradTarget(tensors[i], problem, tuning.cdiv(m, rows), 1, self._chunks[i], one) if needs[i] else None
+            GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), 1, self._chunks[i], one) if needs[i] else None
             for i, one in zip(self._gradients, self._one_per_row)
         ]
-        if problem.launches:
-            views = [view_2d(tensors[i], problem, self._chunks[i]) for i in self._reads]
-            grad_views = [view_2d(g, problem) for g in grads]
-            args = [*(a for view in views + grad_views for a in view)]
-            args += [None if t is None else t.buffer for t in targets]
-            args.append(saved)
-            args += self._common(call, seed)
-            args += [self._index_64(problem, views + grad_views), problem.compute_dtype == torch.float64]
-            for target, one in zip(targets, self._one_per_row):
-                args += [target is not None, target is not None and target.kind == "rows"]
-                if one:
-                    args.append(target is not None and target.kind == "columns")
-            block_n = tile[1] if tile is not None else self.block_n(n, backward=True)
-            args += [rows, block_n, block_n >= n]  # ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE
-            if tile is not None:
-                self.backward_kernel.fn[(tuning.cdiv(m, rows),)](*args, BLOCK_M=tile[0])
-            else:
-                self._backward[(tuning.cdiv(m, rows),)](*args)
-        return [t.result() for t in targets if t is not None]
-
+        if not problem.launches:
+            return PreparedBackward(None, targets)
+        args, copies = self._backward_args(call, tensors, grads, targets)
+        block_n = tile[1] if tile is not None else tuning.row_block_n(n, backward=True)
+        args += [rows, block_n, block_n >= n]  # ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE
+        grid = (tuning.cdiv(m, rows),)
+        if tile is not None:
+            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {"BLOCK_M": tile[0]})
+        else:
+            launch = Launch(self._backward, grid, args, copies)
+        return PreparedBackward(launch, targets)

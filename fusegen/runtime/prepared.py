@@ -1,0 +1,92 @@
+"""An eager call's path, worked out once per kind of call.
+
+A training loop calls an op with a few kinds of argument over and over: the same shapes,
+strides, dtypes and params, new data. Everything the checks, views and launch arguments
+decide depends on those alone, so `FusedOp.prepare` keys a `PreparedCall` on them
+(`call_key`) and a call of a known kind goes straight to allocating its outputs and
+launching (docs/benchmarks.md has what that saves).
+
+What the key does not see takes the full path every time: tensor subclasses (torch.compile's
+fake and functional tensors, DTensor), params given as tensors or numpy numbers, out=.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dropout import check_seed, seed_tensor
+
+_PLAIN_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+CACHE_SIZE = 1024
+
+
+def call_key(args: tuple, tensors: int, seed_position: int | None) -> tuple | None:
+    """What a call's checks and launches depend on: each tensor's shape, strides, dtype,
+    device and 16-byte alignment (the compiled kernels specialize on it); each param's type
+    and value, except an explicit seed's value (checked per call). None: a call the prepared
+    path does not take."""
+    key = []
+    for t in args[:tensors]:
+        kind = type(t)
+        if kind is not _PLAIN_TENSOR and kind is not _PARAMETER:
+            return None
+        key.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15))
+    for position in range(tensors, len(args)):
+        value = args[position]
+        if position == seed_position:
+            key.append(value is None)
+            continue
+        kind = type(value)
+        if kind is float or kind is int or kind is str or kind is bool or value is None:
+            key.append((kind, value))  # the type too: True == 1, and a bool p is refused
+        else:
+            return None
+    return tuple(key)
+
+
+class PreparedCall:
+    """One kind of call to one op: its checked `Call`, output shapes, the forward kernel's
+    launch and the backward's, by the kind of incoming gradient."""
+
+    __slots__ = ("op", "call", "_tensors", "_output_shapes", "_saved_shape", "_launch", "_backwards")
+
+    def __init__(self, op, call, tensors: tuple):
+        problem = call.problem
+        self.op, self.call = op, call
+        self._tensors = len(tensors)
+        self._output_shapes = [op.output_shape(problem, i) for i in range(len(op.outputs))]
+        self._saved_shape = (problem.m, op.statistics) if op.statistics else None
+        self._launch = op.kernels.prepare_forward(call, tensors) if problem.launches else None
+        self._backwards: dict = {}
+
+    def forward(self, args: tuple, eager: bool = True):
+        """What FusedOp.forward returns: the outputs, the seed tensor (None without dropout)
+        and the statistics kept for the backward (None without)."""
+        call = self.call
+        problem = call.problem
+        device = problem.device
+        seed = None
+        if call.has_dropout:
+            seed = args[-1]
+            seed = seed_tensor(None if seed is None else check_seed(self.op.name, seed), device, eager)
+        dtype = problem.out_dtype
+        outputs = [torch.empty(shape, dtype=dtype, device=device) for shape in self._output_shapes]
+        saved = None
+        if self._saved_shape is not None:
+            saved = torch.empty(self._saved_shape, dtype=problem.compute_dtype, device=device)
+        if self._launch is not None:
+            self._launch((*args[:self._tensors], *outputs, saved, seed))
+        return outputs, seed, saved
+
+    def backward(self, grads: tuple, tensors: tuple, seed, needs, saved) -> list:
+        """The backward kernel's gradients (inputs flagged in `needs`, in input order)."""
+        key = [tuple(needs)]
+        for g in grads:
+            key.append((g.shape, g.stride(), g.dtype, g.data_ptr() & 15))
+        key = tuple(key)
+        prepared = self._backwards.get(key)
+        if prepared is None:
+            if len(self._backwards) >= CACHE_SIZE:
+                self._backwards.clear()
+            prepared = self._backwards[key] = self.op.kernels.prepare_backward(self.call, tensors, grads, needs)
+        return prepared(tensors, grads, seed, saved)
