@@ -97,7 +97,7 @@ class FusedOp:
             else:
                 outputs = outputs[:self._n_outputs]  # then the seed and statistics, kept for the backward
         elif torch.is_grad_enabled() and any_requires_grad(args[:self._n_inputs]):
-            outputs = _Autograd.apply(self, self.prepare(args), *args)
+            outputs = _autograd_apply(self, self.prepare(args), *args)
         else:
             prepared = self.prepare(args)
             outputs = (self.forward(args) if prepared is None else prepared.forward(args))[0]
@@ -295,6 +295,20 @@ class _Autograd(torch.autograd.Function):
         tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
         saved = saved[0] if saved else None
         return (None, None, *_gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared))
+
+
+try:
+    # _Autograd.apply without torch's Python wrapper, which only matters under functorch's
+    # transforms (vmap, grad): several microseconds a call.
+    _C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Autograd)
+except (AttributeError, KeyError):  # another torch: its own apply
+    _C_APPLY = _Autograd.apply
+
+
+def _autograd_apply(*args):
+    if torch._C._are_functorch_transforms_active():
+        return _Autograd.apply(*args)
+    return _C_APPLY(*args)
 
 
 def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, saved=None,

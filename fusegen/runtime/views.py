@@ -26,9 +26,12 @@ def view_2d(tensor: torch.Tensor, problem: Problem, chunks: int = 1) -> tuple[to
     width = problem.n * chunks
     flat = tensor.expand(*problem.shape[:-1], width).reshape(problem.m, width)
     if flat.data_ptr() == tensor.data_ptr() and flat.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        # A view: the kernel reads the tensor itself through these strides (the returned
+        # tensor is `tensor` exactly when no copy was made).
         if len(_VIEW_STRIDES) >= CACHE_SIZE:
             _VIEW_STRIDES.clear()
-        _VIEW_STRIDES[key] = (flat.stride(0), flat.stride(1))
+        _VIEW_STRIDES[key] = strides = (flat.stride(0), flat.stride(1))
+        return tensor, strides[0], strides[1]
     return flat, flat.stride(0), flat.stride(1)
 
 
