@@ -133,3 +133,26 @@ def test_prepared_cuda_launches_across_alignments_dtypes_and_shapes():
                     assert error < (1e-6 if dtype == torch.float32 else 1e-2), (dtype, shape, offset, seed, error)
     launches = [prepared._launch for prepared in op._prepared.values()]
     assert all(launch._binary is not None for launch in launches), "a prepared kind never launched its binary"
+
+
+@pytest.mark.parametrize("limit", [0, 2**18])
+def test_row_summed_gradients_by_either_finisher(monkeypatch, device, limit):
+    """Partial column sums are finished by sum_partials_kernel when small, by torch when large
+    (limit 0 forces torch's here): the same gradients in the input's dtype, either way."""
+    from fusegen.backends.triton import launch
+
+    monkeypatch.setattr(launch, "SUM_PARTIALS_LIMIT", limit)
+    module = op_by_name("bias_gelu").module
+    module._OP._prepared.clear()
+    for dtype in (torch.float32, torch.float16):
+        x = _randn(4, 33, 24, seed=3, device=device, dtype=dtype).requires_grad_(True)
+        bias = _randn(24, seed=4, device=device, dtype=dtype).requires_grad_(True)
+        grad = _randn(4, 33, 24, seed=5, device=device, dtype=dtype)
+        got = torch.autograd.grad(module.bias_gelu(x, bias), (x, bias), grad)
+        leaves = [t.detach().double().requires_grad_(True) for t in (x, bias)]
+        truth = torch.autograd.grad(module.reference(*leaves), leaves, grad.double())
+        assert got[1].dtype == dtype and got[1].shape == bias.shape
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+        for g, t in zip(got, truth):
+            torch.testing.assert_close(g.double(), t, rtol=tolerance, atol=tolerance)
+    module._OP._prepared.clear()

@@ -122,6 +122,7 @@ class _Tile:
 
 
 _SUM_PARTIALS = CachedLauncher(sum_partials_kernel)
+SUM_PARTIALS_LIMIT = 2**18  # partial sums summed by sum_partials_kernel at most (fp32: 1 MiB)
 
 
 def _sum_partials(target: GradTarget) -> Launch | None:
@@ -131,6 +132,8 @@ def _sum_partials(target: GradTarget) -> Launch | None:
     if target is None or target.kind not in ("rows", "columns"):
         return None
     r, n = target.buffer_shape
+    if r * n > SUM_PARTIALS_LIMIT:
+        return None  # large: torch's sum runs at bandwidth (this kernel is a few programs), and host time no longer shows
     return Launch(_SUM_PARTIALS, lambda meta: (tuning.cdiv(n, meta["BLOCK_N"]),), [Slot(0), Slot(1), r, n])
 
 
