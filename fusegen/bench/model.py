@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -140,10 +141,13 @@ class Result:
     model: str
     size: str
     variant: str
-    step_ms: float | None
+    step_ms: float | None  # mean over the timed steps (wall time, one synchronize at the end)
     losses: list[float]
     max_loss_difference: float | None  # against eager's, step by step
     error: str | None = None
+    # The median step, from CUDA events recorded as each step is issued: robust to a few
+    # slow steps (a busy host), which can move the mean of a host-bound run by tens of percent.
+    median_step_ms: float | None = None
 
 
 def _build(model: str, size: dict, p: float, ops, dtype, device) -> nn.Module:
@@ -178,13 +182,21 @@ def run_variant(model: str, size_name: str, variant: str, steps: int, warmup: in
         return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
 
     losses = [step(i) for i in range(warmup)]
-    synchronize = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    on_cuda = str(device).startswith("cuda")
+    synchronize = torch.cuda.synchronize if on_cuda else (lambda: None)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if on_cuda else []
     synchronize()
     start = time.perf_counter()
-    losses += [step(warmup + i) for i in range(steps)]
+    for i in range(steps):
+        if marks:
+            marks[i].record()
+        losses.append(step(warmup + i))
+    if marks:
+        marks[steps].record()
     synchronize()
     step_ms = (time.perf_counter() - start) / steps * 1e3
-    return Result(model, size_name, variant, step_ms, [float(v) for v in losses], None)
+    median = statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) if marks else None
+    return Result(model, size_name, variant, step_ms, [float(v) for v in losses], None, median_step_ms=median)
 
 
 def compare_losses(results: list[Result]) -> None:
@@ -200,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("gpt2", "llama"), action="append", help="default: both")
     parser.add_argument("--size", choices=tuple(SIZES), default="host")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--p", type=float, default=0.1, help="GPT-2's dropout probability (default 0.1)")
     parser.add_argument("--generated", type=Path, default=Path("generated"))
@@ -221,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         compare_losses([r for r in results if r.model == model])
     for r in results:
-        shown = "failed: " + r.error if r.error else f"{r.step_ms:8.2f} ms/step"
+        shown = "failed: " + r.error if r.error else f"{r.step_ms:8.2f} ms/step (median {r.median_step_ms:.2f})"
         difference = "" if r.max_loss_difference is None else f"  max |loss - eager's| {r.max_loss_difference:.3g}"
         print(f"{r.model:6s} {r.size:5s} {r.variant:24s} {shown}{difference}")
     if args.json:
