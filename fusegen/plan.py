@@ -338,3 +338,8 @@ def public_signature(spec: OpSpec, has_dropout: bool) -> str:
     parts = [i.name for i in spec.inputs] + [f"{p.name}={p.default!r}" for p in spec.params]
     parts += ["training=True", "seed=None"] if has_dropout else []
     return ", ".join(parts + ["*", "out=None"])
+
+
+def op_signature(spec: OpSpec, has_dropout: bool) -> str:
+    """The op's own parameters: `reference`'s, and the backward's memory choice."""
+    return public_signature(spec, has_dropout) + ", inplace_backward=False"

@@ -25,9 +25,9 @@ ELLIPSIS = "..."
 CHUNKED_DIM = re.compile(r"([2-9]|[1-9][0-9])([A-Za-z_][A-Za-z0-9_]*)")  # 2 to 99 chunks
 
 
-# Names the op's public signature uses: out= on every op, training and seed on ops with
-# dropout (refused for all, so that adding a dropout to a spec never renames an argument).
-SIGNATURE_NAMES = frozenset({"out", "training", "seed"})
+# Names the op's public signature uses: out= and inplace_backward= on every op, training and
+# seed on ops with dropout (refused for all, so that adding a dropout never renames an argument).
+SIGNATURE_NAMES = frozenset({"out", "inplace_backward", "training", "seed"})
 # Names a generated module defines beside the op itself, whatever its backend.
 MODULE_NAMES = frozenset({"reference", "eager"})
 
@@ -348,7 +348,9 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
     return name
 
 
-_SIGNATURE_USE = {"out": "out=", "training": "dropout's training=", "seed": "dropout's seed="}
+_SIGNATURE_USE = {
+    "out": "out=", "inplace_backward": "inplace_backward=", "training": "dropout's training=", "seed": "dropout's seed="
+}
 
 
 class _Names:

@@ -2,7 +2,8 @@
 # spec sha256: a1e3d77fd4bd4c425a481ce3949b494ab52e1daddd0bffde0a8958e90758837f
 """y = activation(x + multiplier * inp + bias)
 
-    add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None)
+    add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None,
+        inplace_backward=False)
     AddMulActivation(multiplier=1.0, activation='relu')(x, inp, bias): the same, as a
         torch.nn.Module
 
@@ -19,6 +20,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -289,14 +296,23 @@ _OP = runtime.FusedOp(
 )
 
 
-def add_mul_activation(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
+def add_mul_activation(
+    x,
+    inp,
+    bias,
+    multiplier=1.0,
+    activation='relu',
+    *,
+    out=None,
+    inplace_backward=False,
+):
     """y = activation(x + multiplier * inp + bias)
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::add_mul_activation.
     """
-    return _OP(x, inp, bias, multiplier, activation, out=out)
+    return _OP(x, inp, bias, multiplier, activation, out=out, inplace_backward=inplace_backward)
 
 
 class AddMulActivation(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: 632bfe56e7ef4e608e57e41065f942bec335e19752f6a612bb58beb78906451e
 """y = relu(x + other)
 
-    add_relu(x, other, *, out=None)
+    add_relu(x, other, *, out=None, inplace_backward=False)
     AddRelu()(x, other): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], other [..., N]
@@ -15,6 +15,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -169,14 +175,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def add_relu(x, other, *, out=None):
+def add_relu(x, other, *, out=None, inplace_backward=False):
     """y = relu(x + other)
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::add_relu.
     """
-    return _OP(x, other, out=out)
+    return _OP(x, other, out=out, inplace_backward=inplace_backward)
 
 
 class AddRelu(torch.nn.Module):

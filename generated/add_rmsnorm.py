@@ -2,7 +2,7 @@
 # spec sha256: b4610b69da866bcf9f27a2def17be0632ef44369b299e6395ad28f4b1bc12ed4
 """h = x + residual; y = rmsnorm(h) * weight
 
-    add_rmsnorm(x, residual, weight, eps=1e-06, *, out=None)
+    add_rmsnorm(x, residual, weight, eps=1e-06, *, out=None, inplace_backward=False)
     AddRmsnorm(eps=1e-06)(x, residual, weight): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], residual [..., N], weight [N]
@@ -19,6 +19,12 @@ per-row reductions and writes every input gradient in one pass; gradients of inp
 broadcast along rows are summed per program in fp32 and then across programs, in a fixed
 order (no atomics). Memory: saved for backward are the inputs and each row's reductions
 (fp32, [M, reductions]), nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -440,14 +446,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def add_rmsnorm(x, residual, weight, eps=1e-06, *, out=None):
+def add_rmsnorm(x, residual, weight, eps=1e-06, *, out=None, inplace_backward=False):
     """h = x + residual; y = rmsnorm(h) * weight
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::add_rmsnorm.
     """
-    return _OP(x, residual, weight, eps, out=out)
+    return _OP(x, residual, weight, eps, out=out, inplace_backward=inplace_backward)
 
 
 class AddRmsnorm(torch.nn.Module):

@@ -2,7 +2,8 @@
 # spec sha256: 73e65ee990ec2675f6278b599e11db03b824459a814518a1d522496fcae3f52e
 """y = dropout(x + bias, p) + residual
 
-    bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None, *, out=None)
+    bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None, *, out=None,
+        inplace_backward=False)
     BiasDropoutAdd(p=0.1)(x, bias, residual): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N], residual [..., N]
@@ -26,6 +27,12 @@ fixed order (no atomics). Memory: saved for backward are the inputs and the seed
 nothing else: no mask, no intermediates.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -229,14 +236,24 @@ _OP = runtime.FusedOp(
 )
 
 
-def bias_dropout_add(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):
+def bias_dropout_add(
+    x,
+    bias,
+    residual,
+    p=0.1,
+    training=True,
+    seed=None,
+    *,
+    out=None,
+    inplace_backward=False,
+):
     """y = dropout(x + bias, p) + residual
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::bias_dropout_add.
     """
-    return _OP(x, bias, residual, p, training, seed, out=out)
+    return _OP(x, bias, residual, p, training, seed, out=out, inplace_backward=inplace_backward)
 
 
 class BiasDropoutAdd(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: 68aea0b2f997b20bcb9b4978ded92c463b6fac4d36f861ef08afe3d43a3b617f
 """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 
-    bias_gelu(x, bias, activation='gelu', *, out=None)
+    bias_gelu(x, bias, activation='gelu', *, out=None, inplace_backward=False)
     BiasGelu(activation='gelu')(x, bias): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N]
@@ -16,6 +16,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -219,14 +225,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def bias_gelu(x, bias, activation='gelu', *, out=None):
+def bias_gelu(x, bias, activation='gelu', *, out=None, inplace_backward=False):
     """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::bias_gelu.
     """
-    return _OP(x, bias, activation, out=out)
+    return _OP(x, bias, activation, out=out, inplace_backward=inplace_backward)
 
 
 class BiasGelu(torch.nn.Module):

@@ -3,7 +3,7 @@
 """y = dropout(activation(x + bias), p) + residual
 
     bias_gelu_dropout_add(x, bias, residual, p=0.1, activation='gelu_tanh', training=True,
-        seed=None, *, out=None)
+        seed=None, *, out=None, inplace_backward=False)
     BiasGeluDropoutAdd(p=0.1, activation='gelu_tanh')(x, bias, residual): the same, as a
         torch.nn.Module
 
@@ -30,6 +30,12 @@ fixed order (no atomics). Memory: saved for backward are the inputs and the seed
 nothing else: no mask, no intermediates.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -328,6 +334,7 @@ def bias_gelu_dropout_add(
     seed=None,
     *,
     out=None,
+    inplace_backward=False,
 ):
     """y = dropout(activation(x + bias), p) + residual
 
@@ -335,7 +342,9 @@ def bias_gelu_dropout_add(
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::bias_gelu_dropout_add.
     """
-    return _OP(x, bias, residual, p, activation, training, seed, out=out)
+    return _OP(
+        x, bias, residual, p, activation, training, seed, out=out, inplace_backward=inplace_backward
+    )
 
 
 class BiasGeluDropoutAdd(torch.nn.Module):

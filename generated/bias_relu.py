@@ -2,7 +2,7 @@
 # spec sha256: cb1538f9faa11cfbbef8ee62d4895b3c3e6bfe92d656ac0c6c1afddbd5f15054
 """y = relu(x + bias)
 
-    bias_relu(x, bias, *, out=None)
+    bias_relu(x, bias, *, out=None, inplace_backward=False)
     BiasRelu()(x, bias): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], bias [N]
@@ -15,6 +15,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -168,14 +174,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def bias_relu(x, bias, *, out=None):
+def bias_relu(x, bias, *, out=None, inplace_backward=False):
     """y = relu(x + bias)
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::bias_relu.
     """
-    return _OP(x, bias, out=out)
+    return _OP(x, bias, out=out, inplace_backward=inplace_backward)
 
 
 class BiasRelu(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: 22f3c1424ad40f4ddaf983821cdab1fa1c129791e54da90af110061be021ee16
 """y = silu(a) * b, where x + bias = [a, b] along the last dim
 
-    bias_swiglu(x, bias, *, out=None)
+    bias_swiglu(x, bias, *, out=None, inplace_backward=False)
     BiasSwiglu()(x, bias): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., 2N], bias [2N]
@@ -15,6 +15,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -227,14 +233,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def bias_swiglu(x, bias, *, out=None):
+def bias_swiglu(x, bias, *, out=None, inplace_backward=False):
     """y = silu(a) * b, where x + bias = [a, b] along the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::bias_swiglu.
     """
-    return _OP(x, bias, out=out)
+    return _OP(x, bias, out=out, inplace_backward=inplace_backward)
 
 
 class BiasSwiglu(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: be137ecc907b33e6c5dcb0150ac8164d210c11588561082461aff2dcb2182747
 """y = activation(a) * b, where x = [a, b] along the last dim
 
-    geglu(x, activation='gelu_tanh', *, out=None)
+    geglu(x, activation='gelu_tanh', *, out=None, inplace_backward=False)
     Geglu(activation='gelu_tanh')(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., 2N]
@@ -17,6 +17,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -215,14 +221,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def geglu(x, activation='gelu_tanh', *, out=None):
+def geglu(x, activation='gelu_tanh', *, out=None, inplace_backward=False):
     """y = activation(a) * b, where x = [a, b] along the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::geglu.
     """
-    return _OP(x, activation, out=out)
+    return _OP(x, activation, out=out, inplace_backward=inplace_backward)
 
 
 class Geglu(torch.nn.Module):

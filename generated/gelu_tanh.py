@@ -2,7 +2,7 @@
 # spec sha256: 1f88de76d038909bdd1dadfb7c80bbd1e4dfc9e7de0d2739f9994dfc59fe8c5a
 """y = gelu_tanh(x), the tanh approximation of GELU
 
-    gelu_tanh(x, *, out=None)
+    gelu_tanh(x, *, out=None, inplace_backward=False)
     GeluTanh()(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [...]
@@ -15,6 +15,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -144,14 +150,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def gelu_tanh(x, *, out=None):
+def gelu_tanh(x, *, out=None, inplace_backward=False):
     """y = gelu_tanh(x), the tanh approximation of GELU
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::gelu_tanh.
     """
-    return _OP(x, out=out)
+    return _OP(x, out=out, inplace_backward=inplace_backward)
 
 
 class GeluTanh(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: 90c193ac539f67aea6f92a459e6d77abdf34ccb8fb74cbeba84a535cf5551128
 """y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias, over the last dim
 
-    layernorm(x, weight, bias, eps=1e-05, *, out=None)
+    layernorm(x, weight, bias, eps=1e-05, *, out=None, inplace_backward=False)
     Layernorm(eps=1e-05)(x, weight, bias): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], weight [N], bias [N]
@@ -19,6 +19,12 @@ per-row reductions and writes every input gradient in one pass; gradients of inp
 broadcast along rows are summed per program in fp32 and then across programs, in a fixed
 order (no atomics). Memory: saved for backward are the inputs and each row's reductions
 (fp32, [M, reductions]), nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -419,14 +425,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def layernorm(x, weight, bias, eps=1e-05, *, out=None):
+def layernorm(x, weight, bias, eps=1e-05, *, out=None, inplace_backward=False):
     """y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias, over the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::layernorm.
     """
-    return _OP(x, weight, bias, eps, out=out)
+    return _OP(x, weight, bias, eps, out=out, inplace_backward=inplace_backward)
 
 
 class Layernorm(torch.nn.Module):

@@ -3,7 +3,7 @@
 """y = dropout(layer_norm(x + bias) * gamma + beta, p) + residual
 
     layernorm_dropout_add(x, bias, gamma, beta, residual, eps=1e-05, p=0.1, training=True,
-        seed=None, *, out=None)
+        seed=None, *, out=None, inplace_backward=False)
     LayernormDropoutAdd(eps=1e-05, p=0.1)(x, bias, gamma, beta, residual): the same, as a
         torch.nn.Module
 
@@ -33,6 +33,12 @@ the inputs and the seed tensor and each row's reductions (fp32, [M, reductions])
 else: no mask, no intermediates.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -642,6 +648,7 @@ def layernorm_dropout_add(
     seed=None,
     *,
     out=None,
+    inplace_backward=False,
 ):
     """y = dropout(layer_norm(x + bias) * gamma + beta, p) + residual
 
@@ -649,7 +656,19 @@ def layernorm_dropout_add(
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::layernorm_dropout_add.
     """
-    return _OP(x, bias, gamma, beta, residual, eps, p, training, seed, out=out)
+    return _OP(
+        x,
+        bias,
+        gamma,
+        beta,
+        residual,
+        eps,
+        p,
+        training,
+        seed,
+        out=out,
+        inplace_backward=inplace_backward,
+    )
 
 
 class LayernormDropoutAdd(torch.nn.Module):

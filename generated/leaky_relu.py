@@ -2,7 +2,7 @@
 # spec sha256: 69a9ddab54d5185fcadc02b0f7c7ecc4f90f75be839a243a818f36fa00854695
 """y = x if x > 0 else slope * x
 
-    leaky_relu(x, slope=0.01, *, out=None)
+    leaky_relu(x, slope=0.01, *, out=None, inplace_backward=False)
     LeakyRelu(slope=0.01)(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [...]
@@ -16,6 +16,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -145,14 +151,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def leaky_relu(x, slope=0.01, *, out=None):
+def leaky_relu(x, slope=0.01, *, out=None, inplace_backward=False):
     """y = x if x > 0 else slope * x
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::leaky_relu.
     """
-    return _OP(x, slope, out=out)
+    return _OP(x, slope, out=out, inplace_backward=inplace_backward)
 
 
 class LeakyRelu(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: 884ce8b3742b9c27ee4d41771bc3431938ebeb043e7f701a3662493c5fc32aa1
 """y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
 
-    log_softmax(x, *, out=None)
+    log_softmax(x, *, out=None, inplace_backward=False)
     LogSoftmax()(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N]
@@ -18,6 +18,12 @@ per-row reductions and writes every input gradient in one pass; gradients of inp
 broadcast along rows are summed per program in fp32 and then across programs, in a fixed
 order (no atomics). Memory: saved for backward are the inputs and each row's reductions
 (fp32, [M, reductions]), nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -265,14 +271,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def log_softmax(x, *, out=None):
+def log_softmax(x, *, out=None, inplace_backward=False):
     """y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::log_softmax.
     """
-    return _OP(x, out=out)
+    return _OP(x, out=out, inplace_backward=inplace_backward)
 
 
 class LogSoftmax(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: 5b53fd76330d5f07682368487558719e201ea4935ee04439b3380afdbb6620e5
 """y = x * sigmoid(1.702 * x)
 
-    quick_gelu(x, *, out=None)
+    quick_gelu(x, *, out=None, inplace_backward=False)
     QuickGelu()(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [...]
@@ -15,6 +15,12 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -136,14 +142,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def quick_gelu(x, *, out=None):
+def quick_gelu(x, *, out=None, inplace_backward=False):
     """y = x * sigmoid(1.702 * x)
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::quick_gelu.
     """
-    return _OP(x, out=out)
+    return _OP(x, out=out, inplace_backward=inplace_backward)
 
 
 class QuickGelu(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: 45a7f5f875b9e23fef110bec2713c4309eb080ea3e2d481138fafe7c50c7f136
 """y = x * rsqrt(mean(x**2) + eps) * weight, over the last dim
 
-    rmsnorm(x, weight, eps=1e-06, *, out=None)
+    rmsnorm(x, weight, eps=1e-06, *, out=None, inplace_backward=False)
     Rmsnorm(eps=1e-06)(x, weight): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], weight [N]
@@ -19,6 +19,12 @@ per-row reductions and writes every input gradient in one pass; gradients of inp
 broadcast along rows are summed per program in fp32 and then across programs, in a fixed
 order (no atomics). Memory: saved for backward are the inputs and each row's reductions
 (fp32, [M, reductions]), nothing else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -328,14 +334,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def rmsnorm(x, weight, eps=1e-06, *, out=None):
+def rmsnorm(x, weight, eps=1e-06, *, out=None, inplace_backward=False):
     """y = x * rsqrt(mean(x**2) + eps) * weight, over the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::rmsnorm.
     """
-    return _OP(x, weight, eps, out=out)
+    return _OP(x, weight, eps, out=out, inplace_backward=inplace_backward)
 
 
 class Rmsnorm(torch.nn.Module):

@@ -2,7 +2,7 @@
 # spec sha256: 65e4be2564262787f6583f12fe81233e1ce12ffd91fa80b0e26843e02543766e
 """y = x * scale + residual, with one scale per row
 
-    scale_add(x, scale, residual, *, out=None)
+    scale_add(x, scale, residual, *, out=None, inplace_backward=False)
     ScaleAdd()(x, scale, residual): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], scale [..., 1], residual [..., N]
@@ -17,6 +17,12 @@ in fp32 and then across programs, in a fixed order (no atomics). Memory: saved f
 are the inputs, nothing else: no mask, no intermediates.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -193,14 +199,14 @@ _OP = runtime.FusedOp(
 )
 
 
-def scale_add(x, scale, residual, *, out=None):
+def scale_add(x, scale, residual, *, out=None, inplace_backward=False):
     """y = x * scale + residual, with one scale per row
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::scale_add.
     """
-    return _OP(x, scale, residual, out=out)
+    return _OP(x, scale, residual, out=out, inplace_backward=inplace_backward)
 
 
 class ScaleAdd(torch.nn.Module):

@@ -4,7 +4,7 @@
 """y = dropout(softmax(x * scale + mask), p), softmax over the last dim
 
     scaled_masked_softmax_dropout(x, mask, scale=1.0, p=0.1, training=True, seed=None, *,
-        out=None)
+        out=None, inplace_backward=False)
     ScaledMaskedSoftmaxDropout(scale=1.0, p=0.1)(x, mask): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], mask [..., N]
@@ -30,6 +30,12 @@ gradient in one pass; gradients of inputs broadcast along rows are summed per pr
 fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
 the inputs and the seed tensor and each row's reductions (fp32, [M, reductions]), nothing
 else: no mask, no intermediates.
+
+inplace_backward=True: the eager backward writes an input's gradient into that input's own
+memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
+for an input nothing reads after this op's backward, such as a Linear's output fed to this
+op alone. Leaves (parameters) and views are never written, and the input's version counter
+is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
@@ -479,14 +485,24 @@ _OP = runtime.FusedOp(
 )
 
 
-def scaled_masked_softmax_dropout(x, mask, scale=1.0, p=0.1, training=True, seed=None, *, out=None):
+def scaled_masked_softmax_dropout(
+    x,
+    mask,
+    scale=1.0,
+    p=0.1,
+    training=True,
+    seed=None,
+    *,
+    out=None,
+    inplace_backward=False,
+):
     """y = dropout(softmax(x * scale + mask), p), softmax over the last dim
 
     Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
     backward. Differentiable; under torch.compile, the torch.library op
     fusegen::scaled_masked_softmax_dropout.
     """
-    return _OP(x, mask, scale, p, training, seed, out=out)
+    return _OP(x, mask, scale, p, training, seed, out=out, inplace_backward=inplace_backward)
 
 
 class ScaledMaskedSoftmaxDropout(torch.nn.Module):

@@ -121,6 +121,8 @@ CASES = [
      "specs/x.yaml:5: input name 'seed' is an argument of the generated op (dropout's seed=)"),
     ("name_out", H + "inputs:\n  x: [N]\nparams:\n  out: {type: float, default: 1.0}\noutputs:\n  y: x * out\n",
      "specs/x.yaml:6: param name 'out' is an argument of the generated op (out=)"),
+    ("name_inplace_backward", H + "inputs:\n  x: [N]\n  inplace_backward: [N]\noutputs:\n  y: x + inplace_backward\n",
+     "specs/x.yaml:5: input name 'inplace_backward' is an argument of the generated op (inplace_backward=)"),
     ("name_self", H + "inputs:\n  x: [N]\n  self: [N]\noutputs:\n  y: x + self\n",
      "specs/x.yaml:5: input name 'self' is the first argument of the op's torch.nn.Module methods"),
     ("name_underscore", H + "inputs:\n  x: [N]\nlet:\n  _h: x\noutputs:\n  y: _h\n",

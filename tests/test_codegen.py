@@ -33,7 +33,7 @@ def test_module_defines_what_the_spec_asks():
     assert {"bias_gelu_dropout_add", "reference", "bias_gelu_dropout_add_kernel", "bias_gelu_dropout_add_backward_kernel"} <= names
     public = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "bias_gelu_dropout_add")
     assert [a.arg for a in public.args.args] == ["x", "bias", "residual", "p", "activation", "training", "seed"]
-    assert [a.arg for a in public.args.kwonlyargs] == ["out"]
+    assert [a.arg for a in public.args.kwonlyargs] == ["out", "inplace_backward"]
     # The op as a torch.nn.Module, exported beside it.
     assert [n.name for n in tree.body if isinstance(n, ast.ClassDef)] == ["BiasGeluDropoutAdd"]
 

@@ -86,7 +86,13 @@ class FusedOp:
 
     # -- the public op --------------------------------------------------------------
 
-    def __call__(self, *args, out=None):
+    def __call__(self, *args, out=None, inplace_backward: bool = False):
+        """The op. `inplace_backward`: the eager backward may write an input's gradient into
+        that input's memory (fusegen.backends.triton.launch.PreparedBackward says when)."""
+        if type(inplace_backward) is not bool:
+            raise FusegenArgumentError(
+                f"{self.name}(): inplace_backward must be True or False, got {type(inplace_backward).__name__}"
+            )
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
             outputs = self.forward(args, out=out)[0]
@@ -97,7 +103,7 @@ class FusedOp:
             else:
                 outputs = outputs[:self._n_outputs]  # then the seed and statistics, kept for the backward
         elif torch.is_grad_enabled() and any_requires_grad(args[:self._n_inputs]):
-            outputs = _autograd_apply(self, self.prepare(args), *args)
+            outputs = _autograd_apply(self, self.prepare(args), bool(inplace_backward), *args)
         else:
             prepared = self.prepare(args)
             outputs = (self.forward(args) if prepared is None else prepared.forward(args))[0]
@@ -191,9 +197,10 @@ class FusedOp:
         return problem.shape
 
     def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], saved=None,
-                 prepared: PreparedCall | None = None) -> list:
+                 prepared: PreparedCall | None = None, in_place: bool = False) -> list:
         """Every input's gradient (None where not needed) from the outputs' gradients.
-        `prepared`: the forward's kind of call, when it had one."""
+        `prepared`: the forward's kind of call, when it had one; `in_place`: inputs' memory
+        may take their gradients."""
         tensors = args[: len(self.inputs)]
         kernel_needs = [need and through is None for need, through in zip(needs, self._passthrough)]
         kernel_grads = iter(())
@@ -202,7 +209,7 @@ class FusedOp:
             # and functional tensors are Tensor subclasses), and under create_graph, where
             # its autograd (which refuses double backward) must be recorded.
             if type(grads[0]) is torch.Tensor and not torch.is_grad_enabled():
-                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs, saved, prepared))
+                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs, saved, prepared, in_place))
             else:
                 count = len(self.inputs) + len(self.params)
                 # The forward's seed tensor replaces its seed argument; training stays.
@@ -215,7 +222,8 @@ class FusedOp:
             for need, through, tensor in zip(needs, self._passthrough, tensors)
         ]
 
-    def backward_kernels(self, grads, args, seed, needs, saved=None, prepared: PreparedCall | None = None) -> list:
+    def backward_kernels(self, grads, args, seed, needs, saved=None, prepared: PreparedCall | None = None,
+                         in_place: bool = False) -> list:
         """Launch the backward kernel: the gradients of the inputs flagged in `needs`."""
         tensors = args[: len(self.inputs)]
         if prepared is None:
@@ -225,7 +233,7 @@ class FusedOp:
                 if type(g) is not torch.Tensor:  # e.g. a tensor subclass: the full path
                     break
             else:
-                return prepared.backward(grads, tensors, seed, needs, saved)
+                return prepared.backward(grads, tensors, seed, needs, saved, in_place)
         call = self.check(args, needs_kernel=True)
         return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved)
 
@@ -279,11 +287,11 @@ class _Autograd(torch.autograd.Function):
     unused output would cost a kernel each."""
 
     @staticmethod
-    def forward(ctx, op: FusedOp, prepared: PreparedCall | None, *args):
+    def forward(ctx, op: FusedOp, prepared: PreparedCall | None, in_place: bool, *args):
         outputs, seed, saved = op.forward(args) if prepared is None else prepared.forward(args)
         count = op._n_inputs
         ctx.save_for_backward(*args[:count], *(() if saved is None else (saved,)))
-        ctx.op, ctx.prepared, ctx.params, ctx.seed = op, prepared, args[count:], seed
+        ctx.op, ctx.prepared, ctx.in_place, ctx.params, ctx.seed = op, prepared, in_place, args[count:], seed
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
@@ -291,10 +299,11 @@ class _Autograd(torch.autograd.Function):
     def backward(ctx, *grads):
         op = ctx.op
         count = op._n_inputs
-        needs = ctx.needs_input_grad[2:2 + count]  # after the op and prepared arguments
+        needs = ctx.needs_input_grad[3:3 + count]  # after the op, prepared and in_place arguments
         tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
         saved = saved[0] if saved else None
-        return (None, None, *_gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared))
+        gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared, ctx.in_place)
+        return (None, None, None, *gradients)
 
 
 try:
@@ -312,7 +321,7 @@ def _autograd_apply(*args):
 
 
 def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, saved=None,
-               prepared: PreparedCall | None = None) -> tuple:
+               prepared: PreparedCall | None = None, in_place: bool = False) -> tuple:
     """The backward shared by both autograd paths, one gradient per argument of the op: None
     stands for an output's zero gradient, and for every argument that is not a tensor."""
     given = [g for g in grads if g is not None]
@@ -320,7 +329,7 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
     if not given:
         return nothing
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
-    input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved, prepared)
+    input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved, prepared, in_place)
     return (*input_grads, *nothing[len(tensors):])
 
 

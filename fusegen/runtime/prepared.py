@@ -78,8 +78,9 @@ class PreparedCall:
             self._launch((*args[:self._tensors], *outputs, saved, seed))
         return outputs, seed, saved
 
-    def backward(self, grads: tuple, tensors: tuple, seed, needs, saved) -> list:
-        """The backward kernel's gradients (inputs flagged in `needs`, in input order)."""
+    def backward(self, grads: tuple, tensors: tuple, seed, needs, saved, in_place: bool = False) -> list:
+        """The backward kernel's gradients (inputs flagged in `needs`, in input order);
+        `in_place`: into the inputs' own memory where that is safe."""
         key = [tuple(needs)]
         for g in grads:
             key.append((g.shape, g.stride(), g.dtype, g.data_ptr() & 15))
@@ -89,4 +90,4 @@ class PreparedCall:
             if len(self._backwards) >= CACHE_SIZE:
                 self._backwards.clear()
             prepared = self._backwards[key] = self.op.kernels.prepare_backward(self.call, tensors, grads, needs)
-        return prepared(tensors, grads, seed, saved)
+        return prepared(tensors, grads, seed, saved, in_place)

@@ -44,6 +44,7 @@ class CachedLauncher:
         self.kernel = kernel
         # As triton.jit built it: TRITON_INTERPRET set later changes nothing for this kernel.
         self._interpreting = kernel_is_interpreted(kernel)
+        self.tunes = not self._interpreting  # the interpreter's pruners leave one config
         self._entries: dict[tuple, tuple] = {}
         jit = kernel.fn
         self._arg_names = jit.arg_names

@@ -16,7 +16,7 @@ import jinja2
 from fusegen import templating
 from fusegen.errors import SpecError
 from fusegen.functions import FUNCTIONS
-from fusegen.plan import Body, HelperPlan, OpPlan, public_signature
+from fusegen.plan import Body, HelperPlan, OpPlan, op_signature, public_signature
 from fusegen.rows import RowProgram
 from fusegen.printers import EagerPrinter, ElementwisePrinter, TorchPrinter
 from fusegen.pyformat import format_module
@@ -91,6 +91,7 @@ def render(plan: OpPlan) -> str:
         reference=reference,
         op_declaration=op_declaration(plan, forward, backward),
         public_signature=public_signature(spec, plan.has_dropout),
+        op_signature=op_signature(spec, plan.has_dropout),
         public_arguments=", ".join(public),
         class_name=class_name,
         class_doc=class_doc(plan),

@@ -91,6 +91,13 @@ class Launch:
         self._constexprs = constexprs or {}
         self._binary = None
 
+    @property
+    def settled(self) -> bool:
+        """Whether launching runs the kernel once: tuned already, or never tuned (a given
+        tile, the interpreter). Before that the autotuner runs it several times on the same
+        buffers, so it must not write into anything it reads."""
+        return self._binary is not None or not self._launcher.tunes
+
     def __call__(self, values: tuple) -> None:
         if self._copies:
             values = list(values)
@@ -113,6 +120,8 @@ class Launch:
 
 class _Tile:
     """A kernel launched with a given tile, not the autotuner (tests check every tile)."""
+
+    tunes = False
 
     def __init__(self, kernel):
         self.fn = kernel.fn
@@ -140,22 +149,36 @@ def _sum_partials(target: GradTarget) -> Launch | None:
 class PreparedBackward:
     """The backward kernel's launch for one kind of call, and where it writes each gradient:
     `prepared(tensors, grads, seed, saved)` gives the gradients of the inputs it was
-    prepared for, in input order."""
+    prepared for, in input order.
 
-    __slots__ = ("_launch", "_targets", "_sums")
+    `in_place`: an input's gradient may be written into the input's own memory (the
+    generated ops' inplace_backward=True), where that is safe for this call: its gradient
+    has the input's shape, dtype and (contiguous) layout, each program reads an element
+    before it writes the gradient there, the input is no leaf (never a parameter) and no
+    view, shares memory with no other tensor of the call, and the kernel is past tuning. The input's
+    version counter is then bumped, so that autograd refuses any later use of its old value."""
 
-    def __init__(self, launch: Launch | None, targets: list):
-        self._launch, self._targets = launch, targets
+    __slots__ = ("_launch", "_targets", "_inputs", "_sums")
+
+    def __init__(self, launch: Launch | None, targets: list, inputs: list[int]):
+        self._launch, self._targets, self._inputs = launch, targets, inputs  # inputs: each target's
         self._sums = [_sum_partials(t) if launch is not None else None for t in targets]
 
-    def __call__(self, tensors, grads, seed, saved) -> list[torch.Tensor]:
-        buffers = [None if t is None else t.new_buffer() for t in self._targets]
+    def __call__(self, tensors, grads, seed, saved, in_place: bool = False) -> list[torch.Tensor]:
+        buffers = [
+            None if target is None
+            else tensors[i] if in_place and self._writable(target, tensors[i], tensors, grads)
+            else target.new_buffer()
+            for target, i in zip(self._targets, self._inputs)
+        ]
         if self._launch is not None:
             self._launch((*tensors, *grads, *buffers, saved, seed))
         results = []
-        for target, buffer, sums in zip(self._targets, buffers, self._sums):
+        for target, buffer, sums, i in zip(self._targets, buffers, self._sums, self._inputs):
             if target is None:
                 continue
+            if buffer is tensors[i]:
+                torch.autograd.graph.increment_version(buffer)
             if sums is None:
                 results.append(target.result(buffer))
             else:
@@ -163,6 +186,19 @@ class PreparedBackward:
                 sums((buffer, result))
                 results.append(result)
         return results
+
+    def _writable(self, target: GradTarget, tensor: torch.Tensor, tensors, grads) -> bool:
+        """Whether this call may write `tensor`'s gradient into `tensor` (see the class)."""
+        # A view is refused too: its memory may be a leaf's (x.view(...) of a parameter).
+        if target.kind != "full" or tensor.is_leaf or tensor._is_view() or not tensor.is_contiguous():
+            return False
+        if self._launch is None or not self._launch.settled:
+            return False
+        storage = tensor.untyped_storage().data_ptr()
+        others = [t for t in tensors if t is not tensor] + list(grads)
+        return len(others) == len(tensors) - 1 + len(grads) and all(
+            t.untyped_storage().data_ptr() != storage for t in others
+        )
 
 
 class _Bound:
@@ -197,7 +233,8 @@ class _Bound:
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
                  rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
-        """The gradients of the inputs flagged in `needs` (a flag per input), in input order."""
+        """The gradients of the inputs flagged in `needs` (a flag per input), in input order,
+        each in a new buffer."""
         return self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program)(tensors, grads, seed, saved)
 
     # -- preparing: once per kind of call ------------------------------------------------
@@ -299,7 +336,7 @@ class _Bound:
             for i, one in zip(self._gradients, self._one_per_row)
         ]
         if not problem.launches:
-            return PreparedBackward(None, targets)
+            return PreparedBackward(None, targets, self._gradients)
         args, copies = self._backward_args(call, tensors, grads, targets)
         args.append(rows)
         if tile is not None:
@@ -308,7 +345,7 @@ class _Bound:
         else:
             launch = Launch(self._backward, lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta["BLOCK_N"])),
                             args, copies)
-        return PreparedBackward(launch, targets)
+        return PreparedBackward(launch, targets, self._gradients)
 
 
 class _BoundRows(_Bound):
@@ -368,7 +405,7 @@ class _BoundRows(_Bound):
             for i, one in zip(self._gradients, self._one_per_row)
         ]
         if not problem.launches:
-            return PreparedBackward(None, targets)
+            return PreparedBackward(None, targets, self._gradients)
         args, copies = self._backward_args(call, tensors, grads, targets)
         block_n = tile[1] if tile is not None else tuning.row_block_n(n, backward=True)
         args += [rows, block_n, block_n >= n]  # ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE
@@ -377,4 +414,4 @@ class _BoundRows(_Bound):
             launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {"BLOCK_M": tile[0]})
         else:
             launch = Launch(self._backward, grid, args, copies)
-        return PreparedBackward(launch, targets)
+        return PreparedBackward(launch, targets, self._gradients)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from fusegen.layout import Choice, Scalar, range_text
-from fusegen.plan import OpPlan, public_signature
+from fusegen.plan import OpPlan, op_signature
 
 from .kernel_text import KernelText
 
@@ -79,7 +79,7 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
     class_arguments = ", ".join(f"{p.name}={p.default!r}" for p in plan.params)
     tensors = ", ".join(i.name for i in plan.inputs)
     lines = [spec.doc.replace("\\", "\\\\").replace('"', '\\"'), ""]
-    lines += ["    " + line for line in wrap(f"{spec.name}({public_signature(spec, plan.has_dropout)})", "    ")]
+    lines += ["    " + line for line in wrap(f"{spec.name}({op_signature(spec, plan.has_dropout)})", "    ")]
     lines += ["    " + line for line in wrap(f"{class_name}({class_arguments})({tensors}): the same, as a torch.nn.Module", "    ")]
     lines.append("")
     lines += wrap("Inputs (broadcast as torch broadcasts): " + ", ".join(f"{i.name} {i.layout.declared}" for i in plan.inputs))
@@ -132,6 +132,13 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
             f"The gradient of {i} is the gradient of {o}, passed on without a copy (summed only where {i} was broadcast)."
             for i, o in plan.passthrough
         )
+    )
+    lines += [""] + wrap(
+        "inplace_backward=True: the eager backward writes an input's gradient into that input's own memory, not a "
+        "new buffer, where it has the input's shape, dtype and contiguous layout. Only for an input nothing reads "
+        "after this op's backward, such as a Linear's output fed to this op alone. Leaves (parameters) and views are "
+        "never written, and the input's version counter is bumped, so a later autograd use of it fails loudly. No effect "
+        "under torch.compile."
     )
     lines += [""] + wrap(
         "`reference` is the same computation in eager PyTorch, generated from the same spec; `eager` is the op as a "

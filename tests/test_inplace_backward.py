@@ -1,0 +1,116 @@
+"""inplace_backward=True: the backward writes an input's gradient into the input's own memory
+where that is safe, and nowhere else; values are the same either way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusegen import runtime
+from helpers import op_by_name
+
+SWIGLU = op_by_name("swiglu").module
+SEED_OP = op_by_name("bias_gelu_dropout_add").module
+
+
+def _randn(*shape, seed, device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+
+
+def _step(device, in_place: bool, dtype=torch.float32):
+    """A Linear-like producer (x0 * w, not a leaf) feeding swiglu alone; the gradient
+    arriving at the producer, the gradients of its inputs, and the producer's output."""
+    x0 = _randn(4, 6, 32, seed=1, device=device, dtype=dtype).requires_grad_(True)
+    w = _randn(32, seed=2, device=device, dtype=dtype).requires_grad_(True)
+    h = x0 * w
+    seen = []
+    h.register_hook(seen.append)
+    y = SWIGLU.swiglu(h, inplace_backward=in_place)
+    y.backward(_randn(4, 6, 16, seed=3, device=device, dtype=dtype))
+    return seen[0], x0.grad, w.grad, h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_gradients_and_the_inputs_memory_reused(device, dtype):
+    grad_h, grad_x0, grad_w, h = _step(device, True, dtype)
+    expected_h, expected_x0, expected_w, _ = _step(device, False, dtype)
+    assert grad_h.data_ptr() == h.data_ptr()  # the gradient lives where h was
+    assert expected_h.data_ptr() != h.data_ptr()
+    for got, want in ((grad_h, expected_h), (grad_x0, expected_x0), (grad_w, expected_w)):
+        assert torch.equal(got, want)
+
+
+def test_leaves_and_shared_memory_are_never_written(device):
+    x = _randn(3, 16, seed=4, device=device).requires_grad_(True)  # a leaf: a user's tensor
+    before = x.detach().clone()
+    SWIGLU.swiglu(x, inplace_backward=True).sum().backward()
+    assert torch.equal(x.detach(), before) and x.grad.data_ptr() != x.data_ptr()
+    # A view of a leaf is no leaf, but its memory is the leaf's.
+    x.grad = None
+    SWIGLU.swiglu(x.view(3, 16), inplace_backward=True).sum().backward()
+    assert torch.equal(x.detach(), before)
+    # The same tensor as two inputs: neither takes its gradient in place.
+    base = _randn(8, 24, seed=5, device=device).requires_grad_(True)
+    h = base * 1.5
+    bias = _randn(24, seed=7, device=device)
+    kept = h.detach().clone()
+    out = SEED_OP.bias_gelu_dropout_add(h, bias, h, p=0.0, inplace_backward=True)
+    out.backward(torch.ones_like(out))
+    expected = base.detach().clone().requires_grad_(True)
+    SEED_OP.bias_gelu_dropout_add(expected * 1.5, bias, expected * 1.5, p=0.0).backward(torch.ones_like(out))
+    torch.testing.assert_close(base.grad, expected.grad)
+    assert torch.equal(h.detach(), kept)
+
+
+def test_a_later_use_of_the_overwritten_input_fails_loudly(device):
+    """exp saves its output for its backward, which runs after swiglu's: with the output's
+    memory holding swiglu's gradient, autograd must refuse rather than compute with it."""
+    x0 = _randn(4, 32, seed=8, device=device).requires_grad_(True)
+    h = torch.exp(x0)
+    y = SWIGLU.swiglu(h, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    x0.grad = None  # the same graph without in place works
+    h = torch.exp(x0)
+    SWIGLU.swiglu(h).sum().backward()
+    assert x0.grad is not None
+
+
+def test_inplace_backward_takes_only_a_bool(device):
+    x = _randn(2, 8, seed=9, device=device)
+    with pytest.raises(runtime.FusegenArgumentError, match="inplace_backward must be True or False"):
+        SWIGLU.swiglu(x, inplace_backward="yes")
+
+
+@pytest.mark.gpu
+def test_no_write_in_place_while_tuning_and_less_memory_after():
+    """The first call of a kind tunes: several runs on the same buffers, so nothing in place
+    then; later calls take no new buffer for the gradient."""
+    module = SWIGLU
+    module.swiglu_backward_kernel.cache.clear()
+    module._OP.kernels._backward._entries.clear()
+    module._OP._prepared.clear()
+    shape = (8, 509, 2 * 1024)  # an M no other test tunes
+
+    def run(in_place):
+        x0 = torch.randn(shape, device="cuda", requires_grad=True)
+        h = x0 * 2.0
+        y = module.swiglu(h, inplace_backward=in_place)
+        grad = torch.randn(y.shape, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        y.backward(grad)
+        torch.cuda.synchronize()
+        return x0.grad, torch.cuda.max_memory_allocated() - base
+
+    torch.manual_seed(0)
+    first, _ = run(True)  # tunes
+    torch.manual_seed(0)
+    expected, copy_peak = run(False)
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    torch.manual_seed(0)
+    again, in_place_peak = run(True)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    gradient_bytes = torch.Size(shape).numel() * 4
+    assert in_place_peak <= copy_peak - gradient_bytes + 2**20, (in_place_peak, copy_peak)
