@@ -324,7 +324,9 @@ class _Bound:
         problem = call.problem
         m, n = problem.m, problem.n
         bucket = tuning.m_bucket(m)
-        rows = rows_per_program or tuning.backward_rows_per_program(bucket, n)
+        summed = any(needs[i] and GradTarget.kind_of(tensors[i], problem, self._chunks[i]) == "rows"
+                     for i in self._gradients)
+        rows = rows_per_program or tuning.backward_rows_per_program(bucket, n, summed)
         column_tiles = 0
         if any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row)):
             # Row sums land one row per column tile: as many rows as the narrowest tile needs.
