@@ -98,14 +98,15 @@ class _EagerSeeds:
             state = (generator.initial_seed(), generator.get_offset())
             batch = self._batches.get(device)
             if batch is None or batch[0] != state or batch[2] == SEED_BATCH:
-                # One tensor per seed, made here once (a slice per call costs microseconds);
-                # every other element, so that each is 16-byte aligned as the kernels expect.
+                # Every other element, so that each seed is 16-byte aligned as the kernels
+                # expect. (Not unbound into 256 tensors ahead: where other random ops run
+                # between calls, as dropout elsewhere in a model does, every call redraws.)
                 drawn = torch.randint(0, SEED_LIMIT - 1, (SEED_BATCH, 2), dtype=torch.int64, device=device)
-                batch = [(generator.initial_seed(), generator.get_offset()), drawn[:, :1].unbind(0), 0]
+                batch = [(generator.initial_seed(), generator.get_offset()), drawn, 0]
                 self._batches[device] = batch
             index = batch[2]
             batch[2] = index + 1
-        return batch[1][index]
+        return batch[1][index, :1]
 
 
 _EAGER_SEEDS = _EagerSeeds()
