@@ -119,9 +119,11 @@ def bias_gelu_dropout_add_kernel(
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
+    shard_ptr,  # with SHARDED: where this shard sits in the global problem
     ACTIVATION: tl.constexpr,  # activation
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
+    SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -156,6 +158,8 @@ def bias_gelu_dropout_add_kernel(
             dropout_threshold_p,
             dropout_scale_p,
             DROPOUT_WHOLE_GROUPS,
+            shard_ptr,
+            SHARDED,
         )
         y = dropout_mask0 * _activation(bias + x, ACTIVATION) + residual
     else:
@@ -182,9 +186,11 @@ def bias_gelu_dropout_add_backward_kernel(
     M, N, M_BUCKET,
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    shard_ptr,  # with SHARDED: where this shard sits in the global problem
     ACTIVATION: tl.constexpr,  # activation
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
+    SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
@@ -229,6 +235,8 @@ def bias_gelu_dropout_add_backward_kernel(
                 dropout_threshold_p,
                 dropout_scale_p,
                 DROPOUT_WHOLE_GROUPS,
+                shard_ptr,
+                SHARDED,
             )
             t0 = dropout_mask0 * grad_y * _activation_grad(bias + x, ACTIVATION)
             grad_x = t0

@@ -29,7 +29,7 @@ Backward: one fused kernel recomputes the forward from the saved inputs and the 
 per-row reductions, draws the same dropout masks again from the seed and writes every input
 gradient in one pass; gradients of inputs broadcast along rows are summed per program in
 fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor and each row's reductions (fp32, [M, reductions]), nothing
+the inputs and the seed tensor and each row's reductions (fp32, [..., reductions]), nothing
 else: no mask, no intermediates.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
@@ -76,8 +76,10 @@ def layernorm_dropout_add_kernel(
     eps,
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
+    shard_ptr,  # with SHARDED: where this shard sits in the global problem
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
+    SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
@@ -127,6 +129,8 @@ def layernorm_dropout_add_kernel(
                 dropout_threshold_p,
                 dropout_scale_p,
                 DROPOUT_WHOLE_GROUPS,
+                shard_ptr,
+                SHARDED,
             )
         else:
             dropout_mask0 = tl.full(
@@ -223,6 +227,8 @@ def layernorm_dropout_add_kernel(
                     dropout_threshold_p,
                     dropout_scale_p,
                     DROPOUT_WHOLE_GROUPS,
+                    shard_ptr,
+                    SHARDED,
                 )
             else:
                 dropout_mask0 = tl.full(
@@ -260,8 +266,10 @@ def layernorm_dropout_add_backward_kernel(
     eps,
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    shard_ptr,  # with SHARDED: where this shard sits in the global problem
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
+    SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
@@ -330,6 +338,8 @@ def layernorm_dropout_add_backward_kernel(
                     dropout_threshold_p,
                     dropout_scale_p,
                     DROPOUT_WHOLE_GROUPS,
+                    shard_ptr,
+                    SHARDED,
                 )
             else:
                 dropout_mask0 = tl.full(
@@ -464,6 +474,8 @@ def layernorm_dropout_add_backward_kernel(
                         dropout_threshold_p,
                         dropout_scale_p,
                         DROPOUT_WHOLE_GROUPS,
+                        shard_ptr,
+                        SHARDED,
                     )
                 else:
                     dropout_mask0 = tl.full(
@@ -517,6 +529,8 @@ def layernorm_dropout_add_backward_kernel(
                         dropout_threshold_p,
                         dropout_scale_p,
                         DROPOUT_WHOLE_GROUPS,
+                        shard_ptr,
+                        SHARDED,
                     )
                 else:
                     dropout_mask0 = tl.full(

@@ -28,7 +28,7 @@ Backward: one fused kernel recomputes the forward from the saved inputs and the 
 per-row reductions, draws the same dropout masks again from the seed and writes every input
 gradient in one pass; gradients of inputs broadcast along rows are summed per program in
 fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor and each row's reductions (fp32, [M, reductions]), nothing
+the inputs and the seed tensor and each row's reductions (fp32, [..., reductions]), nothing
 else: no mask, no intermediates.
 
 inplace_backward=True: the eager backward writes an input's gradient into that input's own
@@ -71,8 +71,10 @@ def scaled_masked_softmax_dropout_kernel(
     scale,
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
+    shard_ptr,  # with SHARDED: where this shard sits in the global problem
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
+    SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
@@ -108,6 +110,8 @@ def scaled_masked_softmax_dropout_kernel(
                 dropout_threshold_p,
                 dropout_scale_p,
                 DROPOUT_WHOLE_GROUPS,
+                shard_ptr,
+                SHARDED,
             )
         else:
             dropout_mask0 = tl.full(
@@ -192,6 +196,8 @@ def scaled_masked_softmax_dropout_kernel(
                     dropout_threshold_p,
                     dropout_scale_p,
                     DROPOUT_WHOLE_GROUPS,
+                    shard_ptr,
+                    SHARDED,
                 )
             else:
                 dropout_mask0 = tl.full(
@@ -226,8 +232,10 @@ def scaled_masked_softmax_dropout_backward_kernel(
     scale,
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
+    shard_ptr,  # with SHARDED: where this shard sits in the global problem
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
     DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words
+    SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
@@ -282,6 +290,8 @@ def scaled_masked_softmax_dropout_backward_kernel(
                     dropout_threshold_p,
                     dropout_scale_p,
                     DROPOUT_WHOLE_GROUPS,
+                    shard_ptr,
+                    SHARDED,
                 )
             else:
                 dropout_mask0 = tl.full(
@@ -365,6 +375,8 @@ def scaled_masked_softmax_dropout_backward_kernel(
                         dropout_threshold_p,
                         dropout_scale_p,
                         DROPOUT_WHOLE_GROUPS,
+                        shard_ptr,
+                        SHARDED,
                     )
                 else:
                     dropout_mask0 = tl.full(
@@ -405,6 +417,8 @@ def scaled_masked_softmax_dropout_backward_kernel(
                         dropout_threshold_p,
                         dropout_scale_p,
                         DROPOUT_WHOLE_GROUPS,
+                        shard_ptr,
+                        SHARDED,
                     )
                 else:
                     dropout_mask0 = tl.full(

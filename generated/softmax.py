@@ -17,7 +17,7 @@ Backward: one fused kernel recomputes the forward from the saved inputs and the 
 per-row reductions and writes every input gradient in one pass; gradients of inputs
 broadcast along rows are summed per program in fp32 and then across programs, in a fixed
 order (no atomics). Memory: saved for backward are the inputs and each row's reductions
-(fp32, [M, reductions]), nothing else: no mask, no intermediates.
+(fp32, [..., reductions]), nothing else: no mask, no intermediates.
 
 inplace_backward=True: the eager backward writes an input's gradient into that input's own
 memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only

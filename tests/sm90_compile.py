@@ -53,6 +53,10 @@ def variants(choices: dict[str, tuple]) -> list[tuple[str, dict]]:
     for index_64 in (False, True):
         out.append(("bf16", {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, **sums, "INDEX_64": index_64,
                              "WHOLE_GROUPS": False}))
+    # A DTensor's shard: masks keyed by the global index, both dropout paths.
+    for whole_groups in (True, False):
+        out.append(("bf16", {**combos[0], "COMPUTE_FP64": False, "HAS_DROPOUT": True, **sums, "SHARDED": True,
+                             "WHOLE_GROUPS": whole_groups}))
     return out
 
 
@@ -77,6 +81,8 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = settings.get("ONE_TILE", True)
             elif name == "DROPOUT_WHOLE_GROUPS":
                 constexprs[name] = settings.get("WHOLE_GROUPS", True)
+            elif name == "SHARDED":
+                constexprs[name] = settings.get("SHARDED", False)
             elif name.startswith("NEEDS_GRAD_"):
                 constexprs[name] = settings["needs"]
             elif name.startswith("SUM_GRAD_"):
@@ -89,7 +95,7 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
             # Gradient sums are buffers in the accumulation type (an input's own gradient
             # may be written in full, in its dtype, when only the other flag applies).
             sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
-        elif name == "seed_ptr":  # dropout's seed: one int64 on the device
+        elif name in ("seed_ptr", "shard_ptr"):  # dropout's seed, and a shard's place: int64s on the device
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
             sig[name] = f"*{pointer}"

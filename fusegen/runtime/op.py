@@ -16,6 +16,7 @@ from .dropout import check_seed, dropout_mask_reference, seed_tensor
 from .gradients import sum_to_input
 from .out import check_out_without_grad, output_buffer, write_out
 from .prepared import CACHE_SIZE, PreparedCall, call_key
+from . import sharding
 from ..layout import Choice, Input, Scalar
 
 _SCHEMA_TYPES = {"float": "float", "int": "int"}
@@ -24,13 +25,16 @@ _SCHEMA_TYPES = {"float": "float", "int": "int"}
 class Call:
     """One call's checked arguments."""
 
-    __slots__ = ("problem", "params", "has_dropout", "seed")
+    __slots__ = ("problem", "params", "has_dropout", "seed", "shard")
 
-    def __init__(self, problem: Problem, params: tuple, has_dropout: bool, seed: int | None):
+    def __init__(self, problem: Problem, params: tuple, has_dropout: bool, seed: int | None, shard=None):
         self.problem = problem
         self.params = params  # checked values, in the spec's order
         self.has_dropout = has_dropout
         self.seed = seed  # an explicit seed, or None: draw one
+        # A DTensor's local part: where it sits in the global problem (runtime.sharding.Shard),
+        # which dropout masks are keyed by; None for a whole problem.
+        self.shard = shard
 
 
 class FusedOp:
@@ -96,7 +100,8 @@ class FusedOp:
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
             outputs = self.forward(args, out=out)[0]
-        elif torch.compiler.is_compiling():
+        elif torch.compiler.is_compiling() or sharding.is_distributed(args[:self._n_inputs]):
+            # The library op: torch.compile sees one opaque op, DTensor runs its rule (runtime.sharding).
             outputs = self._forward_op(*args)
             if self._n_outputs + self.has_dropout + bool(self.statistics) == 1:
                 outputs = (outputs,)  # the schema returns one Tensor, not a tuple of one
@@ -164,15 +169,17 @@ class FusedOp:
                     has_dropout = True
         return Call(problem, tuple(params), has_dropout, check_seed(name, seed))
 
-    def forward(self, args: tuple, out=None, eager: bool = True):
+    def forward(self, args: tuple, out=None, eager: bool = True, shard=None):
         """Launch the forward kernel; returns the outputs, the seed tensor it used (None
         without dropout) and the statistics it kept for the backward (None without).
-        `eager`: not inside a compiled graph, which may be captured."""
-        if out is None:
+        `eager`: not inside a compiled graph, which may be captured. `shard`: the tensors
+        are a DTensor's local parts, placed so in the global problem (runtime.sharding)."""
+        if out is None and shard is None:
             prepared = self.prepare(args)
             if prepared is not None:
                 return prepared.forward(args, eager)
         call = self.check(args, needs_kernel=True)
+        call.shard = shard
         problem = call.problem
         tensors = args[:self._n_inputs]
         seed = seed_tensor(call.seed, problem.device, eager) if call.has_dropout else None
@@ -185,10 +192,15 @@ class FusedOp:
                        for i in range(count)]
         saved = None
         if self.statistics:
-            saved = torch.empty((problem.m, self.statistics), dtype=problem.compute_dtype, device=problem.device)
+            saved = torch.empty(self.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
         if problem.launches:  # not without elements, nor without data (meta or fake tensors)
             self.kernels.forward(call, tensors, outputs, seed, saved=saved)
         return (outputs if out is None else write_out(out, tuple(outputs))), seed, saved
+
+    def saved_shape(self, problem: Problem) -> tuple:
+        """The row statistics kept for the backward: [..., statistics], one row per output row
+        (laid out as [M, statistics]; shaped so that a DTensor shard of the rows is one too)."""
+        return (*problem.shape[:-1], self.statistics)
 
     def output_shape(self, problem: Problem, index: int) -> tuple:
         """The problem's shape; for an output with one value per row, its last dim is 1."""
@@ -223,9 +235,13 @@ class FusedOp:
         ]
 
     def backward_kernels(self, grads, args, seed, needs, saved=None, prepared: PreparedCall | None = None,
-                         in_place: bool = False) -> list:
+                         in_place: bool = False, shard=None) -> list:
         """Launch the backward kernel: the gradients of the inputs flagged in `needs`."""
         tensors = args[: len(self.inputs)]
+        if shard is not None:
+            call = self.check(args, needs_kernel=True)
+            call.shard = shard
+            return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved)
         if prepared is None:
             prepared = self.prepare(args)
         if prepared is not None:
@@ -374,7 +390,7 @@ def _register_library_ops(op: FusedOp):
         outputs = [torch.empty(op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
                    for i in range(len(op.outputs))]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
-        saved = [torch.empty((problem.m, op.statistics), dtype=problem.compute_dtype, device=problem.device)
+        saved = [torch.empty(op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
                  ] if op.statistics else []
         return outputs[0] if single else (*outputs, *seed, *saved)
 
@@ -422,6 +438,7 @@ def _register_library_ops(op: FusedOp):
         raise RuntimeError(f"fusegen::{op.name}: double backward is not supported")
 
     backward_op.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
+    sharding.register(op, forward_op, backward_op)
     return forward_op, backward_op
 
 

@@ -55,7 +55,7 @@ class PreparedCall:
         self.op, self.call = op, call
         self._tensors = len(tensors)
         self._output_shapes = [op.output_shape(problem, i) for i in range(len(op.outputs))]
-        self._saved_shape = (problem.m, op.statistics) if op.statistics else None
+        self._saved_shape = op.saved_shape(problem) if op.statistics else None
         self._launch = op.kernels.prepare_forward(call, tensors) if problem.launches else None
         self._backwards: dict = {}
 

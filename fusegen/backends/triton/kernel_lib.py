@@ -9,7 +9,7 @@ import triton.language as tl
 
 @triton.jit
 def dropout_mask(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr, threshold, scale,
-                 WHOLE_GROUPS: tl.constexpr):
+                 WHOLE_GROUPS: tl.constexpr, shard_ptr, SHARDED: tl.constexpr):
     """Dropout multiplier for the tile of `rows` × [first_col, first_col + BLOCK_N) of an
     [M, N] problem: `scale` where kept, else 0.
 
@@ -25,7 +25,21 @@ def dropout_mask(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.con
     own call (four times the random-number work, the same mask). A constexpr, not a branch:
     the per-element path's registers would weigh on the common one. `rows` is int64 when
     flat indices can reach 2**31, else int32 (the high counter word is then a constant 0).
+
+    SHARDED: the [M, N] problem is one shard of a larger one (a DTensor's local part), and
+    the flat index is the global one. `shard_ptr` holds six int64s (fusegen.runtime.sharding):
+    one step of the sharded leading dim spans `inner` rows; the dim has `local` of its `total`
+    extent here, from `offset`; columns start at `column_offset` of `n_global`.
     """
+    if SHARDED:
+        inner = tl.load(shard_ptr)
+        local = tl.load(shard_ptr + 1)
+        total = tl.load(shard_ptr + 2)
+        offset = tl.load(shard_ptr + 3)
+        step = rows // inner
+        rows = ((step // local) * total + offset + step % local) * inner + rows % inner
+        first_col = first_col + tl.load(shard_ptr + 4)
+        N = tl.load(shard_ptr + 5)
     if WHOLE_GROUPS:
         words = _words_of_whole_groups(seed, rows[:, None], first_col, N, BLOCK_N, stream)
     else:

@@ -147,11 +147,13 @@ def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forwa
             "seed_ptr,  # one int64 on the device: the Philox key of the dropout masks" if forward
             else "seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit"
         )
+        arguments.append("shard_ptr,  # with SHARDED: where this shard sits in the global problem")
     arguments += [f"{names.constexprs[p.name]}: tl.constexpr,  # {p.name}" for p in kernel.choices]
     if plan.has_dropout:
         arguments += [
             "HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all",
             "DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words",
+            "SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index",
         ]
     arguments += ["INDEX_64: tl.constexpr,  # some offset reaches 2**31", "COMPUTE_FP64: tl.constexpr,"]
     return arguments
@@ -196,7 +198,7 @@ def scalars_in_compute_type(kernel: KernelPlan) -> list[str]:
 def _mask_lines(plan: OpPlan, names: TritonNames) -> list[str]:
     return [
         f"{m.local} = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, {m.stream}, "
-        f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS)"
+        f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)"
         for m in plan.masks
     ]
 

@@ -5,8 +5,8 @@ The generated kernels take their arguments in one order, which the template writ
 
 forward: for each input its pointer, row stride and column stride; each output's pointer;
     M, N, M_BUCKET (tuning's view of M); each scalar param the body reads; each dropout p's threshold and scale; the
-    seed pointer; each choice (constexpr); HAS_DROPOUT and DROPOUT_WHOLE_GROUPS (ops with
-    dropout); INDEX_64; COMPUTE_FP64; then the autotuner's BLOCK_M, BLOCK_N.
+    seed and shard pointers; each choice (constexpr); HAS_DROPOUT, DROPOUT_WHOLE_GROUPS and
+    SHARDED (ops with dropout); INDEX_64; COMPUTE_FP64; then the autotuner's BLOCK_M, BLOCK_N.
 backward: for each input it reads its pointer and strides; for each output its incoming
     gradient's pointer and strides; each computed gradient's buffer; M, N, M_BUCKET; scalars,
     dropout, seed, choices and the flags as above; for each computed gradient NEEDS_GRAD,
@@ -259,11 +259,13 @@ class _Bound:
         args = [problem.m, problem.n, tuning.m_bucket(problem.m), *(params[i] for i in self._scalars)]
         for i in self._dropout:
             args += [dropout_threshold(params[i]), dropout_scale(params[i])]
+        shard = call.shard
         if self.op.has_dropout:
-            args.append(seed)
+            args += [seed, None if shard is None else shard.buffer(problem.device)]  # seed_ptr, shard_ptr
         args += [params[i] for i in self._choices]
         if self.op.has_dropout:
-            args += [call.has_dropout, problem.n % 4 == 0]  # HAS_DROPOUT, DROPOUT_WHOLE_GROUPS
+            whole_groups = problem.n % 4 == 0 and (shard is None or shard.whole_groups)
+            args += [call.has_dropout, whole_groups, shard is not None]  # HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED
         return args
 
     def _forward_args(self, call, tensors) -> tuple[list, tuple]:
@@ -361,7 +363,7 @@ class _BoundRows(_Bound):
         super().forward(call, tensors, outputs, seed, tile, saved)
 
     def _saved_buffer(self, problem) -> torch.Tensor:
-        return torch.empty((problem.m, self.statistics), dtype=problem.compute_dtype, device=problem.device)
+        return torch.empty(self.op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
 
     def _extra_forward_args(self, saved: int) -> list:
         return [Slot(saved)]  # each row's reductions, [M, statistics]

@@ -120,7 +120,7 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
     saved = " and the seed tensor" if plan.has_dropout else ""
     if rows:
         redraw = " and the forward's per-row reductions" + redraw
-        saved += " and each row's reductions (fp32, [M, reductions])"
+        saved += " and each row's reductions (fp32, [..., reductions])"
     lines += [""] + wrap(
         f"Backward: one fused kernel recomputes the forward from the saved inputs{redraw} and writes every input "
         "gradient in one pass; gradients of inputs broadcast along rows are summed per program in fp32 and then "

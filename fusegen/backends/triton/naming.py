@@ -17,8 +17,8 @@ RESERVED_NAMES = (
     MODULE_IMPORTS
     | {"reference", "eager", "_OP", "_reference"}
     # the kernels' own arguments and locals
-    | {"rows", "cols", "in_bounds", "M", "N", "M_BUCKET", "seed", "seed_ptr", "first_row", "row_offset"}
-    | {"HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"}
+    | {"rows", "cols", "in_bounds", "M", "N", "M_BUCKET", "seed", "seed_ptr", "shard_ptr", "first_row", "row_offset"}
+    | {"HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "SHARDED", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"}
     # the row kernels' own
     | {"first_col", "partial", "tile_sum", "ONE_TILE", "saved_ptr"}
     # the reference body's and the module class's

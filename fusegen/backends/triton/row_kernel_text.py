@@ -214,7 +214,7 @@ class _Program:
             lines += [
                 "if HAS_DROPOUT:",
                 f"    {m.local} = dropout_mask(seed, rows, {first_col}, N, BLOCK_N, {m.stream}, "
-                f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS)",
+                f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)",
                 "else:",
                 f"    {m.local} = tl.full((BLOCK_M, BLOCK_N), 1.0, {COMPUTE_DTYPE})",
             ]

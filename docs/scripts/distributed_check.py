@@ -1,0 +1,142 @@
+"""Generated ops across 2 processes: DTensor shards against one device (outputs bit for bit,
+gradients), FSDP2 training against one device (losses), and a timing of a sharded forward +
+backward against the replicated op. On 2 GPUs (NCCL; NVLink multicast stays off):
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=. \\
+        torchrun --nproc_per_node 2 docs/scripts/distributed_check.py [--json out.json]
+
+`--cpu` runs the same on the CPU (gloo, Triton's interpreter, small shapes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+CPU = "--cpu" in sys.argv
+if CPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
+
+from fusegen.bench import model as model_bench  # noqa: E402
+from generated.bias_gelu_dropout_add import bias_gelu_dropout_add  # noqa: E402
+from generated.layernorm import layernorm  # noqa: E402
+from generated.swiglu import swiglu  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    dist.init_process_group("gloo" if CPU else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cpu" if CPU else f"cuda:{rank}"
+    if not CPU:
+        torch.cuda.set_device(rank)
+    mesh = init_device_mesh("cpu" if CPU else "cuda", (world,))
+    dtype = torch.float32 if CPU else torch.bfloat16
+    generator = torch.Generator(device=device).manual_seed(0)  # the same tensors on every rank
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+
+    report = {"world": world, "device": "cpu" if CPU else torch.cuda.get_device_name(), "torch": torch.__version__,
+              "shards": [], "fsdp": {}, "timing": {}}
+    b, s, h = (2, 6, 16) if CPU else (4, 1024, 4096)
+    x, bias, residual, grad = randn(b, s, h), randn(h), randn(b, s, h), randn(b, s, h)
+    cases = [
+        ("bias_gelu_dropout_add p=0.1", lambda x, bias, r: bias_gelu_dropout_add(x, bias, r, p=0.1, seed=1234),
+         (x, bias, residual), [(Shard(0), Replicate(), Shard(0)), (Shard(1), Replicate(), Shard(1)),
+                               (Shard(2), Replicate(), Shard(2))]),
+        ("swiglu", lambda a: swiglu(a), (randn(b, s, 2 * h),), [(Shard(0),), (Shard(1),), (Shard(2),)]),
+        ("layernorm", lambda x, w, c: layernorm(x, w, c), (x, randn(h), randn(h)),
+         [(Shard(0), Replicate(), Replicate()), (Shard(1), Replicate(), Replicate())]),
+    ]
+    for name, fn, tensors, placement_sets in cases:
+        leaves = [t.clone().requires_grad_(True) for t in tensors]
+        whole = fn(*leaves)
+        whole_grads = torch.autograd.grad(whole, leaves, grad)
+        for placements in placement_sets:
+            shards = [distribute_tensor(t, mesh, [p]).requires_grad_(True) for t, p in zip(tensors, placements)]
+            out = fn(*shards)
+            grads = torch.autograd.grad(out, shards, distribute_tensor(grad, mesh, out.placements))
+            errors = [((g.full_tensor().double() - w.double()).norm() / w.double().norm()).item()
+                      for g, w in zip(grads, whole_grads)]
+            row = {"op": name, "placements": [str(p) for p in placements], "output": str(out.placements[0]),
+                   "output_bit_identical": bool(torch.equal(out.full_tensor(), whole.detach())),
+                   "gradient_relative_errors": errors}
+            report["shards"].append(row)
+            if rank == 0:
+                print(row, flush=True)
+
+    # FSDP2: a small GPT-2 stack with generated ops, trained on 2 ranks (half the batch each)
+    # against the same model on one device (the whole batch); dropout off, so the two see
+    # the same computation.
+    size = dict(hidden=64, mlp=128, heads=2, layers=2, batch=4, seq=16, vocab=128) if CPU else \
+        dict(hidden=512, mlp=2048, heads=8, layers=2, batch=8, seq=256, vocab=1024)
+    ops = model_bench.fusegen_ops(model_bench.Path("generated"))
+    steps = 3 if CPU else 10
+    tokens = torch.randint(0, size["vocab"], (steps, 2, size["batch"], size["seq"]),
+                           generator=torch.Generator().manual_seed(1)).to(device)
+    losses = {}
+    for variant in ("one device", "fsdp2"):
+        net = model_bench._build("gpt2", size, 0.0, ops, torch.float32, device)
+        if variant == "fsdp2":
+            for block in net.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(net, mesh=mesh)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        losses[variant] = []
+        for step in range(steps):
+            inputs, targets = tokens[step]
+            if variant == "fsdp2":
+                half = size["batch"] // world
+                inputs, targets = inputs[rank * half:(rank + 1) * half], targets[rank * half:(rank + 1) * half]
+            loss = net(inputs, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.detach().clone()
+            if variant == "fsdp2":
+                dist.all_reduce(value, op=dist.ReduceOp.AVG if not CPU else dist.ReduceOp.SUM)
+                value = value / world if CPU else value
+            losses[variant].append(float(value))
+    report["fsdp"] = {"losses": losses, "max_difference": max(abs(a - b) for a, b in zip(*losses.values()))}
+    if rank == 0:
+        print(report["fsdp"], flush=True)
+
+    if not CPU:  # a sharded forward + backward against the replicated op, on (8, 2048, 4096) bf16
+        import triton
+
+        xs, bs, rs, gs = randn(8, 2048, 4096), randn(4096), randn(8, 2048, 4096), randn(8, 2048, 4096)
+        for label, placement in (("replicated", Replicate()), ("Shard(1)", Shard(1))):
+            leaves = [distribute_tensor(t, mesh, [p]).requires_grad_(True)
+                      for t, p in zip((xs, bs, rs), (placement, Replicate(), placement))]
+            grad_d = distribute_tensor(gs, mesh, [placement])
+
+            def step():
+                out = bias_gelu_dropout_add(*leaves, p=0.1)
+                torch.autograd.grad(out, leaves[:2], grad_d)
+
+            report["timing"][label] = triton.testing.do_bench(step, warmup=10, rep=100)
+        plain = [t.clone().requires_grad_(True) for t in (xs, bs, rs)]
+        report["timing"]["plain tensors, one GPU"] = triton.testing.do_bench(
+            lambda: torch.autograd.grad(bias_gelu_dropout_add(*plain, p=0.1), plain[:2], gs), warmup=10, rep=100)
+        if rank == 0:
+            print(report["timing"], flush=True)
+    if rank == 0 and args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

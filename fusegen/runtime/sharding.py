@@ -1,0 +1,204 @@
+"""Generated ops on DTensors (tensor and sequence parallelism), with rules derived from each
+input's layout rather than written per op.
+
+The problem's placement P (one device mesh dimension) comes from the inputs shaped like the
+output: their first `Shard(d)`, else `Replicate`. It falls back to `Replicate` (DTensor then
+gathers, visibly) where a shard cannot be computed locally: `Shard(last)` for row reductions
+(a row's values must meet) and for chunked inputs (`[..., 2N]`: the last dim's shard would
+split the chunks unevenly). Each input takes P where it spans the sharded dim, else
+`Replicate` (a bias `[N]` under a row shard, a `[..., 1]` scale under a column shard);
+`Partial` inputs are reduced by that redistribution before anything nonlinear. Outputs, row
+outputs and the row statistics kept for the backward take P; the seed is replicated. A
+gradient takes its input's placement, or `Partial(sum)` where the input was replicated over
+a sharded dim (its gradient is a sum over rows this rank holds part of).
+
+Dropout draws the mask of the global tensor: the kernels get the shard's place in the global
+problem (`Shard`), so a sharded run drops exactly what one device would, given the same seed
+on every rank (torch.manual_seed on every rank, as DTensor's own random ops require, or an
+explicit seed=).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .arguments import FusegenArgumentError, broadcast_problem
+
+try:
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import Shard as ShardPlacement
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # a torch without distributed: no DTensor to meet
+    DTensor = None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where a local [M, N] problem sits in the global one, as the kernels' dropout reads it
+    (kernel_lib.dropout_mask): one step of the sharded leading dim spans `inner` rows, the
+    dim has `local` of its `total` extent here from `offset`; columns start at
+    `column_offset` of `n_global`."""
+
+    inner: int
+    local: int
+    total: int
+    offset: int
+    column_offset: int
+    n_global: int
+
+    @property
+    def whole_groups(self) -> bool:
+        """Rows of whole groups of four dropout words, globally."""
+        return self.n_global % 4 == 0 and self.column_offset % 4 == 0
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        key = (self, device)
+        buffer = _BUFFERS.get(key)
+        if buffer is None:
+            values = [self.inner, self.local, self.total, self.offset, self.column_offset, self.n_global]
+            buffer = _BUFFERS[key] = torch.tensor(values, dtype=torch.int64, device=device)
+        return buffer
+
+
+_BUFFERS: dict = {}
+
+
+def is_distributed(tensors) -> bool:
+    """Whether a call's tensors include a DTensor (then it takes the library op, whose
+    DTensor rule below runs it shard by shard)."""
+    if DTensor is None:
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor and isinstance(t, DTensor):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    mesh: object
+    placement: object  # P: the output's, on the mesh's one dim
+    inputs: tuple  # each input's target placement
+    shape: torch.Size  # the global output shape
+    shard: Shard | None
+
+
+def _plan(op, tensors) -> _Plan:
+    dtensors = [t for t in tensors if isinstance(t, DTensor)]
+    mesh = dtensors[0].device_mesh
+    if any(t.device_mesh != mesh for t in dtensors):
+        raise FusegenArgumentError(f"{op.name}(): all DTensor inputs must be on one device mesh")
+    if mesh.ndim != 1:
+        raise FusegenArgumentError(f"{op.name}(): DTensor inputs on a 1-D device mesh only; got {mesh.ndim} dims")
+    # The global problem, checked as the op checks plain tensors (shapes only: meta stand-ins).
+    stand_ins = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
+    shape = broadcast_problem(op.name, op.inputs, stand_ins).shape
+    ndim = len(shape)
+    placement = Replicate()
+    for t in tensors:
+        if isinstance(t, DTensor) and t.dim() == ndim and t.placements[0].is_shard():
+            placement = ShardPlacement(t.placements[0].dim % ndim)
+            break
+    if placement.is_shard() and placement.dim == ndim - 1 and (
+        op.statistics or any(spec.chunks > 1 for spec in op.inputs)
+    ):
+        placement = Replicate()
+    targets = tuple(_input_placement(placement, t, shape) for t in tensors)
+    return _Plan(mesh, placement, targets, shape, _shard(placement, shape, mesh))
+
+
+def _input_placement(placement, tensor, shape):
+    """P where the input spans the sharded dim (its own dim aligned from the right), else Replicate."""
+    if not placement.is_shard():
+        return Replicate()
+    own = placement.dim - (len(shape) - tensor.dim())
+    if own < 0 or tensor.shape[own] != shape[placement.dim]:
+        return Replicate()
+    return ShardPlacement(own)
+
+
+def _shard(placement, shape, mesh) -> Shard | None:
+    if not placement.is_shard():
+        return None
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
+    d, last = placement.dim, len(shape) - 1
+    if d == last:
+        return Shard(1, 1, 1, 0, offset[d], shape[last])
+    return Shard(math.prod(shape[d + 1:last]), local[d], shape[d], offset[d], 0, shape[last])
+
+
+def _local(tensor, mesh, placement):
+    if isinstance(tensor, DTensor):
+        return tensor.redistribute(mesh, [placement]).to_local()
+    return tensor  # a plain tensor beside DTensors: taken as the same on every rank
+
+
+def _wrap(local: torch.Tensor, plan: _Plan, placement, shape) -> "DTensor":
+    shape = torch.Size(shape)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, plan.mesh, [placement], run_check=False, shape=shape, stride=stride)
+
+
+def register(op, forward_op, backward_op) -> None:
+    """The DTensor rules of the op's two library ops (see the module docstring)."""
+    if DTensor is None:
+        return
+    count = len(op.inputs)
+
+    def forward_rule(cls, func, types, args, kwargs):
+        tensors, rest = args[:count], args[count:]
+        plan = _plan(op, tensors)
+        local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
+        outputs, seed, saved = op.forward((*local, *rest), eager=False, shard=plan.shard)
+        lead = plan.shape[:-1]
+        results = [_wrap(o, plan, plan.placement, (*lead, 1) if row else plan.shape)
+                   for o, row in zip(outputs, op._row_outputs)]
+        if op.has_dropout:
+            if seed is None:
+                seed = torch.empty((1,), dtype=torch.int64, device=outputs[0].device)
+            results.append(_wrap(seed, plan, Replicate(), (1,)))
+        if op.statistics:
+            results.append(_wrap(saved, plan, plan.placement, (*lead, op.statistics)))
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def backward_rule(cls, func, types, args, kwargs):
+        grads, tensors, *rest = args
+        needs = rest[-1]
+        plan = _plan(op, tensors)
+        local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
+        local_grads = [_local(g, plan.mesh, plan.placement) for g in grads]
+        params = rest[:len(op.params)]
+        extra = rest[len(op.params):-1]
+        seed = saved = None
+        if op.has_dropout:
+            training, seed = extra[0], _local(extra[1], plan.mesh, Replicate())
+            params = (*params, training, None)
+            extra = extra[2:]
+        if op.statistics:
+            saved = _local(extra[0], plan.mesh, plan.placement)
+        gradients = op.backward_kernels(tuple(local_grads), (*local, *params), seed, needs, saved, shard=plan.shard)
+        results = []
+        for gradient, t, target in zip(iter(gradients), [t for t, n in zip(tensors, needs) if n],
+                                       [p for p, n in zip(plan.inputs, needs) if n]):
+            placement = Partial() if plan.placement.is_shard() and not target.is_shard() else target
+            results.append(_wrap(gradient, plan, placement, t.shape))
+        return results
+
+    forward_op.register_torch_dispatch(DTensor, forward_rule)
+    backward_op.register_torch_dispatch(DTensor, backward_rule)
+    _detach_in_place_rule()
+
+
+def _detach_in_place_rule() -> None:
+    """torch 2.11's DTensor has no rule for aten.detach_, which autograd applies to a custom
+    op's non-differentiable outputs (the seed); torch 2.13 gives it aten.detach's, as here."""
+    try:
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        rules = propagator.op_strategy_funcs
+        detach, detach_ = torch.ops.aten.detach.default, torch.ops.aten.detach_.default
+        if detach_ not in rules and detach in rules:
+            propagator.register_op_strategy(detach_, rules[detach])
+    except AttributeError:  # another DTensor: its own rules
+        pass

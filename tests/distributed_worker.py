@@ -1,0 +1,98 @@
+"""One rank of test_distributed's CPU runs (gloo, a 1-D CPU device mesh, kernels on Triton's
+interpreter): generated ops on DTensors against the same ops on whole tensors in one process.
+
+Every rank builds the same whole tensors (fixed generators), runs the op on them, then on
+DTensors made from them with a placement, and compares its shard of the outputs and the
+gathered gradients with the whole-tensor results: dropout masks bit for bit."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: this rank has no GPU
+
+import importlib  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+
+
+def _randn(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
+
+
+def _check(name, fn, whole: dict, placements: dict, mesh, exact: bool, grad_seed: int):
+    """fn on whole tensors and on DTensors; outputs and input gradients must agree."""
+    leaves = {k: v.clone().requires_grad_(True) for k, v in whole.items()}
+    expected = fn(**leaves)
+    grad = _randn(expected.shape, grad_seed)
+    expected_grads = torch.autograd.grad(expected, list(leaves.values()), grad)
+    shards = {k: distribute_tensor(v, mesh, [placements.get(k, Replicate())]).requires_grad_(True)
+              for k, v in whole.items()}
+    got = fn(**shards)
+    assert isinstance(got, DTensor), f"{name}: the result is not a DTensor"
+    full = got.full_tensor()
+    if exact:
+        assert torch.equal(full, expected.detach()), f"{name} {placements}: outputs differ"
+    else:
+        torch.testing.assert_close(full, expected.detach(), rtol=1e-5, atol=1e-5, msg=f"{name} {placements}")
+    grads = torch.autograd.grad(got, list(shards.values()), distribute_tensor(grad, mesh, got.placements))
+    for k, g, e in zip(whole, grads, expected_grads):
+        g = g.full_tensor() if isinstance(g, DTensor) else g
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"{name} {placements}: grad {k}")
+    return got
+
+
+def run(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        seed_op = importlib.import_module("generated.bias_gelu_dropout_add").bias_gelu_dropout_add
+        swiglu = importlib.import_module("generated.swiglu").swiglu
+        layernorm = importlib.import_module("generated.layernorm").layernorm
+        ln_dropout = importlib.import_module("generated.layernorm_dropout_add").layernorm_dropout_add
+
+        # Dropout: masks keyed by the global index, so every placement drops what one device does.
+        x, bias, residual = _randn((3, 5, 24), 1), _randn((24,), 2), _randn((3, 5, 24), 3)
+        for placement in (Shard(0), Shard(1), Shard(2), Replicate()):
+            got = _check(
+                "bias_gelu_dropout_add", lambda x, bias, residual: seed_op(x, bias, residual, p=0.3, seed=11),
+                {"x": x, "bias": bias, "residual": residual}, {"x": placement, "residual": placement}, mesh,
+                exact=True, grad_seed=4,
+            )
+            assert got.placements[0] == placement, (placement, got.placements)
+        # seed=None: every rank draws the seed from its own generator, seeded alike, so the
+        # shards of one call share one mask (a mix of two would match neither rank's whole run).
+        fulls = []
+        for placement in (Shard(0), Replicate()):
+            torch.manual_seed(21)
+            shards = [distribute_tensor(t, mesh, [p]) for t, p in ((x, placement), (bias, Replicate()), (residual, placement))]
+            fulls.append(seed_op(*shards, p=0.5).full_tensor())
+        assert torch.equal(fulls[0], fulls[1]), "ranks drew different seeds"
+        # N % 4 != 0 and an uneven split (7 rows of 10 on 2 ranks): each element's own Philox call.
+        x, bias, residual = _randn((7, 10), 5), _randn((10,), 6), _randn((7, 10), 7)
+        for placement in (Shard(0), Shard(1)):
+            _check("bias_gelu_dropout_add uneven", lambda x, bias, residual: seed_op(x, bias, residual, p=0.5, seed=3),
+                   {"x": x, "bias": bias, "residual": residual}, {"x": placement, "residual": placement}, mesh,
+                   exact=True, grad_seed=8)
+
+        # Chunked input: a shard of the last dim would split the chunks; it is gathered first.
+        a = _randn((4, 3, 2 * 8), 9)
+        for placement in (Shard(0), Shard(2)):
+            got = _check("swiglu", lambda a: swiglu(a), {"a": a}, {"a": placement}, mesh, exact=True, grad_seed=10)
+            assert got.placements[0] == (placement if placement.dim == 0 else Replicate())
+
+        # Row reductions: rows stay whole (a shard of the last dim is gathered).
+        x, weight, b = _randn((2, 6, 12), 12), _randn((12,), 13), _randn((12,), 14)
+        for placement in (Shard(0), Shard(1), Shard(2)):
+            got = _check("layernorm", lambda x, weight, bias: layernorm(x, weight, bias),
+                         {"x": x, "weight": weight, "bias": b}, {"x": placement}, mesh, exact=False, grad_seed=15)
+            assert got.placements[0] == (placement if placement.dim < 2 else Replicate())
+        gamma, beta, residual = _randn((12,), 16), _randn((12,), 17), _randn((2, 6, 12), 18)
+        _check("layernorm_dropout_add",
+               lambda x, bias, gamma, beta, residual: ln_dropout(x, bias, gamma, beta, residual, p=0.25, seed=19),
+               {"x": x, "bias": weight, "gamma": gamma, "beta": beta, "residual": residual},
+               {"x": Shard(1), "residual": Shard(1)}, mesh, exact=False, grad_seed=20)
+    finally:
+        dist.destroy_process_group()
