@@ -509,7 +509,7 @@ def test_random_expressions_through_the_cli(cli_bench, text):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # libcst, which hypothesis loads to report
-@settings(max_examples=300, phases=[Phase.explicit, Phase.generate], **FUZZ)
+@settings(max_examples=150, phases=[Phase.explicit, Phase.generate], **FUZZ)
 @given(text=full_grammar)
 def test_random_expressions_build_or_fail_cleanly_full_grammar(workspace, text):
     """The whole grammar, negative and cancelling constants included, through the whole build."""
