@@ -151,7 +151,10 @@ def register(op, forward_op, backward_op) -> None:
         tensors, rest = args[:count], args[count:]
         plan = _plan(op, tensors)
         local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
-        outputs, seed, saved = op.forward((*local, *rest), eager=False, shard=plan.shard)
+        # Seeds drawn as an eager call on one device draws them (the same seed, given the same
+        # generator state on every rank), except while torch.compile traces.
+        eager = not torch.compiler.is_compiling()
+        outputs, seed, saved = op.forward((*local, *rest), eager=eager, shard=plan.shard)
         lead = plan.shape[:-1]
         results = [_wrap(o, plan, plan.placement, (*lead, 1) if row else plan.shape)
                    for o, row in zip(outputs, op._row_outputs)]
