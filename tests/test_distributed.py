@@ -2,12 +2,18 @@
 Triton's interpreter (tests/distributed_worker.py says what each rank checks)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distributed_worker
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
 
@@ -20,7 +26,15 @@ def test_placements_values_gradients_and_dropout_masks_match_one_process(tmp_pat
     mp.spawn(_rank, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
-def test_is_distributed_sees_dtensors_only():
-    from fusegen.runtime import sharding
-
-    assert not sharding.is_distributed((torch.ones(2), torch.nn.Parameter(torch.ones(2))))
+def test_plain_tensors_do_not_import_dtensor():
+    """Importing DTensor costs most of a second: an op imports it only once a call meets one."""
+    code = (
+        "import sys, torch\n"
+        "from generated import swiglu\n"
+        "from fusegen.runtime import sharding\n"
+        "x = torch.nn.Parameter(torch.ones(2, 4))\n"
+        "swiglu.swiglu(x)\n"
+        "assert not sharding.takes_dtensors(swiglu._OP, (torch.ones(2), x))\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})

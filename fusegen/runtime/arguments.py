@@ -69,7 +69,7 @@ class Problem:
 
 
 # Fake and functional tensors (torch.compile's) take the uncached path: their shapes may be symbolic.
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 CACHE_SIZE = 4096
 
 
@@ -81,7 +81,7 @@ def broadcast_problem(op: str, inputs: tuple[Input, ...], tensors: tuple, cache:
         return _check_and_broadcast(op, inputs, tensors)
     key = []
     for t in tensors:
-        if type(t) not in _PLAIN_TENSOR_TYPES:
+        if type(t) not in PLAIN_TENSOR_TYPES:
             return _check_and_broadcast(op, inputs, tensors)
         key.append((t.shape, t.dtype, t.device))
     key = tuple(key)

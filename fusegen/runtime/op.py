@@ -100,7 +100,7 @@ class FusedOp:
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
             outputs = self.forward(args, out=out)[0]
-        elif torch.compiler.is_compiling() or sharding.is_distributed(args[:self._n_inputs]):
+        elif torch.compiler.is_compiling() or sharding.takes_dtensors(self, args[:self._n_inputs]):
             # The library op: torch.compile sees one opaque op, DTensor runs its rule (runtime.sharding).
             outputs = self._forward_op(*args)
             if self._n_outputs + self.has_dropout + bool(self.statistics) == 1:
@@ -143,8 +143,9 @@ class FusedOp:
         for param, value in zip(self.params, values):
             setattr(module, param.name, value)
 
-    def check(self, args: tuple, needs_kernel: bool) -> Call:
-        """Checks and defaults shared by the kernels and reference (the seed is drawn by the caller)."""
+    def check(self, args: tuple, needs_kernel: bool, shard=None) -> Call:
+        """Checks and defaults shared by the kernels and reference (the seed is drawn by the
+        caller). `shard`: the tensors are a DTensor's local parts (runtime.sharding)."""
         n, name = self._n_inputs, self.name
         params = list(args[n:n + self._n_params])
         for i, param, choices in self._choice_checks:
@@ -160,14 +161,14 @@ class FusedOp:
         for i, param, kind, low, high in self._scalar_checks:
             params[i] = check_scalar(name, param, params[i], kind, low, high)
         if not self.has_dropout:
-            return Call(problem, tuple(params), False, None)
+            return Call(problem, tuple(params), False, None, shard)
         training, seed = args[n + self._n_params:]
         has_dropout = False
         if training:
             for i in self._dropout_indices:
                 if params[i] > 0:
                     has_dropout = True
-        return Call(problem, tuple(params), has_dropout, check_seed(name, seed))
+        return Call(problem, tuple(params), has_dropout, check_seed(name, seed), shard)
 
     def forward(self, args: tuple, out=None, eager: bool = True, shard=None):
         """Launch the forward kernel; returns the outputs, the seed tensor it used (None
@@ -178,8 +179,7 @@ class FusedOp:
             prepared = self.prepare(args)
             if prepared is not None:
                 return prepared.forward(args, eager)
-        call = self.check(args, needs_kernel=True)
-        call.shard = shard
+        call = self.check(args, needs_kernel=True, shard=shard)
         problem = call.problem
         tensors = args[:self._n_inputs]
         seed = seed_tensor(call.seed, problem.device, eager) if call.has_dropout else None
@@ -239,8 +239,7 @@ class FusedOp:
         """Launch the backward kernel: the gradients of the inputs flagged in `needs`."""
         tensors = args[: len(self.inputs)]
         if shard is not None:
-            call = self.check(args, needs_kernel=True)
-            call.shard = shard
+            call = self.check(args, needs_kernel=True, shard=shard)
             return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved)
         if prepared is None:
             prepared = self.prepare(args)
@@ -438,7 +437,6 @@ def _register_library_ops(op: FusedOp):
         raise RuntimeError(f"fusegen::{op.name}: double backward is not supported")
 
     backward_op.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
-    sharding.register(op, forward_op, backward_op)
     return forward_op, backward_op
 
 

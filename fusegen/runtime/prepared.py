@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from .arguments import PLAIN_TENSOR_TYPES
 from .dropout import check_seed, seed_tensor
 
-_PLAIN_TENSOR = torch.Tensor
-_PARAMETER = torch.nn.Parameter
 CACHE_SIZE = 1024
 
 
@@ -27,8 +26,7 @@ def call_key(args: tuple, tensors: int, seed_position: int | None) -> tuple | No
     path does not take."""
     key = []
     for t in args[:tensors]:
-        kind = type(t)
-        if kind is not _PLAIN_TENSOR and kind is not _PARAMETER:
+        if type(t) not in PLAIN_TENSOR_TYPES:
             return None
         key.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15))
     for position in range(tensors, len(args)):

@@ -20,18 +20,16 @@ explicit seed=).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from .arguments import FusegenArgumentError, broadcast_problem
+from .arguments import CACHE_SIZE, FusegenArgumentError, broadcast_problem
 
-try:
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-    from torch.distributed.tensor import Shard as ShardPlacement
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # a torch without distributed: no DTensor to meet
-    DTensor = None
+# DTensor is imported only once a call meets one (importing it costs most of a second, and
+# a DTensor can only exist once something has imported it).
+_DTENSOR_MODULE = "torch.distributed.tensor"
 
 
 @dataclass(frozen=True)
@@ -57,6 +55,8 @@ class Shard:
         key = (self, device)
         buffer = _BUFFERS.get(key)
         if buffer is None:
+            if len(_BUFFERS) >= CACHE_SIZE:
+                _BUFFERS.clear()
             values = [self.inner, self.local, self.total, self.offset, self.column_offset, self.n_global]
             buffer = _BUFFERS[key] = torch.tensor(values, dtype=torch.int64, device=device)
         return buffer
@@ -65,15 +65,21 @@ class Shard:
 _BUFFERS: dict = {}
 
 
-def is_distributed(tensors) -> bool:
-    """Whether a call's tensors include a DTensor (then it takes the library op, whose
-    DTensor rule below runs it shard by shard)."""
-    if DTensor is None:
-        return False
+def takes_dtensors(op, tensors) -> bool:
+    """Whether a call's tensors include a DTensor. Then the call takes the op's library op,
+    whose DTensor rules (registered here on the first such call) run it shard by shard."""
     for t in tensors:
-        if type(t) is not torch.Tensor and isinstance(t, DTensor):
-            return True
+        if type(t) is not torch.Tensor:
+            module = sys.modules.get(_DTENSOR_MODULE)
+            if module is not None and isinstance(t, module.DTensor):
+                if op not in _REGISTERED:
+                    _register(op)
+                    _REGISTERED.add(op)
+                return True
     return False
+
+
+_REGISTERED: set = set()  # the ops whose library ops carry DTensor rules
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,9 @@ class _Plan:
 
 
 def _plan(op, tensors) -> _Plan:
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as ShardPlacement
+
     dtensors = [t for t in tensors if isinstance(t, DTensor)]
     mesh = dtensors[0].device_mesh
     if any(t.device_mesh != mesh for t in dtensors):
@@ -111,6 +120,9 @@ def _plan(op, tensors) -> _Plan:
 
 def _input_placement(placement, tensor, shape):
     """P where the input spans the sharded dim (its own dim aligned from the right), else Replicate."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as ShardPlacement
+
     if not placement.is_shard():
         return Replicate()
     own = placement.dim - (len(shape) - tensor.dim())
@@ -120,6 +132,8 @@ def _input_placement(placement, tensor, shape):
 
 
 def _shard(placement, shape, mesh) -> Shard | None:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     if not placement.is_shard():
         return None
     local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
@@ -130,21 +144,25 @@ def _shard(placement, shape, mesh) -> Shard | None:
 
 
 def _local(tensor, mesh, placement):
+    from torch.distributed.tensor import DTensor
+
     if isinstance(tensor, DTensor):
         return tensor.redistribute(mesh, [placement]).to_local()
     return tensor  # a plain tensor beside DTensors: taken as the same on every rank
 
 
-def _wrap(local: torch.Tensor, plan: _Plan, placement, shape) -> "DTensor":
+def _wrap(local: torch.Tensor, plan: _Plan, placement, shape):
+    from torch.distributed.tensor import DTensor
+
     shape = torch.Size(shape)
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(local, plan.mesh, [placement], run_check=False, shape=shape, stride=stride)
 
 
-def register(op, forward_op, backward_op) -> None:
+def _register(op) -> None:
     """The DTensor rules of the op's two library ops (see the module docstring)."""
-    if DTensor is None:
-        return
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
     count = len(op.inputs)
 
     def forward_rule(cls, func, types, args, kwargs):
@@ -183,18 +201,18 @@ def register(op, forward_op, backward_op) -> None:
             saved = _local(extra[0], plan.mesh, plan.placement)
         gradients = op.backward_kernels(tuple(local_grads), (*local, *params), seed, needs, saved, shard=plan.shard)
         results = []
-        for gradient, t, target in zip(iter(gradients), [t for t, n in zip(tensors, needs) if n],
+        for gradient, t, target in zip(gradients, [t for t, n in zip(tensors, needs) if n],
                                        [p for p, n in zip(plan.inputs, needs) if n]):
             placement = Partial() if plan.placement.is_shard() and not target.is_shard() else target
             results.append(_wrap(gradient, plan, placement, t.shape))
         return results
 
-    forward_op.register_torch_dispatch(DTensor, forward_rule)
-    backward_op.register_torch_dispatch(DTensor, backward_rule)
-    _detach_in_place_rule()
+    op._forward_op.register_torch_dispatch(DTensor, forward_rule)
+    op._backward_op.register_torch_dispatch(DTensor, backward_rule)
+    _detach_in_place_rule(DTensor)
 
 
-def _detach_in_place_rule() -> None:
+def _detach_in_place_rule(DTensor) -> None:
     """torch 2.11's DTensor has no rule for aten.detach_, which autograd applies to a custom
     op's non-differentiable outputs (the seed); torch 2.13 gives it aten.detach's, as here."""
     try:
