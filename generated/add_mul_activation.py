@@ -21,11 +21,9 @@ input gradient in one pass; gradients of inputs broadcast along rows are summed 
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
 
-inplace_backward=True: the eager backward writes an input's gradient into that input's own
-memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
-for an input nothing reads after this op's backward, such as a Linear's output fed to this
-op alone. Leaves (parameters) and views are never written, and the input's version counter
-is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
+inplace_backward=True lets the eager backward write an input's gradient into that input's
+memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
+"The generated op").
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.

@@ -28,11 +28,9 @@ nothing else: no mask, no intermediates.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 
-inplace_backward=True: the eager backward writes an input's gradient into that input's own
-memory, not a new buffer, where it has the input's shape, dtype and contiguous layout. Only
-for an input nothing reads after this op's backward, such as a Linear's output fed to this
-op alone. Leaves (parameters) and views are never written, and the input's version counter
-is bumped, so a later autograd use of it fails loudly. No effect under torch.compile.
+inplace_backward=True lets the eager backward write an input's gradient into that input's
+memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
+"The generated op").
 
 `reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
 is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.

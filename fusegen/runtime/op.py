@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .arguments import FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar
-from .dropout import check_seed, dropout_mask_reference, seed_tensor
+from .dropout import check_seed, dropout_mask_reference, seed_result, seed_tensor
 from .gradients import sum_to_input
 from .out import check_out_without_grad, output_buffer, write_out
 from .prepared import CACHE_SIZE, PreparedCall, call_key
@@ -375,8 +375,7 @@ def _register_library_ops(op: FusedOp):
             return outputs[0]
         results = list(outputs)
         if op.has_dropout:
-            # Without dropout the seed is never read: an unfilled tensor keeps the outputs fixed.
-            results.append(torch.empty((1,), dtype=torch.int64, device=outputs[0].device) if seed is None else seed)
+            results.append(seed_result(seed, outputs[0].device))
         if op.statistics:
             results.append(saved)
         return tuple(results)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .arguments import CACHE_SIZE, FusegenArgumentError, broadcast_problem
+from .dropout import seed_result
 
 # DTensor is imported only once a call meets one (importing it costs most of a second, and
 # a DTensor can only exist once something has imported it).
@@ -177,9 +178,7 @@ def _register(op) -> None:
         results = [_wrap(o, plan, plan.placement, (*lead, 1) if row else plan.shape)
                    for o, row in zip(outputs, op._row_outputs)]
         if op.has_dropout:
-            if seed is None:
-                seed = torch.empty((1,), dtype=torch.int64, device=outputs[0].device)
-            results.append(_wrap(seed, plan, Replicate(), (1,)))
+            results.append(_wrap(seed_result(seed, outputs[0].device), plan, Replicate(), (1,)))
         if op.statistics:
             results.append(_wrap(saved, plan, plan.placement, (*lead, op.statistics)))
         return results[0] if len(results) == 1 else tuple(results)

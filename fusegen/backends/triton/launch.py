@@ -321,13 +321,18 @@ class _Bound:
     def _extra_backward_args(self, saved: int) -> list:
         return []
 
+    def _sums_over_rows(self, problem, tensors, needs) -> bool:
+        """Whether some needed gradient is summed over rows (a bias's): then the backward's
+        programs walk many rows each, for fewer partial sums."""
+        return any(needs[i] and GradTarget.kind_of(tensors[i], problem, self._chunks[i]) == "rows"
+                   for i in self._gradients)
+
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
                          rows_per_program: int | None = None) -> PreparedBackward:
         problem = call.problem
         m, n = problem.m, problem.n
         bucket = tuning.m_bucket(m)
-        summed = any(needs[i] and GradTarget.kind_of(tensors[i], problem, self._chunks[i]) == "rows"
-                     for i in self._gradients)
+        summed = self._sums_over_rows(problem, tensors, needs)
         rows = rows_per_program or tuning.backward_rows_per_program(bucket, n, summed)
         column_tiles = 0
         if any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row)):
@@ -399,8 +404,7 @@ class _BoundRows(_Bound):
                          rows_per_program: int | None = None) -> PreparedBackward:
         problem = call.problem
         m, n = problem.m, problem.n
-        summed = any(needs[i] and GradTarget.kind_of(tensors[i], problem, self._chunks[i]) == "rows"
-                     for i in self._gradients)
+        summed = self._sums_over_rows(problem, tensors, needs)
         # Many rows a program only where a gradient is summed over rows: fewer partial sums.
         rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)
         # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
