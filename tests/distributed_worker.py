@@ -96,3 +96,11 @@ def run(rank: int, world: int, init_file: str) -> None:
                {"x": Shard(1), "residual": Shard(1)}, mesh, exact=False, grad_seed=20)
     finally:
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # tests/test_distributed.py: python distributed_worker.py INIT_FILE
+    import sys
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(run, args=(2, sys.argv[1]), nprocs=2, join=True)

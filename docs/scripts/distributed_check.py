@@ -28,7 +28,16 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa
 from fusegen.bench import model as model_bench  # noqa: E402
 from generated.bias_gelu_dropout_add import bias_gelu_dropout_add  # noqa: E402
 from generated.layernorm import layernorm  # noqa: E402
+from generated.layernorm_dropout_add import layernorm_dropout_add  # noqa: E402
 from generated.swiglu import swiglu  # noqa: E402
+
+
+def reseeded(op):
+    """The op with seed=None, after torch.manual_seed(7): each call draws the same seed."""
+    def call(*tensors):
+        torch.manual_seed(7)
+        return op(*tensors, p=0.1)
+    return call
 
 
 def main() -> None:
@@ -59,6 +68,15 @@ def main() -> None:
         ("swiglu", lambda a: swiglu(a), (randn(b, s, 2 * h),), [(Shard(0),), (Shard(1),), (Shard(2),)]),
         ("layernorm", lambda x, w, c: layernorm(x, w, c), (x, randn(h), randn(h)),
          [(Shard(0), Replicate(), Replicate()), (Shard(1), Replicate(), Replicate())]),
+        # Sequence parallel: a post-LN block's tail with the activations sharded over tokens.
+        ("layernorm_dropout_add p=0.1",
+         lambda x, bias, g, c, r: layernorm_dropout_add(x, bias, g, c, r, p=0.1, seed=99),
+         (x, randn(h), randn(h), randn(h), residual),
+         [(Shard(1), Replicate(), Replicate(), Replicate(), Shard(1)),
+          (Shard(0), Replicate(), Replicate(), Replicate(), Shard(0))]),
+        # seed=None: every rank and the one-device call draw from the same generator state.
+        ("bias_gelu_dropout_add p=0.1 seed=None", reseeded(bias_gelu_dropout_add),
+         (x, bias, residual), [(Shard(1), Replicate(), Shard(1))]),
     ]
     for name, fn, tensors, placement_sets in cases:
         leaves = [t.clone().requires_grad_(True) for t in tensors]
