@@ -88,9 +88,14 @@ def main() -> None:
             grads = torch.autograd.grad(out, shards, distribute_tensor(grad, mesh, out.placements))
             errors = [((g.full_tensor().double() - w.double()).norm() / w.double().norm()).item()
                       for g, w in zip(grads, whole_grads)]
+            full = out.full_tensor()
             row = {"op": name, "placements": [str(p) for p in placements], "output": str(out.placements[0]),
-                   "output_bit_identical": bool(torch.equal(out.full_tensor(), whole.detach())),
+                   "output_bit_identical": bool(torch.equal(full, whole.detach())),
+                   "output_relative_error": ((full.double() - whole.double()).norm() / whole.double().norm()).item(),
                    "gradient_relative_errors": errors}
+            if "dropout" in name:  # y = dropout(...) + residual: y == residual exactly where dropped
+                residual_in = tensors[-1]
+                row["dropped_elements_identical"] = bool(torch.equal(full == residual_in, whole == residual_in))
             report["shards"].append(row)
             if rank == 0:
                 print(row, flush=True)
@@ -135,7 +140,7 @@ def main() -> None:
         import triton
 
         xs, bs, rs, gs = randn(8, 2048, 4096), randn(4096), randn(8, 2048, 4096), randn(8, 2048, 4096)
-        for label, placement in (("replicated", Replicate()), ("Shard(1)", Shard(1))):
+        for label, placement in (("replicated", Replicate()), ("Shard(0)", Shard(0)), ("Shard(1)", Shard(1))):
             leaves = [distribute_tensor(t, mesh, [p]).requires_grad_(True)
                       for t, p in zip((xs, bs, rs), (placement, Replicate(), placement))]
             grad_d = distribute_tensor(gs, mesh, [placement])

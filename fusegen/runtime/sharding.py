@@ -93,6 +93,24 @@ class _Plan:
 
 
 def _plan(op, tensors) -> _Plan:
+    """The call's plan, kept per kind of call (shapes, placements, mesh): working it out
+    anew took about a third of a DTensor call's host time."""
+    from torch.distributed.tensor import DTensor
+
+    key = (op, *((t.shape, t.placements, t.device_mesh) if isinstance(t, DTensor) else (t.shape,)
+                 for t in tensors))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= CACHE_SIZE:
+            _PLANS.clear()
+        plan = _PLANS[key] = _new_plan(op, tensors)
+    return plan
+
+
+_PLANS: dict = {}
+
+
+def _new_plan(op, tensors) -> _Plan:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as ShardPlacement
 
@@ -148,16 +166,32 @@ def _local(tensor, mesh, placement):
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
+        if tensor.placements == (placement,):
+            # Below autograd already (a dispatch rule): the local part itself, not to_local().
+            return tensor._local_tensor
         return tensor.redistribute(mesh, [placement]).to_local()
     return tensor  # a plain tensor beside DTensors: taken as the same on every rank
 
 
 def _wrap(local: torch.Tensor, plan: _Plan, placement, shape):
+    """A result as a DTensor, made as DTensor's own op rules make theirs (from_local is an
+    autograd function, and building its spec each time cost as much again)."""
     from torch.distributed.tensor import DTensor
 
-    shape = torch.Size(shape)
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(local, plan.mesh, [placement], run_check=False, shape=shape, stride=stride)
+    key = (plan.mesh, placement, tuple(shape), local.dtype)
+    spec = _SPECS.get(key)
+    if spec is None:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        if len(_SPECS) >= CACHE_SIZE:
+            _SPECS.clear()
+        shape = torch.Size(shape)
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        spec = _SPECS[key] = DTensorSpec(plan.mesh, (placement,), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+_SPECS: dict = {}
 
 
 def _register(op) -> None:
