@@ -17,9 +17,13 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    skip_two = pytest.mark.skip(reason="needs two CUDA devices; this machine has fewer")
+    two = HAS_CUDA and torch.cuda.device_count() >= 2
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+        if "gpu2" in item.keywords and not two:
+            item.add_marker(skip_two)
 
 
 @pytest.fixture
