@@ -94,6 +94,27 @@ def run(rank: int, world: int, init_file: str) -> None:
                lambda x, bias, gamma, beta, residual: ln_dropout(x, bias, gamma, beta, residual, p=0.25, seed=19),
                {"x": x, "bias": weight, "gamma": gamma, "beta": beta, "residual": residual},
                {"x": Shard(1), "residual": Shard(1)}, mesh, exact=False, grad_seed=20)
+
+        # Inside torch.compile: the graph records the library op on the local tensors.
+        compiled_layernorm = torch.compile(layernorm, backend="aot_eager", fullgraph=True)
+        _check("compiled layernorm", lambda x, weight, bias: compiled_layernorm(x, weight, bias),
+               {"x": x, "weight": weight, "bias": b}, {"x": Shard(0)}, mesh, exact=False, grad_seed=21)
+        x, bias, residual = _randn((3, 5, 24), 1), _randn((24,), 2), _randn((3, 5, 24), 3)
+        compiled_seed_op = torch.compile(lambda x, bias, residual, p: seed_op(x, bias, residual, p=p, seed=11),
+                                         backend="aot_eager", fullgraph=True)
+        _check("compiled bias_gelu_dropout_add, replicated", lambda **t: compiled_seed_op(**t, p=0.3),
+               {"x": x, "bias": bias, "residual": residual}, {}, mesh, exact=True, grad_seed=22)
+        _check("compiled bias_gelu_dropout_add, p=0", lambda **t: compiled_seed_op(**t, p=0.0),
+               {"x": x, "bias": bias, "residual": residual}, {"x": Shard(1), "residual": Shard(1)}, mesh,
+               exact=True, grad_seed=23)
+        # Dropout on shards there would draw each shard's mask as a whole tensor's: refused.
+        shards = [distribute_tensor(t, mesh, [p]) for t, p in ((x, Shard(1)), (bias, Replicate()), (residual, Shard(1)))]
+        try:
+            compiled_seed_op(*shards, p=0.3)
+        except Exception as error:  # torch.compile wraps the op's error in its own
+            assert "dropout on sharded DTensors inside torch.compile is not supported" in str(error), error
+        else:
+            raise AssertionError("sharded dropout inside torch.compile was not refused")
     finally:
         dist.destroy_process_group()
 

@@ -87,6 +87,7 @@ class FusedOp:
         self.statistics = kernels.statistics
         self.kernels = kernels.bind(self)
         self._forward_op, self._backward_op = _register_library_ops(self)
+        sharding.register_if_loaded(self)
 
     # -- the public op --------------------------------------------------------------
 
@@ -100,7 +101,7 @@ class FusedOp:
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
             outputs = self.forward(args, out=out)[0]
-        elif torch.compiler.is_compiling() or sharding.takes_dtensors(self, args[:self._n_inputs]):
+        elif sharding.takes_dtensors(self, args[:self._n_inputs]) or torch.compiler.is_compiling():
             # The library op: torch.compile sees one opaque op, DTensor runs its rule (runtime.sharding).
             outputs = self._forward_op(*args)
             if self._n_outputs + self.has_dropout + bool(self.statistics) == 1:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .arguments import CACHE_SIZE, FusegenArgumentError, broadcast_problem
+from .arguments import CACHE_SIZE, PLAIN_TENSOR_TYPES, FusegenArgumentError, broadcast_problem
 from .dropout import seed_result
 
 # DTensor is imported only once a call meets one (importing it costs most of a second, and
@@ -74,10 +74,30 @@ def takes_dtensors(op, tensors) -> bool:
             module = sys.modules.get(_DTENSOR_MODULE)
             if module is not None and isinstance(t, module.DTensor):
                 if op not in _REGISTERED:
-                    _register(op)
-                    _REGISTERED.add(op)
+                    if torch.compiler.is_compiling():
+                        # Registering is a side effect that torch.compile's tracer cannot make.
+                        raise FusegenArgumentError(
+                            f"{op.name}(): its DTensor rules are registered by its first call with "
+                            "DTensor inputs outside torch.compile, or when the generated module is "
+                            "imported after torch.distributed.tensor; neither happened before this "
+                            "compiled call"
+                        )
+                    register(op)
                 return True
     return False
+
+
+def register_if_loaded(op) -> None:
+    """Register the op's DTensor rules now if DTensor is loaded already (so that a first call
+    inside torch.compile finds them); otherwise its first DTensor call will."""
+    if _DTENSOR_MODULE in sys.modules:
+        register(op)
+
+
+def register(op) -> None:
+    if op not in _REGISTERED:
+        _register(op)
+        _REGISTERED.add(op)
 
 
 _REGISTERED: set = set()  # the ops whose library ops carry DTensor rules
@@ -97,6 +117,9 @@ def _plan(op, tensors) -> _Plan:
     anew took about a third of a DTensor call's host time."""
     from torch.distributed.tensor import DTensor
 
+    if _traced([t._local_tensor for t in tensors if isinstance(t, DTensor)]):
+        # torch.compile's tracing: shapes may be symbolic, and the rank is not known.
+        return _new_plan(op, tensors, place=False)
     key = (op, *((t.shape, t.placements, t.device_mesh) if isinstance(t, DTensor) else (t.shape,)
                  for t in tensors))
     plan = _PLANS.get(key)
@@ -110,7 +133,8 @@ def _plan(op, tensors) -> _Plan:
 _PLANS: dict = {}
 
 
-def _new_plan(op, tensors) -> _Plan:
+def _new_plan(op, tensors, place: bool = True) -> _Plan:
+    """`place`: work out the shard's place in the global problem (dropout's global index)."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as ShardPlacement
 
@@ -134,7 +158,7 @@ def _new_plan(op, tensors) -> _Plan:
     ):
         placement = Replicate()
     targets = tuple(_input_placement(placement, t, shape) for t in tensors)
-    return _Plan(mesh, placement, targets, shape, _shard(placement, shape, mesh))
+    return _Plan(mesh, placement, targets, shape, _shard(placement, shape, mesh) if place else None)
 
 
 def _input_placement(placement, tensor, shape):
@@ -204,10 +228,19 @@ def _register(op) -> None:
         tensors, rest = args[:count], args[count:]
         plan = _plan(op, tensors)
         local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
-        # Seeds drawn as an eager call on one device draws them (the same seed, given the same
-        # generator state on every rank), except while torch.compile traces.
-        eager = not torch.compiler.is_compiling()
-        outputs, seed, saved = op.forward((*local, *rest), eager=eager, shard=plan.shard)
+        if _traced(local):
+            # torch.compile traces the DTensor call: the graph records the library op on the
+            # local tensors (launching here would only see fake ones).
+            _refuse_traced_sharded_dropout(op, plan, (*local, *rest))
+            results = func(*local, *rest)
+            results = list(results) if isinstance(results, (tuple, list)) else [results]
+            outputs = results[:len(op._row_outputs)]
+            seed = results[len(outputs)] if op.has_dropout else None
+            saved = results[-1] if op.statistics else None
+        else:
+            # Seeds drawn as an eager call on one device draws them (the same seed, given the
+            # same generator state on every rank).
+            outputs, seed, saved = op.forward((*local, *rest), eager=True, shard=plan.shard)
         lead = plan.shape[:-1]
         results = [_wrap(o, plan, plan.placement, (*lead, 1) if row else plan.shape)
                    for o, row in zip(outputs, op._row_outputs)]
@@ -232,7 +265,13 @@ def _register(op) -> None:
             extra = extra[2:]
         if op.statistics:
             saved = _local(extra[0], plan.mesh, plan.placement)
-        gradients = op.backward_kernels(tuple(local_grads), (*local, *params), seed, needs, saved, shard=plan.shard)
+        if _traced(local):
+            _refuse_traced_sharded_dropout(op, plan, (*local, *params))
+            saved_args = ((training, seed) if op.has_dropout else ()) + ((saved,) if op.statistics else ())
+            gradients = func(list(local_grads), list(local), *rest[:len(op.params)], *saved_args, needs)
+        else:
+            gradients = op.backward_kernels(tuple(local_grads), (*local, *params), seed, needs, saved,
+                                            shard=plan.shard)
         results = []
         for gradient, t, target in zip(gradients, [t for t, n in zip(tensors, needs) if n],
                                        [p for p, n in zip(plan.inputs, needs) if n]):
@@ -243,6 +282,22 @@ def _register(op) -> None:
     op._forward_op.register_torch_dispatch(DTensor, forward_rule)
     op._backward_op.register_torch_dispatch(DTensor, backward_rule)
     _detach_in_place_rule(DTensor)
+
+
+def _traced(local) -> bool:
+    """Whether the local tensors are torch.compile's stand-ins (fake or functional ones)."""
+    return any(isinstance(t, torch.Tensor) and type(t) not in PLAIN_TENSOR_TYPES for t in local)
+
+
+def _refuse_traced_sharded_dropout(op, plan: _Plan, args: tuple) -> None:
+    """A compiled graph records the library op on local tensors, which cannot carry the
+    shard's place: its dropout would draw each shard's mask as if it were the whole tensor."""
+    if plan.placement.is_shard() and op.has_dropout and op.check(args, needs_kernel=False).has_dropout:
+        raise FusegenArgumentError(
+            f"{op.name}(): dropout on sharded DTensors inside torch.compile is not supported (the "
+            "compiled graph cannot give each shard its place in the global mask); call the op "
+            "outside torch.compile, with p=0 or training=False there, or on replicated inputs"
+        )
 
 
 def _detach_in_place_rule(DTensor) -> None:
