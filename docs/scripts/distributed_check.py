@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 CPU = "--cpu" in sys.argv
 if CPU:
