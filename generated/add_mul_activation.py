@@ -319,16 +319,19 @@ class AddMulActivation(torch.nn.Module):
     The op as a torch.nn.Module: forward(x, inp, bias)
     calls add_mul_activation.
     Its params are fixed at construction, and checked then.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, multiplier=1.0, activation='relu'):
-        _OP.init_module(self, multiplier, activation)
+    def __init__(self, multiplier=1.0, activation='relu', *, inplace_backward=False):
+        _OP.init_module(self, multiplier, activation, inplace_backward=inplace_backward)
 
     def forward(self, x, inp, bias):
-        return _OP(x, inp, bias, self.multiplier, self.activation)
+        return _OP(
+            x, inp, bias, self.multiplier, self.activation, inplace_backward=self.inplace_backward
+        )
 
     def extra_repr(self):
-        return f"multiplier={self.multiplier!r}, activation={self.activation!r}"
+        return _OP.module_repr(self)
 
 
 def reference(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):

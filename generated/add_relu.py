@@ -188,10 +188,17 @@ class AddRelu(torch.nn.Module):
 
     The op as a torch.nn.Module: forward(x, other)
     calls add_relu.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
+    def __init__(self, *, inplace_backward=False):
+        _OP.init_module(self, inplace_backward=inplace_backward)
+
     def forward(self, x, other):
-        return _OP(x, other)
+        return _OP(x, other, inplace_backward=self.inplace_backward)
+
+    def extra_repr(self):
+        return _OP.module_repr(self)
 
 
 def reference(x, other, *, out=None):

@@ -269,16 +269,19 @@ class BiasDropoutAdd(torch.nn.Module):
     calls bias_dropout_add.
     Its params are fixed at construction, and checked then.
     Dropout is on in train() mode and off in eval(); seeds come from torch's generator.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, p=0.1):
-        _OP.init_module(self, p)
+    def __init__(self, p=0.1, *, inplace_backward=False):
+        _OP.init_module(self, p, inplace_backward=inplace_backward)
 
     def forward(self, x, bias, residual):
-        return _OP(x, bias, residual, self.p, self.training, None)
+        return _OP(
+            x, bias, residual, self.p, self.training, None, inplace_backward=self.inplace_backward
+        )
 
     def extra_repr(self):
-        return f"p={self.p!r}"
+        return _OP.module_repr(self)
 
 
 def reference(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):

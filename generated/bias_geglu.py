@@ -296,16 +296,17 @@ class BiasGeglu(torch.nn.Module):
     The op as a torch.nn.Module: forward(x, bias)
     calls bias_geglu.
     Its params are fixed at construction, and checked then.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, activation='gelu_tanh'):
-        _OP.init_module(self, activation)
+    def __init__(self, activation='gelu_tanh', *, inplace_backward=False):
+        _OP.init_module(self, activation, inplace_backward=inplace_backward)
 
     def forward(self, x, bias):
-        return _OP(x, bias, self.activation)
+        return _OP(x, bias, self.activation, inplace_backward=self.inplace_backward)
 
     def extra_repr(self):
-        return f"activation={self.activation!r}"
+        return _OP.module_repr(self)
 
 
 def reference(x, bias, activation='gelu_tanh', *, out=None):

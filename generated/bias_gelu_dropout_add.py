@@ -360,16 +360,26 @@ class BiasGeluDropoutAdd(torch.nn.Module):
     calls bias_gelu_dropout_add.
     Its params are fixed at construction, and checked then.
     Dropout is on in train() mode and off in eval(); seeds come from torch's generator.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, p=0.1, activation='gelu_tanh'):
-        _OP.init_module(self, p, activation)
+    def __init__(self, p=0.1, activation='gelu_tanh', *, inplace_backward=False):
+        _OP.init_module(self, p, activation, inplace_backward=inplace_backward)
 
     def forward(self, x, bias, residual):
-        return _OP(x, bias, residual, self.p, self.activation, self.training, None)
+        return _OP(
+            x,
+            bias,
+            residual,
+            self.p,
+            self.activation,
+            self.training,
+            None,
+            inplace_backward=self.inplace_backward,
+        )
 
     def extra_repr(self):
-        return f"p={self.p!r}, activation={self.activation!r}"
+        return _OP.module_repr(self)
 
 
 def reference(

@@ -521,16 +521,17 @@ class BiasLayernorm(torch.nn.Module):
     The op as a torch.nn.Module: forward(x, bias, gamma, beta)
     calls bias_layernorm.
     Its params are fixed at construction, and checked then.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, eps=1e-06):
-        _OP.init_module(self, eps)
+    def __init__(self, eps=1e-06, *, inplace_backward=False):
+        _OP.init_module(self, eps, inplace_backward=inplace_backward)
 
     def forward(self, x, bias, gamma, beta):
-        return _OP(x, bias, gamma, beta, self.eps)
+        return _OP(x, bias, gamma, beta, self.eps, inplace_backward=self.inplace_backward)
 
     def extra_repr(self):
-        return f"eps={self.eps!r}"
+        return _OP.module_repr(self)
 
 
 def reference(x, bias, gamma, beta, eps=1e-06, *, out=None):

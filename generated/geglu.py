@@ -235,16 +235,17 @@ class Geglu(torch.nn.Module):
     The op as a torch.nn.Module: forward(x)
     calls geglu.
     Its params are fixed at construction, and checked then.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, activation='gelu_tanh'):
-        _OP.init_module(self, activation)
+    def __init__(self, activation='gelu_tanh', *, inplace_backward=False):
+        _OP.init_module(self, activation, inplace_backward=inplace_backward)
 
     def forward(self, x):
-        return _OP(x, self.activation)
+        return _OP(x, self.activation, inplace_backward=self.inplace_backward)
 
     def extra_repr(self):
-        return f"activation={self.activation!r}"
+        return _OP.module_repr(self)
 
 
 def reference(x, activation='gelu_tanh', *, out=None):

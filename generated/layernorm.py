@@ -439,16 +439,17 @@ class Layernorm(torch.nn.Module):
     The op as a torch.nn.Module: forward(x, weight, bias)
     calls layernorm.
     Its params are fixed at construction, and checked then.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, eps=1e-05):
-        _OP.init_module(self, eps)
+    def __init__(self, eps=1e-05, *, inplace_backward=False):
+        _OP.init_module(self, eps, inplace_backward=inplace_backward)
 
     def forward(self, x, weight, bias):
-        return _OP(x, weight, bias, self.eps)
+        return _OP(x, weight, bias, self.eps, inplace_backward=self.inplace_backward)
 
     def extra_repr(self):
-        return f"eps={self.eps!r}"
+        return _OP.module_repr(self)
 
 
 def reference(x, weight, bias, eps=1e-05, *, out=None):

@@ -690,16 +690,28 @@ class LayernormDropoutAdd(torch.nn.Module):
     calls layernorm_dropout_add.
     Its params are fixed at construction, and checked then.
     Dropout is on in train() mode and off in eval(); seeds come from torch's generator.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, eps=1e-05, p=0.1):
-        _OP.init_module(self, eps, p)
+    def __init__(self, eps=1e-05, p=0.1, *, inplace_backward=False):
+        _OP.init_module(self, eps, p, inplace_backward=inplace_backward)
 
     def forward(self, x, bias, gamma, beta, residual):
-        return _OP(x, bias, gamma, beta, residual, self.eps, self.p, self.training, None)
+        return _OP(
+            x,
+            bias,
+            gamma,
+            beta,
+            residual,
+            self.eps,
+            self.p,
+            self.training,
+            None,
+            inplace_backward=self.inplace_backward,
+        )
 
     def extra_repr(self):
-        return f"eps={self.eps!r}, p={self.p!r}"
+        return _OP.module_repr(self)
 
 
 def reference(

@@ -165,16 +165,17 @@ class LeakyRelu(torch.nn.Module):
     The op as a torch.nn.Module: forward(x)
     calls leaky_relu.
     Its params are fixed at construction, and checked then.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, slope=0.01):
-        _OP.init_module(self, slope)
+    def __init__(self, slope=0.01, *, inplace_backward=False):
+        _OP.init_module(self, slope, inplace_backward=inplace_backward)
 
     def forward(self, x):
-        return _OP(x, self.slope)
+        return _OP(x, self.slope, inplace_backward=self.inplace_backward)
 
     def extra_repr(self):
-        return f"slope={self.slope!r}"
+        return _OP.module_repr(self)
 
 
 def reference(x, slope=0.01, *, out=None):

@@ -212,10 +212,17 @@ class ScaleAdd(torch.nn.Module):
 
     The op as a torch.nn.Module: forward(x, scale, residual)
     calls scale_add.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
+    def __init__(self, *, inplace_backward=False):
+        _OP.init_module(self, inplace_backward=inplace_backward)
+
     def forward(self, x, scale, residual):
-        return _OP(x, scale, residual)
+        return _OP(x, scale, residual, inplace_backward=self.inplace_backward)
+
+    def extra_repr(self):
+        return _OP.module_repr(self)
 
 
 def reference(x, scale, residual, *, out=None):

@@ -524,16 +524,19 @@ class ScaledMaskedSoftmaxDropout(torch.nn.Module):
     calls scaled_masked_softmax_dropout.
     Its params are fixed at construction, and checked then.
     Dropout is on in train() mode and off in eval(); seeds come from torch's generator.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, scale=1.0, p=0.1):
-        _OP.init_module(self, scale, p)
+    def __init__(self, scale=1.0, p=0.1, *, inplace_backward=False):
+        _OP.init_module(self, scale, p, inplace_backward=inplace_backward)
 
     def forward(self, x, mask):
-        return _OP(x, mask, self.scale, self.p, self.training, None)
+        return _OP(
+            x, mask, self.scale, self.p, self.training, None, inplace_backward=self.inplace_backward
+        )
 
     def extra_repr(self):
-        return f"scale={self.scale!r}, p={self.p!r}"
+        return _OP.module_repr(self)
 
 
 def reference(x, mask, scale=1.0, p=0.1, training=True, seed=None, *, out=None):

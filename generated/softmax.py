@@ -294,10 +294,17 @@ class Softmax(torch.nn.Module):
 
     The op as a torch.nn.Module: forward(x)
     calls softmax.
+    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
+    def __init__(self, *, inplace_backward=False):
+        _OP.init_module(self, inplace_backward=inplace_backward)
+
     def forward(self, x):
-        return _OP(x)
+        return _OP(x, inplace_backward=self.inplace_backward)
+
+    def extra_repr(self):
+        return _OP.module_repr(self)
 
 
 def reference(x, *, out=None):

@@ -17,24 +17,26 @@ def _randn(*shape, seed, device, dtype=torch.float32):
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(device)
 
 
-def _step(device, in_place: bool, dtype=torch.float32):
+def _step(device, in_place: bool, dtype=torch.float32, module: bool = False):
     """A Linear-like producer (x0 * w, not a leaf) feeding swiglu alone; the gradient
-    arriving at the producer, the gradients of its inputs, and the producer's output."""
+    arriving at the producer, the gradients of its inputs, and the producer's output.
+    `module`: swiglu as its torch.nn.Module."""
     x0 = _randn(4, 6, 32, seed=1, device=device, dtype=dtype).requires_grad_(True)
     w = _randn(32, seed=2, device=device, dtype=dtype).requires_grad_(True)
     h = x0 * w
     seen = []
     h.register_hook(seen.append)
-    y = SWIGLU.swiglu(h, inplace_backward=in_place)
+    y = SWIGLU.Swiglu(inplace_backward=in_place)(h) if module else SWIGLU.swiglu(h, inplace_backward=in_place)
     y.backward(_randn(4, 6, 16, seed=3, device=device, dtype=dtype))
     return seen[0], x0.grad, w.grad, h
 
 
+@pytest.mark.parametrize("module", [False, True], ids=["function", "module"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_same_gradients_and_the_inputs_memory_reused(device, dtype):
-    _step(device, True, dtype)  # on a GPU the first call of a kind tunes: never in place
-    grad_h, grad_x0, grad_w, h = _step(device, True, dtype)
-    expected_h, expected_x0, expected_w, _ = _step(device, False, dtype)
+def test_same_gradients_and_the_inputs_memory_reused(device, dtype, module):
+    _step(device, True, dtype, module)  # on a GPU the first call of a kind tunes: never in place
+    grad_h, grad_x0, grad_w, h = _step(device, True, dtype, module)
+    expected_h, expected_x0, expected_w, _ = _step(device, False, dtype, module)
     assert grad_h.data_ptr() == h.data_ptr()  # the gradient lives where h was
     assert expected_h.data_ptr() != h.data_ptr()
     for got, want in ((grad_h, expected_h), (grad_x0, expected_x0), (grad_w, expected_w)):
@@ -117,3 +119,11 @@ def test_no_write_in_place_while_tuning_and_less_memory_after():
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
     gradient_bytes = torch.Size(shape).numel() * 4
     assert in_place_peak <= copy_peak - gradient_bytes + 2**20, (in_place_peak, copy_peak)
+
+
+def test_the_module_classes_take_it_at_construction():
+    module = SEED_OP.BiasGeluDropoutAdd(p=0.2, inplace_backward=True)
+    assert module.inplace_backward and repr(module) == "BiasGeluDropoutAdd(p=0.2, activation='gelu_tanh', inplace_backward=True)"
+    assert repr(SWIGLU.Swiglu()) == "Swiglu()"
+    with pytest.raises(runtime.FusegenArgumentError, match=r"^swiglu\(\): inplace_backward must be True or False, got int$"):
+        SWIGLU.Swiglu(inplace_backward=1)

@@ -35,11 +35,14 @@ def _class_of(op):
 def test_every_module_exports_its_class(op):
     cls = _class_of(op)
     assert issubclass(cls, torch.nn.Module) and cls.__name__ in op.module.__all__
-    if op.spec.params:
-        params = list(inspect.signature(cls).parameters.values())
-        assert [(p.name, p.default) for p in params] == [(p.name, p.default) for p in op.spec.params]
-    else:
-        assert cls.__init__ is torch.nn.Module.__init__  # which refuses any argument
+    params = list(inspect.signature(cls).parameters.values())
+    # The spec's params, then the keyword-only opt-in of the backward's in-place gradients.
+    assert [(p.name, p.default) for p in params] == [(p.name, p.default) for p in op.spec.params] + [
+        ("inplace_backward", False)
+    ]
+    assert params[-1].kind is inspect.Parameter.KEYWORD_ONLY
+    with pytest.raises(TypeError):
+        cls(*[p.default for p in op.spec.params], False)  # not by position
     forward = inspect.signature(cls.forward).parameters
     assert list(forward) == ["self", *op.input_names]
     # Ops without dropout have no training plumbing.

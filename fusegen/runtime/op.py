@@ -94,10 +94,7 @@ class FusedOp:
     def __call__(self, *args, out=None, inplace_backward: bool = False):
         """The op. `inplace_backward`: the eager backward may write an input's gradient into
         that input's memory (fusegen.backends.triton.launch.PreparedBackward says when)."""
-        if type(inplace_backward) is not bool:
-            raise FusegenArgumentError(
-                f"{self.name}(): inplace_backward must be True or False, got {type(inplace_backward).__name__}"
-            )
+        _check_inplace_backward(self.name, inplace_backward)
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
             outputs = self.forward(args, out=out)[0]
@@ -137,12 +134,19 @@ class FusedOp:
             for p, value in zip(self.params, values)
         )
 
-    def init_module(self, module: torch.nn.Module, *values) -> None:
+    def init_module(self, module: torch.nn.Module, *values, inplace_backward: bool = False) -> None:
         """The op's torch.nn.Module, constructed: its params checked, kept by their names."""
         torch.nn.Module.__init__(module)
         self.check_params(*values)
+        _check_inplace_backward(self.name, inplace_backward)
         for param, value in zip(self.params, values):
             setattr(module, param.name, value)
+        module.inplace_backward = inplace_backward
+
+    def module_repr(self, module: torch.nn.Module) -> str:
+        """The module's extra_repr: its params, and inplace_backward where it is on."""
+        shown = [f"{param.name}={getattr(module, param.name)!r}" for param in self.params]
+        return ", ".join(shown + (["inplace_backward=True"] if module.inplace_backward else []))
 
     def check(self, args: tuple, needs_kernel: bool, shard=None) -> Call:
         """Checks and defaults shared by the kernels and reference (the seed is drawn by the
@@ -441,3 +445,8 @@ def _register_library_ops(op: FusedOp):
 
 
 __all__ = ["Call", "FusedOp", "FusegenArgumentError"]
+
+
+def _check_inplace_backward(name: str, value) -> None:
+    if type(value) is not bool:
+        raise FusegenArgumentError(f"{name}(): inplace_backward must be True or False, got {type(value).__name__}")

@@ -97,15 +97,15 @@ def render(plan: OpPlan) -> str:
         class_doc=class_doc(plan),
         # The class's methods take the spec's names and read nothing global but _OP (spec
         # names never start with '_'), so those names need no renaming there.
-        init_signature=", ".join(["self"] + [f"{p.name}={p.default!r}" for p in params]),
-        init_arguments=", ".join(p.name for p in params),
-        has_params=bool(params),
+        init_signature=", ".join(["self"] + [f"{p.name}={p.default!r}" for p in params]
+                                 + ["*", "inplace_backward=False"]),
+        init_arguments=", ".join([p.name for p in params] + ["inplace_backward=inplace_backward"]),
         forward_signature=", ".join(["self"] + [i.name for i in plan.inputs]),
         module_call=", ".join(
             [i.name for i in plan.inputs] + [f"self.{p.name}" for p in params]
             + (["self.training", "None"] if plan.has_dropout else [])
+            + ["inplace_backward=self.inplace_backward"]
         ),
-        extra_repr='f"' + ", ".join(f"{p.name}={{self.{p.name}!r}}" for p in params) + '"',
         has_dropout=plan.has_dropout,
         eager_helpers=eager_helpers,
         eager_signature=", ".join(

@@ -70,6 +70,7 @@ def class_doc(plan: OpPlan) -> list[str]:
         lines.append("Its params are fixed at construction, and checked then.")
     if plan.has_dropout:
         lines.append("Dropout is on in train() mode and off in eval(); seeds come from torch's generator.")
+    lines.append("inplace_backward=True: the eager backward may write gradients into inputs (module docstring).")
     return lines
 
 
