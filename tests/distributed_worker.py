@@ -99,6 +99,11 @@ def run(rank: int, world: int, init_file: str) -> None:
         compiled_layernorm = torch.compile(layernorm, backend="aot_eager", fullgraph=True)
         _check("compiled layernorm", lambda x, weight, bias: compiled_layernorm(x, weight, bias),
                {"x": x, "weight": weight, "bias": b}, {"x": Shard(0)}, mesh, exact=False, grad_seed=21)
+        dynamic_layernorm = torch.compile(layernorm, backend="aot_eager", dynamic=True)  # symbolic sizes
+        for rows in (4, 6):
+            _check("compiled layernorm, dynamic", lambda x, weight, bias: dynamic_layernorm(x, weight, bias),
+                   {"x": _randn((rows, 3, 12), 24), "weight": weight, "bias": b}, {"x": Shard(0)}, mesh,
+                   exact=False, grad_seed=25)
         x, bias, residual = _randn((3, 5, 24), 1), _randn((24,), 2), _randn((3, 5, 24), 3)
         compiled_seed_op = torch.compile(lambda x, bias, residual, p: seed_op(x, bias, residual, p=p, seed=11),
                                          backend="aot_eager", fullgraph=True)

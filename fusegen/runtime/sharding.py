@@ -202,17 +202,24 @@ def _wrap(local: torch.Tensor, plan: _Plan, placement, shape):
     autograd function, and building its spec each time cost as much again)."""
     from torch.distributed.tensor import DTensor
 
+    if not all(type(d) is int for d in shape):  # symbolic sizes (torch.compile): not kept
+        return DTensor(local, _spec(plan.mesh, placement, shape, local.dtype), requires_grad=False)
     key = (plan.mesh, placement, tuple(shape), local.dtype)
     spec = _SPECS.get(key)
     if spec is None:
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
         if len(_SPECS) >= CACHE_SIZE:
             _SPECS.clear()
-        shape = torch.Size(shape)
-        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-        spec = _SPECS[key] = DTensorSpec(plan.mesh, (placement,), tensor_meta=TensorMeta(shape, stride, local.dtype))
+        spec = _SPECS[key] = _spec(plan.mesh, placement, shape, local.dtype)
     return DTensor(local, spec, requires_grad=False)
+
+
+def _spec(mesh, placement, shape, dtype):
+    """A contiguous global tensor's spec on the mesh (uneven shards included)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    shape = torch.Size(shape)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(shape, stride, dtype))
 
 
 _SPECS: dict = {}
