@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+from fusegen.runtime import FusegenArgumentError  # noqa: E402
 
 
 def _randn(shape, seed):
@@ -112,6 +113,13 @@ def run(rank: int, world: int, init_file: str) -> None:
         _check("compiled bias_gelu_dropout_add, p=0", lambda **t: compiled_seed_op(**t, p=0.0),
                {"x": x, "bias": bias, "residual": residual}, {"x": Shard(1), "residual": Shard(1)}, mesh,
                exact=True, grad_seed=23)
+        # out= with DTensors: refused plainly (the kernels would see no data).
+        try:
+            swiglu(distribute_tensor(a, mesh, [Shard(0)]), out=distribute_tensor(torch.empty(4, 3, 8), mesh, [Shard(0)]))
+        except FusegenArgumentError as error:
+            assert str(error) == "swiglu(): out= does not take DTensor inputs; drop out=", error
+        else:
+            raise AssertionError("out= with DTensors was not refused")
         # Dropout on shards there would draw each shard's mask as a whole tensor's: refused.
         shards = [distribute_tensor(t, mesh, [p]) for t, p in ((x, Shard(1)), (bias, Replicate()), (residual, Shard(1)))]
         try:

@@ -97,6 +97,8 @@ class FusedOp:
         _check_inplace_backward(self.name, inplace_backward)
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
+            if sharding.takes_dtensors(self, args[:self._n_inputs]):
+                raise FusegenArgumentError(f"{self.name}(): out= does not take DTensor inputs; drop out=")
             outputs = self.forward(args, out=out)[0]
         elif sharding.takes_dtensors(self, args[:self._n_inputs]) or torch.compiler.is_compiling():
             # The library op: torch.compile sees one opaque op, DTensor runs its rule (runtime.sharding).
@@ -358,6 +360,11 @@ def _schema_arguments(op: FusedOp) -> list[str]:
     return [f"Tensor {i.name}" for i in op.inputs] + params
 
 
+def _check_inplace_backward(name: str, value) -> None:
+    if type(value) is not bool:
+        raise FusegenArgumentError(f"{name}(): inplace_backward must be True or False, got {type(value).__name__}")
+
+
 def _register_library_ops(op: FusedOp):
     """fusegen::<op> and fusegen::<op>_backward: autograd and torch.compile each see one
     opaque op. Saved for backward: the inputs (the seed tensor, the row statistics), nothing else."""
@@ -445,8 +452,3 @@ def _register_library_ops(op: FusedOp):
 
 
 __all__ = ["Call", "FusedOp", "FusegenArgumentError"]
-
-
-def _check_inplace_backward(name: str, value) -> None:
-    if type(value) is not bool:
-        raise FusegenArgumentError(f"{name}(): inplace_backward must be True or False, got {type(value).__name__}")

@@ -109,7 +109,8 @@ class _Plan:
     placement: object  # P: the output's, on the mesh's one dim
     inputs: tuple  # each input's target placement
     shape: torch.Size  # the global output shape
-    shard: Shard | None
+    shard: Shard | None  # None when not sharded, or while traced
+    traced: bool  # torch.compile traces the call: its local tensors are fake ones
 
 
 def _plan(op, tensors) -> _Plan:
@@ -119,7 +120,7 @@ def _plan(op, tensors) -> _Plan:
 
     if _traced([t._local_tensor for t in tensors if isinstance(t, DTensor)]):
         # torch.compile's tracing: shapes may be symbolic, and the rank is not known.
-        return _new_plan(op, tensors, place=False)
+        return _new_plan(op, tensors, traced=True)
     key = (op, *((t.shape, t.placements, t.device_mesh) if isinstance(t, DTensor) else (t.shape,)
                  for t in tensors))
     plan = _PLANS.get(key)
@@ -133,8 +134,9 @@ def _plan(op, tensors) -> _Plan:
 _PLANS: dict = {}
 
 
-def _new_plan(op, tensors, place: bool = True) -> _Plan:
-    """`place`: work out the shard's place in the global problem (dropout's global index)."""
+def _new_plan(op, tensors, traced: bool = False) -> _Plan:
+    """`traced`: the shard's place in the global problem (dropout's global index) is not
+    worked out: the graph cannot carry it."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as ShardPlacement
 
@@ -158,7 +160,7 @@ def _new_plan(op, tensors, place: bool = True) -> _Plan:
     ):
         placement = Replicate()
     targets = tuple(_input_placement(placement, t, shape) for t in tensors)
-    return _Plan(mesh, placement, targets, shape, _shard(placement, shape, mesh) if place else None)
+    return _Plan(mesh, placement, targets, shape, None if traced else _shard(placement, shape, mesh), traced)
 
 
 def _input_placement(placement, tensor, shape):
@@ -235,7 +237,7 @@ def _register(op) -> None:
         tensors, rest = args[:count], args[count:]
         plan = _plan(op, tensors)
         local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
-        if _traced(local):
+        if plan.traced:
             # torch.compile traces the DTensor call: the graph records the library op on the
             # local tensors (launching here would only see fake ones).
             _refuse_traced_sharded_dropout(op, plan, (*local, *rest))
@@ -272,7 +274,7 @@ def _register(op) -> None:
             extra = extra[2:]
         if op.statistics:
             saved = _local(extra[0], plan.mesh, plan.placement)
-        if _traced(local):
+        if plan.traced:
             _refuse_traced_sharded_dropout(op, plan, (*local, *params))
             saved_args = ((training, seed) if op.has_dropout else ()) + ((saved,) if op.statistics else ())
             gradients = func(list(local_grads), list(local), *rest[:len(op.params)], *saved_args, needs)
