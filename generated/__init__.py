@@ -5,6 +5,8 @@
 - add_relu: y = relu(x + other)
 - add_rmsnorm: h = x + residual; y = rmsnorm(h) * weight
 - bias_dropout_add: y = dropout(x + bias, p) + residual
+- bias_dropout_add_layernorm: h = dropout(x + bias, p) + residual; y = layer_norm(h) * weight +
+  norm_bias
 - bias_geglu: y = activation(a) * b, where x + bias = [a, b] along the last dim
 - bias_gelu: y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 - bias_gelu_dropout_add: y = dropout(activation(x + bias), p) + residual
@@ -33,6 +35,7 @@ OPS = (
     "add_relu",
     "add_rmsnorm",
     "bias_dropout_add",
+    "bias_dropout_add_layernorm",
     "bias_geglu",
     "bias_gelu",
     "bias_gelu_dropout_add",

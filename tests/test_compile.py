@@ -59,7 +59,7 @@ def test_compile_draws_seed_inside_the_op(device):
 @pytest.mark.parametrize(
     "name",
     ["gelu", "swiglu", "scale_add", "add_mul_activation", "bias_dropout_add", "layernorm", "add_rmsnorm",
-     "scaled_masked_softmax_dropout"],
+     "scaled_masked_softmax_dropout", "bias_dropout_add_layernorm"],
 )
 def test_every_kind_of_op_compiles_fullgraph_forward_and_backward(name, device):
     """One output or several, chunked inputs, [..., 1] inputs, choices, dropout, row reductions

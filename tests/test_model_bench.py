@@ -8,9 +8,10 @@ import torch
 from fusegen.bench import model
 
 
+@pytest.mark.parametrize("swap", model.SWAPS)
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_generated_ops_train_to_the_losses_of_plain_pytorch(name, device):
-    kwargs = dict(steps=2, warmup=1, p=0.0, dtype=torch.float32, device=device)
+def test_generated_ops_train_to_the_losses_of_plain_pytorch(name, swap, device):
+    kwargs = dict(steps=2, warmup=1, p=0.0, dtype=torch.float32, device=device, swap=swap)
     results = [model.run_variant(name, "tiny", variant, **kwargs) for variant in ("eager", "fusegen")]
     model.compare_losses(results)
     eager, fusegen = results
@@ -19,15 +20,29 @@ def test_generated_ops_train_to_the_losses_of_plain_pytorch(name, device):
     assert all(abs(loss - math.log(model.SIZES["tiny"]["vocab"])) < 1.0 for loss in eager.losses)
     assert fusegen.max_loss_difference < 1e-4, (eager.losses, fusegen.losses)
     assert eager.max_loss_difference == 0.0
+    assert fusegen.swap == swap
+
+
+def _counting(ops, calls):
+    return type(ops)(**{n: (lambda f, n=n: lambda *a: calls.append(n) or f(*a))(f) for n, f in vars(ops).items()})
 
 
 def test_the_blocks_use_the_ops_they_are_given():
     calls = []
-    ops = model.eager_ops()
-    counted = type(ops)(**{n: (lambda f, n=n: lambda *a: calls.append(n) or f(*a))(f) for n, f in vars(ops).items()})
+    counted = _counting(model.eager_ops(), calls)
     size = model.SIZES["tiny"]
     tokens = torch.randint(0, size["vocab"], (2, size["seq"]))
-    for block, expected in ((model.GPT2Block, {"bias_gelu", "bias_dropout_add"}), (model.LlamaBlock, {"swiglu"})):
+    for block, expected in ((model.GPT2Block, {"layer_norm", "bias_dropout_add_layer_norm", "bias_gelu"}),
+                            (model.LlamaBlock, {"rms_norm", "add_rms_norm", "swiglu"})):
         calls.clear()
         model.Model(block, size, 0.0, counted)(tokens, tokens)
         assert set(calls) == expected
+
+
+def test_swap_all_takes_the_generated_norms_and_elementwise_leaves_them_to_pytorch():
+    generated = model.Path("generated")
+    every, elementwise = model.fusegen_ops(generated), model.fusegen_ops(generated, "elementwise")
+    assert (elementwise.layer_norm, elementwise.rms_norm) == (model._layer_norm, model._rms_norm)
+    assert every.layer_norm is not model._layer_norm and every.rms_norm is not model._rms_norm
+    with pytest.raises(ValueError, match="swap"):
+        model.fusegen_ops(generated, "norms")

@@ -121,11 +121,15 @@ def _oracle_case(name, m, n, dtype):
     if name == "layernorm_dropout_add":
         return ({"x": x, "bias": c, "gamma": w, "beta": b, "residual": r}, {"eps": 1e-5, "p": 0.0},
                 lambda x, bias, gamma, beta, residual: F.layer_norm(x + bias, (n,), gamma, beta, 1e-5) + residual)
+    if name == "bias_dropout_add_layernorm":
+        return ({"x": x, "bias": c, "residual": r, "weight": w, "norm_bias": b}, {"eps": 1e-5, "p": 0.0},
+                lambda x, bias, residual, weight, norm_bias: (
+                    x + bias + residual, F.layer_norm(x + bias + residual, (n,), weight, norm_bias, 1e-5)))
     raise KeyError(name)
 
 
 ORACLE_OPS = ["layernorm", "bias_layernorm", "rmsnorm", "add_rmsnorm", "softmax", "log_softmax",
-              "scaled_masked_softmax_dropout", "layernorm_dropout_add"]
+              "scaled_masked_softmax_dropout", "layernorm_dropout_add", "bias_dropout_add_layernorm"]
 
 
 @pytest.mark.parametrize("layout", ["autotuned", (2, 8)], ids=["autotuned", "looped-2x8"])

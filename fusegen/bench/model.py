@@ -1,5 +1,5 @@
 """The model-level benchmark: small GPT-2- and LLaMA-style block stacks trained for a few
-steps, their elementwise ops written in plain PyTorch or swapped for generated ops.
+steps, their elementwise ops and norms written in plain PyTorch or swapped for generated ops.
 
 Step times (ms, forward + backward + AdamW) for eager, fusegen, torch.compile, fusegen
 inside torch.compile, and both compiled with CUDA graphs (mode="reduce-overhead"), at a
@@ -9,8 +9,11 @@ from eager's is reported (with dropout p > 0 the masks differ, so compare at --p
 
     python -m fusegen.bench.model --model gpt2 --size host --json gpt2_host.json
 
-The ops swapped in: bias_gelu (tanh GELU) and bias_dropout_add in the GPT-2 MLP and
-residuals; swiglu in the LLaMA MLP. Plain PyTorch otherwise (attention, norms, matmuls).
+The ops swapped in (--swap all, the default): in GPT-2, bias_gelu (tanh GELU) in the MLP and
+bias_dropout_add_layernorm at each seam (the sublayer's bias, dropout, the residual add and
+the next layer norm); in LLaMA, swiglu in the MLP and add_rmsnorm at each seam. --swap
+elementwise swaps bias_gelu, bias_dropout_add and swiglu only and leaves the norms to
+PyTorch. Plain PyTorch otherwise (attention, matmuls, embedding, loss).
 """
 from __future__ import annotations
 
@@ -42,29 +45,74 @@ SIZES = {
 VARIANTS = ("eager", "fusegen", "compile", "fusegen+compile", "compile+graphs", "fusegen+compile+graphs")
 
 
+SWAPS = ("all", "elementwise")  # what the fusegen variants swap in: every op, or the elementwise ones
+
+
 def eager_ops() -> SimpleNamespace:
-    """The elementwise ops as a PyTorch user writes them."""
+    """The ops as a PyTorch user writes them. A `(h, y)` pair is the new residual stream and
+    its normalized value: a pre-norm block's seam between one sublayer and the next."""
     return SimpleNamespace(
         bias_gelu=lambda x, bias: F.gelu(x + bias, approximate="tanh"),
-        bias_dropout_add=lambda x, bias, residual, p, training: F.dropout(x + bias, p, training) + residual,
+        bias_dropout_add=_bias_dropout_add,
         swiglu=lambda x: _silu_mul(*x.chunk(2, dim=-1)),
+        layer_norm=_layer_norm,
+        bias_dropout_add_layer_norm=lambda x, bias, residual, weight, norm_bias, p, training: _then_layer_norm(
+            _bias_dropout_add(x, bias, residual, p, training), weight, norm_bias),
+        rms_norm=_rms_norm,
+        add_rms_norm=lambda x, residual, weight: _then_rms_norm(x + residual, weight),
     )
+
+
+LAYER_NORM_EPS, RMS_NORM_EPS = 1e-5, 1e-6  # nn.LayerNorm's default; LLaMA's
+
+
+def _bias_dropout_add(x, bias, residual, p, training):
+    return F.dropout(x + bias, p, training) + residual
 
 
 def _silu_mul(a, b):
     return F.silu(a) * b
 
 
-def fusegen_ops(generated_dir: Path) -> SimpleNamespace:
-    """The same ops, generated (generated/bias_gelu.py, bias_dropout_add.py, swiglu.py)."""
-    bias_gelu = import_generated("bias_gelu", generated_dir).bias_gelu
-    bias_dropout_add = import_generated("bias_dropout_add", generated_dir).bias_dropout_add
-    swiglu = import_generated("swiglu", generated_dir).swiglu
-    return SimpleNamespace(
-        bias_gelu=lambda x, bias: bias_gelu(x, bias, activation="gelu_tanh"),
-        bias_dropout_add=lambda x, bias, residual, p, training: bias_dropout_add(x, bias, residual, p, training),
-        swiglu=swiglu,
-    )
+def _layer_norm(x, weight, bias):
+    return F.layer_norm(x, weight.shape, weight, bias, LAYER_NORM_EPS)
+
+
+def _rms_norm(x, weight):
+    return F.rms_norm(x, weight.shape, weight, RMS_NORM_EPS)
+
+
+def _then_layer_norm(h, weight, bias):
+    return h, _layer_norm(h, weight, bias)
+
+
+def _then_rms_norm(h, weight):
+    return h, _rms_norm(h, weight)
+
+
+def fusegen_ops(generated_dir: Path, swap: str = "all") -> SimpleNamespace:
+    """The same ops, generated. swap="all": the norms too, each fused with the residual add
+    before it (bias_dropout_add_layernorm, add_rmsnorm, layernorm, rmsnorm); "elementwise":
+    bias_gelu, bias_dropout_add and swiglu only, the norms left to PyTorch."""
+    if swap not in SWAPS:
+        raise ValueError(f"swap: expected one of {SWAPS}, got {swap!r}")
+    gen = {name: getattr(import_generated(name, generated_dir), name)
+           for name in ("bias_gelu", "bias_dropout_add", "swiglu")}
+    ops = eager_ops()
+    ops.bias_gelu = lambda x, bias: gen["bias_gelu"](x, bias, activation="gelu_tanh")
+    ops.bias_dropout_add = gen["bias_dropout_add"]
+    ops.swiglu = gen["swiglu"]
+    ops.bias_dropout_add_layer_norm = lambda x, bias, residual, weight, norm_bias, p, training: _then_layer_norm(
+        gen["bias_dropout_add"](x, bias, residual, p, training), weight, norm_bias)
+    if swap == "all":
+        gen.update({name: getattr(import_generated(name, generated_dir), name)
+                    for name in ("layernorm", "bias_dropout_add_layernorm", "rmsnorm", "add_rmsnorm")})
+        ops.layer_norm = lambda x, weight, bias: gen["layernorm"](x, weight, bias, LAYER_NORM_EPS)
+        ops.bias_dropout_add_layer_norm = lambda x, bias, residual, weight, norm_bias, p, training: gen[
+            "bias_dropout_add_layernorm"](x, bias, residual, weight, norm_bias, LAYER_NORM_EPS, p, training)
+        ops.rms_norm = lambda x, weight: gen["rmsnorm"](x, weight, RMS_NORM_EPS)
+        ops.add_rms_norm = lambda x, residual, weight: gen["add_rmsnorm"](x, residual, weight, RMS_NORM_EPS)
+    return ops
 
 
 class _Attention(nn.Module):
@@ -81,13 +129,18 @@ class _Attention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(b, s, h))
 
 
+# A block takes the residual stream x and what its predecessor has yet to add to it
+# (`pending`, None for the first block), and returns the same pair: the add then meets the
+# next norm in one op, as a fused pre-norm stack runs it.
+
+
 class GPT2Block(nn.Module):
     """Pre-norm block: attention and a tanh-GELU MLP, each ending in bias + dropout + residual."""
 
     def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops):
         super().__init__()
         self.ops, self.p = ops, p
-        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.norm1, self.norm2 = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS), nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
         self.attention = _Attention(hidden, heads, bias=True)
         self.attention_bias = nn.Parameter(torch.zeros(hidden))
         self.fc = nn.Linear(hidden, mlp, bias=False)
@@ -95,11 +148,24 @@ class GPT2Block(nn.Module):
         self.out = nn.Linear(mlp, hidden, bias=False)
         self.out_bias = nn.Parameter(torch.zeros(hidden))
 
-    def forward(self, x):
-        ops = self.ops
-        x = ops.bias_dropout_add(self.attention(self.norm1(x)), self.attention_bias, x, self.p, self.training)
-        h = ops.bias_gelu(self.fc(self.norm2(x)), self.fc_bias)
-        return ops.bias_dropout_add(self.out(h), self.out_bias, x, self.p, self.training)
+    def forward(self, x, pending):
+        ops, p, training = self.ops, self.p, self.training
+        if pending is None:
+            y = ops.layer_norm(x, self.norm1.weight, self.norm1.bias)
+        else:
+            x, y = ops.bias_dropout_add_layer_norm(*pending, x, self.norm1.weight, self.norm1.bias, p, training)
+        x, y = ops.bias_dropout_add_layer_norm(self.attention(y), self.attention_bias, x,
+                                               self.norm2.weight, self.norm2.bias, p, training)
+        h = ops.bias_gelu(self.fc(y), self.fc_bias)
+        return x, (self.out(h), self.out_bias)
+
+    @staticmethod
+    def make_final_norm(hidden: int) -> nn.Module:
+        return nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+
+    def finish(self, x, pending, norm: nn.Module):
+        """The last block's pending add and the final norm."""
+        return self.ops.bias_dropout_add_layer_norm(*pending, x, norm.weight, norm.bias, self.p, self.training)[1]
 
 
 class LlamaBlock(nn.Module):
@@ -108,14 +174,26 @@ class LlamaBlock(nn.Module):
     def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops):
         super().__init__()
         self.ops = ops
-        self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.norm1, self.norm2 = nn.RMSNorm(hidden, eps=RMS_NORM_EPS), nn.RMSNorm(hidden, eps=RMS_NORM_EPS)
         self.attention = _Attention(hidden, heads, bias=False)
         self.gate_up = nn.Linear(hidden, 2 * mlp, bias=False)
         self.down = nn.Linear(mlp, hidden, bias=False)
 
-    def forward(self, x):
-        x = x + self.attention(self.norm1(x))
-        return x + self.down(self.ops.swiglu(self.gate_up(self.norm2(x))))
+    def forward(self, x, pending):
+        ops = self.ops
+        if pending is None:
+            y = ops.rms_norm(x, self.norm1.weight)
+        else:
+            x, y = ops.add_rms_norm(pending, x, self.norm1.weight)
+        x, y = ops.add_rms_norm(self.attention(y), x, self.norm2.weight)
+        return x, self.down(ops.swiglu(self.gate_up(y)))
+
+    @staticmethod
+    def make_final_norm(hidden: int) -> nn.Module:
+        return nn.RMSNorm(hidden, eps=RMS_NORM_EPS)
+
+    def finish(self, x, pending, norm: nn.Module):
+        return self.ops.add_rms_norm(pending, x, norm.weight)[1]
 
 
 class Model(nn.Module):
@@ -125,14 +203,14 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(
             block(size["hidden"], size["mlp"], size["heads"], p, ops) for _ in range(size["layers"])
         )
-        self.norm = nn.LayerNorm(size["hidden"])
+        self.norm = block.make_final_norm(size["hidden"])
         self.head = nn.Linear(size["hidden"], size["vocab"], bias=False)
 
     def forward(self, tokens, targets):
-        x = self.embed(tokens)
+        x, pending = self.embed(tokens), None
         for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x)).float()
+            x, pending = block(x, pending)
+        logits = self.head(self.blocks[-1].finish(x, pending, self.norm)).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
@@ -141,6 +219,7 @@ class Result:
     model: str
     size: str
     variant: str
+    swap: str  # what the fusegen variants swapped in (SWAPS)
     step_ms: float | None  # mean over the timed steps (wall time, one synchronize at the end)
     losses: list[float]
     max_loss_difference: float | None  # against eager's, step by step
@@ -157,9 +236,10 @@ def _build(model: str, size: dict, p: float, ops, dtype, device) -> nn.Module:
 
 
 def run_variant(model: str, size_name: str, variant: str, steps: int, warmup: int, p: float,
-                dtype=torch.bfloat16, device="cuda", generated_dir: Path = Path("generated")) -> Result:
+                dtype=torch.bfloat16, device="cuda", generated_dir: Path = Path("generated"),
+                swap: str = "all") -> Result:
     size = SIZES[size_name]
-    ops = fusegen_ops(generated_dir) if variant.startswith("fusegen") else eager_ops()
+    ops = fusegen_ops(generated_dir, swap) if variant.startswith("fusegen") else eager_ops()
     net = _build(model, size, p, ops, dtype, device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     forward = net
@@ -196,7 +276,7 @@ def run_variant(model: str, size_name: str, variant: str, steps: int, warmup: in
     synchronize()
     step_ms = (time.perf_counter() - start) / steps * 1e3
     median = statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) if marks else None
-    return Result(model, size_name, variant, step_ms, [float(v) for v in losses], None, median_step_ms=median)
+    return Result(model, size_name, variant, swap, step_ms, [float(v) for v in losses], None, median_step_ms=median)
 
 
 def compare_losses(results: list[Result]) -> None:
@@ -215,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--p", type=float, default=0.1, help="GPT-2's dropout probability (default 0.1)")
+    parser.add_argument("--swap", choices=SWAPS, default="all",
+                        help="what the fusegen variants swap in: every op (default) or the elementwise ones")
     parser.add_argument("--generated", type=Path, default=Path("generated"))
     parser.add_argument("--json", help="write the results and the run's versions as JSON")
     args = parser.parse_args(argv)
@@ -226,9 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants.split(","):
             try:
                 result = run_variant(model, args.size, variant, args.steps, args.warmup, args.p,
-                                     generated_dir=args.generated)
+                                     generated_dir=args.generated, swap=args.swap)
             except Exception as exc:  # noqa: BLE001 - a failed variant is reported, the others still run
-                result = Result(model, args.size, variant, None, [], None, f"{type(exc).__name__}: {exc}"[:300])
+                result = Result(model, args.size, variant, args.swap, None, [], None, f"{type(exc).__name__}: {exc}"[:300])
             results.append(result)
             torch.cuda.empty_cache()
         compare_losses([r for r in results if r.model == model])
@@ -238,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.model:6s} {r.size:5s} {r.variant:24s} {shown}{difference}")
     if args.json:
         meta = dict(torch=torch.__version__, python=platform.python_version(), device=torch.cuda.get_device_name(),
-                    size=SIZES[args.size], p=args.p, steps=args.steps, warmup=args.warmup)
+                    size=SIZES[args.size], p=args.p, swap=args.swap, steps=args.steps, warmup=args.warmup)
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"metadata": meta, "results": [asdict(r) for r in results]}, handle, indent=1)
     return 0 if all(r.error is None and math.isfinite(r.step_ms) for r in results) else 1
