@@ -11,7 +11,13 @@ GRID_Y_LIMIT = 65535
 
 # Measured on an H100 (docs/benchmarks.md): wide rows of 2048-4096 columns with 4-8 warps
 # reach 0.94-0.97 of copy bandwidth at 16M+ elements; the narrow tiles serve small N.
+# Whole 8192-wide rows (16 warps, as Liger-Kernel runs its GLUs) took the GLU forwards from
+# 0.97-0.98x Liger to 0.99-1.00x (16384 rows, bf16 and fp32).
 FORWARD_CONFIGS = [
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 8192}, num_warps=16),
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 8192}, num_warps=8),
+    triton.Config({"BLOCK_M": 2, "BLOCK_N": 4096}, num_warps=8),
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 4096}, num_warps=4),
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 4096}, num_warps=8),
     triton.Config({"BLOCK_M": 2, "BLOCK_N": 2048}, num_warps=8),
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 2048}, num_warps=4),
@@ -43,8 +49,15 @@ SMALL_TILE_ELEMENTS = 512
 SMALL_BLOCK_N = 128
 LARGE_TILE_ELEMENTS = 2048  # and above it, tiles at least this big
 
-# The backward walks ROWS_PER_PROGRAM rows per program, BLOCK_M at a time.
+# The backward walks ROWS_PER_PROGRAM rows per program, BLOCK_M at a time. The one- and
+# two-row tiles (the first five) took the GLU forward+backward from 0.96-0.98x Liger to
+# 0.98-1.00x (H100, docs/benchmarks.md).
 BACKWARD_CONFIGS = [
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 8192}, num_warps=16),
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 4096}, num_warps=8),
+    triton.Config({"BLOCK_M": 2, "BLOCK_N": 4096}, num_warps=16),
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 2048}, num_warps=4),
+    triton.Config({"BLOCK_M": 2, "BLOCK_N": 2048}, num_warps=8),
     triton.Config({"BLOCK_M": 4, "BLOCK_N": 1024}, num_warps=4),
     triton.Config({"BLOCK_M": 4, "BLOCK_N": 2048}, num_warps=8),
     triton.Config({"BLOCK_M": 4, "BLOCK_N": 512}, num_warps=8),
