@@ -110,7 +110,7 @@ def main() -> None:
                            generator=torch.Generator().manual_seed(1)).to(device)
     losses = {}
     for variant in ("one device", "fsdp2"):
-        net = model_bench._build("gpt2", size, 0.0, ops, torch.float32, device)
+        net = model_bench.build_model("gpt2", size, 0.0, ops, torch.float32, device)
         if variant == "fsdp2":
             for block in net.blocks:
                 fully_shard(block, mesh=mesh)

@@ -229,7 +229,7 @@ class Result:
     median_step_ms: float | None = None
 
 
-def _build(model: str, size: dict, p: float, ops, dtype, device) -> nn.Module:
+def build_model(model: str, size: dict, p: float, ops, dtype, device) -> nn.Module:
     torch.manual_seed(0)  # the same weights for every variant
     block = GPT2Block if model == "gpt2" else LlamaBlock
     return Model(block, size, p, ops).to(device=device, dtype=dtype)
@@ -240,7 +240,7 @@ def run_variant(model: str, size_name: str, variant: str, steps: int, warmup: in
                 swap: str = "all") -> Result:
     size = SIZES[size_name]
     ops = fusegen_ops(generated_dir, swap) if variant.startswith("fusegen") else eager_ops()
-    net = _build(model, size, p, ops, dtype, device)
+    net = build_model(model, size, p, ops, dtype, device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     forward = net
     if "compile" in variant:
