@@ -3,6 +3,7 @@ Triton's interpreter (tests/distributed_worker.py says what each rank checks).""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,6 +37,22 @@ def test_plain_tensors_do_not_import_dtensor():
         "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+def test_fsdp2_trains_the_model_benchmark_stack_as_one_process_does(tmp_path):
+    """docs/scripts/distributed_check.py on 2 CPU processes (gloo, the interpreter): among
+    its checks, FSDP2 training of the model benchmark's GPT-2 stack, whose blocks hand a
+    pending residual add to the next one, against the same model in one process."""
+    report_path = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                    str(ROOT / "docs" / "scripts" / "distributed_check.py"), "--cpu", "--json", str(report_path)],
+                   check=True, cwd=ROOT, env=env, timeout=600, capture_output=True)
+    report = json.loads(report_path.read_text())
+    one, fsdp = report["fsdp"]["losses"]["one device"], report["fsdp"]["losses"]["fsdp2"]
+    assert len(fsdp) == 3 and all(math.isfinite(v) for v in one + fsdp), (one, fsdp)
+    assert max(abs(a - b) for a, b in zip(one, fsdp)) < 1e-5  # fp32, 3 steps
+    assert all(row["output_relative_error"] < 1e-6 for row in report["shards"])
 
 
 @pytest.mark.gpu2

@@ -131,47 +131,60 @@ class _Attention(nn.Module):
 
 # A block takes the residual stream x and what its predecessor has yet to add to it
 # (`pending`, None for the first block), and returns the same pair: the add then meets the
-# next norm in one op, as a fused pre-norm stack runs it.
+# next norm in one op, as a fused pre-norm stack runs it. Each module uses only its own
+# parameters (FSDP gathers a block's for its forward alone), so the bias of a GPT-2 block's
+# MLP output belongs to the next block, or to the final norm, where the seam applies it.
 
 
 class GPT2Block(nn.Module):
     """Pre-norm block: attention and a tanh-GELU MLP, each ending in bias + dropout + residual."""
 
-    def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops):
+    def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops, first: bool = False):
         super().__init__()
         self.ops, self.p = ops, p
-        self.norm1, self.norm2 = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS), nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+        self.seam = None if first else _GPT2Seam(hidden, p, ops)  # the previous block's output bias, norm1
+        self.norm1 = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS) if first else None
         self.attention = _Attention(hidden, heads, bias=True)
         self.attention_bias = nn.Parameter(torch.zeros(hidden))
+        self.norm2 = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
         self.fc = nn.Linear(hidden, mlp, bias=False)
         self.fc_bias = nn.Parameter(torch.zeros(mlp))
         self.out = nn.Linear(mlp, hidden, bias=False)
-        self.out_bias = nn.Parameter(torch.zeros(hidden))
 
     def forward(self, x, pending):
         ops, p, training = self.ops, self.p, self.training
         if pending is None:
             y = ops.layer_norm(x, self.norm1.weight, self.norm1.bias)
         else:
-            x, y = ops.bias_dropout_add_layer_norm(*pending, x, self.norm1.weight, self.norm1.bias, p, training)
+            x, y = self.seam(x, pending)
         x, y = ops.bias_dropout_add_layer_norm(self.attention(y), self.attention_bias, x,
                                                self.norm2.weight, self.norm2.bias, p, training)
         h = ops.bias_gelu(self.fc(y), self.fc_bias)
-        return x, (self.out(h), self.out_bias)
+        return x, self.out(h)
 
     @staticmethod
-    def make_final_norm(hidden: int) -> nn.Module:
-        return nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+    def final_norm(hidden: int, p: float, ops) -> nn.Module:
+        return _GPT2Seam(hidden, p, ops)
 
-    def finish(self, x, pending, norm: nn.Module):
-        """The last block's pending add and the final norm."""
-        return self.ops.bias_dropout_add_layer_norm(*pending, x, norm.weight, norm.bias, self.p, self.training)[1]
+
+class _GPT2Seam(nn.Module):
+    """dropout(pending + bias) + x, then a layer norm: returns the new x and its norm."""
+
+    def __init__(self, hidden: int, p: float, ops):
+        super().__init__()
+        self.ops, self.p = ops, p
+        self.bias = nn.Parameter(torch.zeros(hidden))
+        self.norm = nn.LayerNorm(hidden, eps=LAYER_NORM_EPS)
+
+    def forward(self, x, pending):
+        return self.ops.bias_dropout_add_layer_norm(pending, self.bias, x, self.norm.weight, self.norm.bias,
+                                                    self.p, self.training)
 
 
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm block: attention and a SwiGLU MLP (gate and up in one matmul), residuals."""
 
-    def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops):
+    def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops, first: bool = False):
         super().__init__()
         self.ops = ops
         self.norm1, self.norm2 = nn.RMSNorm(hidden, eps=RMS_NORM_EPS), nn.RMSNorm(hidden, eps=RMS_NORM_EPS)
@@ -189,11 +202,20 @@ class LlamaBlock(nn.Module):
         return x, self.down(ops.swiglu(self.gate_up(y)))
 
     @staticmethod
-    def make_final_norm(hidden: int) -> nn.Module:
-        return nn.RMSNorm(hidden, eps=RMS_NORM_EPS)
+    def final_norm(hidden: int, p: float, ops) -> nn.Module:
+        return _LlamaSeam(hidden, ops)
 
-    def finish(self, x, pending, norm: nn.Module):
-        return self.ops.add_rms_norm(pending, x, norm.weight)[1]
+
+class _LlamaSeam(nn.Module):
+    """pending + x, then an RMS norm: returns the new x and its norm."""
+
+    def __init__(self, hidden: int, ops):
+        super().__init__()
+        self.ops = ops
+        self.norm = nn.RMSNorm(hidden, eps=RMS_NORM_EPS)
+
+    def forward(self, x, pending):
+        return self.ops.add_rms_norm(pending, x, self.norm.weight)
 
 
 class Model(nn.Module):
@@ -201,16 +223,16 @@ class Model(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(size["vocab"], size["hidden"])
         self.blocks = nn.ModuleList(
-            block(size["hidden"], size["mlp"], size["heads"], p, ops) for _ in range(size["layers"])
+            block(size["hidden"], size["mlp"], size["heads"], p, ops, first=i == 0) for i in range(size["layers"])
         )
-        self.norm = block.make_final_norm(size["hidden"])
+        self.final = block.final_norm(size["hidden"], p, ops)  # the last block's pending add and the norm
         self.head = nn.Linear(size["hidden"], size["vocab"], bias=False)
 
     def forward(self, tokens, targets):
         x, pending = self.embed(tokens), None
         for block in self.blocks:
             x, pending = block(x, pending)
-        logits = self.head(self.blocks[-1].finish(x, pending, self.norm)).float()
+        logits = self.head(self.final(x, pending)[1]).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
