@@ -265,9 +265,11 @@ class EagerPrinter:
         self.lets = lets or {}  # id(an intermediate's tree) → the local that holds it
         self._defining = None
 
-    def doprint(self, expr) -> str:
-        """An expression; an intermediate's tree (other than `expr` itself) by its local."""
-        self._defining = id(expr)
+    def doprint(self, expr, defining: bool = False) -> str:
+        """An expression; an intermediate's tree by its local. `defining`: `expr` is the
+        intermediate's own definition, printed in full (an output that *is* an intermediate
+        is its local: printing it again would draw a second dropout mask)."""
+        self._defining = id(expr) if defining else None
         return self._print(expr)
 
     def _print(self, e) -> str:

@@ -53,3 +53,18 @@ def test_eager_dropout_keeps_the_expected_fraction():
     y = eager(x, torch.zeros(256, dtype=torch.float64), torch.zeros(256, 256, dtype=torch.float64), p=0.25)
     kept = (y != 0).double().mean().item()
     assert abs(kept - 0.75) < 5 * (0.75 * 0.25 / y.numel()) ** 0.5
+
+
+def test_an_output_that_is_an_intermediate_draws_one_mask():
+    """bias_dropout_add_layernorm returns h = dropout(x + bias) + residual and layer_norm(h):
+    both outputs must come from the same draw (printing h again drew a second mask)."""
+    from generated.bias_dropout_add_layernorm import eager
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(8, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    bias, weight, norm_bias = (torch.randn(64, generator=g, dtype=torch.float64) for _ in range(3))
+    h, y = eager(x, bias, residual, weight, norm_bias, p=0.5)
+    assert (h == residual).any()  # some elements dropped
+    want = torch.nn.functional.layer_norm(h, (64,), weight, norm_bias, 1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)

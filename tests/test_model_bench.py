@@ -40,9 +40,14 @@ def test_the_blocks_use_the_ops_they_are_given():
 
 
 def test_swap_all_takes_the_generated_norms_and_elementwise_leaves_them_to_pytorch():
-    generated = model.Path("generated")
+    generated, eager = model.Path("generated"), model.eager_ops()
     every, elementwise = model.fusegen_ops(generated), model.fusegen_ops(generated, "elementwise")
-    assert (elementwise.layer_norm, elementwise.rms_norm) == (model._layer_norm, model._rms_norm)
-    assert every.layer_norm is not model._layer_norm and every.rms_norm is not model._rms_norm
+    for name in ("layer_norm", "rms_norm", "add_rms_norm", "bias_dropout_add_layer_norm"):
+        ours, theirs = getattr(every, name), getattr(eager, name)
+        assert ours.__code__ is not theirs.__code__, name  # a generated op, not PyTorch's
+        if name != "bias_dropout_add_layer_norm":  # elementwise: the generated add, PyTorch's norm
+            assert getattr(elementwise, name).__code__ is theirs.__code__, name
+    for ops in (every, elementwise):
+        assert ops.swiglu is not eager.swiglu and ops.bias_gelu.__code__ is not eager.bias_gelu.__code__
     with pytest.raises(ValueError, match="swap"):
         model.fusegen_ops(generated, "norms")

@@ -64,11 +64,19 @@ def step_ms(name, ops, multithreaded=True, steps=40):
 
 SWAPPED = {"llama": ("add_rms_norm", "rms_norm", "swiglu"),
            "gpt2": ("bias_dropout_add_layer_norm", "layer_norm", "bias_gelu")}
-for name, names in SWAPPED.items():
-    row = {}
-    for threads in (True, False):
-        suffix = "" if threads else ", 1 thread"
-        row["eager" + suffix] = step_ms(name, mb.eager_ops(), threads)
-        row["eager + Python nodes" + suffix] = step_ms(name, with_python_nodes(mb.eager_ops(), names), threads)
-        row["fusegen" + suffix] = step_ms(name, mb.fusegen_ops(Path("generated")), threads)
-    print(name, "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+
+
+def main(runs: int = 2):
+    for _ in range(runs):  # the host's noise between runs is large: compare within a run
+        for name, names in SWAPPED.items():
+            row = {}
+            for threads in (True, False):
+                suffix = "" if threads else ", 1 thread"
+                row["eager" + suffix] = step_ms(name, mb.eager_ops(), threads)
+                row["eager + Python nodes" + suffix] = step_ms(name, with_python_nodes(mb.eager_ops(), names), threads)
+                row["fusegen" + suffix] = step_ms(name, mb.fusegen_ops(Path("generated")), threads)
+            print(name, "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -53,7 +53,6 @@ def eager_ops() -> SimpleNamespace:
     its normalized value: a pre-norm block's seam between one sublayer and the next."""
     return SimpleNamespace(
         bias_gelu=lambda x, bias: F.gelu(x + bias, approximate="tanh"),
-        bias_dropout_add=_bias_dropout_add,
         swiglu=lambda x: _silu_mul(*x.chunk(2, dim=-1)),
         layer_norm=_layer_norm,
         bias_dropout_add_layer_norm=lambda x, bias, residual, weight, norm_bias, p, training: _then_layer_norm(
@@ -90,6 +89,9 @@ def _then_rms_norm(h, weight):
     return h, _rms_norm(h, weight)
 
 
+_NORM_OPS = ("layernorm", "bias_dropout_add_layernorm", "rmsnorm", "add_rmsnorm")
+
+
 def fusegen_ops(generated_dir: Path, swap: str = "all") -> SimpleNamespace:
     """The same ops, generated. swap="all": the norms too, each fused with the residual add
     before it (bias_dropout_add_layernorm, add_rmsnorm, layernorm, rmsnorm); "elementwise":
@@ -97,21 +99,19 @@ def fusegen_ops(generated_dir: Path, swap: str = "all") -> SimpleNamespace:
     if swap not in SWAPS:
         raise ValueError(f"swap: expected one of {SWAPS}, got {swap!r}")
     gen = {name: getattr(import_generated(name, generated_dir), name)
-           for name in ("bias_gelu", "bias_dropout_add", "swiglu")}
+           for name in ("bias_gelu", "swiglu", *(_NORM_OPS if swap == "all" else ("bias_dropout_add",)))}
     ops = eager_ops()
     ops.bias_gelu = lambda x, bias: gen["bias_gelu"](x, bias, activation="gelu_tanh")
-    ops.bias_dropout_add = gen["bias_dropout_add"]
     ops.swiglu = gen["swiglu"]
-    ops.bias_dropout_add_layer_norm = lambda x, bias, residual, weight, norm_bias, p, training: _then_layer_norm(
-        gen["bias_dropout_add"](x, bias, residual, p, training), weight, norm_bias)
-    if swap == "all":
-        gen.update({name: getattr(import_generated(name, generated_dir), name)
-                    for name in ("layernorm", "bias_dropout_add_layernorm", "rmsnorm", "add_rmsnorm")})
-        ops.layer_norm = lambda x, weight, bias: gen["layernorm"](x, weight, bias, LAYER_NORM_EPS)
-        ops.bias_dropout_add_layer_norm = lambda x, bias, residual, weight, norm_bias, p, training: gen[
-            "bias_dropout_add_layernorm"](x, bias, residual, weight, norm_bias, LAYER_NORM_EPS, p, training)
-        ops.rms_norm = lambda x, weight: gen["rmsnorm"](x, weight, RMS_NORM_EPS)
-        ops.add_rms_norm = lambda x, residual, weight: gen["add_rmsnorm"](x, residual, weight, RMS_NORM_EPS)
+    if swap == "elementwise":
+        ops.bias_dropout_add_layer_norm = lambda x, bias, residual, weight, norm_bias, p, training: _then_layer_norm(
+            gen["bias_dropout_add"](x, bias, residual, p, training), weight, norm_bias)
+        return ops
+    ops.layer_norm = lambda x, weight, bias: gen["layernorm"](x, weight, bias, LAYER_NORM_EPS)
+    ops.bias_dropout_add_layer_norm = lambda x, bias, residual, weight, norm_bias, p, training: gen[
+        "bias_dropout_add_layernorm"](x, bias, residual, weight, norm_bias, LAYER_NORM_EPS, p, training)
+    ops.rms_norm = lambda x, weight: gen["rmsnorm"](x, weight, RMS_NORM_EPS)
+    ops.add_rms_norm = lambda x, residual, weight: gen["add_rmsnorm"](x, residual, weight, RMS_NORM_EPS)
     return ops
 
 
@@ -184,6 +184,7 @@ class _GPT2Seam(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm block: attention and a SwiGLU MLP (gate and up in one matmul), residuals."""
 
+    # `first` and `p` (no dropout here) only keep the blocks' signatures alike.
     def __init__(self, hidden: int, mlp: int, heads: int, p: float, ops, first: bool = False):
         super().__init__()
         self.ops = ops

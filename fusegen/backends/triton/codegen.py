@@ -226,7 +226,7 @@ def _eager_lines(plan: OpPlan, names: TritonNames) -> list[str]:
     lets = {id(expr): local for local, expr in plan.eager_lets}
     printer = EagerPrinter(plan.names, names.chunks, names.eager_helpers, lets)
     lines = [f"{names.chunks[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in plan.inputs if i.layout.chunks > 1]
-    lines += [f"{local} = {printer.doprint(expr)}" for local, expr in plan.eager_lets]
+    lines += [f"{local} = {printer.doprint(expr, defining=True)}" for local, expr in plan.eager_lets]
     return lines + ["return " + ", ".join(printer.doprint(expr) for expr in plan.eager)]
 
 

@@ -12,7 +12,7 @@ GRID_Y_LIMIT = 65535
 # Measured on an H100 (docs/benchmarks.md): wide rows of 2048-4096 columns with 4-8 warps
 # reach 0.94-0.97 of copy bandwidth at 16M+ elements; the narrow tiles serve small N.
 # Whole 8192-wide rows (16 warps, as Liger-Kernel runs its GLUs) took the GLU forwards from
-# 0.97-0.98x Liger to 0.99-1.00x (16384 rows, bf16 and fp32).
+# 0.97-1.00x Liger to 0.99-1.00x (16384 rows, bf16 and fp32).
 FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 8192}, num_warps=16),
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 8192}, num_warps=8),
