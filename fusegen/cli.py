@@ -205,6 +205,17 @@ def cmd_profile(args) -> int:
     return profile.run_profile(args)
 
 
+def cmd_native(args) -> int:
+    from .runtime import native
+
+    if native.mode() == "off":
+        print(native.status())
+        return 0
+    module = native.load(build=True)
+    print(native.status())
+    return 0 if module is not None else 1
+
+
 def _version() -> str:
     try:
         return f"fusegen {metadata.version('fusegen')}"
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     # first word that is not an option is the command).
     bench_parser = commands.add_parser("bench", help="time ops against eager PyTorch and torch.compile (GPU)")
     profile_parser = commands.add_parser("profile", help="torch.profiler tables: eager, generated, compiled (GPU)")
+    commands.add_parser("native", help="build the C++ autograd node now (else on first use on a GPU) and say where it is")
     chosen = next((word for word in argv if not word.startswith("-")), None)
     if chosen == "bench":
         from . import bench
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "new": cmd_new,
         "bench": cmd_bench,
         "profile": cmd_profile,
+        "native": cmd_native,
     }
     try:
         return handlers[args.command](args)

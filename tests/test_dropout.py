@@ -317,22 +317,33 @@ def test_reduce_overhead_forward_only(device):
 
 
 @pytest.mark.gpu
-def test_eager_seed_batches_stay_reproducible_and_distinct(device):
+def test_eager_seed_batches_stay_reproducible_and_distinct(device, monkeypatch):
     """Eager CUDA calls take seeds from batches drawn ahead: across batch ends, with other
     random ops in between and after torch.manual_seed, the seeds are those of a fresh
     run, and a backward long after its forward still drops what its forward dropped."""
     x, bias, residual, grad_y = _graph_inputs((8, 64))
     count = runtime.dropout.SEED_BATCH + 20
+    taken = []
+    take = runtime.dropout._EAGER_SEEDS.take
+
+    def recording_take(seed, device):  # each call's seed tensor, as the op drew it
+        tensor = take(seed, device)
+        taken.append(tensor)
+        return tensor
+
+    monkeypatch.setattr(runtime.dropout._EAGER_SEEDS, "take", recording_take)
 
     def run():
         seeds, first = [], None
         for i in range(count):
+            taken.clear()
             y = OPS["bias_gelu_dropout_add"](x, bias, residual, p=P)
             if i == 0:
                 first = y
             if i % 50 == 7:
                 torch.rand(3, device="cuda")  # another random op moves the generator on
-            seeds.append(y.grad_fn.seed.clone())
+            (seed,) = taken
+            seeds.append(seed.clone())
         (gx,) = torch.autograd.grad(first, (x,), grad_y)  # its seed was drawn `count` calls ago
         scale = runtime.dropout_scale(P)
         assert torch.equal(gx, torch.where(_dropped(first.detach(), x.detach(), residual), 0.0, grad_y * scale))

@@ -337,13 +337,17 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             torch.cuda.empty_cache()
         compare_losses([r for r in results if r.model == model])
+    from ..runtime import native
+
+    print(f"autograd node: {native.status()}")
     for r in results:
         shown = "failed: " + r.error if r.error else f"{r.step_ms:8.2f} ms/step (median {r.median_step_ms:.2f})"
         difference = "" if r.max_loss_difference is None else f"  max |loss - eager's| {r.max_loss_difference:.3g}"
         print(f"{r.model:6s} {r.size:5s} {r.variant:24s} {shown}{difference}")
     if args.json:
         meta = dict(torch=torch.__version__, python=platform.python_version(), device=torch.cuda.get_device_name(),
-                    size=SIZES[args.size], p=args.p, swap=args.swap, steps=args.steps, warmup=args.warmup)
+                    size=SIZES[args.size], p=args.p, swap=args.swap, steps=args.steps, warmup=args.warmup,
+                    autograd_node=native.status())  # the C++ node or the Python Function (runtime.native)
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"metadata": meta, "results": [asdict(r) for r in results]}, handle, indent=1)
     return 0 if all(r.error is None and math.isfinite(r.step_ms) for r in results) else 1

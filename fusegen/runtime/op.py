@@ -16,7 +16,7 @@ from .dropout import check_seed, dropout_mask_reference, seed_result, seed_tenso
 from .gradients import sum_to_input
 from .out import check_out_without_grad, output_buffer, write_out
 from .prepared import CACHE_SIZE, PreparedCall, call_key
-from . import sharding
+from . import native, sharding
 from ..layout import Choice, Input, Scalar
 
 _SCHEMA_TYPES = {"float": "float", "int": "int"}
@@ -83,6 +83,7 @@ class FusedOp:
         self._problems: dict = {}  # checked problems by the tensors' shapes, dtypes and devices
         self._prepared: dict = {}  # PreparedCall by call_key
         self._seed_position = self._n_inputs + self._n_params + 1 if self.has_dropout else None
+        self._node_name = f"fusegen::{name}_backward"  # its autograd node's name (grad_fn)
         self._reference_body = reference
         self.statistics = kernels.statistics
         self.kernels = kernels.bind(self)
@@ -336,10 +337,31 @@ except (AttributeError, KeyError):  # another torch: its own apply
     _C_APPLY = _Autograd.apply
 
 
-def _autograd_apply(*args):
+def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, *args):
+    """The forward with its autograd node: fusegen's C++ node (runtime.native) for a call of
+    a prepared kind, else the Python Function."""
     if torch._C._are_functorch_transforms_active():
-        return _Autograd.apply(*args)
-    return _C_APPLY(*args)
+        return _Autograd.apply(op, prepared, in_place, *args)
+    if prepared is not None:
+        attach = native.attach_for(prepared.call.problem.device)
+        if attach is not None:
+            outputs, seed, saved = prepared.forward(args)
+            count = op._n_inputs
+            tensors = args[:count]
+            state = (op, prepared, in_place, args[count:], seed)
+            if attach(_native_backward, state, op._node_name, tensors, outputs,
+                      tensors if saved is None else (*tensors, saved)):
+                return tuple(outputs)
+            # An input with a forward-mode gradient: the Python Function, which says it has no jvp.
+    return _C_APPLY(op, prepared, in_place, *args)
+
+
+def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> tuple:
+    """The C++ node's backward (runtime.native): one gradient or None per input."""
+    op, prepared, in_place, params, seed = state
+    count = op._n_inputs
+    statistics = saved[count] if len(saved) > count else None
+    return _gradients(op, grads, saved[:count], params, seed, needs, statistics, prepared, in_place)[:count]
 
 
 def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, saved=None,

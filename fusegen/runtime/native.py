@@ -1,0 +1,140 @@
+"""fusegen's C++ autograd node (csrc/autograd_node.cpp), built once per machine and torch.
+
+A generated op called with gradients on puts one autograd node behind its outputs. As a
+Python `torch.autograd.Function` that node costs about 20 µs of host time per call
+(forward and backward, H100 host); the C++ node costs about 8 (docs/benchmarks.md). In a
+host-bound training step every op pays it, so the C++ node is the default where it can be
+had, and the Python Function stays as the fallback everywhere else.
+
+It is compiled with torch's extension machinery (a C++ compiler and ninja; no CUDA
+toolkit: it only calls back into Python). Nothing is built at install time, so the README's
+set-up needs no compiler. FUSEGEN_NATIVE says when it is built:
+
+- unset or "auto": loaded when already built; built on the first call that needs it on a
+  CUDA device (about 30-50 s, once, logged to stderr);
+- "1" or "on": also built for CPU tensors (the tests use this);
+- "0" or "off": never used; the Python Function throughout.
+
+`fusegen native` builds it ahead of time. A failed build warns once and leaves the Python
+Function in place. The build lives in FUSEGEN_CACHE_DIR (default ~/.cache/fusegen), keyed
+by the source, torch and Python, so upgrading any of them builds afresh.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+import sysconfig
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "autograd_node.cpp"
+_MODES = {"": "auto", "auto": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
+
+
+class _State:
+    module = None  # the loaded extension, once loaded
+    failed: str | None = None  # why a build failed (then no retry in this process)
+    looked = False  # whether a build was looked for (and not found): calls that do not build stop here
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def mode() -> str:
+    value = os.environ.get("FUSEGEN_NATIVE", "").strip().lower()
+    if value not in _MODES:
+        raise ValueError(f"FUSEGEN_NATIVE must be one of auto, on, off (or 1, 0), got {value!r}")
+    return _MODES[value]
+
+
+@functools.cache
+def build_directory() -> Path:
+    """Where this source, torch and Python's build lives."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(f"{torch.__version__}|{sys.version}|{sysconfig.get_platform()}".encode())
+    root = Path(os.environ.get("FUSEGEN_CACHE_DIR") or Path.home() / ".cache" / "fusegen")
+    return root / f"native-{key.hexdigest()[:16]}"
+
+
+def _module_name(directory: Path) -> str:
+    return "fusegen_native_" + directory.name.removeprefix("native-")
+
+
+def _built_file(directory: Path) -> Path:
+    return directory / (_module_name(directory) + ".so")
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(_module_name(path.parent), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load(build: bool):
+    """The extension: loaded if built, else built when `build` (None when it cannot be)."""
+    if _state.module is not None or _state.failed is not None or (_state.looked and not build):
+        return _state.module
+    with _lock:
+        if _state.module is not None or _state.failed is not None or (_state.looked and not build):
+            return _state.module
+        directory = build_directory()
+        built = _built_file(directory)
+        try:
+            if built.exists():
+                _state.module = _import(built)
+            elif build:
+                _state.module = _build(directory)
+            _state.looked = True
+        except Exception as error:  # no compiler, no ninja, a read-only cache: the Python Function
+            _state.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            warnings.warn(f"fusegen: the C++ autograd node is unavailable ({_state.failed}); "
+                          "using torch.autograd.Function (set FUSEGEN_NATIVE=off to silence this)", stacklevel=3)
+        return _state.module
+
+
+def _build(directory: Path):
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"fusegen: building the C++ autograd node once, into {directory} (about a minute)", file=sys.stderr)
+    return cpp_extension.load(
+        _module_name(directory), sources=[str(SOURCE)], build_directory=str(directory),
+        extra_cflags=["-O2"], verbose=False,
+    )
+
+
+def attach_for(device: torch.device):
+    """The extension's `attach` for a call on `device`, or None: take the Python Function."""
+    module = _state.module
+    if module is not None:
+        return module.attach
+    if _state.failed is not None:
+        return None
+    current = mode()
+    if current == "off":
+        return None
+    module = load(build=current == "on" or device.type == "cuda")
+    return None if module is None else module.attach
+
+
+def status() -> str:
+    """One line: whether the node is in use, and where it is built."""
+    if mode() == "off":
+        return "off (FUSEGEN_NATIVE=off): torch.autograd.Function"
+    if _state.failed is not None:
+        return f"unavailable: {_state.failed}"
+    directory = build_directory()
+    return f"{'built' if _built_file(directory).exists() else 'not built'}: {directory}"
+
+
+def _reset_for_tests(module=None, failed: str | None = None) -> None:
+    _state.module, _state.failed, _state.looked = module, failed, False

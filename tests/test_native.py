@@ -1,0 +1,192 @@
+"""The C++ autograd node (fusegen.runtime.native) against the Python Function it replaces.
+
+Every op gives the same gradients bit for bit through either node; the C++ node behaves as
+a torch autograd node does: second backwards refused, in-place changes to saved inputs
+caught, saved-tensor hooks applied, errors raised in the backward passed on with their
+type, only the gradients asked for computed. A build that cannot happen leaves the Python
+Function in place with one warning. The node is built here (about half a minute, once per
+machine: FUSEGEN_CACHE_DIR), as `fusegen native` builds it.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from fusegen.runtime import native
+from helpers import ShapeCase, all_ops, as_tuple, make_inputs, op_by_name, params_for, with_seed
+
+CASE = ShapeCase("native", lead=(2, 3), n=8, layout="bcast")
+
+
+@pytest.fixture(scope="module")
+def built():
+    module = native.load(build=True)
+    assert module is not None, native.status()
+    return module
+
+
+@pytest.fixture
+def use_native(built, monkeypatch):
+    """The C++ node for this test; the Python Function again after it."""
+    monkeypatch.setattr(native._state, "module", built)
+    monkeypatch.setattr(native._state, "failed", None)
+
+
+@pytest.fixture
+def use_python(monkeypatch):
+    monkeypatch.setattr(native._state, "module", None)
+    monkeypatch.setattr(native._state, "failed", "off in this test")
+
+
+def _step(op, device, requires=None, p=0.3):
+    """Forward and backward with fresh random inputs and output gradients: (outputs, input grads)."""
+    tensors = make_inputs(op, CASE, seed=1, device=device)
+    for name, t in tensors.items():
+        t.requires_grad_(requires is None or name in requires)
+    kwargs = with_seed(op, params_for(op, p=p), seed=11, training=True)
+    outputs = as_tuple(op.fn(*tensors.values(), **kwargs))
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(o.shape, generator=g, dtype=o.dtype).to(device) for o in outputs]
+    torch.autograd.backward(outputs, grads)
+    return outputs, [t.grad for t in tensors.values()]
+
+
+@pytest.mark.parametrize("op", all_ops(), ids=str)
+def test_every_op_has_the_python_functions_gradients_bit_for_bit(op, built, monkeypatch, device):
+    monkeypatch.setattr(native._state, "failed", "off")
+    monkeypatch.setattr(native._state, "module", None)
+    python_outputs, python_grads = _step(op, device)
+    monkeypatch.setattr(native._state, "failed", None)
+    monkeypatch.setattr(native._state, "module", built)
+    outputs, grads = _step(op, device)
+    assert outputs[0].grad_fn.name() == f"fusegen::{op.name}_backward"  # the C++ node ran
+    for a, b in zip(python_outputs, outputs):
+        assert torch.equal(a, b)
+    for name, a, b in zip(op.input_names, python_grads, grads):
+        assert a is not None and torch.equal(a, b), name
+
+
+def test_only_the_gradients_asked_for(use_native, device):
+    op = op_by_name("bias_dropout_add_layernorm")
+    _, grads = _step(op, device, requires={"x", "weight"})
+    assert [g is not None for g in grads] == [name in ("x", "weight") for name in op.input_names]
+
+    def h_and_y():
+        tensors = make_inputs(op, CASE, seed=1, device=device)
+        for t in tensors.values():
+            t.requires_grad_(True)
+        return tensors, op.fn(*tensors.values(), **with_seed(op, params_for(op, p=0.3), seed=11, training=True))
+
+    # One output used (h's gradient is absent), one input asked for of several that require grad.
+    tensors, (h, y) = h_and_y()
+    (gx,) = torch.autograd.grad(y.sum(), tensors["x"])
+    assert all(t.grad is None for t in tensors.values())
+    tensors, (h, y) = h_and_y()
+    y.sum().backward()
+    assert torch.equal(gx, tensors["x"].grad)
+
+
+def test_second_backward_is_refused_unless_the_graph_is_kept(use_native, device):
+    op = op_by_name("bias_gelu")
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    bias = torch.randn(8, device=device, requires_grad=True)
+    y = op.fn(x, bias)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+
+
+def test_saved_input_changed_in_place_is_caught(use_native, device):
+    op = op_by_name("bias_gelu")
+    x = torch.randn(4, 8, device=device)
+    bias = torch.randn(8, device=device, requires_grad=True)
+    y = op.fn(x, bias)
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_saved_tensor_hooks_and_checkpointing(use_native, device):
+    op = op_by_name("add_rmsnorm")
+    tensors = make_inputs(op, CASE, seed=3, device=device)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    for t in tensors.values():
+        t.requires_grad_(True)
+    params = params_for(op)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = as_tuple(op.fn(*tensors.values(), **params))
+    assert len(packed) >= len(tensors)  # every input, and the row statistics
+    torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    expected = [t.grad.clone() for t in tensors.values()]
+    for t in tensors.values():
+        t.grad = None
+    outputs = torch.utils.checkpoint.checkpoint(lambda *a: op.fn(*a, **params), *tensors.values(), use_reentrant=False)
+    torch.autograd.backward(as_tuple(outputs), [torch.ones_like(o) for o in as_tuple(outputs)])
+    for a, t in zip(expected, tensors.values()):
+        assert torch.equal(a, t.grad)
+
+
+def test_an_error_in_the_backward_keeps_its_type(use_native, device, monkeypatch):
+    op = op_by_name("bias_gelu")
+
+    class Boom(Exception):
+        pass
+
+    def boom(*args, **kwargs):
+        raise Boom("from the backward")
+
+    monkeypatch.setattr(op.module._OP, "backward", boom)
+    y = op.fn(torch.randn(4, 8, device=device, requires_grad=True), torch.randn(8, device=device))
+    with pytest.raises(Boom, match="from the backward"):
+        y.sum().backward()
+
+
+def test_forward_mode_ad_is_refused_as_before(use_native, device):
+    op = op_by_name("bias_gelu")
+    x, bias = torch.randn(4, 8, device=device, requires_grad=True), torch.randn(8, device=device)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="jvp"):
+        op.fn(fwAD.make_dual(x, torch.randn(4, 8, device=device)), bias)
+
+
+def test_a_failed_build_warns_once_and_keeps_the_python_function(tmp_path, device, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("FUSEGEN_CACHE_DIR", str(blocker))  # the build folder cannot be made
+    monkeypatch.setattr(native._state, "module", None)
+    monkeypatch.setattr(native._state, "failed", None)
+    monkeypatch.setattr(native._state, "looked", False)
+    native.build_directory.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="C.. autograd node is unavailable"):
+            assert native.load(build=True) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert native.attach_for(torch.device("cuda")) is None  # no second try, no second warning
+        op = op_by_name("bias_gelu")
+        y = op.fn(torch.randn(4, 8, device=device, requires_grad=True), torch.randn(8, device=device))
+        assert "_Autograd" in type(y.grad_fn).__name__
+        assert native.status().startswith("unavailable: ")
+    finally:
+        native.build_directory.cache_clear()
+
+
+def test_off_and_bad_modes(monkeypatch):
+    monkeypatch.setattr(native._state, "module", None)
+    monkeypatch.setattr(native._state, "failed", None)
+    monkeypatch.setenv("FUSEGEN_NATIVE", "off")
+    assert native.attach_for(torch.device("cuda")) is None
+    assert native.status().startswith("off")
+    monkeypatch.setenv("FUSEGEN_NATIVE", "sometimes")
+    with pytest.raises(ValueError, match="FUSEGEN_NATIVE must be one of auto, on, off"):
+        native.mode()
