@@ -190,3 +190,17 @@ def test_off_and_bad_modes(monkeypatch):
     monkeypatch.setenv("FUSEGEN_NATIVE", "sometimes")
     with pytest.raises(ValueError, match="FUSEGEN_NATIVE must be one of auto, on, off"):
         native.mode()
+
+
+def test_fusegen_native_command(built, monkeypatch, capsys):
+    from fusegen import cli
+
+    monkeypatch.setattr(native._state, "module", None)
+    monkeypatch.setattr(native._state, "failed", None)
+    monkeypatch.setattr(native._state, "looked", False)
+    assert cli.main(["native"]) == 0
+    assert capsys.readouterr().out.startswith(f"built: {native.build_directory()}")
+    assert native._state.module is built  # loaded, not built again
+    monkeypatch.setenv("FUSEGEN_NATIVE", "off")
+    assert cli.main(["native"]) == 0
+    assert capsys.readouterr().out.startswith("off (FUSEGEN_NATIVE=off)")

@@ -2,9 +2,10 @@
 interleaved in one process so that the host's drift (±20% between runs on the H100 host)
 falls on every variant alike.
 
-    PYTHONPATH=. python docs/scripts/autograd_node_ab.py [--rounds 15] [--steps 10]
+    PYTHONPATH=. python docs/scripts/autograd_node_ab.py [--rounds 15] [--steps 10] [--ops-only]
 
-The model benchmark's host-bound GPT-2 and LLaMA stacks (fusegen.bench.model): eager, and
+First single ops, forward + backward at (1, 128, 1024) bf16 (µs of host time per step,
+1000 steps a chunk, the GPU idle); then the model benchmark's host-bound GPT-2 and LLaMA stacks (fusegen.bench.model): eager, and
 the generated ops with the Python Function and with the C++ node (fusegen.runtime.native),
 timed round-robin in chunks of --steps steps; the median chunk per variant, ms per step."""
 import argparse
@@ -32,10 +33,43 @@ def stepper(name, ops):
     return step
 
 
+def op_steps():
+    """One forward + backward of a generated op and of its eager spelling, small enough that
+    only host time counts."""
+    import torch.nn.functional as F
+
+    from fusegen.bench.cases import import_generated
+
+    gen = {name: getattr(import_generated(name, Path("generated")), name)
+           for name in ("bias_gelu_dropout_add", "swiglu", "bias_dropout_add_layernorm")}
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 128, 1024, requires_grad=True, **kw)
+    bias = torch.randn(1024, requires_grad=True, **kw)
+    residual = torch.randn(1, 128, 1024, **kw)
+    weight, norm_bias = torch.randn(1024, requires_grad=True, **kw), torch.randn(1024, requires_grad=True, **kw)
+    a = torch.randn(1, 128, 2048, requires_grad=True, **kw)
+    g = torch.randn(1, 128, 1024, **kw)
+
+    def pair(h, y):
+        torch.autograd.backward((h, y), (g, g))
+
+    return {
+        "bias_gelu_dropout_add": (
+            lambda: gen["bias_gelu_dropout_add"](x, bias, residual, p=0.1).backward(g),
+            lambda: (F.dropout(F.gelu(x + bias, approximate="tanh"), 0.1) + residual).backward(g)),
+        "swiglu": (lambda: gen["swiglu"](a).backward(g), lambda: (F.silu(a[..., :1024]) * a[..., 1024:]).backward(g)),
+        "bias_dropout_add_layernorm": (
+            lambda: pair(*gen["bias_dropout_add_layernorm"](x, bias, residual, weight, norm_bias, 1e-5, 0.1)),
+            lambda: pair(h := F.dropout(x + bias, 0.1) + residual,
+                         F.layer_norm(h, (1024,), weight, norm_bias, 1e-5))),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--ops-only", action="store_true")
     args = parser.parse_args()
     module = native.load(build=True)
     assert module is not None, native.status()
@@ -43,6 +77,27 @@ def main():
     def node(on: bool):
         native._state.module = module if on else None
         native._state.failed = None if on else "off for this variant"
+
+    for name, (fused, eager) in op_steps().items():
+        variants = {"eager": (eager, True), "Python Function": (fused, False), "C++ node": (fused, True)}
+        times = {k: [] for k in variants}
+        for _ in range(args.rounds):
+            for key, (step, on) in variants.items():
+                node(on)
+                for _ in range(100):
+                    step()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(1000):
+                    step()
+                times[key].append((time.perf_counter() - start) * 1e3)  # µs per step
+                torch.cuda.synchronize()
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{name} (1, 128, 1024) bf16 fwd+bwd host:",
+              "  ".join(f"{k} {v:.1f} us" for k, v in medians.items()), flush=True)
+    if args.ops_only:
+        node(True)
+        return
 
     for name in ("gpt2", "llama"):
         eager, fused = stepper(name, mb.eager_ops()), stepper(name, mb.fusegen_ops(Path("generated")))
