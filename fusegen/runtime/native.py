@@ -2,22 +2,22 @@
 
 A generated op called with gradients on puts one autograd node behind its outputs. As a
 Python `torch.autograd.Function` that node costs about 20 µs of host time per call
-(forward and backward, H100 host); the C++ node costs about 8 (docs/benchmarks.md). In a
-host-bound training step every op pays it, so the C++ node is the default where it can be
-had, and the Python Function stays as the fallback everywhere else.
+(forward and backward, an identity op on the H100 host); the C++ node costs about 8
+(docs/benchmarks.md). Inside a whole training step the saving is below that host's
+run-to-run noise, so the node is used where it is already built and never built behind
+the user's back: a build takes about 30 s, which a fresh container would pay on every start.
 
 It is compiled with torch's extension machinery (a C++ compiler and ninja; no CUDA
 toolkit: it only calls back into Python). Nothing is built at install time, so the README's
-set-up needs no compiler. FUSEGEN_NATIVE says when it is built:
+set-up needs no compiler. FUSEGEN_NATIVE says when it is used:
 
-- unset or "auto": loaded when already built; built on the first call that needs it on a
-  CUDA device (about 30-50 s, once, logged to stderr);
-- "1" or "on": also built for CPU tensors (the tests use this);
-- "0" or "off": never used; the Python Function throughout.
+- unset or "auto": when already built (`fusegen native` builds it, e.g. in an image);
+- "1" or "on": also built on the first call that needs it, on any device (the tests use this);
+- "0" or "off": never; the Python Function throughout.
 
-`fusegen native` builds it ahead of time. A failed build warns once and leaves the Python
-Function in place. The build lives in FUSEGEN_CACHE_DIR (default ~/.cache/fusegen), keyed
-by the source, torch and Python, so upgrading any of them builds afresh.
+A failed build warns once and leaves the Python Function in place. The build lives in
+FUSEGEN_CACHE_DIR (default ~/.cache/fusegen), keyed by the source, torch and Python, so
+upgrading any of them needs a new build (until then: the Python Function).
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def _module_name(directory: Path) -> str:
 
 
 def _built_file(directory: Path) -> Path:
-    return directory / (_module_name(directory) + ".so")
+    # As torch.utils.cpp_extension.load names what it builds.
+    return directory / (_module_name(directory) + (".pyd" if sys.platform == "win32" else ".so"))
 
 
 def _import(path: Path):
@@ -105,15 +106,15 @@ def _build(directory: Path):
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    print(f"fusegen: building the C++ autograd node once, into {directory} (about a minute)", file=sys.stderr)
+    print(f"fusegen: building the C++ autograd node once, into {directory} (about 30 s)", file=sys.stderr)
     return cpp_extension.load(
         _module_name(directory), sources=[str(SOURCE)], build_directory=str(directory),
         extra_cflags=["-O2"], verbose=False,
     )
 
 
-def attach_for(device: torch.device):
-    """The extension's `attach` for a call on `device`, or None: take the Python Function."""
+def attach_for():
+    """The extension's `attach`, or None: take the Python Function."""
     module = _state.module
     if module is not None:
         return module.attach
@@ -122,7 +123,7 @@ def attach_for(device: torch.device):
     current = mode()
     if current == "off":
         return None
-    module = load(build=current == "on" or device.type == "cuda")
+    module = load(build=current == "on")
     return None if module is None else module.attach
 
 

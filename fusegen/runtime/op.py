@@ -343,7 +343,7 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
     if torch._C._are_functorch_transforms_active():
         return _Autograd.apply(op, prepared, in_place, *args)
     if prepared is not None:
-        attach = native.attach_for(prepared.call.problem.device)
+        attach = native.attach_for()
         if attach is not None:
             outputs, seed, saved = prepared.forward(args)
             count = op._n_inputs
