@@ -52,3 +52,33 @@ def test_swap_all_takes_the_generated_norms_and_elementwise_leaves_them_to_pytor
         assert ops.swiglu is generated_swiglu and ops.bias_gelu.__code__ is not eager.bias_gelu.__code__
     with pytest.raises(ValueError, match="swap"):
         model.fusegen_ops(generated, "norms")
+
+
+def test_round_robin_variants_train_as_one_after_another(device):
+    kwargs = dict(steps=3, warmup=1, p=0.0, dtype=torch.float32, device=device)
+    variants = ["eager", "fusegen"]
+    apart = model.run_variants("llama", "tiny", variants, **kwargs)
+    together = model.run_variants("llama", "tiny", variants, rounds=2, **kwargs)
+    for a, b in zip(apart, together):
+        assert a.error is None and b.error is None
+        assert a.variant == b.variant and len(b.losses) == 4
+        assert a.losses == b.losses  # the same batches in the same order, whatever the interleaving
+        assert b.step_ms > 0
+    with pytest.raises(ValueError, match="rounds must be between 1 and steps"):
+        model.run_variants("llama", "tiny", variants, rounds=4, **kwargs)
+
+
+def test_a_failing_variant_is_reported_and_the_others_still_run(device, monkeypatch):
+    original = model._Run.step
+
+    def step(self):
+        if self.variant == "fusegen" and len(self.losses) >= 2:
+            raise RuntimeError("boom")
+        original(self)
+
+    monkeypatch.setattr(model._Run, "step", step)
+    for rounds in (1, 2):
+        eager, fusegen = model.run_variants("gpt2", "tiny", ["eager", "fusegen"], steps=2, warmup=1, p=0.0,
+                                            dtype=torch.float32, device=device, rounds=rounds)
+        assert eager.error is None and len(eager.losses) == 3
+        assert fusegen.error == "RuntimeError: boom" and fusegen.step_ms is None

@@ -9,6 +9,10 @@ from eager's is reported (with dropout p > 0 the masks differ, so compare at --p
 
     python -m fusegen.bench.model --model gpt2 --size host --json gpt2_host.json
 
+At the host-bound size, run-to-run drift on the H100 host (±20%) exceeds most of the
+differences measured: --rounds 10 builds every variant at once and steps them round-robin,
+so that each ratio comes from interleaved steps of one run.
+
 The ops swapped in (--swap all, the default): in GPT-2, bias_gelu (tanh GELU) in the MLP and
 bias_dropout_add_layernorm at each seam (the sublayer's bias, dropout, the residual add and
 the next layer norm); in LLaMA, swiglu in the MLP and add_rmsnorm at each seam. --swap
@@ -258,48 +262,111 @@ def build_model(model: str, size: dict, p: float, ops, dtype, device) -> nn.Modu
     return Model(block, size, p, ops).to(device=device, dtype=dtype)
 
 
+class _Run:
+    """One variant built and warmed up, stepped in timed chunks: its model, optimizer and
+    batches (the same for every variant), its losses and its timings so far."""
+
+    def __init__(self, model: str, size_name: str, variant: str, warmup: int, p: float, dtype, device,
+                 generated_dir: Path, swap: str, batches: int):
+        size = SIZES[size_name]
+        self.model, self.size_name, self.variant, self.swap = model, size_name, variant, swap
+        ops = fusegen_ops(generated_dir, swap) if variant.startswith("fusegen") else eager_ops()
+        self.net = build_model(model, size, p, ops, dtype, device)
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.forward = self.net
+        if "compile" in variant:
+            self.forward = torch.compile(self.net, mode="reduce-overhead" if "graphs" in variant else None)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        self.batches = [
+            torch.randint(0, size["vocab"], (2, size["batch"], size["seq"]), generator=g).to(device)
+            for _ in range(batches)
+        ]
+        self.on_cuda = str(device).startswith("cuda")
+        self.losses: list[torch.Tensor] = []
+        self.seconds, self.timed_steps, self.step_ms = 0.0, 0, []  # step_ms: each timed step's, from CUDA events
+        for _ in range(warmup):
+            self.step()
+
+    def step(self) -> None:
+        tokens, targets = self.batches[len(self.losses) % len(self.batches)]
+        if "graphs" in self.variant:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = self.forward(tokens, targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
+
+    def timed(self, steps: int) -> None:
+        """`steps` steps issued back to back, one synchronize at the end."""
+        synchronize = torch.cuda.synchronize if self.on_cuda else (lambda: None)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if self.on_cuda else []
+        synchronize()
+        start = time.perf_counter()
+        for i in range(steps):
+            if marks:
+                marks[i].record()
+            self.step()
+        if marks:
+            marks[steps].record()
+        synchronize()
+        self.seconds += time.perf_counter() - start
+        self.timed_steps += steps
+        self.step_ms.extend(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
+
+    def result(self) -> Result:
+        median = statistics.median(self.step_ms) if self.step_ms else None
+        return Result(self.model, self.size_name, self.variant, self.swap, self.seconds / self.timed_steps * 1e3,
+                      [float(v) for v in self.losses], None, median_step_ms=median)
+
+
+def run_variants(model: str, size_name: str, variants: list[str], steps: int, warmup: int, p: float,
+                 dtype=torch.bfloat16, device="cuda", generated_dir: Path = Path("generated"),
+                 swap: str = "all", rounds: int = 1) -> list[Result]:
+    """Each variant's Result. rounds=1: one variant after another, each freed before the
+    next is built. rounds > 1: all built at once (more memory), then stepped round-robin,
+    `steps / rounds` steps each per round, so that the host's drift over the run falls on
+    every variant alike (on the H100 host, ±20% between sequential runs)."""
+    if rounds < 1 or rounds > steps:
+        raise ValueError(f"rounds must be between 1 and steps ({steps}), got {rounds}")
+    def make(variant: str) -> _Run:
+        return _Run(model, size_name, variant, warmup, p, dtype, device, generated_dir, swap, batches=min(steps + warmup, 8))
+
+    results: dict[str, Result] = {}
+    runs: dict[str, _Run] = {}
+
+    def failed(variant: str, exc: Exception) -> None:
+        results[variant] = Result(model, size_name, variant, swap, None, [], None, f"{type(exc).__name__}: {exc}"[:300])
+        runs.pop(variant, None)
+
+    for variant in variants:
+        try:
+            runs[variant] = make(variant)
+            if rounds == 1:
+                runs[variant].timed(steps)
+                results[variant] = runs.pop(variant).result()
+        except Exception as exc:  # noqa: BLE001 - a failed variant is reported, the others still run
+            failed(variant, exc)
+        if rounds == 1 and str(device).startswith("cuda"):
+            torch.cuda.empty_cache()
+    for r in range(rounds if rounds > 1 else 0):
+        chunk = steps // rounds + (r < steps % rounds)
+        for variant, run in list(runs.items()):
+            try:
+                run.timed(chunk)
+            except Exception as exc:  # noqa: BLE001
+                failed(variant, exc)
+    results.update((variant, run.result()) for variant, run in runs.items())
+    return [results[v] for v in variants]
+
+
 def run_variant(model: str, size_name: str, variant: str, steps: int, warmup: int, p: float,
                 dtype=torch.bfloat16, device="cuda", generated_dir: Path = Path("generated"),
                 swap: str = "all") -> Result:
-    size = SIZES[size_name]
-    ops = fusegen_ops(generated_dir, swap) if variant.startswith("fusegen") else eager_ops()
-    net = build_model(model, size, p, ops, dtype, device)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    forward = net
-    if "compile" in variant:
-        forward = torch.compile(net, mode="reduce-overhead" if "graphs" in variant else None)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    batches = [
-        torch.randint(0, size["vocab"], (2, size["batch"], size["seq"]), generator=g).to(device)
-        for _ in range(min(steps + warmup, 8))
-    ]
-
-    def step(i: int) -> float:
-        tokens, targets = batches[i % len(batches)]
-        if "graphs" in variant:
-            torch.compiler.cudagraph_mark_step_begin()
-        loss = forward(tokens, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
-
-    losses = [step(i) for i in range(warmup)]
-    on_cuda = str(device).startswith("cuda")
-    synchronize = torch.cuda.synchronize if on_cuda else (lambda: None)
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if on_cuda else []
-    synchronize()
-    start = time.perf_counter()
-    for i in range(steps):
-        if marks:
-            marks[i].record()
-        losses.append(step(warmup + i))
-    if marks:
-        marks[steps].record()
-    synchronize()
-    step_ms = (time.perf_counter() - start) / steps * 1e3
-    median = statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) if marks else None
-    return Result(model, size_name, variant, swap, step_ms, [float(v) for v in losses], None, median_step_ms=median)
+    """One variant on its own (run_variants with one variant; a failure raises)."""
+    run = _Run(model, size_name, variant, warmup, p, dtype, device, generated_dir, swap, batches=min(steps + warmup, 8))
+    run.timed(steps)
+    return run.result()
 
 
 def compare_losses(results: list[Result]) -> None:
@@ -320,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p", type=float, default=0.1, help="GPT-2's dropout probability (default 0.1)")
     parser.add_argument("--swap", choices=SWAPS, default="all",
                         help="what the fusegen variants swap in: every op (default) or the elementwise ones")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="1: variants one after another; more: all built at once and stepped round-robin in "
+                             "this many chunks (same-run ratios robust to the host's drift; more GPU memory)")
     parser.add_argument("--generated", type=Path, default=Path("generated"))
     parser.add_argument("--json", help="write the results and the run's versions as JSON")
     args = parser.parse_args(argv)
@@ -328,15 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = []
     for model in args.model or ["gpt2", "llama"]:
-        for variant in args.variants.split(","):
-            try:
-                result = run_variant(model, args.size, variant, args.steps, args.warmup, args.p,
-                                     generated_dir=args.generated, swap=args.swap)
-            except Exception as exc:  # noqa: BLE001 - a failed variant is reported, the others still run
-                result = Result(model, args.size, variant, args.swap, None, [], None, f"{type(exc).__name__}: {exc}"[:300])
-            results.append(result)
-            torch.cuda.empty_cache()
+        variants = args.variants.split(",")
+        results += run_variants(model, args.size, variants, args.steps, args.warmup, args.p,
+                                generated_dir=args.generated, swap=args.swap, rounds=args.rounds)
         compare_losses([r for r in results if r.model == model])
+        torch.cuda.empty_cache()
     from ..runtime import native
 
     print(f"autograd node: {native.status()}")
@@ -347,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = dict(torch=torch.__version__, python=platform.python_version(), device=torch.cuda.get_device_name(),
                     size=SIZES[args.size], p=args.p, swap=args.swap, steps=args.steps, warmup=args.warmup,
+                    rounds=args.rounds,
                     autograd_node=native.status())  # the C++ node or the Python Function (runtime.native)
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"metadata": meta, "results": [asdict(r) for r in results]}, handle, indent=1)
