@@ -10,6 +10,7 @@ machine: FUSEGEN_CACHE_DIR), as `fusegen native` builds it.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,17 +63,26 @@ def test_every_op_has_the_python_functions_gradients_bit_for_bit(op, built, monk
     monkeypatch.setattr(native._state, "failed", None)
     monkeypatch.setattr(native._state, "module", built)
     outputs, grads = _step(op, device)
-    assert outputs[0].grad_fn.name() == f"fusegen::{op.name}_backward"  # the C++ node ran
+    assert outputs[0].grad_fn.name() == op.module._OP._node_name  # the C++ node ran
     for a, b in zip(python_outputs, outputs):
         assert torch.equal(a, b)
     for name, a, b in zip(op.input_names, python_grads, grads):
         assert a is not None and torch.equal(a, b), name
 
 
-def test_only_the_gradients_asked_for(use_native, device):
+def test_only_the_gradients_asked_for(use_native, device, monkeypatch):
     op = op_by_name("bias_dropout_add_layernorm")
+    asked = []
+    backward = op.module._OP.backward
+
+    def recording(grads, args, seed, needs, *rest):
+        asked.append(tuple(needs))
+        return backward(grads, args, seed, needs, *rest)
+
+    monkeypatch.setattr(op.module._OP, "backward", recording)
     _, grads = _step(op, device, requires={"x", "weight"})
-    assert [g is not None for g in grads] == [name in ("x", "weight") for name in op.input_names]
+    assert asked == [tuple(name in ("x", "weight") for name in op.input_names)]
+    assert [g is not None for g in grads] == list(asked[0])
 
     def h_and_y():
         tensors = make_inputs(op, CASE, seed=1, device=device)
@@ -80,13 +90,66 @@ def test_only_the_gradients_asked_for(use_native, device):
             t.requires_grad_(True)
         return tensors, op.fn(*tensors.values(), **with_seed(op, params_for(op, p=0.3), seed=11, training=True))
 
-    # One output used (h's gradient is absent), one input asked for of several that require grad.
+    # One output used (h's gradient is absent), one input asked for of several that require
+    # grad: only its gradient is computed (the Python Function computes every one).
+    asked.clear()
     tensors, (h, y) = h_and_y()
     (gx,) = torch.autograd.grad(y.sum(), tensors["x"])
-    assert all(t.grad is None for t in tensors.values())
+    assert asked == [tuple(name == "x" for name in op.input_names)]
     tensors, (h, y) = h_and_y()
     y.sum().backward()
     assert torch.equal(gx, tensors["x"].grad)
+
+
+def test_the_forward_records_nothing(use_native, device, monkeypatch):
+    from fusegen.runtime import prepared
+
+    modes = []
+    forward = prepared.PreparedCall.forward
+
+    def recording(self, args, eager=True):
+        modes.append(torch.is_grad_enabled())
+        return forward(self, args, eager)
+
+    monkeypatch.setattr(prepared.PreparedCall, "forward", recording)
+    op = op_by_name("bias_dropout_add")
+    x = torch.randn(2, 3, 8, device=device, requires_grad=True)
+    y = op.fn(x, torch.randn(8, device=device), torch.randn(2, 1, 8, device=device), p=0.0)  # a broadcast residual
+    assert modes == [False] and torch.is_grad_enabled()
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_double_backward_is_refused_as_before(use_native, device):
+    op = op_by_name("bias_gelu")
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    (gx,) = torch.autograd.grad(op.fn(x, torch.randn(8, device=device)).sum(), x, create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match="fusegen::bias_gelu: double backward is not supported"):
+        gx.sum().backward()
+
+
+def test_inplace_backward_writes_the_gradient_into_the_input(use_native, device):
+    op = op_by_name("swiglu")
+    w = torch.randn(4, 16, device=device, requires_grad=True)
+    g = torch.randn(4, 8, device=device)
+    expected = torch.autograd.grad(op.fn(w * 2.0), w, g)[0]
+    a = w * 2.0  # no leaf: its memory may take its gradient
+    seen = []
+    a.register_hook(seen.append)
+    (got,) = torch.autograd.grad(op.fn(a, inplace_backward=True), w, g)
+    assert seen[0].data_ptr() == a.data_ptr()
+    assert torch.equal(got, expected)
+
+
+def test_compiled_autograd_gets_the_python_function(use_native, device, monkeypatch):
+    import torch._dynamo.config
+
+    op = op_by_name("bias_gelu")
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    assert op.fn(x, torch.randn(8, device=device)).grad_fn.name() == op.module._OP._node_name
+    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    assert "_Autograd" in type(op.fn(x, torch.randn(8, device=device)).grad_fn).__name__
 
 
 def test_second_backward_is_refused_unless_the_graph_is_kept(use_native, device):
@@ -126,7 +189,7 @@ def test_saved_tensor_hooks_and_checkpointing(use_native, device):
     params = params_for(op)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outputs = as_tuple(op.fn(*tensors.values(), **params))
-    assert len(packed) >= len(tensors)  # every input, and the row statistics
+    assert len(packed) == len(tensors) + 1  # every input, and the row statistics
     torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
     expected = [t.grad.clone() for t in tensors.values()]
     for t in tensors.values():
@@ -181,6 +244,25 @@ def test_a_failed_build_warns_once_and_keeps_the_python_function(tmp_path, devic
         native.build_directory.cache_clear()
 
 
+def test_a_half_written_build_is_never_loaded(built, tmp_path, monkeypatch):
+    """torch links into build/; only a whole library is moved beside it. A link killed
+    midway (here: a library cut short) is never imported: importing it can kill the process."""
+    monkeypatch.setenv("FUSEGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native._state, "module", None)
+    monkeypatch.setattr(native._state, "failed", None)
+    monkeypatch.setattr(native._state, "looked", False)
+    native.build_directory.cache_clear()
+    try:
+        directory = native.build_directory()
+        (directory / "build").mkdir(parents=True)
+        whole = Path(built.__file__).read_bytes()
+        (directory / "build" / native._library_name(directory)).write_bytes(whole[: len(whole) // 3])
+        assert native.load(build=False) is None
+        assert native.status() == f"not built: {directory}"
+    finally:
+        native.build_directory.cache_clear()
+
+
 def test_off_and_bad_modes(monkeypatch):
     monkeypatch.setattr(native._state, "module", None)
     monkeypatch.setattr(native._state, "failed", None)
@@ -190,6 +272,10 @@ def test_off_and_bad_modes(monkeypatch):
     monkeypatch.setenv("FUSEGEN_NATIVE", "sometimes")
     with pytest.raises(ValueError, match="FUSEGEN_NATIVE must be one of auto, on, off"):
         native.mode()
+    # In an op call: said once, then the Python Function.
+    with pytest.warns(UserWarning, match="FUSEGEN_NATIVE must be one of"):
+        assert native.attach_for() is None
+    assert native.attach_for() is None
 
 
 def test_fusegen_native_command(built, monkeypatch, capsys):

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import sysconfig
 import threading
@@ -54,12 +55,17 @@ def mode() -> str:
     return _MODES[value]
 
 
+_CFLAGS = ("-O2",)
+
+
 @functools.cache
 def build_directory() -> Path:
-    """Where this source, torch and Python's build lives."""
+    """Where this build lives: keyed by the source, the build flags, torch (its version and
+    commit) and Python."""
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
-    key.update(f"{torch.__version__}|{sys.version}|{sysconfig.get_platform()}".encode())
+    key.update(repr((_CFLAGS, torch.__version__, torch.version.git_version, sys.version,
+                     sysconfig.get_platform())).encode())
     root = Path(os.environ.get("FUSEGEN_CACHE_DIR") or Path.home() / ".cache" / "fusegen")
     return root / f"native-{key.hexdigest()[:16]}"
 
@@ -68,9 +74,16 @@ def _module_name(directory: Path) -> str:
     return "fusegen_native_" + directory.name.removeprefix("native-")
 
 
-def _built_file(directory: Path) -> Path:
+def _library_name(directory: Path) -> str:
     # As torch.utils.cpp_extension.load names what it builds.
-    return directory / (_module_name(directory) + (".pyd" if sys.platform == "win32" else ".so"))
+    return _module_name(directory) + (".pyd" if sys.platform == "win32" else ".so")
+
+
+def _built_file(directory: Path) -> Path:
+    """The finished build. torch links into directory/build; the library is moved here
+    whole once linked, so a file here is never half-written (importing a half-written
+    library can kill the process with SIGBUS)."""
+    return directory / _library_name(directory)
 
 
 def _import(path: Path):
@@ -87,30 +100,40 @@ def load(build: bool):
     with _lock:
         if _state.module is not None or _state.failed is not None or (_state.looked and not build):
             return _state.module
-        directory = build_directory()
-        built = _built_file(directory)
         try:
+            built = _built_file(build_directory())
             if built.exists():
                 _state.module = _import(built)
             elif build:
-                _state.module = _build(directory)
+                _state.module = _build(build_directory())
             _state.looked = True
         except Exception as error:  # no compiler, no ninja, a read-only cache: the Python Function
-            _state.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-            warnings.warn(f"fusegen: the C++ autograd node is unavailable ({_state.failed}); "
-                          "using torch.autograd.Function (set FUSEGEN_NATIVE=off to silence this)", stacklevel=3)
+            _fail(error)
         return _state.module
+
+
+def _fail(error: Exception) -> None:
+    text = str(error).strip()
+    _state.failed = f"{type(error).__name__}: {text.splitlines()[-1] if text else ''}"
+    if len(text.splitlines()) > 1:  # a compiler's output: the cause is above its last line
+        print(f"fusegen: building the C++ autograd node failed:\n{text}", file=sys.stderr)
+    warnings.warn(f"fusegen: the C++ autograd node is unavailable ({_state.failed}); "
+                  "using torch.autograd.Function (set FUSEGEN_NATIVE=off to silence this)", stacklevel=4)
 
 
 def _build(directory: Path):
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
-    print(f"fusegen: building the C++ autograd node once, into {directory} (about 30 s)", file=sys.stderr)
-    return cpp_extension.load(
-        _module_name(directory), sources=[str(SOURCE)], build_directory=str(directory),
-        extra_cflags=["-O2"], verbose=False,
-    )
+    work = directory / "build"
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"fusegen: building the C++ autograd node once, into {directory} (about 30 s; "
+          f"a build killed midway leaves {work / 'lock'}, which then must be deleted)", file=sys.stderr)
+    module = cpp_extension.load(_module_name(directory), sources=[str(SOURCE)], build_directory=str(work),
+                                extra_cflags=list(_CFLAGS), verbose=False)
+    partial = directory / (_library_name(directory) + f".{os.getpid()}.partial")
+    shutil.copyfile(work / _library_name(directory), partial)
+    os.replace(partial, _built_file(directory))
+    return module
 
 
 def attach_for():
@@ -120,7 +143,11 @@ def attach_for():
         return module.attach
     if _state.failed is not None:
         return None
-    current = mode()
+    try:
+        current = mode()
+    except ValueError as error:  # said once, not on every op call
+        _fail(error)
+        return None
     if current == "off":
         return None
     module = load(build=current == "on")

@@ -9,6 +9,8 @@ inputs, then params, then (ops with dropout only) training and seed.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .arguments import FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar
@@ -83,7 +85,8 @@ class FusedOp:
         self._problems: dict = {}  # checked problems by the tensors' shapes, dtypes and devices
         self._prepared: dict = {}  # PreparedCall by call_key
         self._seed_position = self._n_inputs + self._n_params + 1 if self.has_dropout else None
-        self._node_name = f"fusegen::{name}_backward"  # its autograd node's name (grad_fn)
+        # Its C++ autograd node's name (grad_fn.name(), profiles): unlike the library ops' names.
+        self._node_name = "Fusegen" + "".join(part.capitalize() for part in name.split("_")) + "Backward"
         self._reference_body = reference
         self.statistics = kernels.statistics
         self.kernels = kernels.bind(self)
@@ -342,10 +345,17 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
     a prepared kind, else the Python Function."""
     if torch._C._are_functorch_transforms_active():
         return _Autograd.apply(op, prepared, in_place, *args)
-    if prepared is not None:
+    if prepared is not None and not _compiled_autograd_enabled():
         attach = native.attach_for()
         if attach is not None:
-            outputs, seed, saved = prepared.forward(args)
+            # As autograd.Function runs its forward: nothing the launch does is recorded
+            # (a broadcast input's [M, N] view, for one).
+            grad_mode = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                outputs, seed, saved = prepared.forward(args)
+            finally:
+                torch._C._set_grad_enabled(grad_mode)
             count = op._n_inputs
             tensors = args[:count]
             state = (op, prepared, in_place, args[count:], seed)
@@ -354,6 +364,17 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
                 return tuple(outputs)
             # An input with a forward-mode gradient: the Python Function, which says it has no jvp.
     return _C_APPLY(op, prepared, in_place, *args)
+
+
+def _compiled_autograd_enabled() -> bool:
+    """Whether a backward may be traced by compiled autograd (torch._dynamo.config's
+    compiled_autograd, or its _enable context), which takes Python Functions but not C++
+    nodes without a tracing rule, such as fusegen's."""
+    config = sys.modules.get("torch._dynamo.config")
+    if config is not None and getattr(config, "compiled_autograd", False):
+        return True
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled is not None and bool(getattr(compiled, "compiled_autograd_enabled", False))
 
 
 def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> tuple:

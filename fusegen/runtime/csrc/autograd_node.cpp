@@ -22,6 +22,13 @@
 #include <utility>
 #include <vector>
 
+#if defined(_MSC_VER)
+#define FUSEGEN_HIDDEN
+#else
+// It holds pybind11 objects, which pybind11 declares hidden.
+#define FUSEGEN_HIDDEN __attribute__((visibility("hidden")))
+#endif
+
 namespace {
 
 using torch::autograd::Edge;
@@ -29,7 +36,7 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
-struct __attribute__((visibility("hidden"))) FusegenNode : public Node {
+struct FUSEGEN_HIDDEN FusegenNode : public Node {
   FusegenNode(pybind11::object backward, pybind11::object state, std::string name)
       : backward_(std::move(backward)), state_(std::move(state)), name_(std::move(name)) {}
 
