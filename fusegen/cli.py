@@ -159,6 +159,8 @@ def cmd_show(args) -> int:
             print(f"{name} = {expr}")
     for source, output in p.passthrough:
         print(f"grad_{source} = grad_{output}  (passed through, no copy)")
+    for name, source in p.same_gradient:
+        print(f"grad_{name} = grad_{source}  (the same values: written once where shapes and dtypes agree)")
     for helper in p.helpers:
         print(f"\n## choice '{helper.param.name}'")
         for index, (choice, body) in enumerate(helper.forward):

@@ -136,6 +136,7 @@ class OpPlan:
     forward: KernelPlan
     backward: KernelPlan
     passthrough: tuple[tuple[str, str], ...]  # (input, output): the input's gradient is the output's
+    same_gradient: tuple[tuple[str, str], ...]  # (input, earlier input): the same gradient (simplify.Gradient)
     eager: tuple[ir.Expr, ...]  # the outputs as the spec writes them, for the user-style baseline
     eager_lets: tuple[tuple[str, ir.Expr], ...]  # its intermediates, each a local (by that local's name)
     helpers: tuple[HelperPlan, ...]
@@ -260,6 +261,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         forward=forward,
         backward=backward,
         passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients if g.passthrough_of is not None),
+        same_gradient=tuple((g.input, g.same_as) for g in op.gradients if g.same_as is not None),
         eager=tuple(expr for _, expr in op.ir.outputs),
         eager_lets=tuple((namer.claim(name), expr) for name, expr in op.ir.lets),
         helpers=tuple(_helper(h, by_name[h.param]) for h in op.helpers),

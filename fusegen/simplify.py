@@ -49,6 +49,10 @@ class Gradient:
     # Set when the gradient is exactly one output's incoming gradient, with dropout on and
     # off: then it is passed through, with no kernel work.
     passthrough_of: str | None
+    # Set when the gradient is exactly an earlier input's, with dropout on and off (x and
+    # residual in x + residual): where the two tensors agree in shape and dtype, the kernel
+    # writes it once and both inputs get that one tensor, as torch's add gives its inputs.
+    same_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     totals = {
         has_dropout: _input_gradients(spec, outputs[has_dropout], inputs, grad_outputs) for has_dropout in (True, False)
     }
-    gradients = tuple(
+    gradients = _same_gradients(tuple(
         Gradient(
             name,
             _passthrough(totals[True][name], grad_outputs)
@@ -149,7 +153,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
             else None,
         )
         for name in inputs
-    )
+    ), [{n: totals[d][n] for n in inputs} for d in (True, False)], chunked)
     backward = {
         has_dropout: [(g.input, totals[has_dropout][g.input]) for g in gradients if g.passthrough_of is None]
         for has_dropout in (True, False)
@@ -188,9 +192,9 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
             raise SpecError(spec.path, lines[output], message) from None
 
     found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, masks, check, op.row_outputs)
-    gradients = tuple(
+    gradients = _same_gradients(tuple(
         Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in inputs
-    )
+    ), [totals], chunked)
     results = [(g.input, totals[g.input]) for g in gradients if g.passthrough_of is None]
     elements = set(inputs.values()) | set(masks)
     forward = rows.schedule(reductions.found, [], outputs, elements)
@@ -351,6 +355,21 @@ def _input_gradients(spec, outputs, inputs, grad_outputs) -> dict[str, sympy.Exp
             terms.append(g * partial)
         totals[name] = sympy.Add(*terms)
     return totals
+
+
+def _same_gradients(gradients: tuple[Gradient, ...], totals: list[dict], chunked: set) -> tuple[Gradient, ...]:
+    """Each whole input whose gradient is an earlier whole input's, in every variant of the
+    backward (`totals`: with dropout and without), marked `same_as` that input."""
+    result, first = [], {}
+    for g in gradients:
+        if g.passthrough_of is None and g.input not in chunked:
+            key = tuple(t[g.input] for t in totals)
+            if key in first:
+                g = Gradient(g.input, None, same_as=first[key])
+            else:
+                first[key] = g.input
+        result.append(g)
+    return tuple(result)
 
 
 def _passthrough(total: sympy.Expr, grad_outputs) -> str | None:

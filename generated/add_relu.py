@@ -15,6 +15,8 @@ Backward: one fused kernel recomputes the forward from the saved inputs and writ
 input gradient in one pass; gradients of inputs broadcast along rows are summed per program
 in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
 are the inputs, nothing else: no mask, no intermediates.
+The gradient of other is that of x: where the two agree in shape and dtype, the kernel
+writes it once and both get the same tensor (as torch's add does).
 
 inplace_backward=True lets the eager backward write an input's gradient into that input's
 memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
@@ -163,6 +165,7 @@ _OP = runtime.FusedOp(
     "add_relu",
     inputs=(runtime.Input("x", ("...", "N")), runtime.Input("other", ("...", "N"))),
     outputs=("y",),
+    same_gradient={"other": "x"},  # one gradient, one tensor, where shapes and dtypes agree
     kernels=launch.Kernels(
         add_relu_kernel,
         add_relu_backward_kernel,

@@ -19,6 +19,8 @@ per-row reductions and writes every input gradient in one pass; gradients of inp
 broadcast along rows are summed per program in fp32 and then across programs, in a fixed
 order (no atomics). Memory: saved for backward are the inputs and each row's reductions
 (fp32, [..., reductions]), nothing else: no mask, no intermediates.
+The gradient of residual is that of x: where the two agree in shape and dtype, the kernel
+writes it once and both get the same tensor (as torch's add does).
 
 inplace_backward=True lets the eager backward write an input's gradient into that input's
 memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
@@ -432,6 +434,7 @@ _OP = runtime.FusedOp(
     ),
     params=(runtime.Scalar("eps", "float", 0.0, None),),
     outputs=("h", "y"),
+    same_gradient={"residual": "x"},  # one gradient, one tensor, where shapes and dtypes agree
     kernels=launch.RowKernels(
         add_rmsnorm_kernel,
         add_rmsnorm_backward_kernel,

@@ -32,6 +32,7 @@ from tests.helpers import (
     launch_forward,
     make_inputs,
     non_contiguous,
+    op_by_name,
     output_shape,
     params_for,
     with_seed,
@@ -595,3 +596,42 @@ def test_outputs_left_out_of_the_loss_have_zero_gradient(tmp_path, used, device)
 
     for got, want in zip(gradients(getattr(module, name), device), gradients(module.reference, "cpu")):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["add_rmsnorm", "add_relu"])
+def test_inputs_with_the_same_gradient_share_one_tensor(name, device):
+    """x and residual in x + residual: one gradient, written once, given to both (as torch's add
+    gives it), where they agree in shape and dtype; each its own where they do not."""
+    op = op_by_name(name)
+    fused = op.module._OP
+    assert fused._same_as[op.input_names.index(op.input_names[1])] == 0
+    params = params_for(op)
+    g = torch.Generator().manual_seed(5)
+
+    def grads_of(shapes, dtypes):
+        leaves = [torch.randn(s, generator=g, dtype=torch.float64).to(d).to(device).requires_grad_(True)
+                  for s, d in zip(shapes, dtypes)]
+        inner = [leaf * 1 for leaf in leaves]  # not leaves: hooks see the gradients as the op returns them
+        seen = {}
+        for i, t in enumerate(inner[:2]):
+            t.register_hook(lambda grad, i=i: seen.setdefault(i, grad))
+        outputs = as_tuple(op.fn(*inner, **params))
+        upstream = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype).to(device) for o in outputs]
+        torch.autograd.backward(outputs, upstream)
+        truth = [leaf.detach().double().requires_grad_(True) for leaf in leaves]
+        torch.autograd.backward(as_tuple(op.reference(*truth, **params)), [u.double() for u in upstream])
+        low = [leaf.detach().clone().requires_grad_(True) for leaf in leaves]  # the reference in the inputs' dtypes
+        torch.autograd.backward(as_tuple(op.reference(*low, **params)), upstream)
+        for name, leaf, t, r in zip(op.input_names, leaves, truth, low):
+            check_against_truth(leaf.grad, t.grad.to(leaf.dtype), r.grad, what=name)
+        return seen, leaves
+
+    n = 16
+    shapes = [(3, 4, n), (3, 4, n)] + ([(n,)] if len(op.input_names) == 3 else [])
+    seen, leaves = grads_of(shapes, [torch.float32] * len(shapes))
+    assert seen[0] is seen[1]  # one tensor
+    assert leaves[0].grad.data_ptr() != leaves[1].grad.data_ptr()  # leaves' .grad never alias
+    seen, _ = grads_of(shapes, [torch.float32, torch.bfloat16] + [torch.float32] * (len(shapes) - 2))
+    assert seen[0] is not seen[1] and seen[1].dtype == torch.bfloat16
+    seen, _ = grads_of([shapes[0], (1, n)] + shapes[2:], [torch.float32] * len(shapes))
+    assert seen[0] is not seen[1] and seen[1].shape == (1, n)

@@ -110,3 +110,20 @@ def test_a_choice_of_a_constant_stays_a_call(tmp_path):
     act = simplify.choice_function("act", 1)
     assert _y(op) == act(1) * sympy.Symbol("x", real=True)
     assert not act(1).is_number  # so nothing tries to evaluate or print it as one
+
+
+def test_an_input_whose_gradient_is_an_earlier_inputs_shares_it(tmp_path):
+    inputs = "  x: [..., N]\n  residual: [..., N]\n  weight: [N]\n"
+    grads = {g.input: g for g in _op(tmp_path, "  y: relu(x + residual) * weight\n", inputs=inputs).gradients}
+    assert grads["residual"].same_as == "x" and grads["x"].same_as is None
+    assert grads["weight"].same_as is None  # broadcast: its gradient is a sum
+    # Not the same: x * residual's gradients differ; a row op's too, where they are the same.
+    grads = {g.input: g for g in _op(tmp_path, "  y: x * residual * weight\n", inputs=inputs).gradients}
+    assert grads["residual"].same_as is None
+    rows = _op(tmp_path, "  y: (x + residual) * rsqrt(mean((x + residual) * (x + residual)) + 1.0e-6) * weight\n",
+               inputs=inputs)
+    assert {g.input: g.same_as for g in rows.gradients} == {"x": None, "residual": "x", "weight": None}
+    # Only where equal with dropout on and off: dropout on x alone makes them differ.
+    with_dropout = _op(tmp_path, "  y: dropout(x, p) + residual * 2\n", inputs="  x: [..., N]\n  residual: [..., N]\n",
+                       params="params:\n  p: {type: float, default: 0.1, min: 0.0, max: 1.0}\n")
+    assert all(g.same_as is None for g in with_dropout.gradients)

@@ -57,6 +57,7 @@ class FusedOp:
         row_outputs: tuple[str, ...] = (),
         masks: tuple[str, ...] = (),
         passthrough: dict[str, str] | None = None,
+        same_gradient: dict[str, str] | None = None,
         kernels,
         reference,
     ):
@@ -76,6 +77,12 @@ class FusedOp:
         self._passthrough = tuple(
             outputs.index(passthrough[i.name]) if i.name in passthrough else None for i in inputs
         )
+        # An input whose gradient is an earlier input's (x + residual): the index of that input.
+        names_in = [i.name for i in inputs]
+        same_gradient = same_gradient or {}
+        self._same_as = tuple(names_in.index(same_gradient[i.name]) if i.name in same_gradient else None
+                              for i in inputs)
+        self._has_same = any(s is not None for s in self._same_as)
         # What check() does per call, worked out once: it runs on every launch.
         self._n_inputs, self._n_params, self._n_outputs = len(inputs), len(params), len(outputs)
         self._choice_checks = tuple((i, p.name, p.choices) for i, p in enumerate(params) if isinstance(p, Choice))
@@ -226,6 +233,15 @@ class FusedOp:
         may take their gradients."""
         tensors = args[: len(self.inputs)]
         kernel_needs = [need and through is None for need, through in zip(needs, self._passthrough)]
+        shared = ()
+        if self._has_same:
+            # The kernel writes a shared gradient once where both inputs need it and agree in
+            # shape and dtype (then the two gradients are one tensor); else each its own.
+            shared = [None] * len(tensors)
+            for i, source in enumerate(self._same_as):
+                if (source is not None and kernel_needs[i] and kernel_needs[source]
+                        and tensors[i].shape == tensors[source].shape and tensors[i].dtype == tensors[source].dtype):
+                    kernel_needs[i], shared[i] = False, source
         kernel_grads = iter(())
         if any(kernel_needs):
             # The library op only where it is needed: while torch.compile traces (its fake
@@ -240,10 +256,15 @@ class FusedOp:
                 extra += (saved,) if self.statistics else ()
                 params = args[len(self.inputs):count]
                 kernel_grads = iter(self._backward_op(list(grads), list(tensors), *params, *extra, kernel_needs))
-        return [
-            None if not need else next(kernel_grads) if through is None else sum_to_input(grads[through], tensor)
-            for need, through, tensor in zip(needs, self._passthrough, tensors)
+        results = [
+            None if not need or (shared and shared[i] is not None)
+            else next(kernel_grads) if through is None else sum_to_input(grads[through], tensor)
+            for i, (need, through, tensor) in enumerate(zip(needs, self._passthrough, tensors))
         ]
+        for i, source in enumerate(shared):
+            if source is not None:
+                results[i] = results[source]
+        return results
 
     def backward_kernels(self, grads, args, seed, needs, saved=None, prepared: PreparedCall | None = None,
                          in_place: bool = False, shard=None) -> list:

@@ -35,6 +35,9 @@ def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> l
     if plan.passthrough:
         pairs = ", ".join(f'"{i}": "{o}"' for i, o in plan.passthrough)
         lines.append(f"passthrough={{{pairs}}},  # these inputs' gradients are those outputs' own")
+    if plan.same_gradient:
+        pairs = ", ".join(f'"{i}": "{o}"' for i, o in plan.same_gradient)
+        lines.append(f"same_gradient={{{pairs}}},  # one gradient, one tensor, where shapes and dtypes agree")
     kernel = plan.backward
     kernels = [forward.name, backward.name]
     if plan.forward.scalars:
@@ -132,6 +135,13 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
         " ".join(
             f"The gradient of {i} is the gradient of {o}, passed on without a copy (summed only where {i} was broadcast)."
             for i, o in plan.passthrough
+        )
+    )
+    lines += wrap(
+        " ".join(
+            f"The gradient of {i} is that of {o}: where the two agree in shape and dtype, the kernel writes it "
+            f"once and both get the same tensor (as torch's add does)."
+            for i, o in plan.same_gradient
         )
     )
     lines += [""] + wrap(
