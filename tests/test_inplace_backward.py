@@ -127,3 +127,31 @@ def test_the_module_classes_take_it_at_construction():
     assert repr(SWIGLU.Swiglu()) == "Swiglu()"
     with pytest.raises(runtime.FusegenArgumentError, match=r"^swiglu\(\): inplace_backward must be True or False, got int$"):
         SWIGLU.Swiglu(inplace_backward=1)
+
+
+@pytest.mark.parametrize("node", ["python", "native"])
+def test_an_input_whose_gradient_is_not_asked_for_keeps_its_values(device, node, monkeypatch):
+    """autograd.grad of x alone: inp's gradient is not computed, so inp's memory is not
+    written, though inp requires grad and inplace_backward allows it (either autograd node)."""
+    from fusegen.runtime import native
+
+    module = native.load(build=node == "native")
+    if node == "native":
+        assert module is not None, native.status()
+    monkeypatch.setattr(native._state, "module", module if node == "native" else None)
+    monkeypatch.setattr(native._state, "failed", None if node == "native" else "off in this test")
+    op = op_by_name("add_mul_activation").module
+    x0 = _randn(4, 32, seed=1, device=device).requires_grad_(True)
+    inp0 = _randn(4, 32, seed=2, device=device).requires_grad_(True)
+    bias = _randn(32, seed=3, device=device)
+    g = _randn(4, 32, seed=4, device=device)
+    for _ in range(3):  # the first call of a kind tunes (never in place); later ones may write
+        x, inp = x0 * 1, inp0 * 1  # no leaves: either may take its gradient in place
+        y = op.add_mul_activation(x, inp, bias, 2.0, "silu", inplace_backward=True)
+        (gx,) = torch.autograd.grad(y, x, g)
+        assert torch.equal(inp.detach(), inp0.detach())
+    assert gx.data_ptr() == x.data_ptr() and gx.grad_fn is None  # x's memory, detached
+    truth = x0.detach().double().requires_grad_(True)  # x itself may hold its gradient now
+    expected = torch.autograd.grad(torch.nn.functional.silu(truth + 2.0 * inp0.detach().double() + bias.double()),
+                                   truth, g.double())[0]
+    assert torch.allclose(gx.double(), expected, rtol=1e-5, atol=1e-6)

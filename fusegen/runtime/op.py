@@ -347,6 +347,12 @@ class _Autograd(torch.autograd.Function):
         op = ctx.op
         count = op._n_inputs
         needs = ctx.needs_input_grad[3:3 + count]  # after the op, prepared and in_place arguments
+        if ctx.in_place:
+            # Only the gradients this backward asks for (autograd.grad of some inputs): an
+            # input whose gradient is not wanted must keep its values.
+            edges = ctx.next_functions[:count]  # one per tensor argument: the inputs
+            needs = tuple(need and node is not None and torch._C._will_engine_execute_node(node)
+                          for need, (node, _) in zip(needs, edges))
         tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
         saved = saved[0] if saved else None
         gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared, ctx.in_place)

@@ -165,19 +165,21 @@ class PreparedBackward:
         self._sums = [_sum_partials(t) if launch is not None else None for t in targets]
 
     def __call__(self, tensors, grads, seed, saved, in_place: bool = False) -> list[torch.Tensor]:
+        # An input written in place is handed on detached: the same memory (and version
+        # counter) as a gradient, without the input's own autograd history.
+        written = [in_place and target is not None and self._writable(target, tensors[i], tensors, grads)
+                   for target, i in zip(self._targets, self._inputs)]
         buffers = [
-            None if target is None
-            else tensors[i] if in_place and self._writable(target, tensors[i], tensors, grads)
-            else target.new_buffer()
-            for target, i in zip(self._targets, self._inputs)
+            None if target is None else tensors[i].detach() if into else target.new_buffer()
+            for target, i, into in zip(self._targets, self._inputs, written)
         ]
         if self._launch is not None:
             self._launch((*tensors, *grads, *buffers, saved, seed))
         results = []
-        for target, buffer, sums, i in zip(self._targets, buffers, self._sums, self._inputs):
+        for target, buffer, sums, into in zip(self._targets, buffers, self._sums, written):
             if target is None:
                 continue
-            if buffer is tensors[i]:
+            if into:
                 torch.autograd.graph.increment_version(buffer)
             if sums is None:
                 results.append(target.result(buffer))
