@@ -598,40 +598,56 @@ def test_outputs_left_out_of_the_loss_have_zero_gradient(tmp_path, used, device)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("node", ["python", "native"])
 @pytest.mark.parametrize("name", ["add_rmsnorm", "add_relu"])
-def test_inputs_with_the_same_gradient_share_one_tensor(name, device):
+def test_inputs_with_the_same_gradient_share_one_tensor(name, node, device, monkeypatch):
     """x and residual in x + residual: one gradient, written once, given to both (as torch's add
-    gives it), where they agree in shape and dtype; each its own where they do not."""
+    gives it), where they agree in shape and dtype; each its own where they do not. Leaves'
+    .grad never alias, over several backwards; with inplace_backward the one gradient is
+    x's own memory. Through either autograd node."""
+    from fusegen.runtime import native
+
+    module = native.load(build=node == "native")
+    assert node == "python" or module is not None, native.status()
+    monkeypatch.setattr(native._state, "module", module if node == "native" else None)
+    monkeypatch.setattr(native._state, "failed", None if node == "native" else "off in this test")
     op = op_by_name(name)
-    fused = op.module._OP
-    assert fused._same_as[op.input_names.index(op.input_names[1])] == 0
+    assert op.module._OP._same_as[1] == 0
     params = params_for(op)
     g = torch.Generator().manual_seed(5)
 
-    def grads_of(shapes, dtypes):
+    def step(shapes, dtypes, in_place=False, backwards=1):
         leaves = [torch.randn(s, generator=g, dtype=torch.float64).to(d).to(device).requires_grad_(True)
                   for s, d in zip(shapes, dtypes)]
         inner = [leaf * 1 for leaf in leaves]  # not leaves: hooks see the gradients as the op returns them
         seen = {}
         for i, t in enumerate(inner[:2]):
             t.register_hook(lambda grad, i=i: seen.setdefault(i, grad))
-        outputs = as_tuple(op.fn(*inner, **params))
-        upstream = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype).to(device) for o in outputs]
-        torch.autograd.backward(outputs, upstream)
+        upstream = None
+        for _ in range(backwards):
+            outputs = as_tuple(op.fn(*(inner if in_place else leaves), **params, inplace_backward=in_place))
+            if upstream is None:
+                upstream = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype).to(device)
+                            for o in outputs]
+            torch.autograd.backward(outputs, upstream)
+            inner = [leaf * 1 for leaf in leaves]
         truth = [leaf.detach().double().requires_grad_(True) for leaf in leaves]
-        torch.autograd.backward(as_tuple(op.reference(*truth, **params)), [u.double() for u in upstream])
+        torch.autograd.backward(as_tuple(op.reference(*truth, **params)), [u.double() * backwards for u in upstream])
         low = [leaf.detach().clone().requires_grad_(True) for leaf in leaves]  # the reference in the inputs' dtypes
-        torch.autograd.backward(as_tuple(op.reference(*low, **params)), upstream)
-        for name, leaf, t, r in zip(op.input_names, leaves, truth, low):
-            check_against_truth(leaf.grad, t.grad.to(leaf.dtype), r.grad, what=name)
+        torch.autograd.backward(as_tuple(op.reference(*low, **params)), [u * backwards for u in upstream])
+        for input_name, leaf, t, r in zip(op.input_names, leaves, truth, low):
+            check_against_truth(leaf.grad, t.grad.to(leaf.dtype), r.grad, what=input_name)
         return seen, leaves
 
     n = 16
     shapes = [(3, 4, n), (3, 4, n)] + ([(n,)] if len(op.input_names) == 3 else [])
-    seen, leaves = grads_of(shapes, [torch.float32] * len(shapes))
+    fp32 = [torch.float32] * len(shapes)
+    _, leaves = step(shapes, fp32, backwards=2)  # the op on the leaves themselves, two backwards
+    assert leaves[0].grad.data_ptr() != leaves[1].grad.data_ptr()
+    for _ in range(2):  # the first call of a kind tunes: no write in place
+        seen, _ = step(shapes, fp32, in_place=True)
     assert seen[0] is seen[1]  # one tensor
-    assert leaves[0].grad.data_ptr() != leaves[1].grad.data_ptr()  # leaves' .grad never alias
-    seen, _ = grads_of(shapes, [torch.float32, torch.bfloat16] + [torch.float32] * (len(shapes) - 2))
+    seen, _ = step(shapes, [torch.float32, torch.bfloat16] + fp32[2:], in_place=True)
     assert seen[0] is not seen[1] and seen[1].dtype == torch.bfloat16
-    seen, _ = grads_of([shapes[0], (1, n)] + shapes[2:], [torch.float32] * len(shapes))
+    seen, _ = step([shapes[0], (1, n)] + shapes[2:], fp32, in_place=True)
     assert seen[0] is not seen[1] and seen[1].shape == (1, n)

@@ -286,6 +286,9 @@ class _Run:
         self.seconds, self.timed_steps, self.step_ms = 0.0, 0, []  # step_ms: each timed step's, from CUDA events
         for _ in range(warmup):
             self.step()
+        # Its own random state (dropout's draws), so that interleaving with other variants
+        # changes nothing it computes.
+        self._random = _random_state(self.on_cuda)
 
     def step(self) -> None:
         tokens, targets = self.batches[len(self.losses) % len(self.batches)]
@@ -297,8 +300,17 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
 
-    def timed(self, steps: int) -> None:
-        """`steps` steps issued back to back, one synchronize at the end."""
+    def timed(self, steps: int, timed: bool = True) -> None:
+        """`steps` steps issued back to back, one synchronize at the end (`timed`: counted)."""
+        outer = _random_state(self.on_cuda)
+        _set_random_state(self._random, self.on_cuda)
+        try:
+            self._steps(steps, timed)
+        finally:
+            self._random = _random_state(self.on_cuda)
+            _set_random_state(outer, self.on_cuda)
+
+    def _steps(self, steps: int, timed: bool) -> None:
         synchronize = torch.cuda.synchronize if self.on_cuda else (lambda: None)
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if self.on_cuda else []
         synchronize()
@@ -310,14 +322,25 @@ class _Run:
         if marks:
             marks[steps].record()
         synchronize()
-        self.seconds += time.perf_counter() - start
-        self.timed_steps += steps
-        self.step_ms.extend(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
+        if timed:
+            self.seconds += time.perf_counter() - start
+            self.timed_steps += steps
+            self.step_ms.extend(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
 
     def result(self) -> Result:
         median = statistics.median(self.step_ms) if self.step_ms else None
         return Result(self.model, self.size_name, self.variant, self.swap, self.seconds / self.timed_steps * 1e3,
                       [float(v) for v in self.losses], None, median_step_ms=median)
+
+
+def _random_state(on_cuda: bool) -> tuple:
+    return torch.random.get_rng_state(), torch.cuda.get_rng_state() if on_cuda else None
+
+
+def _set_random_state(state: tuple, on_cuda: bool) -> None:
+    torch.random.set_rng_state(state[0])
+    if on_cuda:
+        torch.cuda.set_rng_state(state[1])
 
 
 def run_variants(model: str, size_name: str, variants: list[str], steps: int, warmup: int, p: float,
@@ -329,6 +352,8 @@ def run_variants(model: str, size_name: str, variants: list[str], steps: int, wa
     every variant alike (on the H100 host, ±20% between sequential runs)."""
     if rounds < 1 or rounds > steps:
         raise ValueError(f"rounds must be between 1 and steps ({steps}), got {rounds}")
+    if len(set(variants)) != len(variants):
+        raise ValueError(f"variants must be distinct, got {variants}")
     def make(variant: str) -> _Run:
         return _Run(model, size_name, variant, warmup, p, dtype, device, generated_dir, swap, batches=min(steps + warmup, 8))
 
@@ -349,11 +374,15 @@ def run_variants(model: str, size_name: str, variants: list[str], steps: int, wa
             failed(variant, exc)
         if rounds == 1 and str(device).startswith("cuda"):
             torch.cuda.empty_cache()
-    for r in range(rounds if rounds > 1 else 0):
-        chunk = steps // rounds + (r < steps % rounds)
-        for variant, run in list(runs.items()):
+    for r in range(-1, rounds if rounds > 1 else -1):
+        # Round -1, untimed: each variant once after the others, so that whatever switching
+        # costs the first time (CUDA-graph trees, caches) is not timed. Each round starts
+        # with the next variant, so that no variant always follows the same one.
+        chunk = 1 if r < 0 else steps // rounds + (r < steps % rounds)
+        order = list(runs.items())
+        for variant, run in order[r % len(order):] + order[:r % len(order)] if order else ():
             try:
-                run.timed(chunk)
+                run.timed(chunk, timed=r >= 0)
             except Exception as exc:  # noqa: BLE001
                 failed(variant, exc)
     results.update((variant, run.result()) for variant, run in runs.items())

@@ -351,8 +351,11 @@ class _Autograd(torch.autograd.Function):
             # Only the gradients this backward asks for (autograd.grad of some inputs): an
             # input whose gradient is not wanted must keep its values.
             edges = ctx.next_functions[:count]  # one per tensor argument: the inputs
-            needs = tuple(need and node is not None and torch._C._will_engine_execute_node(node)
-                          for need, (node, _) in zip(needs, edges))
+            try:
+                needs = tuple(need and node is not None and torch._C._will_engine_execute_node(node)
+                              for need, (node, _) in zip(needs, edges))
+            except RuntimeError:  # not inside the engine (grad_fn.apply called directly): all of them
+                pass
         tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
         saved = saved[0] if saved else None
         gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared, ctx.in_place)
@@ -372,7 +375,11 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
     a prepared kind, else the Python Function."""
     if torch._C._are_functorch_transforms_active():
         return _Autograd.apply(op, prepared, in_place, *args)
-    if prepared is not None and not _compiled_autograd_enabled():
+    if _compiled_autograd_enabled():
+        # The Python Function, which compiled autograd traces; never in place there (what
+        # decides it reads the engine's state, which a traced backward has not).
+        return _C_APPLY(op, prepared, False, *args)
+    if prepared is not None:
         attach = native.attach_for()
         if attach is not None:
             # As autograd.Function runs its forward: nothing the launch does is recorded
