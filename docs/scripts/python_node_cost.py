@@ -7,12 +7,17 @@ The model benchmark's host-bound GPT-2 and LLaMA stacks, ms per step (best of 3 
 plain PyTorch ops; the same with an identity autograd.Function (no kernel, no allocation)
 on each swapped op's output, so a Python node stands where each generated op's would;
 generated ops. "1 thread": `torch.autograd.set_multithreading_enabled(False)`, the backward
-on the calling thread instead of the engine's device thread."""
+on the calling thread instead of the engine's device thread.
+
+Variants here run one after another, and the H100 host drifts by ±20% between such runs:
+autograd_node_ab.py interleaves them, which is what corrected this script's first reading
+(docs/benchmarks.md, issue 15, fifth session)."""
 import time
 from pathlib import Path
 
 import torch
 
+from autograd_node_ab import stepper  # this folder's: the same model step
 from fusegen.bench import model as mb
 
 
@@ -38,16 +43,7 @@ def with_python_nodes(ops, names):
 
 def step_ms(name, ops, multithreaded=True, steps=40):
     torch.autograd.set_multithreading_enabled(multithreaded)
-    size = mb.SIZES["host"]
-    net = mb.build_model(name, size, 0.1, ops, torch.bfloat16, "cuda")
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    tokens = torch.randint(0, size["vocab"], (2, size["batch"], size["seq"]), device="cuda")
-
-    def step():
-        net(tokens[0], tokens[1]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = stepper(name, ops)
     for _ in range(5):
         step()
     times = []
