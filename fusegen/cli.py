@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     # first word that is not an option is the command).
     bench_parser = commands.add_parser("bench", help="time ops against eager PyTorch and torch.compile (GPU)")
     profile_parser = commands.add_parser("profile", help="torch.profiler tables: eager, generated, compiled (GPU)")
-    commands.add_parser("native", help="build the C++ autograd node now (else on first use on a GPU) and say where it is")
+    commands.add_parser("native", help="build the C++ autograd node (used from then on) and say where it is")
     chosen = next((word for word in argv if not word.startswith("-")), None)
     if chosen == "bench":
         from . import bench

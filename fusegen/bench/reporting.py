@@ -158,6 +158,8 @@ def host_overhead_table(rows: Sequence[dict]):
 def run_metadata(copy_gbs: float | None, timer: str = DEFAULT_TIMER) -> dict[str, Any]:
     import triton
 
+    from ..runtime import native
+
     metadata: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
@@ -175,6 +177,7 @@ def run_metadata(copy_gbs: float | None, timer: str = DEFAULT_TIMER) -> dict[str
         "dropout_seed": DROPOUT_SEED,
         "copy_bandwidth_gbs": copy_gbs,
         "copy_bandwidth_method": f"dst.copy_(src), {COPY_BANDWIDTH_BYTES >> 20} MiB fp32, read + write bytes",
+        "autograd_node": native.status(),  # the C++ node or the Python Function (fusegen.runtime.native)
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
