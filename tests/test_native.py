@@ -266,9 +266,12 @@ def test_a_half_written_build_is_never_loaded(built, tmp_path, monkeypatch):
 def test_off_and_bad_modes(monkeypatch):
     monkeypatch.setattr(native._state, "module", None)
     monkeypatch.setattr(native._state, "failed", None)
+    monkeypatch.setattr(native._state, "settled", False)
     monkeypatch.setenv("FUSEGEN_NATIVE", "off")
     assert native.attach_for() is None
     assert native.status().startswith("off")
+    assert native._state.settled  # read once: later calls ask nothing
+    monkeypatch.setattr(native._state, "settled", False)
     monkeypatch.setenv("FUSEGEN_NATIVE", "sometimes")
     with pytest.raises(ValueError, match="FUSEGEN_NATIVE must be one of auto, on, off"):
         native.mode()

@@ -9,7 +9,8 @@ the user's back: a build takes about 30 s, which a fresh container would pay on 
 
 It is compiled with torch's extension machinery (a C++ compiler and ninja; no CUDA
 toolkit: it only calls back into Python). Nothing is built at install time, so the README's
-set-up needs no compiler. FUSEGEN_NATIVE says when it is used:
+set-up needs no compiler. FUSEGEN_NATIVE says when it is used (read at a process's first
+call with gradients):
 
 - unset or "auto": when already built (`fusegen native` builds it, e.g. in an image);
 - "1" or "on": also built on the first call that needs it, on any device (the tests use this);
@@ -42,6 +43,9 @@ class _State:
     module = None  # the loaded extension, once loaded
     failed: str | None = None  # why a build failed (then no retry in this process)
     looked = False  # whether a build was looked for (and not found): calls that do not build stop here
+    # Whether op calls have settled on the Python Function for this process (FUSEGEN_NATIVE
+    # is read once, at the first call with gradients): the check then costs nothing per call.
+    settled = False
 
 
 _state = _State()
@@ -141,17 +145,18 @@ def attach_for():
     module = _state.module
     if module is not None:
         return module.attach
-    if _state.failed is not None:
+    if _state.failed is not None or _state.settled:
         return None
     try:
         current = mode()
     except ValueError as error:  # said once, not on every op call
         _fail(error)
         return None
-    if current == "off":
+    module = None if current == "off" else load(build=current == "on")
+    if module is None:
+        _state.settled = True
         return None
-    module = load(build=current == "on")
-    return None if module is None else module.attach
+    return module.attach
 
 
 def status() -> str:
@@ -165,4 +170,4 @@ def status() -> str:
 
 
 def _reset_for_tests(module=None, failed: str | None = None) -> None:
-    _state.module, _state.failed, _state.looked = module, failed, False
+    _state.module, _state.failed, _state.looked, _state.settled = module, failed, False, False
