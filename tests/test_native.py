@@ -72,14 +72,16 @@ def test_every_op_has_the_python_functions_gradients_bit_for_bit(op, built, monk
 
 def test_only_the_gradients_asked_for(use_native, device, monkeypatch):
     op = op_by_name("bias_dropout_add_layernorm")
+    from fusegen.runtime import prepared
+
     asked = []
-    backward = op.module._OP.backward
+    backward = prepared.PreparedCall.backward
 
-    def recording(grads, args, seed, needs, *rest):
+    def recording(self, grads, tensors, seed, needs, *rest):  # what the kernel is asked for
         asked.append(tuple(needs))
-        return backward(grads, args, seed, needs, *rest)
+        return backward(self, grads, tensors, seed, needs, *rest)
 
-    monkeypatch.setattr(op.module._OP, "backward", recording)
+    monkeypatch.setattr(prepared.PreparedCall, "backward", recording)
     _, grads = _step(op, device, requires={"x", "weight"})
     assert asked == [tuple(name in ("x", "weight") for name in op.input_names)]
     assert [g is not None for g in grads] == list(asked[0])
@@ -209,7 +211,9 @@ def test_an_error_in_the_backward_keeps_its_type(use_native, device, monkeypatch
     def boom(*args, **kwargs):
         raise Boom("from the backward")
 
-    monkeypatch.setattr(op.module._OP, "backward", boom)
+    from fusegen.runtime import prepared
+
+    monkeypatch.setattr(prepared.PreparedCall, "backward", boom)
     y = op.fn(torch.randn(4, 8, device=device, requires_grad=True), torch.randn(8, device=device))
     with pytest.raises(Boom, match="from the backward"):
         y.sum().backward()

@@ -83,6 +83,9 @@ class FusedOp:
         self._same_as = tuple(names_in.index(same_gradient[i.name]) if i.name in same_gradient else None
                               for i in inputs)
         self._has_same = any(s is not None for s in self._same_as)
+        # Every gradient is the backward kernel's own: the C++ node's backward may go straight
+        # to the prepared launch (_native_backward).
+        self._kernel_only_backward = not self._has_same and all(p is None for p in self._passthrough)
         # What check() does per call, worked out once: it runs on every launch.
         self._n_inputs, self._n_params, self._n_outputs = len(inputs), len(params), len(outputs)
         self._choice_checks = tuple((i, p.name, p.choices) for i, p in enumerate(params) if isinstance(p, Choice))
@@ -416,6 +419,17 @@ def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> 
     op, prepared, in_place, params, seed = state
     count = op._n_inputs
     statistics = saved[count] if len(saved) > count else None
+    if op._kernel_only_backward and not torch.is_grad_enabled():
+        # What FusedOp.backward does for plain tensors, every gradient given and every
+        # gradient the kernel's, without its general bookkeeping (a few µs a call).
+        for g in grads:
+            if type(g) is not torch.Tensor:
+                break
+        else:
+            if any(needs):
+                kernel = iter(prepared.backward(grads, saved[:count], seed, needs, statistics, in_place))
+                return [next(kernel) if need else None for need in needs]
+            return [None] * count
     return _gradients(op, grads, saved[:count], params, seed, needs, statistics, prepared, in_place)[:count]
 
 
