@@ -22,6 +22,12 @@ from helpers import ShapeCase, all_ops, as_tuple, make_inputs, op_by_name, param
 CASE = ShapeCase("native", lead=(2, 3), n=8, layout="bcast")
 
 
+@pytest.fixture(autouse=True)
+def undecided(monkeypatch):
+    """Each test starts before its process's first decision (FUSEGEN_NATIVE is read once)."""
+    monkeypatch.setattr(native._state, "settled", None)
+
+
 @pytest.fixture(scope="module")
 def built():
     module = native.load(build=True)
@@ -270,12 +276,13 @@ def test_a_half_written_build_is_never_loaded(built, tmp_path, monkeypatch):
 def test_off_and_bad_modes(monkeypatch):
     monkeypatch.setattr(native._state, "module", None)
     monkeypatch.setattr(native._state, "failed", None)
-    monkeypatch.setattr(native._state, "settled", False)
     monkeypatch.setenv("FUSEGEN_NATIVE", "off")
     assert native.attach_for() is None
     assert native.status().startswith("off")
-    assert native._state.settled  # read once: later calls ask nothing
-    monkeypatch.setattr(native._state, "settled", False)
+    assert native._state.settled == "off"  # read once: later calls ask nothing
+    monkeypatch.delenv("FUSEGEN_NATIVE")
+    assert native.attach_for() is None and native.status().startswith("off")  # what this process does
+    monkeypatch.setattr(native._state, "settled", None)
     monkeypatch.setenv("FUSEGEN_NATIVE", "sometimes")
     with pytest.raises(ValueError, match="FUSEGEN_NATIVE must be one of auto, on, off"):
         native.mode()
@@ -294,6 +301,37 @@ def test_fusegen_native_command(built, monkeypatch, capsys):
     assert cli.main(["native"]) == 0
     assert capsys.readouterr().out.startswith(f"built: {native.build_directory()}")
     assert native._state.module is built  # loaded, not built again
+    monkeypatch.setattr(native._state, "module", None)  # as a new process
     monkeypatch.setenv("FUSEGEN_NATIVE", "off")
     assert cli.main(["native"]) == 0
     assert capsys.readouterr().out.startswith("off (FUSEGEN_NATIVE=off)")
+
+
+def test_settled_on_the_python_function_a_build_still_turns_the_node_on(built, monkeypatch, device):
+    monkeypatch.setattr(native._state, "module", None)
+    monkeypatch.setattr(native._state, "failed", None)
+    monkeypatch.setenv("FUSEGEN_NATIVE", "off")
+    assert native.attach_for() is None and native._state.settled == "off"
+    assert native.load(build=True) is built
+    op = op_by_name("bias_gelu")
+    y = op.fn(torch.randn(4, 8, device=device, requires_grad=True), torch.randn(8, device=device))
+    assert y.grad_fn.name() == op.module._OP._node_name
+
+
+def test_an_unused_output_through_either_node(built, monkeypatch, device):
+    """bias_dropout_add_layernorm with y alone used: h's gradient is None in the C++ node's
+    backward, which then takes the general path; the same gradients as the Python Function."""
+    op = op_by_name("bias_dropout_add_layernorm")
+    got = {}
+    for node in ("python", "native"):
+        monkeypatch.setattr(native._state, "module", built if node == "native" else None)
+        monkeypatch.setattr(native._state, "failed", None if node == "native" else "off")
+        tensors = make_inputs(op, CASE, seed=1, device=device)
+        for t in tensors.values():
+            t.requires_grad_(True)
+        h, y = op.fn(*tensors.values(), **with_seed(op, params_for(op, p=0.3), seed=11, training=True))
+        assert (y.grad_fn.name() == op.module._OP._node_name) == (node == "native")
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(4)).to(device))
+        got[node] = [t.grad for t in tensors.values()]
+    for name, a, b in zip(op.input_names, got["python"], got["native"]):
+        assert torch.equal(a, b), name

@@ -43,9 +43,10 @@ class _State:
     module = None  # the loaded extension, once loaded
     failed: str | None = None  # why a build failed (then no retry in this process)
     looked = False  # whether a build was looked for (and not found): calls that do not build stop here
-    # Whether op calls have settled on the Python Function for this process (FUSEGEN_NATIVE
-    # is read once, at the first call with gradients): the check then costs nothing per call.
-    settled = False
+    # Why op calls have settled on the Python Function for this process ("off", "not built"),
+    # or None: FUSEGEN_NATIVE is read once, at the first call with gradients, so that the
+    # check costs nothing per call. load(build=True) still turns the node on.
+    settled: str | None = None
 
 
 _state = _State()
@@ -154,20 +155,22 @@ def attach_for():
         return None
     module = None if current == "off" else load(build=current == "on")
     if module is None:
-        _state.settled = True
+        if _state.failed is None:
+            _state.settled = current if current == "off" else "not built"
         return None
     return module.attach
 
 
 def status() -> str:
-    """One line: whether the node is in use, and where it is built."""
-    if mode() == "off":
-        return "off (FUSEGEN_NATIVE=off): torch.autograd.Function"
+    """One line: the node this process uses (or would use, before its first call with
+    gradients), and where it is built."""
+    if _state.module is not None:
+        return f"built: {build_directory()}"
     if _state.failed is not None:
         return f"unavailable: {_state.failed}"
-    directory = build_directory()
-    return f"{'built' if _built_file(directory).exists() else 'not built'}: {directory}"
-
-
-def _reset_for_tests(module=None, failed: str | None = None) -> None:
-    _state.module, _state.failed, _state.looked, _state.settled = module, failed, False, False
+    settled = _state.settled or ("off" if mode() == "off" else None)
+    if settled == "off":
+        return "off (FUSEGEN_NATIVE=off): torch.autograd.Function"
+    if settled == "not built" or not _built_file(build_directory()).exists():
+        return f"not built: {build_directory()}"
+    return f"built: {build_directory()}"
