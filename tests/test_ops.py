@@ -651,3 +651,14 @@ def test_inputs_with_the_same_gradient_share_one_tensor(name, node, device, monk
     assert seen[0] is not seen[1] and seen[1].dtype == torch.bfloat16
     seen, _ = step([shapes[0], (1, n)] + shapes[2:], fp32, in_place=True)
     assert seen[0] is not seen[1] and seen[1].shape == (1, n)
+
+
+def test_a_module_with_an_input_no_gradient_covers_is_refused():
+    """Every input's gradient is the kernel's, passed through, or shared: a generated module
+    out of step with its runtime is refused at import, not at its first backward."""
+    from types import SimpleNamespace
+
+    kernels = SimpleNamespace(gradients=("x",), statistics=0)
+    inputs = (runtime.Input("x", ("...", "N")), runtime.Input("residual", ("...", "N")))
+    with pytest.raises(ValueError, match=r"out_of_step: inputs without a gradient: \['residual'\]"):
+        runtime.FusedOp("out_of_step", inputs=inputs, outputs=("y",), kernels=kernels, reference=None)
