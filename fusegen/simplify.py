@@ -153,7 +153,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
             else None,
         )
         for name in inputs
-    ), [{n: totals[d][n] for n in inputs} for d in (True, False)], chunked)
+    ), [totals[True], totals[False]], chunked)
     backward = {
         has_dropout: [(g.input, totals[has_dropout][g.input]) for g in gradients if g.passthrough_of is None]
         for has_dropout in (True, False)

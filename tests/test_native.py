@@ -238,7 +238,6 @@ def test_a_failed_build_warns_once_and_keeps_the_python_function(tmp_path, devic
     monkeypatch.setenv("FUSEGEN_CACHE_DIR", str(blocker))  # the build folder cannot be made
     monkeypatch.setattr(native._state, "module", None)
     monkeypatch.setattr(native._state, "failed", None)
-    monkeypatch.setattr(native._state, "looked", False)
     native.build_directory.cache_clear()
     try:
         with pytest.warns(UserWarning, match="C.. autograd node is unavailable"):
@@ -260,7 +259,6 @@ def test_a_half_written_build_is_never_loaded(built, tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native._state, "module", None)
     monkeypatch.setattr(native._state, "failed", None)
-    monkeypatch.setattr(native._state, "looked", False)
     native.build_directory.cache_clear()
     try:
         directory = native.build_directory()
@@ -297,7 +295,6 @@ def test_fusegen_native_command(built, monkeypatch, capsys):
 
     monkeypatch.setattr(native._state, "module", None)
     monkeypatch.setattr(native._state, "failed", None)
-    monkeypatch.setattr(native._state, "looked", False)
     assert cli.main(["native"]) == 0
     assert capsys.readouterr().out.startswith(f"built: {native.build_directory()}")
     assert native._state.module is built  # loaded, not built again

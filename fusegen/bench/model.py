@@ -266,8 +266,8 @@ class _Run:
     """One variant built and warmed up, stepped in timed chunks: its model, optimizer and
     batches (the same for every variant), its losses and its timings so far."""
 
-    def __init__(self, model: str, size_name: str, variant: str, warmup: int, p: float, dtype, device,
-                 generated_dir: Path, swap: str, batches: int):
+    def __init__(self, model: str, size_name: str, variant: str, steps: int, warmup: int, p: float, dtype,
+                 device, generated_dir: Path, swap: str):
         size = SIZES[size_name]
         self.model, self.size_name, self.variant, self.swap = model, size_name, variant, swap
         ops = fusegen_ops(generated_dir, swap) if variant.startswith("fusegen") else eager_ops()
@@ -279,7 +279,7 @@ class _Run:
         g = torch.Generator(device="cpu").manual_seed(1)
         self.batches = [
             torch.randint(0, size["vocab"], (2, size["batch"], size["seq"]), generator=g).to(device)
-            for _ in range(batches)
+            for _ in range(min(steps + warmup, 8))
         ]
         self.on_cuda = str(device).startswith("cuda")
         self.losses: list[torch.Tensor] = []
@@ -354,9 +354,6 @@ def run_variants(model: str, size_name: str, variants: list[str], steps: int, wa
         raise ValueError(f"rounds must be between 1 and steps ({steps}), got {rounds}")
     if len(set(variants)) != len(variants):
         raise ValueError(f"variants must be distinct, got {variants}")
-    def make(variant: str) -> _Run:
-        return _Run(model, size_name, variant, warmup, p, dtype, device, generated_dir, swap, batches=min(steps + warmup, 8))
-
     results: dict[str, Result] = {}
     runs: dict[str, _Run] = {}
 
@@ -366,7 +363,7 @@ def run_variants(model: str, size_name: str, variants: list[str], steps: int, wa
 
     for variant in variants:
         try:
-            runs[variant] = make(variant)
+            runs[variant] = _Run(model, size_name, variant, steps, warmup, p, dtype, device, generated_dir, swap)
             if rounds == 1:
                 runs[variant].timed(steps)
                 results[variant] = runs.pop(variant).result()
@@ -393,7 +390,7 @@ def run_variant(model: str, size_name: str, variant: str, steps: int, warmup: in
                 dtype=torch.bfloat16, device="cuda", generated_dir: Path = Path("generated"),
                 swap: str = "all") -> Result:
     """One variant on its own (run_variants with one variant; a failure raises)."""
-    run = _Run(model, size_name, variant, warmup, p, dtype, device, generated_dir, swap, batches=min(steps + warmup, 8))
+    run = _Run(model, size_name, variant, steps, warmup, p, dtype, device, generated_dir, swap)
     run.timed(steps)
     return run.result()
 

@@ -42,7 +42,6 @@ _MODES = {"": "auto", "auto": "auto", "1": "on", "on": "on", "0": "off", "off": 
 class _State:
     module = None  # the loaded extension, once loaded
     failed: str | None = None  # why a build failed (then no retry in this process)
-    looked = False  # whether a build was looked for (and not found): calls that do not build stop here
     # Why op calls have settled on the Python Function for this process ("off", "not built"),
     # or None: FUSEGEN_NATIVE is read once, at the first call with gradients, so that the
     # check costs nothing per call. load(build=True) still turns the node on.
@@ -100,10 +99,10 @@ def _import(path: Path):
 
 def load(build: bool):
     """The extension: loaded if built, else built when `build` (None when it cannot be)."""
-    if _state.module is not None or _state.failed is not None or (_state.looked and not build):
+    if _state.module is not None or _state.failed is not None:
         return _state.module
     with _lock:
-        if _state.module is not None or _state.failed is not None or (_state.looked and not build):
+        if _state.module is not None or _state.failed is not None:
             return _state.module
         try:
             built = _built_file(build_directory())
@@ -111,7 +110,6 @@ def load(build: bool):
                 _state.module = _import(built)
             elif build:
                 _state.module = _build(build_directory())
-            _state.looked = True
         except Exception as error:  # no compiler, no ninja, a read-only cache: the Python Function
             _fail(error)
         return _state.module

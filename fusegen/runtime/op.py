@@ -87,8 +87,9 @@ class FusedOp:
         # to the prepared launch (_native_backward).
         self._kernel_only_backward = not self._has_same and all(p is None for p in self._passthrough)
         computed = set(kernels.gradients) | set(passthrough) | set(same_gradient)
-        if any(i.name not in computed for i in inputs):  # a generated module out of step with its runtime
-            raise ValueError(f"{name}: inputs without a gradient: {[i.name for i in inputs if i.name not in computed]}")
+        missing = [i.name for i in inputs if i.name not in computed]
+        if missing:  # a generated module out of step with its runtime
+            raise ValueError(f"{name}: inputs without a gradient: {missing}")
         # What check() does per call, worked out once: it runs on every launch.
         self._n_inputs, self._n_params, self._n_outputs = len(inputs), len(params), len(outputs)
         self._choice_checks = tuple((i, p.name, p.choices) for i, p in enumerate(params) if isinstance(p, Choice))

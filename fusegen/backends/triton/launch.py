@@ -158,17 +158,18 @@ class PreparedBackward:
     view, shares memory with no other tensor of the call, and the kernel is past tuning. The input's
     version counter is then bumped, so that autograd refuses any later use of its old value."""
 
-    __slots__ = ("_launch", "_targets", "_inputs", "_sums")
+    __slots__ = ("_launch", "_targets", "_inputs", "_sums", "_none_written")
 
     def __init__(self, launch: Launch | None, targets: list, inputs: list[int]):
         self._launch, self._targets, self._inputs = launch, targets, inputs  # inputs: each target's
         self._sums = [_sum_partials(t) if launch is not None else None for t in targets]
+        self._none_written = (False,) * len(targets)
 
     def __call__(self, tensors, grads, seed, saved, in_place: bool = False) -> list[torch.Tensor]:
         # An input written in place is handed on detached: the same memory (and version
         # counter) as a gradient, without the input's own autograd history.
-        written = [in_place and target is not None and self._writable(target, tensors[i], tensors, grads)
-                   for target, i in zip(self._targets, self._inputs)]
+        written = [target is not None and self._writable(target, tensors[i], tensors, grads)
+                   for target, i in zip(self._targets, self._inputs)] if in_place else self._none_written
         buffers = [
             None if target is None else tensors[i].detach() if into else target.new_buffer()
             for target, i, into in zip(self._targets, self._inputs, written)

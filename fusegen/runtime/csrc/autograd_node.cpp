@@ -1,5 +1,5 @@
 // fusegen's autograd node in C++: what torch.autograd.Function does for a generated op,
-// minus the Python it costs (fusegen.runtime.native builds this file on first use).
+// minus the Python it costs (fusegen.runtime.native builds this file when asked).
 //
 // attach(backward, state, name, inputs, outputs, saved) puts one node behind `outputs`
 // (fresh tensors the forward kernel wrote), with an edge to each input and `saved` kept as
