@@ -117,13 +117,14 @@ def test_an_input_whose_gradient_is_an_earlier_inputs_shares_it(tmp_path):
     grads = {g.input: g for g in _op(tmp_path, "  y: relu(x + residual) * weight\n", inputs=inputs).gradients}
     assert grads["residual"].same_as == "x" and grads["x"].same_as is None
     assert grads["weight"].same_as is None  # broadcast: its gradient is a sum
-    # Not the same: x * residual's gradients differ; a row op's too, where they are the same.
+    # x * residual's gradients differ: not marked. A row op's, the same: marked.
     grads = {g.input: g for g in _op(tmp_path, "  y: x * residual * weight\n", inputs=inputs).gradients}
     assert grads["residual"].same_as is None
     rows = _op(tmp_path, "  y: (x + residual) * rsqrt(mean((x + residual) * (x + residual)) + 1.0e-6) * weight\n",
                inputs=inputs)
     assert {g.input: g.same_as for g in rows.gradients} == {"x": None, "residual": "x", "weight": None}
-    # Only where equal with dropout on and off: dropout on x alone makes them differ.
-    with_dropout = _op(tmp_path, "  y: dropout(x, p) + residual * 2\n", inputs="  x: [..., N]\n  residual: [..., N]\n",
+    # Only where equal with dropout on and off: the same without dropout, but dropout on x
+    # alone masks x's gradient only.
+    with_dropout = _op(tmp_path, "  y: relu(dropout(x, p) + residual)\n", inputs="  x: [..., N]\n  residual: [..., N]\n",
                        params="params:\n  p: {type: float, default: 0.1, min: 0.0, max: 1.0}\n")
-    assert all(g.same_as is None for g in with_dropout.gradients)
+    assert all(g.same_as is None and g.passthrough_of is None for g in with_dropout.gradients)
