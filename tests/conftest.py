@@ -29,3 +29,23 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def use_node(monkeypatch):
+    """`use_node("native")`: the rest of the test runs through fusegen's C++ extension (its
+    autograd node and eager call; built if need be); `use_node("python")`: without it. The
+    ops forget their eager calls then and after the test, so that each call meets the
+    extension as the test set it."""
+    from fusegen.runtime import native
+
+    def use(node: str):
+        module = native.load(build=node == "native")
+        assert node == "python" or module is not None, native.status()
+        monkeypatch.setattr(native._state, "module", module if node == "native" else None)
+        monkeypatch.setattr(native._state, "failed", None if node == "native" else "off in this test")
+        native.forget_calls()
+        return module
+
+    yield use
+    native.forget_calls()

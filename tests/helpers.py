@@ -383,6 +383,12 @@ class Poison:
             return t
 
         monkeypatch.setattr(torch, "empty", poisoned_empty)
+        # The eager call in C++ allocates without torch.empty: none while poisoned.
+        from fusegen.runtime import native
+        from fusegen.runtime.prepared import PreparedCall
+
+        native.forget_calls()
+        monkeypatch.setattr(PreparedCall, "offer_native", lambda self, args: None)
         return self
 
 
@@ -453,3 +459,4 @@ def launch_backward(op: Op, grads_out: dict, tensors: dict, params: dict, seed: 
         )
     names = [n for n, need in zip(op.input_names, needs) if need]
     return dict(zip(names, results))
+

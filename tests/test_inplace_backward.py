@@ -130,16 +130,10 @@ def test_the_module_classes_take_it_at_construction():
 
 
 @pytest.mark.parametrize("node", ["python", "native"])
-def test_an_input_whose_gradient_is_not_asked_for_keeps_its_values(device, node, monkeypatch):
+def test_an_input_whose_gradient_is_not_asked_for_keeps_its_values(device, node, use_node):
     """autograd.grad of x alone: inp's gradient is not computed, so inp's memory is not
     written, though inp requires grad and inplace_backward allows it (either autograd node)."""
-    from fusegen.runtime import native
-
-    module = native.load(build=node == "native")
-    if node == "native":
-        assert module is not None, native.status()
-    monkeypatch.setattr(native._state, "module", module if node == "native" else None)
-    monkeypatch.setattr(native._state, "failed", None if node == "native" else "off in this test")
+    use_node(node)
     op = op_by_name("add_mul_activation").module
     x0 = _randn(4, 32, seed=1, device=device).requires_grad_(True)
     inp0 = _randn(4, 32, seed=2, device=device).requires_grad_(True)

@@ -24,8 +24,12 @@ CASE = ShapeCase("native", lead=(2, 3), n=8, layout="bcast")
 
 @pytest.fixture(autouse=True)
 def undecided(monkeypatch):
-    """Each test starts before its process's first decision (FUSEGEN_NATIVE is read once)."""
+    """Each test starts before its process's first decision (FUSEGEN_NATIVE is read once),
+    and its ops without eager calls in C++ (made again as the test sets the extension)."""
     monkeypatch.setattr(native._state, "settled", None)
+    native.forget_calls()
+    yield
+    native.forget_calls()
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,7 @@ def test_every_op_has_the_python_functions_gradients_bit_for_bit(op, built, monk
     python_outputs, python_grads = _step(op, device)
     monkeypatch.setattr(native._state, "failed", None)
     monkeypatch.setattr(native._state, "module", built)
+    native.forget_calls()
     outputs, grads = _step(op, device)
     assert outputs[0].grad_fn.name() == op.module._OP._node_name  # the C++ node ran
     for a, b in zip(python_outputs, outputs):

@@ -600,17 +600,12 @@ def test_outputs_left_out_of_the_loss_have_zero_gradient(tmp_path, used, device)
 
 @pytest.mark.parametrize("node", ["python", "native"])
 @pytest.mark.parametrize("name", ["add_rmsnorm", "add_relu"])
-def test_inputs_with_the_same_gradient_share_one_tensor(name, node, device, monkeypatch):
+def test_inputs_with_the_same_gradient_share_one_tensor(name, node, device, use_node):
     """x and residual in x + residual: one gradient, written once, given to both (as torch's add
     gives it), where they agree in shape and dtype; each its own where they do not. Leaves'
     .grad never alias, over several backwards; with inplace_backward the one gradient is
     x's own memory. Through either autograd node."""
-    from fusegen.runtime import native
-
-    module = native.load(build=node == "native")
-    assert node == "python" or module is not None, native.status()
-    monkeypatch.setattr(native._state, "module", module if node == "native" else None)
-    monkeypatch.setattr(native._state, "failed", None if node == "native" else "off in this test")
+    use_node(node)
     op = op_by_name(name)
     assert op.module._OP._same_as[1] == 0
     params = params_for(op)

@@ -31,11 +31,14 @@ import sys
 import sysconfig
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "autograd_node.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = (_CSRC / "autograd_node.cpp", _CSRC / "eager_call.cpp")
+HEADERS = (_CSRC / "fusegen_native.h",)
 _MODES = {"": "auto", "auto": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
 
 
@@ -50,6 +53,7 @@ class _State:
 
 _state = _State()
 _lock = threading.Lock()
+_ops_with_calls: weakref.WeakSet = weakref.WeakSet()  # FusedOps with an eager call in C++
 
 
 def mode() -> str:
@@ -67,11 +71,20 @@ def build_directory() -> Path:
     """Where this build lives: keyed by the source, the build flags, torch (its version and
     commit) and Python."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.read_bytes())
     key.update(repr((_CFLAGS, torch.__version__, torch.version.git_version, sys.version,
-                     sysconfig.get_platform())).encode())
+                     sysconfig.get_platform(), _cuda_include())).encode())
     root = Path(os.environ.get("FUSEGEN_CACHE_DIR") or Path.home() / ".cache" / "fusegen")
     return root / f"native-{key.hexdigest()[:16]}"
+
+
+def _cuda_include() -> str:
+    """Triton's bundled CUDA headers: the eager call needs the driver API's types (cuda.h),
+    not a CUDA toolkit."""
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "include")
 
 
 def _module_name(directory: Path) -> str:
@@ -131,8 +144,9 @@ def _build(directory: Path):
     work.mkdir(parents=True, exist_ok=True)
     print(f"fusegen: building the C++ autograd node once, into {directory} (about 30 s; "
           f"a build killed midway leaves {work / 'lock'}, which then must be deleted)", file=sys.stderr)
-    module = cpp_extension.load(_module_name(directory), sources=[str(SOURCE)], build_directory=str(work),
-                                extra_cflags=list(_CFLAGS), verbose=False)
+    module = cpp_extension.load(_module_name(directory), sources=[str(path) for path in SOURCES],
+                                build_directory=str(work), extra_cflags=list(_CFLAGS),
+                                extra_include_paths=[_cuda_include()], verbose=False)
     partial = directory / (_library_name(directory) + f".{os.getpid()}.partial")
     shutil.copyfile(work / _library_name(directory), partial)
     os.replace(partial, _built_file(directory))
@@ -141,9 +155,12 @@ def _build(directory: Path):
 
 def attach_for():
     """The extension's `attach`, or None: take the Python Function."""
-    module = _state.module
-    if module is not None:
-        return module.attach
+    module = _state.module if _state.module is not None else _settle()
+    return None if module is None else module.attach
+
+
+def _settle():
+    """The extension where this process uses it (FUSEGEN_NATIVE, read once), else None."""
     if _state.failed is not None or _state.settled:
         return None
     try:
@@ -152,11 +169,41 @@ def attach_for():
         _fail(error)
         return None
     module = None if current == "off" else load(build=current == "on")
+    if module is None and _state.failed is None:
+        _state.settled = current if current == "off" else "not built"
+    return module
+
+
+def eager_calls(*, inputs: int, arguments: int, seed_position: int | None, outputs: int, name: str, op, backward):
+    """A new eager call in C++ for `op` (csrc/eager_call.cpp): `calls(args, inplace_backward)`
+    gives the outputs of a call of a registered kind (`inputs` tensors first, `arguments` in
+    all), with its autograd node `name`, or None. None where the extension is not in use.
+    `backward`: the node's Python backward."""
+    module = _state.module if _state.module is not None else _settle()
     if module is None:
-        if _state.failed is None:
-            _state.settled = current if current == "off" else "not built"
         return None
-    return module.attach
+    from triton import knobs
+
+    return module.new_calls(inputs, arguments, -1 if seed_position is None else seed_position, outputs, name, op,
+                            backward, getattr(torch._C, "_cuda_getDevice", None),
+                            getattr(torch._C, "_cuda_getCurrentRawStream", None), knobs.runtime)
+
+
+def made_calls(op) -> None:
+    _ops_with_calls.add(op)
+
+
+def forget_calls() -> None:
+    """Every op drops its eager call in C++ and its prepared kinds of call, so that the next
+    calls see the extension as it is now (tests turn it off and on)."""
+    for op in list(_ops_with_calls):
+        op.forget_native_calls()
+    _ops_with_calls.clear()
+
+
+def register_call(calls, args: tuple, device: int, outputs: list, saved, launch: tuple, prepared, seed) -> bool:
+    """Registers the kind of call `args` is with `calls` (see csrc/eager_call.cpp)."""
+    return _state.module.register_call(calls, args, device, outputs, saved, launch, prepared, seed)
 
 
 def status() -> str:

@@ -101,6 +101,9 @@ class FusedOp:
         self._seed_position = self._n_inputs + self._n_params + 1 if self.has_dropout else None
         # Its C++ autograd node's name (grad_fn.name(), profiles): unlike the library ops' names.
         self._node_name = "Fusegen" + "".join(part.capitalize() for part in name.split("_")) + "Backward"
+        # The eager call in C++ (runtime.native.eager_calls), made when the first kind of call
+        # is offered to it (PreparedCall.offer_native); None before, or without the extension.
+        self._native_calls = None
         self._reference_body = reference
         self.statistics = kernels.statistics
         self.kernels = kernels.bind(self)
@@ -112,6 +115,12 @@ class FusedOp:
     def __call__(self, *args, out=None, inplace_backward: bool = False):
         """The op. `inplace_backward`: the eager backward may write an input's gradient into
         that input's memory (fusegen.backends.triton.launch.PreparedBackward says when)."""
+        if not torch.compiler.is_compiling() and out is None:
+            fast = self._native_calls
+            if fast is not None:  # a call of a kind it knows: outputs (and autograd node) from C++
+                outputs = fast(args, inplace_backward)
+                if outputs is not None:
+                    return outputs
         _check_inplace_backward(self.name, inplace_backward)
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
@@ -145,6 +154,23 @@ class FusedOp:
                 self._prepared.clear()
             self._prepared[key] = prepared
         return prepared
+
+    def native_calls(self):
+        """The op's eager call in C++, made on first use; None where the extension is not in use."""
+        if self._native_calls is None:
+            self._native_calls = native.eager_calls(
+                inputs=self._n_inputs, arguments=self._n_inputs + self._n_params + 2 * self.has_dropout,
+                seed_position=self._seed_position, outputs=self._n_outputs, name=self._node_name,
+                op=self, backward=_native_backward)
+            if self._native_calls is not None:
+                native.made_calls(self)
+        return self._native_calls
+
+    def forget_native_calls(self) -> None:
+        """Drop the eager call in C++ and the kinds of call prepared so far (which were offered
+        to it): for a process that turns the extension off or on (tests)."""
+        self._native_calls = None
+        self._prepared.clear()
 
     def check_params(self, *values) -> tuple:
         """The params checked as a call checks them (the module class checks at construction)."""

@@ -11,8 +11,11 @@ fake and functional tensors, DTensor), params given as tensors or numpy numbers,
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from . import native
 from .arguments import PLAIN_TENSOR_TYPES
 from .dropout import check_seed, seed_tensor
 
@@ -42,11 +45,16 @@ def call_key(args: tuple, tensors: int, seed_position: int | None) -> tuple | No
     return tuple(key)
 
 
+def _draw_seed(name: str, device: torch.device, seed) -> torch.Tensor:
+    """An eager call's seed tensor, for the C++ eager call (as PreparedCall.forward draws it)."""
+    return seed_tensor(None if seed is None else check_seed(name, seed), device, eager=True)
+
+
 class PreparedCall:
     """One kind of call to one op: its checked `Call`, output shapes, the forward kernel's
     launch and the backward's, by the kind of incoming gradient."""
 
-    __slots__ = ("op", "call", "_tensors", "_output_shapes", "_saved_shape", "_launch", "_backwards")
+    __slots__ = ("op", "call", "_tensors", "_output_shapes", "_saved_shape", "_launch", "_backwards", "_offered")
 
     def __init__(self, op, call, tensors: tuple):
         problem = call.problem
@@ -56,6 +64,7 @@ class PreparedCall:
         self._saved_shape = op.saved_shape(problem) if op.statistics else None
         self._launch = op.kernels.prepare_forward(call, tensors) if problem.launches else None
         self._backwards: dict = {}
+        self._offered = False  # to the op's eager call in C++ (offer_native)
 
     def forward(self, args: tuple, eager: bool = True):
         """What FusedOp.forward returns: the outputs, the seed tensor (None without dropout)
@@ -74,7 +83,24 @@ class PreparedCall:
             saved = torch.empty(self._saved_shape, dtype=problem.compute_dtype, device=device)
         if self._launch is not None:
             self._launch((*args[:self._tensors], *outputs, saved, seed))
+            if not self._offered and eager:
+                self.offer_native(args)
         return outputs, seed, saved
+
+    def offer_native(self, args: tuple) -> None:
+        """Hand this kind of call, once launched, to the op's eager call in C++ (runtime.native,
+        csrc/eager_call.cpp), which then takes the later calls of its kind. Offered once:
+        a launch it cannot make (a broadcast view copied per call, scratch memory) stays here."""
+        self._offered = True
+        calls = self.op.native_calls()
+        form = None if calls is None else self._launch.native_form()
+        if form is None:
+            return
+        problem = self.call.problem
+        draw = functools.partial(_draw_seed, self.op.name, problem.device) if self.call.has_dropout else None
+        outputs = [(shape, problem.out_dtype) for shape in self._output_shapes]
+        saved = None if self._saved_shape is None else (self._saved_shape, problem.compute_dtype)
+        native.register_call(calls, args, problem.device.index, outputs, saved, form, self, draw)
 
     def backward(self, grads: tuple, tensors: tuple, seed, needs, saved, in_place: bool = False) -> list:
         """The backward kernel's gradients (inputs flagged in `needs`, in input order);

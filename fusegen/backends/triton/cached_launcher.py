@@ -21,6 +21,8 @@ depend only on those values and the config (the generated launchers' grids do).
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 from triton import knobs
@@ -113,10 +115,11 @@ class Binary:
     on the current stream of its device, through the C function Triton's launcher ends with
     (its Python wrapper only allocates scratch memory, which these kernels do not use)."""
 
-    __slots__ = ("device", "_launch", "_grid", "_head", "_tail")
+    __slots__ = ("device", "_compiled", "_launch", "_grid", "_head", "_tail")
 
     def __init__(self, compiled, grid: tuple[int, int, int], tail: tuple, device: int):
         self.device = device
+        self._compiled = compiled
         self._grid = grid
         self._tail = tail
         run = compiled.run
@@ -132,3 +135,62 @@ class Binary:
     def __call__(self, args) -> None:
         x, y, z = self._grid
         self._launch(x, y, z, torch._C._cuda_getCurrentRawStream(self.device), *self._head, *args, *self._tail)
+
+    def native_form(self, args: list, slots: dict[int, int]) -> tuple | None:
+        """This launch as a compiled caller makes it (runtime/csrc/eager_call.cpp), with
+        `args` (all but the trailing constexprs) and, by position, the per-call value each
+        slot in them takes: (function handle, grid, num_warps, num_ctas, shared memory,
+        cooperative, pdl, params), each param as Triton's launcher passes it: (slot, 0) for a
+        tensor's address, (-1, bits) for a fixed value packed as its type. None where that
+        launcher does more (scratch memory) or a param is of a kind it does not pack."""
+        run = self._compiled.run
+        if self._launch is run:  # scratch memory: Triton's Python launcher allocates it
+            return None
+        signature = list(getattr(self._compiled.src, "signature", {}).values())
+        values = [*args, *self._tail]
+        if len(signature) != len(values):
+            return None
+        params = []
+        for position, (kind, value) in enumerate(zip(signature, values)):
+            if kind == "constexpr":
+                continue
+            if not isinstance(kind, str):  # a tuple: Triton flattens it; these kernels have none
+                return None
+            if position in slots:
+                if not kind.startswith("*"):
+                    return None
+                params.append((slots[position], 0))
+                continue
+            bits = _packed(kind, value)
+            if bits is None:
+                return None
+            params.append((-1, bits))
+        num_warps, num_ctas, shared = self._compiled.packed_metadata
+        return (self._compiled.function, self._grid, num_warps, num_ctas, shared,
+                bool(run.launch_cooperative_grid), bool(run.launch_pdl), params)
+
+
+_INT_BITS = {"i1": 8, "i8": 8, "u1": 8, "u8": 8, "i16": 16, "u16": 16, "i32": 32, "u32": 32, "i64": 64, "u64": 64}
+_FLOAT_FORMATS = {"fp16": "<e", "fp32": "<f", "f32": "<f", "fp64": "<d"}
+
+
+def _packed(kind: str, value) -> int | None:
+    """A fixed param's bits as Triton's launcher packs its type (triton/backends/nvidia/
+    driver.py: ty_to_cpp, pack_fp16/bf16/fp32/fp64); None for a kind it takes otherwise
+    (a pointer, a tensor descriptor) or a value that does not fit."""
+    if type(value) not in (int, float, bool):
+        return None
+    if kind in _INT_BITS:
+        if type(value) is float:
+            return None
+        return int(value) & ((1 << _INT_BITS[kind]) - 1)
+    if kind == "bf16":  # Triton truncates the fp32 value
+        bits = _packed("fp32", value)
+        return None if bits is None else bits >> 16
+    layout = _FLOAT_FORMATS.get(kind)
+    if layout is None:
+        return None
+    try:
+        return int.from_bytes(struct.pack(layout, float(value)), "little")
+    except (OverflowError, struct.error):  # out of the type's range: Triton's cast gives inf
+        return None

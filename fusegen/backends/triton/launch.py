@@ -98,6 +98,14 @@ class Launch:
         buffers, so it must not write into anything it reads."""
         return self._binary is not None or not self._launcher.tunes
 
+    def native_form(self) -> tuple | None:
+        """This launch for a compiled caller (`Binary.native_form`; slots index the values as
+        `launch(values)` takes them), or None: before the first launch, or where a call does
+        more than launch one binary (a broadcast view copied per call, a given tile)."""
+        if self._binary is None or self._copies or self._constexprs:
+            return None
+        return self._binary.native_form(self._template, dict(self._slots))
+
     def __call__(self, values: tuple) -> None:
         if self._copies:
             values = list(values)

@@ -8,26 +8,18 @@
 // the GIL, and takes one gradient (or None) per input back. The kernels are launched from
 // Python as before; what is gone is the Python Function's context object, its argument
 // processing and its wrapping of outputs and saved tensors.
-#include <Python.h>
+#include "fusegen_native.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#if defined(_MSC_VER)
-#define FUSEGEN_HIDDEN
-#else
-// It holds pybind11 objects, which pybind11 declares hidden.
-#define FUSEGEN_HIDDEN __attribute__((visibility("hidden")))
-#endif
 
 namespace {
 
@@ -126,8 +118,10 @@ P make_node(pybind11::object backward, pybind11::object state, std::string name)
   }
 }
 
-// False, attaching nothing, where an input carries a forward-mode gradient: the node has
-// no forward-mode rule, so the caller takes the Python Function, which says so.
+}  // namespace
+
+namespace fusegen {
+
 bool attach(pybind11::object backward, pybind11::object state, std::string name,
             const variable_list& inputs, const variable_list& outputs, const variable_list& saved) {
   for (const auto& t : inputs) {
@@ -148,8 +142,4 @@ bool attach(pybind11::object backward, pybind11::object state, std::string name,
   return true;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attach", &attach, "Put a fusegen autograd node behind `outputs` (see the file's head).");
-}
+}  // namespace fusegen

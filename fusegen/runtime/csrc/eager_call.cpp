@@ -1,0 +1,635 @@
+// fusegen's eager call in C++: a generated op's forward, for a kind of call it has seen.
+//
+// The first call of each kind (shapes, strides, dtypes, device, 16-byte alignment, params)
+// takes the Python path (fusegen.runtime.op): it checks the arguments, tunes and compiles
+// the kernel, and then registers the kind here (PreparedCall.register_native): the outputs
+// to allocate and the kernel's launch, each parameter as Triton's own launcher passes it.
+// A later call of that kind is keyed, allocated, launched (cuLaunchKernelEx) and given its
+// autograd node (autograd_node.cpp) here, without running Python; one with dropout asks
+// Python for its seed tensor. Anything else returns None before doing anything, and the
+// caller takes the Python path: a kind not registered, a tensor subclass or wrapper, a
+// torch.func transform, a dispatch mode, compiled autograd, forward-mode AD, an explicit
+// seed without dropout (Python checks it), a Triton launch hook (profilers), another device.
+#include "fusegen_native.h"
+
+#include <dlfcn.h>
+
+// Triton's bundled copy: the driver API's types; its functions come through dlsym, so
+// nothing links against libcuda and the file builds on machines without CUDA.
+#include <cuda.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+// -- the driver ------------------------------------------------------------------------
+
+using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+using CtxGetCurrent = CUresult (*)(CUcontext*);
+using CtxSetCurrent = CUresult (*)(CUcontext);
+using DeviceGet = CUresult (*)(CUdevice*, int);
+using PrimaryCtxRetain = CUresult (*)(CUcontext*, CUdevice);
+using GetErrorString = CUresult (*)(CUresult, const char**);
+
+struct Driver {
+  LaunchEx launch = nullptr;
+  CtxGetCurrent ctx_get_current = nullptr;
+  CtxSetCurrent ctx_set_current = nullptr;
+  DeviceGet device_get = nullptr;
+  PrimaryCtxRetain primary_ctx_retain = nullptr;
+  GetErrorString error_string = nullptr;
+};
+
+// Looked up once, on the first registration (a process that registers nothing never opens
+// libcuda); torch has loaded it by then.
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) {
+      lib = dlopen("libcuda.so.1", RTLD_NOW);
+    }
+    if (lib == nullptr) {
+      throw std::runtime_error("fusegen: libcuda.so.1 could not be opened");
+    }
+    d.launch = reinterpret_cast<LaunchEx>(dlsym(lib, "cuLaunchKernelEx"));
+    d.ctx_get_current = reinterpret_cast<CtxGetCurrent>(dlsym(lib, "cuCtxGetCurrent"));
+    d.ctx_set_current = reinterpret_cast<CtxSetCurrent>(dlsym(lib, "cuCtxSetCurrent"));
+    d.device_get = reinterpret_cast<DeviceGet>(dlsym(lib, "cuDeviceGet"));
+    d.primary_ctx_retain = reinterpret_cast<PrimaryCtxRetain>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    d.error_string = reinterpret_cast<GetErrorString>(dlsym(lib, "cuGetErrorString"));
+    if (!d.launch || !d.ctx_get_current || !d.ctx_set_current || !d.device_get || !d.primary_ctx_retain ||
+        !d.error_string) {
+      throw std::runtime_error("fusegen: libcuda.so.1 lacks cuLaunchKernelEx or the context calls");
+    }
+    return d;
+  }();
+  return d;
+}
+
+void check(CUresult result, const char* what) {
+  if (result != CUDA_SUCCESS) {
+    const char* text = nullptr;
+    driver().error_string(result, &text);
+    throw std::runtime_error(std::string("fusegen: ") + what + ": " + (text ? text : "unknown CUDA error"));
+  }
+}
+
+// -- a registered kind of call ---------------------------------------------------------
+
+// One kernel parameter as Triton's launcher passes it: the address of values[slot] (a
+// tensor per call; null for None), or fixed bits packed as the parameter's type (little
+// endian: a narrower type reads the low bytes of the 8).
+struct Param {
+  int slot;  // -1: fixed
+  uint64_t bits;
+};
+
+struct Launch {
+  CUfunction function = nullptr;
+  unsigned grid[3] = {1, 1, 1};
+  unsigned block = 32;
+  unsigned shared = 0;
+  unsigned num_ctas = 1;
+  bool cooperative = false;
+  bool pdl = false;
+  std::vector<Param> params;
+};
+
+struct Buffer {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+};
+
+struct Plan {
+  int device = 0;
+  std::vector<Buffer> outputs;
+  bool has_saved = false;
+  Buffer saved;
+  Launch launch;
+  // The Python PreparedCall: the backward goes through it, and it holds the compiled kernel
+  // whose handle `launch` uses.
+  pybind11::object prepared;
+  pybind11::object seed;      // draws this call's seed tensor (a dropout that draws), or None
+};
+
+using Key = std::vector<int64_t>;
+
+struct KeyHash {
+  size_t operator()(const Key& key) const noexcept {
+    uint64_t h = 1469598103934665603ULL;
+    for (int64_t v : key) {
+      h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ULL;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+constexpr size_t kCacheSize = 1024;  // as the Python path's (runtime.prepared.CACHE_SIZE)
+constexpr size_t kMaxParams = 128;
+
+// One op's registered kinds of call, and what its calls need from Python.
+struct FUSEGEN_HIDDEN Calls {
+  Py_ssize_t inputs = 0;        // tensor arguments, first
+  Py_ssize_t arguments = 0;     // all positional arguments
+  Py_ssize_t seed_position = -1;  // the seed argument's, or -1 (no dropout)
+  Py_ssize_t outputs = 0;
+  std::string name;             // the autograd node's
+  pybind11::object op;          // the FusedOp
+  pybind11::object backward;    // runtime.op._native_backward
+  pybind11::object get_device;  // torch._C._cuda_getDevice
+  pybind11::object get_stream;  // torch._C._cuda_getCurrentRawStream
+  pybind11::object hooks;       // triton.knobs.runtime: its launch hooks send launches to Triton
+  std::unordered_map<Key, Plan, KeyHash> plans;
+  uint64_t hits = 0;
+};
+
+const c10::DispatchKeySet kNotPlain({
+    c10::DispatchKey::Python,
+    c10::DispatchKey::Functionalize,
+    c10::DispatchKey::FuncTorchBatched,
+    c10::DispatchKey::FuncTorchGradWrapper,
+    c10::DispatchKey::Conjugate,
+    c10::DispatchKey::Negative,
+});
+
+// The key of a call (as runtime.prepared.call_key sees it), with its tensors; false: a call
+// this path does not take.
+bool make_key(const Calls& calls, PyObject* args, Key& key, std::vector<at::Tensor>& tensors) {
+  if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != calls.arguments) {
+    return false;
+  }
+  key.clear();
+  tensors.clear();
+  for (Py_ssize_t i = 0; i < calls.inputs; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(args, i);
+    if (!THPVariable_CheckExact(obj)) {  // torch.Tensor or Parameter, no subclass
+      return false;
+    }
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() ||
+        t.key_set().has_any(kNotPlain)) {
+      return false;
+    }
+    const int64_t dim = t.dim();
+    key.push_back(dim);
+    for (int64_t d = 0; d < dim; ++d) {
+      key.push_back(t.sizes()[d]);
+      key.push_back(t.strides()[d]);
+    }
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(static_cast<int64_t>(t.device().type()));  // plans are CUDA's only
+    key.push_back(t.device().index());
+    key.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15);
+    tensors.push_back(t);
+  }
+  for (Py_ssize_t i = calls.inputs; i < calls.arguments; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(args, i);
+    if (i == calls.seed_position) {
+      key.push_back(obj == Py_None ? 7 : 8);
+    } else if (obj == Py_None) {
+      key.push_back(1);
+    } else if (PyBool_Check(obj)) {
+      key.push_back(obj == Py_True ? 3 : 2);
+    } else if (PyFloat_CheckExact(obj)) {
+      double value = PyFloat_AS_DOUBLE(obj);
+      int64_t bits;
+      std::memcpy(&bits, &value, sizeof bits);
+      key.push_back(4);
+      key.push_back(bits);
+    } else if (PyLong_CheckExact(obj)) {
+      int overflow = 0;
+      long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+      if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return false;
+      }
+      key.push_back(5);
+      key.push_back(value);
+    } else if (PyUnicode_CheckExact(obj)) {
+      Py_ssize_t size = 0;
+      const char* text = PyUnicode_AsUTF8AndSize(obj, &size);
+      if (text == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      key.push_back(6);
+      key.push_back(size);
+      for (Py_ssize_t at = 0; at < size; at += 8) {
+        int64_t chunk = 0;
+        std::memcpy(&chunk, text + at, std::min<Py_ssize_t>(8, size - at));
+        key.push_back(chunk);
+      }
+    } else {
+      return false;  // a tensor or numpy param, say: the full path
+    }
+  }
+  return true;
+}
+
+// A hook chain's list of calls is not empty (triton.knobs.runtime.launch_*_hook.calls).
+bool hooked(PyObject* runtime, const char* name) {
+  PyObject* chain = PyObject_GetAttrString(runtime, name);
+  if (chain == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  bool result = false;
+  if (chain != Py_None) {
+    PyObject* calls = PyObject_GetAttrString(chain, "calls");
+    if (calls == nullptr) {
+      PyErr_Clear();
+      result = PyCallable_Check(chain);  // a plain function set as the hook
+    } else {
+      result = PyObject_IsTrue(calls) == 1;
+      Py_DECREF(calls);
+    }
+  }
+  Py_DECREF(chain);
+  return result;
+}
+
+// runtime.op._compiled_autograd_enabled, without its Python: compiled autograd takes the
+// Python Function, not this node.
+bool compiled_autograd_enabled() {
+  PyObject* modules = PyImport_GetModuleDict();
+  const char* places[2][2] = {{"torch._dynamo.config", "compiled_autograd"},
+                              {"torch._dynamo.compiled_autograd", "compiled_autograd_enabled"}};
+  for (auto& place : places) {
+    PyObject* module = PyDict_GetItemString(modules, place[0]);  // borrowed
+    if (module == nullptr) {
+      continue;
+    }
+    PyObject* value = PyObject_GetAttrString(module, place[1]);
+    if (value == nullptr) {
+      PyErr_Clear();
+      continue;
+    }
+    int on = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (on != 0) {
+      PyErr_Clear();
+      return true;  // on, or unknown: the Python path decides
+    }
+  }
+  return false;
+}
+
+void ensure_context(int device) {
+  const Driver& d = driver();
+  CUcontext context = nullptr;
+  check(d.ctx_get_current(&context), "cuCtxGetCurrent");
+  if (context == nullptr) {
+    CUdevice handle;
+    check(d.device_get(&handle, device), "cuDeviceGet");
+    check(d.primary_ctx_retain(&context, handle), "cuDevicePrimaryCtxRetain");
+    check(d.ctx_set_current(context), "cuCtxSetCurrent");
+  }
+}
+
+// As Triton's launcher (triton/backends/nvidia/driver.py, _launch) does it.
+void launch(const Launch& l, const uint64_t* addresses, CUstream stream, const std::string& name) {
+  if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) {
+    return;
+  }
+  uint64_t storage[kMaxParams + 2];
+  void* params[kMaxParams + 2];
+  const size_t count = l.params.size();
+  for (size_t i = 0; i < count; ++i) {
+    const Param& p = l.params[i];
+    storage[i] = p.slot >= 0 ? addresses[p.slot] : p.bits;
+    params[i] = &storage[i];
+  }
+  storage[count] = 0;  // the global and profile scratch pointers: none
+  storage[count + 1] = 0;
+  params[count] = &storage[count];
+  params[count + 1] = &storage[count + 1];
+  CUlaunchAttribute attributes[4];
+  unsigned count_attributes = 0;
+  if (l.pdl) {
+    attributes[count_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attributes[count_attributes++].value.programmaticStreamSerializationAllowed = 1;
+  }
+  if (l.cooperative) {
+    attributes[count_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attributes[count_attributes++].value.cooperative = 1;
+  }
+  if (l.num_ctas != 1) {
+    attributes[count_attributes].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attributes[count_attributes].value.clusterDim.x = l.num_ctas;
+    attributes[count_attributes].value.clusterDim.y = 1;
+    attributes[count_attributes++].value.clusterDim.z = 1;
+    attributes[count_attributes].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
+    attributes[count_attributes++].value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;
+  }
+  CUlaunchConfig config;
+  std::memset(&config, 0, sizeof config);
+  config.gridDimX = l.grid[0] * l.num_ctas;
+  config.gridDimY = l.grid[1];
+  config.gridDimZ = l.grid[2];
+  config.blockDimX = l.block;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = l.shared;
+  config.hStream = stream;
+  config.attrs = attributes;
+  config.numAttrs = count_attributes;
+  CUresult result = driver().launch(&config, l.function, params, nullptr);
+  if (result != CUDA_SUCCESS) {
+    check(result, ("launching " + name).c_str());
+  }
+}
+
+uint64_t address(const at::Tensor& t) {
+  return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
+}
+
+PyObject* call_python(PyObject* fn, PyObject* arg) {
+  PyObject* result = PyObject_CallOneArg(fn, arg);
+  if (result == nullptr) {
+    throw python_error();
+  }
+  return result;
+}
+
+Calls* calls_of(PyObject* capsule) {
+  return static_cast<Calls*>(PyCapsule_GetPointer(capsule, "fusegen.Calls"));
+}
+
+// The op's call: (args, inplace_backward) -> its output(s), or None (the Python path).
+PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) {
+  HANDLE_TH_ERRORS
+  Calls& calls = *calls_of(capsule);
+  if (argc != 2 || (argv[1] != Py_True && argv[1] != Py_False) || calls.plans.empty()) {
+    Py_RETURN_NONE;
+  }
+  PyObject* args = argv[0];
+  thread_local Key key;
+  thread_local std::vector<at::Tensor> tensors;
+  if (!make_key(calls, args, key, tensors)) {
+    Py_RETURN_NONE;
+  }
+  auto found = calls.plans.find(key);
+  if (found == calls.plans.end()) {
+    Py_RETURN_NONE;
+  }
+  Plan& plan = found->second;
+  PyObject* seed_argument = calls.seed_position >= 0 ? PyTuple_GET_ITEM(args, calls.seed_position) : Py_None;
+  if (seed_argument != Py_None && plan.seed.is_none()) {
+    Py_RETURN_NONE;  // without dropout the seed is never read, but Python checks it
+  }
+  if (c10::impl::tls_local_dispatch_key_set().included_.has_any(c10::DispatchKeySet({
+          c10::DispatchKey::Python, c10::DispatchKey::FuncTorchDynamicLayerFrontMode}))) {
+    Py_RETURN_NONE;  // a dispatch mode, a torch.func transform
+  }
+  bool grad = false;
+  if (at::GradMode::is_enabled()) {
+    for (const auto& t : tensors) {
+      grad = grad || t.requires_grad();
+    }
+  }
+  if (grad) {
+    if (compiled_autograd_enabled()) {
+      Py_RETURN_NONE;
+    }
+    for (const auto& t : tensors) {
+      if (t._fw_grad(/*level=*/0).defined()) {
+        Py_RETURN_NONE;
+      }
+    }
+  }
+  if (hooked(calls.hooks.ptr(), "launch_enter_hook") || hooked(calls.hooks.ptr(), "launch_exit_hook")) {
+    Py_RETURN_NONE;
+  }
+  pybind11::object device = pybind11::reinterpret_steal<pybind11::object>(PyObject_CallNoArgs(calls.get_device.ptr()));
+  if (!device) {
+    throw python_error();
+  }
+  if (PyLong_AsLong(device.ptr()) != plan.device) {
+    Py_RETURN_NONE;  // Triton launches on the current device
+  }
+  ++calls.hits;
+
+  // The outputs, the statistics kept for the backward, the seed.
+  const auto options = at::TensorOptions().device(at::kCUDA, plan.device);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(plan.outputs.size());
+  for (const Buffer& b : plan.outputs) {
+    outputs.push_back(at::empty(b.shape, options.dtype(b.dtype)));
+  }
+  at::Tensor saved;
+  if (plan.has_saved) {
+    saved = at::empty(plan.saved.shape, options.dtype(plan.saved.dtype));
+  }
+  pybind11::object seed = pybind11::none();
+  at::Tensor seed_tensor;
+  if (!plan.seed.is_none()) {
+    seed = pybind11::reinterpret_steal<pybind11::object>(call_python(plan.seed.ptr(), seed_argument));
+    seed_tensor = THPVariable_Unpack(seed.ptr());
+  }
+
+  // Addresses in the order of the Python path's values: *tensors, *outputs, saved, seed.
+  uint64_t addresses[kMaxParams];
+  size_t n = 0;
+  for (const auto& t : tensors) {
+    addresses[n++] = address(t);
+  }
+  for (const auto& t : outputs) {
+    addresses[n++] = address(t);
+  }
+  addresses[n++] = address(saved);
+  addresses[n++] = address(seed_tensor);
+  pybind11::object stream_object = pybind11::reinterpret_steal<pybind11::object>(
+      PyObject_CallOneArg(calls.get_stream.ptr(), device.ptr()));
+  if (!stream_object) {
+    throw python_error();
+  }
+  CUstream stream = reinterpret_cast<CUstream>(PyLong_AsUnsignedLongLong(stream_object.ptr()));
+  ensure_context(plan.device);
+  launch(plan.launch, addresses, stream, calls.name);
+
+  if (grad) {
+    pybind11::tuple params = pybind11::reinterpret_steal<pybind11::tuple>(
+        PyTuple_GetSlice(args, calls.inputs, calls.arguments));
+    pybind11::tuple state = pybind11::make_tuple(calls.op, plan.prepared, pybind11::bool_(argv[1] == Py_True),
+                                                 params, seed);
+    torch::autograd::variable_list inputs(tensors.begin(), tensors.end());
+    torch::autograd::variable_list kept(tensors.begin(), tensors.end());
+    if (saved.defined()) {
+      kept.push_back(saved);
+    }
+    fusegen::attach(calls.backward, state, calls.name, inputs, outputs, kept);
+  }
+  if (outputs.size() == 1) {
+    return THPVariable_Wrap(outputs[0]);
+  }
+  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(outputs.size()));
+  if (result == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), THPVariable_Wrap(outputs[i]));
+  }
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef kCallDef = {"eager_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(eager_call)),
+                        METH_FASTCALL, "A fusegen op's call of a registered kind, or None (see eager_call.cpp)."};
+
+void release(PyObject* capsule) {
+  Calls* calls = calls_of(capsule);
+  if (calls != nullptr) {
+    delete calls;
+  }
+}
+
+// A new op's calls: a function (args, inplace_backward) -> outputs or None.
+pybind11::object new_calls(Py_ssize_t inputs, Py_ssize_t arguments, Py_ssize_t seed_position, Py_ssize_t outputs,
+                           std::string name, pybind11::object op, pybind11::object backward,
+                           pybind11::object get_device, pybind11::object get_stream, pybind11::object hooks) {
+  auto* calls = new Calls();
+  calls->inputs = inputs;
+  calls->arguments = arguments;
+  calls->seed_position = seed_position;
+  calls->outputs = outputs;
+  calls->name = std::move(name);
+  calls->op = std::move(op);
+  calls->backward = std::move(backward);
+  calls->get_device = std::move(get_device);
+  calls->get_stream = std::move(get_stream);
+  calls->hooks = std::move(hooks);
+  PyObject* capsule = PyCapsule_New(calls, "fusegen.Calls", release);
+  if (capsule == nullptr) {
+    delete calls;
+    throw python_error();
+  }
+  PyObject* function = PyCFunction_New(&kCallDef, capsule);
+  Py_DECREF(capsule);  // the function holds it
+  if (function == nullptr) {
+    throw python_error();
+  }
+  return pybind11::reinterpret_steal<pybind11::object>(function);
+}
+
+Calls& calls_from(const pybind11::object& function) {
+  PyObject* f = function.ptr();
+  if (!PyCFunction_Check(f) || PyCFunction_GET_FUNCTION(f) != kCallDef.ml_meth) {
+    throw std::invalid_argument("fusegen: not a function made by new_calls");
+  }
+  return *calls_of(PyCFunction_GET_SELF(f));
+}
+
+Buffer buffer_of(const pybind11::handle& shape, const pybind11::handle& dtype) {
+  if (!THPDtype_Check(dtype.ptr())) {
+    throw std::invalid_argument("fusegen: a buffer's dtype must be a torch.dtype");
+  }
+  Buffer b;
+  for (auto size : shape) {
+    b.shape.push_back(size.cast<int64_t>());
+  }
+  b.dtype = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+  return b;
+}
+
+// Registers the kind of `args`: outputs [(shape, dtype)], saved (shape, dtype) or None,
+// launch (function, (x, y, z), num_warps, num_ctas, shared, cooperative, pdl,
+// [(slot, bits)]), the PreparedCall and the seed drawer or None.
+// False where `args` is not a call this path would take.
+bool register_call(const pybind11::object& function, const pybind11::tuple& args, int device,
+                   const pybind11::list& outputs, const pybind11::object& saved, const pybind11::tuple& launch_form,
+                   pybind11::object prepared, pybind11::object seed) {
+  Calls& calls = calls_from(function);
+  Key key;
+  std::vector<at::Tensor> tensors;
+  if (!make_key(calls, args.ptr(), key, tensors)) {
+    return false;
+  }
+  driver();  // libcuda opens here, or the registration fails
+  Plan plan;
+  plan.device = device;
+  for (auto output : outputs) {
+    auto pair = output.cast<pybind11::tuple>();
+    plan.outputs.push_back(buffer_of(pair[0], pair[1]));
+  }
+  if (static_cast<Py_ssize_t>(plan.outputs.size()) != calls.outputs) {
+    throw std::invalid_argument("fusegen: register_call: wrong number of outputs");
+  }
+  if (!saved.is_none()) {
+    auto pair = saved.cast<pybind11::tuple>();
+    plan.has_saved = true;
+    plan.saved = buffer_of(pair[0], pair[1]);
+  }
+  Launch& l = plan.launch;
+  l.function = reinterpret_cast<CUfunction>(launch_form[0].cast<uint64_t>());
+  auto grid = launch_form[1].cast<pybind11::tuple>();
+  for (int i = 0; i < 3; ++i) {
+    l.grid[i] = grid[i].cast<unsigned>();
+  }
+  l.block = 32 * launch_form[2].cast<unsigned>();
+  l.num_ctas = launch_form[3].cast<unsigned>();
+  l.shared = launch_form[4].cast<unsigned>();
+  l.cooperative = launch_form[5].cast<bool>();
+  l.pdl = launch_form[6].cast<bool>();
+  const size_t values = tensors.size() + plan.outputs.size() + 2;
+  for (auto entry : launch_form[7].cast<pybind11::list>()) {
+    auto pair = entry.cast<pybind11::tuple>();
+    Param p{pair[0].cast<int>(), pair[1].cast<uint64_t>()};
+    if (p.slot >= static_cast<int>(values)) {
+      throw std::invalid_argument("fusegen: register_call: a parameter's slot is out of range");
+    }
+    l.params.push_back(p);
+  }
+  if (l.params.size() > kMaxParams || values > kMaxParams) {
+    return false;
+  }
+  plan.prepared = std::move(prepared);
+  plan.seed = std::move(seed);
+  if (calls.plans.size() >= kCacheSize) {
+    calls.plans.clear();
+  }
+  calls.plans[std::move(key)] = std::move(plan);
+  return true;
+}
+
+// For tests: the key of `args` as a tuple (None: not a call this path takes), and counts.
+pybind11::object call_key(const pybind11::object& function, const pybind11::object& args) {
+  Key key;
+  std::vector<at::Tensor> tensors;
+  if (!make_key(calls_from(function), args.ptr(), key, tensors)) {
+    return pybind11::none();
+  }
+  return pybind11::tuple(pybind11::cast(key));
+}
+
+pybind11::tuple counts(const pybind11::object& function) {
+  Calls& calls = calls_from(function);
+  return pybind11::make_tuple(calls.plans.size(), calls.hits);
+}
+
+void clear(const pybind11::object& function) {
+  calls_from(function).plans.clear();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attach", &fusegen::attach, "Put a fusegen autograd node behind `outputs` (autograd_node.cpp).");
+  m.def("new_calls", &new_calls, "A new op's eager call (see eager_call.cpp's head).");
+  m.def("register_call", &register_call, "Register the kind of call `args` is (see eager_call.cpp).");
+  m.def("call_key", &call_key, "The key of a call, or None (for tests).");
+  m.def("counts", &counts, "(kinds registered, calls taken) of an op's eager call.");
+  m.def("clear", &clear, "Forget an op's registered kinds of call.");
+}

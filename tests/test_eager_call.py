@@ -1,0 +1,286 @@
+"""The eager call in C++ (fusegen/runtime/csrc/eager_call.cpp) against the Python path.
+
+A call of a kind the Python path has launched once (same shapes, strides, dtypes, device,
+alignment and params) is keyed, allocated and launched in C++. Its key must tell apart
+every pair of calls the Python key (runtime.prepared.call_key) tells apart, and its launch
+must pack each kernel parameter as Triton's own launcher does: both are checked here on
+any machine. On a GPU every op's outputs and gradients through it are compared bit for bit
+with the Python path's, under CUDA graphs too, and the calls it must leave to Python
+(launch hooks, transforms, forward AD, out=, seeds Python checks) are checked to get there.
+"""
+from __future__ import annotations
+
+import itertools
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from fusegen.backends.triton.cached_launcher import Binary, _packed
+from fusegen.runtime import FusegenArgumentError, native
+from fusegen.runtime.prepared import PreparedCall, call_key
+from helpers import ShapeCase, all_ops, as_tuple, make_inputs, op_by_name, params_for, with_seed
+
+
+@pytest.fixture
+def calls_of(use_node):
+    """`calls_of(op)`: the op's eager call in C++, with the extension in use for the test."""
+    module = use_node("native")
+
+    def make(fused):
+        calls = fused.native_calls()
+        assert calls is not None
+        return calls
+
+    make.module = module
+    return make
+
+
+# -- the key, on any machine ---------------------------------------------------------------
+
+
+def _variants(device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g).to(device)
+    b = torch.randn(8, generator=g).to(device)
+    r = torch.randn(4, 8, generator=g).to(device)
+    wide = torch.randn(4, 16, generator=g).to(device)
+    base = (x, b, r, 0.1, "gelu", True, None)
+
+    def but(**changes):
+        names = ["x", "bias", "residual", "p", "activation", "training", "seed"]
+        return tuple(changes.get(name, value) for name, value in zip(names, base))
+
+    return [
+        base,
+        but(x=torch.randn(4, 8, generator=g).to(device)),  # new data, same kind: the same key
+        but(seed=5), but(seed=7), but(seed=torch.tensor(3)),  # explicit seeds: one key (checked per call)
+        but(p=0.2), but(p=1), but(p=True), but(training=False), but(training=1),
+        but(activation="gelu_tanh"), but(activation="relu"), but(activation="gelu_tanh_but_longer"),
+        but(x=x.t().contiguous().t()), but(x=x[1:], residual=r[1:]), but(x=wide[:, :8]), but(x=wide[:, 1:9]),
+        but(x=x.double()), but(x=x.view(2, 2, 8), residual=r.view(2, 2, 8)), but(bias=b[None]),
+        but(x=torch.nn.Parameter(x.clone())),
+    ]
+
+
+def test_the_key_tells_calls_apart_as_the_python_key_does(calls_of, device):
+    fused = op_by_name("bias_gelu_dropout_add").module._OP
+    calls = calls_of(fused)
+    variants = _variants(device)
+    python = [call_key(v, fused._n_inputs, fused._seed_position) for v in variants]
+    native_keys = [calls_of.module.call_key(calls, v) for v in variants]
+    assert all(k is not None for k in python + native_keys)
+    for i, j in itertools.combinations(range(len(variants)), 2):
+        assert (python[i] == python[j]) == (native_keys[i] == native_keys[j]), (i, j)
+    assert native_keys[0] == native_keys[1] and native_keys[2] == native_keys[3] == native_keys[4]
+
+
+def test_calls_it_does_not_take(calls_of, device):
+    fused = op_by_name("bias_gelu").module._OP
+    calls = calls_of(fused)
+    x, b = torch.randn(4, 8, device=device), torch.randn(8, device=device)
+
+    class Sub(torch.Tensor):
+        pass
+
+    for args in [(x.as_subclass(Sub), b, "gelu"), (x, b), (x, b, "gelu", 1), (x, b, 2**70), [x, b, "gelu"],
+                 (x, b, torch.tensor(1.0)), (x.to_sparse(), b, "gelu")]:
+        assert calls_of.module.call_key(calls, args) is None, args
+
+
+def test_without_a_registered_kind_every_call_takes_the_python_path(calls_of, device):
+    """On a machine without CUDA nothing registers (no binary): the Python path throughout."""
+    op = op_by_name("bias_gelu")
+    calls = calls_of(op.module._OP)
+    x, b = torch.randn(4, 8, device=device), torch.randn(8, device=device)
+    before = calls_of.module.counts(calls)
+    for _ in range(3):
+        torch.testing.assert_close(op.fn(x, b), op.reference(x, b))
+    if device == "cpu":
+        assert calls_of.module.counts(calls) == before == (0, 0)
+        assert calls((x, b, "gelu"), False) is None
+
+
+# -- how a launch is packed, on any machine --------------------------------------------------
+
+
+def test_params_are_packed_as_tritons_launcher_packs_them():
+    assert _packed("fp32", 0.1) == struct.unpack("<I", struct.pack("<f", 0.1))[0]
+    assert _packed("fp64", 0.1) == struct.unpack("<Q", struct.pack("<d", 0.1))[0]
+    assert _packed("fp16", 1.5) == struct.unpack("<H", struct.pack("<e", 1.5))[0]
+    assert _packed("bf16", 1.0) == 0x3F80  # the fp32 bits' top half, as Triton truncates
+    assert _packed("i32", -1) == 0xFFFFFFFF and _packed("i64", -2) == 2**64 - 2
+    assert _packed("i1", True) == 1 and _packed("i1", False) == 0 and _packed("u64", 2**63) == 2**63
+    assert _packed("i32", 7) == 7 and _packed("i64", 2**40) == 2**40
+    assert _packed("fp32", 1e300) is None  # Triton's cast gives inf: left to Triton
+    assert _packed("*fp32", 0) is None and _packed("i32", 1.5) is None and _packed("fp32", "x") is None
+
+
+def _binary(signature: dict, tail: tuple, scratch: int = 0):
+    """A Binary over a stand-in for Triton's CompiledKernel (the attributes it reads)."""
+    run = SimpleNamespace(global_scratch_size=scratch, profile_scratch_size=0, launch=lambda *a: None,
+                          launch_cooperative_grid=False, launch_pdl=False)
+    compiled = SimpleNamespace(run=run, packed_metadata=(4, 1, 1024), function=0xABC,
+                               src=SimpleNamespace(signature=signature))
+    return Binary(compiled, (3, 2, 1), tail, 0)
+
+
+def test_the_launch_form_skips_constexprs_and_fills_slots():
+    signature = {"x_ptr": "*bf16", "y_ptr": "*bf16", "seed_ptr": "constexpr", "M": "i32", "N": "constexpr",
+                 "p": "fp32", "HAS": "constexpr", "BLOCK": "constexpr"}
+    args = ["X", "Y", None, 1000, 1, 0.25, True]
+    form = _binary(signature, (64,)).native_form(args, {0: 0, 1: 3, 2: 5})
+    assert form is not None
+    function, grid, warps, ctas, shared, cooperative, pdl, params = form
+    assert (function, grid, warps, ctas, shared, cooperative, pdl) == (0xABC, (3, 2, 1), 4, 1, 1024, False, False)
+    assert params == [(0, 0), (3, 0), (-1, 1000), (-1, _packed("fp32", 0.25))]
+
+
+def test_launches_it_does_not_make():
+    signature = {"x_ptr": "*fp32", "M": "i32", "BLOCK": "constexpr"}
+    assert _binary(signature, (64,), scratch=128).native_form(["X", 5], {0: 0}) is None  # scratch memory
+    assert _binary(signature, (64,)).native_form(["X", 5], {0: 0, 1: 1}) is None  # a slot in a scalar
+    assert _binary(signature, (64,)).native_form(["X", 5], {}) is None  # a fixed pointer
+    assert _binary(signature, ()).native_form(["X", 5], {0: 0}) is None  # arguments short of the signature
+    assert _binary({**signature, "t": ("i32", "i32")}, (64, (1, 2))).native_form(["X", 5], {0: 0}) is None
+
+
+# -- on a GPU -------------------------------------------------------------------------------
+
+FULL = ShapeCase("eager", lead=(4, 33), n=256, layout="full")
+
+
+def _step(op, seed_inputs: int, device, grad: bool = True):
+    tensors = make_inputs(op, FULL, seed=seed_inputs, device=device)
+    for t in tensors.values():
+        t.requires_grad_(grad)
+    kwargs = with_seed(op, params_for(op, p=0.3), seed=11, training=True)
+    outputs = as_tuple(op.fn(*tensors.values(), **kwargs))
+    if not grad:
+        return list(outputs)
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(o.shape, generator=g, dtype=o.dtype).to(device) for o in outputs]
+    torch.autograd.backward(outputs, grads)
+    return [o.detach() for o in outputs] + [t.grad for t in tensors.values()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("op", all_ops(), ids=str)
+def test_every_op_bit_for_bit_with_the_python_path(op, grad, calls_of, device, monkeypatch):
+    fused = op.module._OP
+    with monkeypatch.context() as patch:
+        patch.setattr(PreparedCall, "offer_native", lambda self, args: None)
+        python = [_step(op, s, device, grad) for s in (1, 2)]
+    native.forget_calls()
+    _step(op, 1, device, grad)  # the Python path launches this kind once, then offers it
+    calls = calls_of(fused)
+    before = calls_of.module.counts(calls)
+    assert before[0] == 1, "the kind of call was not registered"
+    ours = [_step(op, s, device, grad) for s in (1, 2)]
+    assert calls_of.module.counts(calls)[1] == before[1] + 2  # both calls took the C++ path
+    for a, b in zip(python, ours):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_capture_and_replay_it(calls_of, device):
+    """Captured through the C++ path: an op without dropout replays its values; one with
+    dropout and no seed draws a new mask on each replay, as the Python path does."""
+    bgda, bg = op_by_name("bias_gelu_dropout_add").module, op_by_name("bias_gelu").module
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(64, 512, generator=g).to(device) for _ in range(2))
+    b = torch.randn(512, generator=g).to(device)
+    bgda.bias_gelu_dropout_add(x, b, r, 0.3)
+    bg.bias_gelu(x, b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture, as torch's docs ask
+        bgda.bias_gelu_dropout_add(x, b, r, 0.3)
+        bg.bias_gelu(x, b)
+    torch.cuda.current_stream().wait_stream(side)
+    counts = [calls_of.module.counts(calls_of(m._OP))[1] for m in (bgda, bg)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dropped = bgda.bias_gelu_dropout_add(x, b, r, 0.3)
+        plain = bg.bias_gelu(x, b)
+    assert [calls_of.module.counts(calls_of(m._OP))[1] for m in (bgda, bg)] == [c + 1 for c in counts]
+    x.copy_(torch.randn(64, 512, generator=g).to(device))
+    graph.replay()
+    first = dropped.clone()
+    torch.testing.assert_close(plain, bg.reference(x, b))
+    graph.replay()
+    assert not torch.equal(first, dropped)
+    for out in (first, dropped.clone()):  # each a valid draw: kept elements as the reference's
+        kept = out != r
+        gelu = torch.nn.functional.gelu(x + b)
+        torch.testing.assert_close(out[kept], (gelu / 0.7 + r)[kept], rtol=1e-5, atol=1e-5)
+        assert 0.6 < kept.float().mean().item() < 0.8
+
+
+class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.gpu
+def test_calls_left_to_the_python_path(calls_of, device):
+    """A launch hook (a profiler), a dispatch mode, forward-mode AD, out=, an explicit seed
+    without dropout and a bad seed: none of them goes through C++, each as before."""
+    from triton import knobs
+
+    op = op_by_name("bias_gelu")
+    fused = op.module._OP
+    g = torch.Generator().manual_seed(4)
+    x, b = torch.randn(16, 64, generator=g).to(device), torch.randn(64, generator=g).to(device)
+    op.fn(x, b)
+    calls = calls_of(fused)
+    module = calls_of.module
+
+    def hits():
+        return module.counts(calls)[1]
+
+    start = hits()
+    op.fn(x, b)
+    assert hits() == start + 1
+    seen = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        torch.testing.assert_close(op.fn(x, b), op.reference(x, b))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert hits() == start + 1 and seen
+    with _Recording() as mode:  # a dispatch mode sees the Python path's allocations
+        torch.testing.assert_close(op.fn(x, b), op.reference(x, b))
+    assert any("empty" in str(f) for f in mode.seen)
+    x.requires_grad_(True)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="jvp"):
+        op.fn(fwAD.make_dual(x, torch.ones_like(x)), b)
+    x.requires_grad_(False)
+    out = torch.empty_like(x)
+    op.fn(x, b, out=out)
+    torch.testing.assert_close(out, op.reference(x, b))
+    assert hits() == start + 1
+
+    bda = op_by_name("bias_dropout_add")
+    fused = bda.module._OP
+    residual = torch.randn(16, 64, generator=g).to(device)
+    bda.fn(x, b, residual, 0.3, training=False)
+    calls = calls_of(fused)
+    count = module.counts(calls)[1]
+    torch.testing.assert_close(bda.fn(x, b, residual, 0.3, training=False, seed=5), x + b + residual)
+    assert module.counts(calls)[1] == count  # an explicit seed without dropout: Python checks it
+    with pytest.raises(FusegenArgumentError, match="seed"):
+        bda.fn(x, b, residual, 0.3, training=False, seed=-1)  # checked though never read
+    bda.fn(x, b, residual, 0.3, seed=5)
+    with pytest.raises(FusegenArgumentError, match="seed"):
+        bda.fn(x, b, residual, 0.3, seed=-1)  # with dropout: the C++ path asks Python, which checks it
+    assert module.counts(calls)[1] == count + 1
