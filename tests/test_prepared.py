@@ -60,6 +60,11 @@ def test_bad_arguments_fail_on_a_prepared_kind_too(device):
         SEED_OP.bias_gelu_dropout_add(x, bias, residual, p=0.1, seed=-1)
     with pytest.raises(runtime.FusegenArgumentError, match="seed must be"):
         SEED_OP.bias_gelu_dropout_add(x, bias, residual, p=0.1, seed=2.5)
+    # Without dropout the seed is never read, and still checked, as the full path checks it.
+    SEED_OP.bias_gelu_dropout_add(x, bias, residual, p=0.1, training=False, seed=5)
+    for bad in (-1, 2.5):
+        with pytest.raises(runtime.FusegenArgumentError, match="seed must be"):
+            SEED_OP.bias_gelu_dropout_add(x, bias, residual, p=0.1, training=False, seed=bad)
     SEED_OP.bias_gelu_dropout_add(x, bias, residual, p=1, seed=5)
     with pytest.raises(runtime.FusegenArgumentError, match="p must be a number"):
         SEED_OP.bias_gelu_dropout_add(x, bias, residual, p=True, seed=5)

@@ -76,6 +76,8 @@ class PreparedCall:
         if call.has_dropout:
             seed = args[-1]
             seed = seed_tensor(None if seed is None else check_seed(self.op.name, seed), device, eager)
+        elif self.op.has_dropout and args[-1] is not None:
+            check_seed(self.op.name, args[-1])  # never read without dropout, but checked as the full path does
         dtype = problem.out_dtype
         outputs = [torch.empty(shape, dtype=dtype, device=device) for shape in self._output_shapes]
         saved = None
