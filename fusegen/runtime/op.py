@@ -160,8 +160,8 @@ class FusedOp:
         if self._native_calls is None:
             self._native_calls = native.eager_calls(
                 inputs=self._n_inputs, arguments=self._n_inputs + self._n_params + 2 * self.has_dropout,
-                seed_position=self._seed_position, outputs=self._n_outputs, name=self._node_name,
-                op=self, backward=_native_backward)
+                seed_position=self._seed_position, outputs=self._n_outputs,
+                kernel_gradients=self._kernel_only_backward, name=self._node_name, op=self, backward=_native_backward)
             if self._native_calls is not None:
                 native.made_calls(self)
         return self._native_calls

@@ -54,7 +54,8 @@ class PreparedCall:
     """One kind of call to one op: its checked `Call`, output shapes, the forward kernel's
     launch and the backward's, by the kind of incoming gradient."""
 
-    __slots__ = ("op", "call", "_tensors", "_output_shapes", "_saved_shape", "_launch", "_backwards", "_offered")
+    __slots__ = ("op", "call", "_tensors", "_output_shapes", "_saved_shape", "_launch", "_backwards", "_offered",
+                 "_native_plan", "_offered_backwards")
 
     def __init__(self, op, call, tensors: tuple):
         problem = call.problem
@@ -65,6 +66,8 @@ class PreparedCall:
         self._launch = op.kernels.prepare_forward(call, tensors) if problem.launches else None
         self._backwards: dict = {}
         self._offered = False  # to the op's eager call in C++ (offer_native)
+        self._native_plan = None  # its plan there, once registered
+        self._offered_backwards: set = set()  # keys of backwards offered to that plan
 
     def forward(self, args: tuple, eager: bool = True):
         """What FusedOp.forward returns: the outputs, the seed tensor (None without dropout)
@@ -102,7 +105,7 @@ class PreparedCall:
         draw = functools.partial(_draw_seed, self.op.name, problem.device) if self.call.has_dropout else None
         outputs = [(shape, problem.out_dtype) for shape in self._output_shapes]
         saved = None if self._saved_shape is None else (self._saved_shape, problem.compute_dtype)
-        native.register_call(calls, args, problem.device.index, outputs, saved, form, self, draw)
+        self._native_plan = native.register_call(calls, args, problem.device.index, outputs, saved, form, self, draw)
 
     def backward(self, grads: tuple, tensors: tuple, seed, needs, saved, in_place: bool = False) -> list:
         """The backward kernel's gradients (inputs flagged in `needs`, in input order);
@@ -116,4 +119,12 @@ class PreparedCall:
             if len(self._backwards) >= CACHE_SIZE:
                 self._backwards.clear()
             prepared = self._backwards[key] = self.op.kernels.prepare_backward(self.call, tensors, grads, needs)
-        return prepared(tensors, grads, seed, saved, in_place)
+        gradients = prepared(tensors, grads, seed, saved, in_place)
+        if self._native_plan is not None and key not in self._offered_backwards and not in_place \
+                and self.op._kernel_only_backward:
+            # The C++ node's later backwards of this kind run in C++ (csrc/eager_call.cpp).
+            self._offered_backwards.add(key)
+            form = prepared.native_form(len(tensors))
+            if form is not None:
+                native.register_backward(self._native_plan, needs, grads, *form)
+        return gradients

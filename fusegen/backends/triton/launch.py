@@ -198,6 +198,30 @@ class PreparedBackward:
                 results.append(result)
         return results
 
+    def native_form(self, inputs: int) -> tuple | None:
+        """(launch form, targets) for a compiled caller (runtime/csrc/eager_call.cpp), or None.
+        Its targets: one per input (of `inputs`, each with a gradient from the kernel), None
+        where not needed, else (summed, buffer shape, buffer dtype, gradient shape, gradient
+        dtype, the sums' launch form or None): a "full" gradient is the buffer, a "rows"
+        one the buffer summed by the small kernel. Other kinds (a torch sum) stay here."""
+        if self._launch is None or self._inputs != list(range(inputs)):
+            return None
+        form = self._launch.native_form()
+        if form is None:
+            return None
+        targets = []
+        for target, sums in zip(self._targets, self._sums):
+            if target is None:
+                targets.append(None)
+            elif target.kind == "full":
+                targets.append((False, target.buffer_shape, target.buffer_dtype, None, None, None))
+            elif target.kind == "rows" and sums is not None and sums.native_form() is not None:
+                targets.append((True, target.buffer_shape, target.buffer_dtype, tuple(target.shape), target.dtype,
+                                sums.native_form()))
+            else:
+                return None
+        return form, targets
+
     def _writable(self, target: GradTarget, tensor: torch.Tensor, tensors, grads) -> bool:
         """Whether this call may write `tensor`'s gradient into `tensor` (see the class)."""
         # A view is refused too: its memory may be a leaf's (x.view(...) of a parameter).

@@ -4,10 +4,11 @@
 // attach(backward, state, name, inputs, outputs, saved) puts one node behind `outputs`
 // (fresh tensors the forward kernel wrote), with an edge to each input and `saved` kept as
 // saved variables (version-checked, released after the backward, saved-tensor hooks
-// applied). Its backward calls the Python `backward(state, needs, saved, grads)` once, with
-// the GIL, and takes one gradient (or None) per input back. The kernels are launched from
-// Python as before; what is gone is the Python Function's context object, its argument
-// processing and its wrapping of outputs and saved tensors.
+// applied). Its backward first tries the C++ backward it was given (eager_call.cpp: a call
+// of a kind whose backward is registered), else calls the Python `backward(state, needs,
+// saved, grads)` once, with the GIL, and takes one gradient (or None) per input back. What
+// is gone is the Python Function's context object, its argument processing and its
+// wrapping of outputs and saved tensors.
 #include "fusegen_native.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -39,9 +40,11 @@ struct FUSEGEN_HIDDEN FusegenNode : public Node {
       pybind11::gil_scoped_acquire gil;
       backward_ = pybind11::object();
       state_ = pybind11::object();
+      fast_.reset();  // it may hold the last reference to Python objects too
     } else {
       backward_.release();
       state_.release();
+      static_cast<void>(new std::shared_ptr<fusegen::FastBackward>(std::move(fast_)));
     }
   }
 
@@ -55,6 +58,16 @@ struct FUSEGEN_HIDDEN FusegenNode : public Node {
       saved.push_back(s.unpack());
     }
     const size_t inputs = num_outputs();
+    if (fast_) {
+      std::vector<bool> wanted(inputs);
+      for (size_t i = 0; i < inputs; ++i) {
+        wanted[i] = task_should_compute_output(i);
+      }
+      variable_list out;
+      if (fast_->run(grads, saved, wanted, out)) {
+        return out;
+      }
+    }
     pybind11::gil_scoped_acquire gil;
     pybind11::tuple needs(inputs);
     for (size_t i = 0; i < inputs; ++i) {
@@ -103,6 +116,7 @@ struct FUSEGEN_HIDDEN FusegenNode : public Node {
   pybind11::object state_;
   std::string name_;
   std::vector<SavedVariable> saved_;
+  std::shared_ptr<fusegen::FastBackward> fast_;
 };
 
 // torch's nodes are held by std::shared_ptr up to some release and by c10::intrusive_ptr
@@ -123,7 +137,8 @@ P make_node(pybind11::object backward, pybind11::object state, std::string name)
 namespace fusegen {
 
 bool attach(pybind11::object backward, pybind11::object state, std::string name,
-            const variable_list& inputs, const variable_list& outputs, const variable_list& saved) {
+            const variable_list& inputs, const variable_list& outputs, const variable_list& saved,
+            std::shared_ptr<FastBackward> fast) {
   for (const auto& t : inputs) {
     if (t.defined() && t._fw_grad(/*level=*/0).defined()) {
       return false;
@@ -131,6 +146,7 @@ bool attach(pybind11::object backward, pybind11::object state, std::string name,
   }
   NodePtr node = make_node<NodePtr, FusegenNode>(std::move(backward), std::move(state), std::move(name));
   auto* raw = static_cast<FusegenNode*>(node.get());
+  raw->fast_ = std::move(fast);
   raw->set_next_edges(torch::autograd::collect_next_edges(inputs));
   raw->saved_.reserve(saved.size());
   for (const auto& t : saved) {

@@ -25,8 +25,11 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -113,18 +116,6 @@ struct Buffer {
   at::ScalarType dtype;
 };
 
-struct Plan {
-  int device = 0;
-  std::vector<Buffer> outputs;
-  bool has_saved = false;
-  Buffer saved;
-  Launch launch;
-  // The Python PreparedCall: the backward goes through it, and it holds the compiled kernel
-  // whose handle `launch` uses.
-  pybind11::object prepared;
-  pybind11::object seed;      // draws this call's seed tensor (a dropout that draws), or None
-};
-
 using Key = std::vector<int64_t>;
 
 struct KeyHash {
@@ -137,6 +128,50 @@ struct KeyHash {
   }
 };
 
+// Where the backward kernel writes one input's gradient (runtime.gradients.GradTarget):
+// "full", the gradient itself; "rows", per-program column sums [R, N] that a second
+// kernel (`sums`) adds up into the gradient.
+struct Target {
+  bool needed = false;
+  bool summed = false;
+  Buffer buffer;
+  Buffer result;  // summed only
+  Launch sums;    // summed only: values (buffer, result)
+};
+
+// The backward of one kind of call for one kind of incoming gradients.
+struct BackwardPlan {
+  Launch launch;  // values: *inputs, *grads, *buffers (one per target), saved, seed
+  std::vector<Target> targets;  // one per input, in order
+};
+
+// What a plan's backward needs from Python, with the GIL: the current device and stream,
+// Triton's launch hooks. Shared by an op's plans, which may outlive its Calls.
+struct Hooks {
+  pybind11::object get_device;  // torch._C._cuda_getDevice
+  pybind11::object get_stream;  // torch._C._cuda_getCurrentRawStream
+  pybind11::object knobs;       // triton.knobs.runtime: its launch hooks send launches to Triton
+  std::string name;             // the op's autograd node's, for errors
+  std::atomic<uint64_t> backward_hits{0};  // backwards run here (for tests)
+};
+
+struct Plan {
+  int device = 0;
+  std::vector<Buffer> outputs;
+  bool has_saved = false;
+  Buffer saved;
+  Launch launch;
+  // The Python PreparedCall: the Python backward goes through it, and it holds the compiled
+  // kernels whose handles the launches use.
+  pybind11::object prepared;
+  pybind11::object seed;  // draws this call's seed tensor (a dropout that draws), or None
+  bool fast_backward = false;  // every gradient is the backward kernel's own
+  std::shared_ptr<Hooks> hooks;
+  // Registered from Python (with the GIL), read by the engine's threads (without).
+  std::mutex mutex;
+  std::unordered_map<Key, BackwardPlan, KeyHash> backwards;
+};
+
 constexpr size_t kCacheSize = 1024;  // as the Python path's (runtime.prepared.CACHE_SIZE)
 constexpr size_t kMaxParams = 128;
 
@@ -146,14 +181,12 @@ struct FUSEGEN_HIDDEN Calls {
   Py_ssize_t arguments = 0;     // all positional arguments
   Py_ssize_t seed_position = -1;  // the seed argument's, or -1 (no dropout)
   Py_ssize_t outputs = 0;
-  std::string name;             // the autograd node's
+  bool kernel_gradients = false;  // every input's gradient is the backward kernel's own
   pybind11::object op;          // the FusedOp
   pybind11::object backward;    // runtime.op._native_backward
-  pybind11::object get_device;  // torch._C._cuda_getDevice
-  pybind11::object get_stream;  // torch._C._cuda_getCurrentRawStream
-  pybind11::object hooks;       // triton.knobs.runtime: its launch hooks send launches to Triton
-  std::unordered_map<Key, Plan, KeyHash> plans;
-  uint64_t hits = 0;
+  std::shared_ptr<Hooks> hooks;
+  std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> plans;
+  uint64_t hits = 0;             // forward calls taken (for tests)
 };
 
 const c10::DispatchKeySet kNotPlain({
@@ -164,6 +197,24 @@ const c10::DispatchKeySet kNotPlain({
     c10::DispatchKey::Conjugate,
     c10::DispatchKey::Negative,
 });
+
+bool plain(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && t.has_storage() && !t.key_set().has_any(kNotPlain);
+}
+
+// What a launch specializes on, of one tensor.
+void add_tensor(Key& key, const at::Tensor& t) {
+  const int64_t dim = t.dim();
+  key.push_back(dim);
+  for (int64_t d = 0; d < dim; ++d) {
+    key.push_back(t.sizes()[d]);
+    key.push_back(t.strides()[d]);
+  }
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(static_cast<int64_t>(t.device().type()));  // plans are CUDA's only
+  key.push_back(t.device().index());
+  key.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15);
+}
 
 // The key of a call (as runtime.prepared.call_key sees it), with its tensors; false: a call
 // this path does not take.
@@ -179,20 +230,10 @@ bool make_key(const Calls& calls, PyObject* args, Key& key, std::vector<at::Tens
       return false;
     }
     const at::Tensor& t = THPVariable_Unpack(obj);
-    if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() ||
-        t.key_set().has_any(kNotPlain)) {
+    if (!plain(t)) {
       return false;
     }
-    const int64_t dim = t.dim();
-    key.push_back(dim);
-    for (int64_t d = 0; d < dim; ++d) {
-      key.push_back(t.sizes()[d]);
-      key.push_back(t.strides()[d]);
-    }
-    key.push_back(static_cast<int64_t>(t.scalar_type()));
-    key.push_back(static_cast<int64_t>(t.device().type()));  // plans are CUDA's only
-    key.push_back(t.device().index());
-    key.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15);
+    add_tensor(key, t);
     tensors.push_back(t);
   }
   for (Py_ssize_t i = calls.inputs; i < calls.arguments; ++i) {
@@ -364,6 +405,109 @@ PyObject* call_python(PyObject* fn, PyObject* arg) {
   return result;
 }
 
+// The current stream of `device`, or null where the launch belongs to Triton's path (a
+// launch hook) or to another device (Triton launches on the current one). With the GIL.
+bool current_stream(const Hooks& hooks, int device, CUstream& stream) {
+  if (hooked(hooks.knobs.ptr(), "launch_enter_hook") || hooked(hooks.knobs.ptr(), "launch_exit_hook")) {
+    return false;
+  }
+  pybind11::object current = pybind11::reinterpret_steal<pybind11::object>(PyObject_CallNoArgs(hooks.get_device.ptr()));
+  if (!current) {
+    throw python_error();
+  }
+  if (PyLong_AsLong(current.ptr()) != device) {
+    return false;
+  }
+  pybind11::object raw = pybind11::reinterpret_steal<pybind11::object>(
+      PyObject_CallOneArg(hooks.get_stream.ptr(), current.ptr()));
+  if (!raw) {
+    throw python_error();
+  }
+  stream = reinterpret_cast<CUstream>(PyLong_AsUnsignedLongLong(raw.ptr()));
+  return true;
+}
+
+// A call's backward without Python, where its kind of incoming gradients is registered.
+struct FUSEGEN_HIDDEN PlanBackward : fusegen::FastBackward {
+  PlanBackward(std::shared_ptr<Plan> plan, at::Tensor seed) : plan_(std::move(plan)), seed_(std::move(seed)) {}
+
+  bool run(const torch::autograd::variable_list& grads, const torch::autograd::variable_list& saved,
+           const std::vector<bool>& needs, torch::autograd::variable_list& out) override {
+    if (at::GradMode::is_enabled()) {
+      return false;  // create_graph: the library op's autograd must be recorded (Python)
+    }
+    const size_t inputs = needs.size();
+    Key key;
+    for (bool need : needs) {
+      key.push_back(need);
+    }
+    for (const auto& g : grads) {
+      if (!plain(g)) {
+        return false;  // an unused output's (undefined) gradient, a subclass: Python
+      }
+      add_tensor(key, g);
+    }
+    const BackwardPlan* found = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(plan_->mutex);
+      auto it = plan_->backwards.find(key);
+      if (it == plan_->backwards.end()) {
+        return false;
+      }
+      found = &it->second;  // entries are never erased while the plan lives
+    }
+    const BackwardPlan& b = *found;
+    CUstream stream = nullptr;
+    {
+      pybind11::gil_scoped_acquire gil;
+      if (!current_stream(*plan_->hooks, plan_->device, stream)) {
+        return false;
+      }
+    }
+    const auto options = at::TensorOptions().device(at::kCUDA, plan_->device);
+    std::vector<at::Tensor> buffers(b.targets.size());
+    for (size_t i = 0; i < b.targets.size(); ++i) {
+      if (b.targets[i].needed) {
+        buffers[i] = at::empty(b.targets[i].buffer.shape, options.dtype(b.targets[i].buffer.dtype));
+      }
+    }
+    uint64_t addresses[kMaxParams];
+    size_t n = 0;
+    for (size_t i = 0; i < inputs; ++i) {
+      addresses[n++] = address(saved[i]);
+    }
+    for (const auto& g : grads) {
+      addresses[n++] = address(g);
+    }
+    for (const auto& buffer : buffers) {
+      addresses[n++] = address(buffer);
+    }
+    addresses[n++] = saved.size() > inputs ? address(saved[inputs]) : 0;
+    addresses[n++] = address(seed_);
+    ensure_context(plan_->device);
+    launch(b.launch, addresses, stream, plan_->hooks->name);
+    out.assign(inputs, at::Tensor());
+    for (size_t i = 0; i < inputs; ++i) {
+      const Target& t = b.targets[i];
+      if (!t.needed) {
+        continue;
+      }
+      if (!t.summed) {
+        out[i] = buffers[i];
+        continue;
+      }
+      out[i] = at::empty(t.result.shape, options.dtype(t.result.dtype));
+      uint64_t pair[2] = {address(buffers[i]), address(out[i])};
+      launch(t.sums, pair, stream, plan_->hooks->name);
+    }
+    ++plan_->hooks->backward_hits;
+    return true;
+  }
+
+  std::shared_ptr<Plan> plan_;
+  at::Tensor seed_;
+};
+
 Calls* calls_of(PyObject* capsule) {
   return static_cast<Calls*>(PyCapsule_GetPointer(capsule, "fusegen.Calls"));
 }
@@ -385,7 +529,8 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   if (found == calls.plans.end()) {
     Py_RETURN_NONE;
   }
-  Plan& plan = found->second;
+  std::shared_ptr<Plan> shared = found->second;
+  Plan& plan = *shared;
   PyObject* seed_argument = calls.seed_position >= 0 ? PyTuple_GET_ITEM(args, calls.seed_position) : Py_None;
   if (seed_argument != Py_None && plan.seed.is_none()) {
     Py_RETURN_NONE;  // without dropout the seed is never read, but Python checks it
@@ -410,15 +555,9 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
       }
     }
   }
-  if (hooked(calls.hooks.ptr(), "launch_enter_hook") || hooked(calls.hooks.ptr(), "launch_exit_hook")) {
+  CUstream stream = nullptr;
+  if (!current_stream(*plan.hooks, plan.device, stream)) {
     Py_RETURN_NONE;
-  }
-  pybind11::object device = pybind11::reinterpret_steal<pybind11::object>(PyObject_CallNoArgs(calls.get_device.ptr()));
-  if (!device) {
-    throw python_error();
-  }
-  if (PyLong_AsLong(device.ptr()) != plan.device) {
-    Py_RETURN_NONE;  // Triton launches on the current device
   }
   ++calls.hits;
 
@@ -451,26 +590,24 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   }
   addresses[n++] = address(saved);
   addresses[n++] = address(seed_tensor);
-  pybind11::object stream_object = pybind11::reinterpret_steal<pybind11::object>(
-      PyObject_CallOneArg(calls.get_stream.ptr(), device.ptr()));
-  if (!stream_object) {
-    throw python_error();
-  }
-  CUstream stream = reinterpret_cast<CUstream>(PyLong_AsUnsignedLongLong(stream_object.ptr()));
   ensure_context(plan.device);
-  launch(plan.launch, addresses, stream, calls.name);
+  launch(plan.launch, addresses, stream, plan.hooks->name);
 
   if (grad) {
+    const bool in_place = argv[1] == Py_True;
     pybind11::tuple params = pybind11::reinterpret_steal<pybind11::tuple>(
         PyTuple_GetSlice(args, calls.inputs, calls.arguments));
-    pybind11::tuple state = pybind11::make_tuple(calls.op, plan.prepared, pybind11::bool_(argv[1] == Py_True),
-                                                 params, seed);
+    pybind11::tuple state = pybind11::make_tuple(calls.op, plan.prepared, pybind11::bool_(in_place), params, seed);
     torch::autograd::variable_list inputs(tensors.begin(), tensors.end());
     torch::autograd::variable_list kept(tensors.begin(), tensors.end());
     if (saved.defined()) {
       kept.push_back(saved);
     }
-    fusegen::attach(calls.backward, state, calls.name, inputs, outputs, kept);
+    std::shared_ptr<fusegen::FastBackward> fast;
+    if (plan.fast_backward && !in_place) {
+      fast = std::make_shared<PlanBackward>(shared, seed_tensor);
+    }
+    fusegen::attach(calls.backward, state, plan.hooks->name, inputs, outputs, kept, std::move(fast));
   }
   if (outputs.size() == 1) {
     return THPVariable_Wrap(outputs[0]);
@@ -498,19 +635,21 @@ void release(PyObject* capsule) {
 
 // A new op's calls: a function (args, inplace_backward) -> outputs or None.
 pybind11::object new_calls(Py_ssize_t inputs, Py_ssize_t arguments, Py_ssize_t seed_position, Py_ssize_t outputs,
-                           std::string name, pybind11::object op, pybind11::object backward,
-                           pybind11::object get_device, pybind11::object get_stream, pybind11::object hooks) {
+                           bool kernel_gradients, std::string name, pybind11::object op, pybind11::object backward,
+                           pybind11::object get_device, pybind11::object get_stream, pybind11::object knobs) {
   auto* calls = new Calls();
   calls->inputs = inputs;
   calls->arguments = arguments;
   calls->seed_position = seed_position;
   calls->outputs = outputs;
-  calls->name = std::move(name);
+  calls->kernel_gradients = kernel_gradients;
   calls->op = std::move(op);
   calls->backward = std::move(backward);
-  calls->get_device = std::move(get_device);
-  calls->get_stream = std::move(get_stream);
-  calls->hooks = std::move(hooks);
+  calls->hooks = std::make_shared<Hooks>();
+  calls->hooks->get_device = std::move(get_device);
+  calls->hooks->get_stream = std::move(get_stream);
+  calls->hooks->knobs = std::move(knobs);
+  calls->hooks->name = std::move(name);
   PyObject* capsule = PyCapsule_New(calls, "fusegen.Calls", release);
   if (capsule == nullptr) {
     delete calls;
@@ -544,64 +683,120 @@ Buffer buffer_of(const pybind11::handle& shape, const pybind11::handle& dtype) {
   return b;
 }
 
-// Registers the kind of `args`: outputs [(shape, dtype)], saved (shape, dtype) or None,
-// launch (function, (x, y, z), num_warps, num_ctas, shared, cooperative, pdl,
-// [(slot, bits)]), the PreparedCall and the seed drawer or None.
-// False where `args` is not a call this path would take.
-bool register_call(const pybind11::object& function, const pybind11::tuple& args, int device,
-                   const pybind11::list& outputs, const pybind11::object& saved, const pybind11::tuple& launch_form,
-                   pybind11::object prepared, pybind11::object seed) {
-  Calls& calls = calls_from(function);
-  Key key;
-  std::vector<at::Tensor> tensors;
-  if (!make_key(calls, args.ptr(), key, tensors)) {
-    return false;
-  }
-  driver();  // libcuda opens here, or the registration fails
-  Plan plan;
-  plan.device = device;
-  for (auto output : outputs) {
-    auto pair = output.cast<pybind11::tuple>();
-    plan.outputs.push_back(buffer_of(pair[0], pair[1]));
-  }
-  if (static_cast<Py_ssize_t>(plan.outputs.size()) != calls.outputs) {
-    throw std::invalid_argument("fusegen: register_call: wrong number of outputs");
-  }
-  if (!saved.is_none()) {
-    auto pair = saved.cast<pybind11::tuple>();
-    plan.has_saved = true;
-    plan.saved = buffer_of(pair[0], pair[1]);
-  }
-  Launch& l = plan.launch;
-  l.function = reinterpret_cast<CUfunction>(launch_form[0].cast<uint64_t>());
-  auto grid = launch_form[1].cast<pybind11::tuple>();
+// (function, (x, y, z), num_warps, num_ctas, shared, cooperative, pdl, [(slot, bits)]), as
+// the Triton backend's native_form gives it; slots below `values`.
+Launch launch_of(const pybind11::handle& form_handle, size_t values) {
+  auto form = form_handle.cast<pybind11::tuple>();
+  Launch l;
+  l.function = reinterpret_cast<CUfunction>(form[0].cast<uint64_t>());
+  auto grid = form[1].cast<pybind11::tuple>();
   for (int i = 0; i < 3; ++i) {
     l.grid[i] = grid[i].cast<unsigned>();
   }
-  l.block = 32 * launch_form[2].cast<unsigned>();
-  l.num_ctas = launch_form[3].cast<unsigned>();
-  l.shared = launch_form[4].cast<unsigned>();
-  l.cooperative = launch_form[5].cast<bool>();
-  l.pdl = launch_form[6].cast<bool>();
-  const size_t values = tensors.size() + plan.outputs.size() + 2;
-  for (auto entry : launch_form[7].cast<pybind11::list>()) {
+  l.block = 32 * form[2].cast<unsigned>();
+  l.num_ctas = form[3].cast<unsigned>();
+  l.shared = form[4].cast<unsigned>();
+  l.cooperative = form[5].cast<bool>();
+  l.pdl = form[6].cast<bool>();
+  for (auto entry : form[7].cast<pybind11::list>()) {
     auto pair = entry.cast<pybind11::tuple>();
     Param p{pair[0].cast<int>(), pair[1].cast<uint64_t>()};
     if (p.slot >= static_cast<int>(values)) {
-      throw std::invalid_argument("fusegen: register_call: a parameter's slot is out of range");
+      throw std::invalid_argument("fusegen: a launch parameter's slot is out of range");
     }
     l.params.push_back(p);
   }
   if (l.params.size() > kMaxParams || values > kMaxParams) {
-    return false;
+    throw std::invalid_argument("fusegen: a launch with too many parameters");
   }
-  plan.prepared = std::move(prepared);
-  plan.seed = std::move(seed);
+  return l;
+}
+
+// A plan, as Python holds it (to register its backwards).
+using PlanHandle = std::shared_ptr<Plan>;
+
+// Registers the kind of `args`: outputs [(shape, dtype)], saved (shape, dtype) or None, the
+// launch (launch_of), the PreparedCall and the seed drawer or None. Returns the plan's
+// handle, or None where `args` is not a call this path would take.
+pybind11::object register_call(const pybind11::object& function, const pybind11::tuple& args, int device,
+                               const pybind11::list& outputs, const pybind11::object& saved,
+                               const pybind11::tuple& launch_form, pybind11::object prepared, pybind11::object seed) {
+  Calls& calls = calls_from(function);
+  Key key;
+  std::vector<at::Tensor> tensors;
+  if (!make_key(calls, args.ptr(), key, tensors)) {
+    return pybind11::none();
+  }
+  driver();  // libcuda opens here, or the registration fails
+  auto plan = std::make_shared<Plan>();
+  plan->device = device;
+  for (auto output : outputs) {
+    auto pair = output.cast<pybind11::tuple>();
+    plan->outputs.push_back(buffer_of(pair[0], pair[1]));
+  }
+  if (static_cast<Py_ssize_t>(plan->outputs.size()) != calls.outputs) {
+    throw std::invalid_argument("fusegen: register_call: wrong number of outputs");
+  }
+  if (!saved.is_none()) {
+    auto pair = saved.cast<pybind11::tuple>();
+    plan->has_saved = true;
+    plan->saved = buffer_of(pair[0], pair[1]);
+  }
+  plan->launch = launch_of(launch_form, tensors.size() + plan->outputs.size() + 2);
+  plan->prepared = std::move(prepared);
+  plan->seed = std::move(seed);
+  plan->fast_backward = calls.kernel_gradients;
+  plan->hooks = calls.hooks;
   if (calls.plans.size() >= kCacheSize) {
     calls.plans.clear();
   }
-  calls.plans[std::move(key)] = std::move(plan);
-  return true;
+  calls.plans[std::move(key)] = plan;
+  return pybind11::cast(PlanHandle(plan));
+}
+
+// Registers a backward of a plan: for the gradients asked for (`needs`, one per input) and
+// incoming gradients like `grads`, the backward kernel's launch and, per input, None or
+// (summed, buffer shape, buffer dtype, gradient shape, gradient dtype, sums launch or None).
+void register_backward(const PlanHandle& plan, const std::vector<bool>& needs, const pybind11::tuple& grads,
+                       const pybind11::tuple& launch_form, const pybind11::list& targets) {
+  if (!plan->fast_backward || targets.size() != needs.size()) {
+    throw std::invalid_argument("fusegen: register_backward: not a backward this plan takes");
+  }
+  Key key;
+  for (bool need : needs) {
+    key.push_back(need);
+  }
+  for (auto g : grads) {
+    if (!THPVariable_Check(g.ptr())) {
+      throw std::invalid_argument("fusegen: register_backward: a gradient is not a tensor");
+    }
+    add_tensor(key, THPVariable_Unpack(g.ptr()));
+  }
+  BackwardPlan b;
+  const size_t values = needs.size() + grads.size() + targets.size() + 2;
+  b.launch = launch_of(launch_form, values);
+  for (size_t i = 0; i < targets.size(); ++i) {
+    Target t;
+    pybind11::handle entry = targets[i];
+    if (!entry.is_none()) {
+      auto form = entry.cast<pybind11::tuple>();
+      t.needed = true;
+      t.summed = form[0].cast<bool>();
+      t.buffer = buffer_of(form[1], form[2]);
+      if (t.summed) {
+        t.result = buffer_of(form[3], form[4]);
+        t.sums = launch_of(form[5], 2);
+      }
+    }
+    if (t.needed != needs[i]) {
+      throw std::invalid_argument("fusegen: register_backward: targets and needs disagree");
+    }
+    b.targets.push_back(std::move(t));
+  }
+  std::lock_guard<std::mutex> lock(plan->mutex);
+  if (plan->backwards.size() < kCacheSize) {  // never erased: a node may be reading one
+    plan->backwards.emplace(std::move(key), std::move(b));
+  }
 }
 
 // For tests: the key of `args` as a tuple (None: not a call this path takes), and counts.
@@ -616,20 +811,24 @@ pybind11::object call_key(const pybind11::object& function, const pybind11::obje
 
 pybind11::tuple counts(const pybind11::object& function) {
   Calls& calls = calls_from(function);
-  return pybind11::make_tuple(calls.plans.size(), calls.hits);
-}
-
-void clear(const pybind11::object& function) {
-  calls_from(function).plans.clear();
+  return pybind11::make_tuple(calls.plans.size(), calls.hits, calls.hooks->backward_hits.load());
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attach", &fusegen::attach, "Put a fusegen autograd node behind `outputs` (autograd_node.cpp).");
+  m.def(
+      "attach",
+      [](pybind11::object backward, pybind11::object state, std::string name,
+         const torch::autograd::variable_list& inputs, const torch::autograd::variable_list& outputs,
+         const torch::autograd::variable_list& saved) {
+        return fusegen::attach(std::move(backward), std::move(state), std::move(name), inputs, outputs, saved);
+      },
+      "Put a fusegen autograd node behind `outputs` (autograd_node.cpp).");
+  pybind11::class_<Plan, PlanHandle>(m, "Plan", "A registered kind of call (eager_call.cpp).");
   m.def("new_calls", &new_calls, "A new op's eager call (see eager_call.cpp's head).");
   m.def("register_call", &register_call, "Register the kind of call `args` is (see eager_call.cpp).");
+  m.def("register_backward", &register_backward, "Register a backward of a registered kind of call.");
   m.def("call_key", &call_key, "The key of a call, or None (for tests).");
-  m.def("counts", &counts, "(kinds registered, calls taken) of an op's eager call.");
-  m.def("clear", &clear, "Forget an op's registered kinds of call.");
+  m.def("counts", &counts, "(kinds registered, forward calls taken, backwards taken) of an op's eager call.");
 }
