@@ -1,4 +1,7 @@
-"""fusegen's C++ autograd node (csrc/autograd_node.cpp), built once per machine and torch.
+"""fusegen's C++ extension, built once per machine and torch: the autograd node
+(csrc/autograd_node.cpp) and the eager call (csrc/eager_call.cpp: a call of a kind the
+Python path has launched once, forward and backward, keyed, allocated and launched in C++;
+on the H100 host a forward then costs about what torch.add costs, docs/benchmarks.md).
 
 A generated op called with gradients on puts one autograd node behind its outputs. As a
 Python `torch.autograd.Function` that node costs about 20 µs of host time per call
