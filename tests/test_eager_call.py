@@ -19,7 +19,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from fusegen.backends.triton.cached_launcher import Binary, _packed
-from fusegen.runtime import FusegenArgumentError, native
+from fusegen.runtime import FusegenArgumentError
 from fusegen.runtime.prepared import PreparedCall, call_key
 from helpers import ShapeCase, all_ops, as_tuple, make_inputs, op_by_name, params_for, with_seed
 
@@ -90,8 +90,9 @@ def test_calls_it_does_not_take(calls_of, device):
         assert calls_of.module.call_key(calls, args) is None, args
 
 
-def test_without_a_registered_kind_every_call_takes_the_python_path(calls_of, device):
-    """On a machine without CUDA nothing registers (no binary): the Python path throughout."""
+def test_off_cuda_nothing_registers_and_calls_take_the_python_path(calls_of, device):
+    """Off CUDA (the interpreter: no binary) nothing registers and every call takes the
+    Python path; on a GPU the same calls stay right through the C++ path."""
     op = op_by_name("bias_gelu")
     calls = calls_of(op.module._OP)
     x, b = torch.randn(4, 8, device=device), torch.randn(8, device=device)
@@ -289,3 +290,22 @@ def test_calls_left_to_the_python_path(calls_of, device):
     with pytest.raises(FusegenArgumentError, match="seed"):
         bda.fn(x, b, residual, 0.3, seed=-1)  # with dropout: the C++ path asks Python, which checks it
     assert module.counts(calls)[1] == count + 1
+
+
+@pytest.mark.gpu
+def test_a_forgotten_kind_of_call_is_freed(calls_of, device):
+    """The plan in C++ holds its PreparedCall, which holds the plan only weakly: once the op
+    forgets its kinds of call (as a full cache does), nothing keeps either alive."""
+    import gc
+    import weakref
+
+    op = op_by_name("bias_gelu")
+    fused = op.module._OP
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    b = torch.randn(64, device=device, requires_grad=True)
+    op.fn(x, b).sum().backward()  # registers the forward and its backward
+    assert calls_of.module.counts(calls_of(fused))[0] == 1
+    prepared = weakref.ref(next(iter(fused._prepared.values())))
+    fused.forget_native_calls()
+    gc.collect()
+    assert prepared() is None

@@ -189,13 +189,10 @@ def eager_calls(*, inputs: int, arguments: int, seed_position: int | None, outpu
         return None
     from triton import knobs
 
+    _ops_with_calls.add(op)
     return module.new_calls(inputs, arguments, -1 if seed_position is None else seed_position, outputs,
                             kernel_gradients, name, op, backward, getattr(torch._C, "_cuda_getDevice", None),
                             getattr(torch._C, "_cuda_getCurrentRawStream", None), knobs.runtime)
-
-
-def made_calls(op) -> None:
-    _ops_with_calls.add(op)
 
 
 def forget_calls() -> None:

@@ -115,7 +115,8 @@ class FusedOp:
     def __call__(self, *args, out=None, inplace_backward: bool = False):
         """The op. `inplace_backward`: the eager backward may write an input's gradient into
         that input's memory (fusegen.backends.triton.launch.PreparedBackward says when)."""
-        if not torch.compiler.is_compiling() and out is None:
+        compiling = torch.compiler.is_compiling()
+        if not compiling and out is None:
             fast = self._native_calls
             if fast is not None:  # a call of a kind it knows: outputs (and autograd node) from C++
                 outputs = fast(args, inplace_backward)
@@ -127,7 +128,7 @@ class FusedOp:
             if sharding.takes_dtensors(self, args[:self._n_inputs]):
                 raise FusegenArgumentError(f"{self.name}(): out= does not take DTensor inputs; drop out=")
             outputs = self.forward(args, out=out)[0]
-        elif sharding.takes_dtensors(self, args[:self._n_inputs]) or torch.compiler.is_compiling():
+        elif sharding.takes_dtensors(self, args[:self._n_inputs]) or compiling:
             # The library op: torch.compile sees one opaque op, DTensor runs its rule (runtime.sharding).
             outputs = self._forward_op(*args)
             if self._n_outputs + self.has_dropout + bool(self.statistics) == 1:
@@ -162,8 +163,6 @@ class FusedOp:
                 inputs=self._n_inputs, arguments=self._n_inputs + self._n_params + 2 * self.has_dropout,
                 seed_position=self._seed_position, outputs=self._n_outputs,
                 kernel_gradients=self._kernel_only_backward, name=self._node_name, op=self, backward=_native_backward)
-            if self._native_calls is not None:
-                native.made_calls(self)
         return self._native_calls
 
     def forget_native_calls(self) -> None:

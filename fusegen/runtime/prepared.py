@@ -55,7 +55,7 @@ class PreparedCall:
     launch and the backward's, by the kind of incoming gradient."""
 
     __slots__ = ("op", "call", "_tensors", "_output_shapes", "_saved_shape", "_launch", "_backwards", "_offered",
-                 "_native_plan", "_offered_backwards")
+                 "_native_plan", "_offered_backwards", "__weakref__")
 
     def __init__(self, op, call, tensors: tuple):
         problem = call.problem
@@ -66,7 +66,7 @@ class PreparedCall:
         self._launch = op.kernels.prepare_forward(call, tensors) if problem.launches else None
         self._backwards: dict = {}
         self._offered = False  # to the op's eager call in C++ (offer_native)
-        self._native_plan = None  # its plan there, once registered
+        self._native_plan = None  # its plan there, once registered (held weakly)
         self._offered_backwards: set = set()  # keys of backwards offered to that plan
 
     def forward(self, args: tuple, eager: bool = True):

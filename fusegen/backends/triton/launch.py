@@ -215,11 +215,12 @@ class PreparedBackward:
                 targets.append(None)
             elif target.kind == "full":
                 targets.append((False, target.buffer_shape, target.buffer_dtype, None, None, None))
-            elif target.kind == "rows" and sums is not None and sums.native_form() is not None:
-                targets.append((True, target.buffer_shape, target.buffer_dtype, tuple(target.shape), target.dtype,
-                                sums.native_form()))
             else:
-                return None
+                sums_form = sums.native_form() if target.kind == "rows" and sums is not None else None
+                if sums_form is None:
+                    return None
+                targets.append((True, target.buffer_shape, target.buffer_dtype, tuple(target.shape), target.dtype,
+                                sums_form))
         return form, targets
 
     def _writable(self, target: GradTarget, tensor: torch.Tensor, tensors, grads) -> bool:

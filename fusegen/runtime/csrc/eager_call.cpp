@@ -1,15 +1,18 @@
-// fusegen's eager call in C++: a generated op's forward, for a kind of call it has seen.
+// fusegen's eager call in C++: a generated op's forward and backward, for kinds of call it
+// has seen.
 //
 // The first call of each kind (shapes, strides, dtypes, device, 16-byte alignment, params)
 // takes the Python path (fusegen.runtime.op): it checks the arguments, tunes and compiles
-// the kernel, and then registers the kind here (PreparedCall.register_native): the outputs
-// to allocate and the kernel's launch, each parameter as Triton's own launcher passes it.
-// A later call of that kind is keyed, allocated, launched (cuLaunchKernelEx) and given its
+// the kernel, and then registers the kind here (PreparedCall.offer_native): the outputs to
+// allocate and the kernel's launch, each parameter as Triton's own launcher passes it. A
+// later call of that kind is keyed, allocated, launched (cuLaunchKernelEx) and given its
 // autograd node (autograd_node.cpp) here, without running Python; one with dropout asks
-// Python for its seed tensor. Anything else returns None before doing anything, and the
-// caller takes the Python path: a kind not registered, a tensor subclass or wrapper, a
-// torch.func transform, a dispatch mode, compiled autograd, forward-mode AD, an explicit
-// seed without dropout (Python checks it), a Triton launch hook (profilers), another device.
+// Python for its seed tensor. Likewise the first backward of each kind of incoming
+// gradient registers its launch (PreparedCall.backward), and later ones run in the node.
+// Anything else returns None before doing anything, and the caller takes the Python path:
+// a kind not registered, a tensor subclass or wrapper, a torch.func transform, a dispatch
+// mode, compiled autograd, forward-mode AD, an explicit seed without dropout (Python checks
+// it), a Triton launch hook (profilers), another device.
 #include "fusegen_native.h"
 
 #include <dlfcn.h>
@@ -405,8 +408,9 @@ PyObject* call_python(PyObject* fn, PyObject* arg) {
   return result;
 }
 
-// The current stream of `device`, or null where the launch belongs to Triton's path (a
-// launch hook) or to another device (Triton launches on the current one). With the GIL.
+// The current stream of `device` in `stream`; false where the launch belongs to Triton's
+// path (a launch hook) or to another device (Triton launches on the current one). With
+// the GIL.
 bool current_stream(const Hooks& hooks, int device, CUstream& stream) {
   if (hooked(hooks.knobs.ptr(), "launch_enter_hook") || hooked(hooks.knobs.ptr(), "launch_exit_hook")) {
     return false;
@@ -712,8 +716,11 @@ Launch launch_of(const pybind11::handle& form_handle, size_t values) {
   return l;
 }
 
-// A plan, as Python holds it (to register its backwards).
-using PlanHandle = std::shared_ptr<Plan>;
+// A plan as Python holds it, to register its backwards: weakly, as the plan holds the
+// PreparedCall that holds this (a cycle Python's collector cannot see would keep both).
+struct PlanRef {
+  std::weak_ptr<Plan> plan;
+};
 
 // Registers the kind of `args`: outputs [(shape, dtype)], saved (shape, dtype) or None, the
 // launch (launch_of), the PreparedCall and the seed drawer or None. Returns the plan's
@@ -751,14 +758,18 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
     calls.plans.clear();
   }
   calls.plans[std::move(key)] = plan;
-  return pybind11::cast(PlanHandle(plan));
+  return pybind11::cast(PlanRef{plan});
 }
 
 // Registers a backward of a plan: for the gradients asked for (`needs`, one per input) and
 // incoming gradients like `grads`, the backward kernel's launch and, per input, None or
 // (summed, buffer shape, buffer dtype, gradient shape, gradient dtype, sums launch or None).
-void register_backward(const PlanHandle& plan, const std::vector<bool>& needs, const pybind11::tuple& grads,
+void register_backward(const PlanRef& ref, const std::vector<bool>& needs, const pybind11::tuple& grads,
                        const pybind11::tuple& launch_form, const pybind11::list& targets) {
+  std::shared_ptr<Plan> plan = ref.plan.lock();
+  if (!plan) {
+    return;  // forgotten (its op's cache was full, or cleared)
+  }
   if (!plan->fast_backward || targets.size() != needs.size()) {
     throw std::invalid_argument("fusegen: register_backward: not a backward this plan takes");
   }
@@ -825,7 +836,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return fusegen::attach(std::move(backward), std::move(state), std::move(name), inputs, outputs, saved);
       },
       "Put a fusegen autograd node behind `outputs` (autograd_node.cpp).");
-  pybind11::class_<Plan, PlanHandle>(m, "Plan", "A registered kind of call (eager_call.cpp).");
+  pybind11::class_<PlanRef>(m, "PlanRef", "A registered kind of call, held weakly (eager_call.cpp).");
   m.def("new_calls", &new_calls, "A new op's eager call (see eager_call.cpp's head).");
   m.def("register_call", &register_call, "Register the kind of call `args` is (see eager_call.cpp).");
   m.def("register_backward", &register_backward, "Register a backward of a registered kind of call.");
