@@ -459,4 +459,3 @@ def launch_backward(op: Op, grads_out: dict, tensors: dict, params: dict, seed: 
         )
     names = [n for n, need in zip(op.input_names, needs) if need]
     return dict(zip(names, results))
-
