@@ -317,33 +317,27 @@ def test_reduce_overhead_forward_only(device):
 
 
 @pytest.mark.gpu
-def test_eager_seed_batches_stay_reproducible_and_distinct(device, monkeypatch):
+def test_eager_seed_batches_stay_reproducible_and_distinct(device):
     """Eager CUDA calls take seeds from batches drawn ahead: across batch ends, with other
     random ops in between and after torch.manual_seed, the seeds are those of a fresh
     run, and a backward long after its forward still drops what its forward dropped."""
     x, bias, residual, grad_y = _graph_inputs((8, 64))
     count = runtime.dropout.SEED_BATCH + 20
-    taken = []
-    take = runtime.dropout._EAGER_SEEDS.take
+    batches = runtime.dropout.eager_seeds().batches
 
-    def recording_take(seed, device):  # each call's seed tensor, as the op drew it
-        tensor = take(seed, device)
-        taken.append(tensor)
-        return tensor
-
-    monkeypatch.setattr(runtime.dropout._EAGER_SEEDS, "take", recording_take)
+    def last_seed():  # the call's seed, as the Python path or the C++ eager call took it
+        batch = batches[x.device.index]
+        return batch[2][batch[3] - 1, :1].clone()
 
     def run():
         seeds, first = [], None
         for i in range(count):
-            taken.clear()
             y = OPS["bias_gelu_dropout_add"](x, bias, residual, p=P)
+            seeds.append(last_seed())
             if i == 0:
                 first = y
             if i % 50 == 7:
                 torch.rand(3, device="cuda")  # another random op moves the generator on
-            (seed,) = taken
-            seeds.append(seed.clone())
         (gx,) = torch.autograd.grad(first, (x,), grad_y)  # its seed was drawn `count` calls ago
         scale = runtime.dropout_scale(P)
         assert torch.equal(gx, torch.where(_dropped(first.detach(), x.detach(), residual), 0.0, grad_y * scale))
@@ -381,3 +375,33 @@ def test_eager_seeds_taken_from_threads_are_all_distinct(device):
     seeds = torch.cat([t for per_thread in taken for t in per_thread])
     assert seeds.numel() == count * threads
     assert seeds.unique().numel() == count * threads
+
+
+@pytest.mark.gpu
+def test_ops_called_from_threads_each_drop_their_own_elements(device):
+    """Op calls from threads at once (through the C++ eager call where it is built, which
+    takes seeds under the same lock as Python) and seeds taken in Python at once: every
+    call its own mask."""
+    import threading
+
+    count, threads = 100, 6
+    x, bias, residual, _ = _graph_inputs((8, 64))
+    masks: list[list[torch.Tensor]] = [[] for _ in range(threads)]
+    seeds: list[torch.Tensor] = []
+
+    def call(k: int) -> None:
+        for _ in range(count):
+            if k == 0:
+                seeds.append(runtime.seed_tensor(None, x.device, eager=True))
+            else:
+                masks[k].append(_dropped(OPS["bias_gelu_dropout_add"](x, bias, residual, p=P), x, residual))
+
+    workers = [threading.Thread(target=call, args=(k,)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    drawn = [m.flatten() for per_thread in masks for m in per_thread]
+    assert len(drawn) == count * (threads - 1)
+    assert len({tuple(m.tolist()) for m in drawn}) == len(drawn)
+    assert torch.cat(seeds).unique().numel() == count

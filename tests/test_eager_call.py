@@ -100,7 +100,7 @@ def test_off_cuda_nothing_registers_and_calls_take_the_python_path(calls_of, dev
     for _ in range(3):
         torch.testing.assert_close(op.fn(x, b), op.reference(x, b))
     if device == "cpu":
-        assert calls_of.module.counts(calls) == before == (0, 0, 0)
+        assert calls_of.module.counts(calls) == before == (0, 0, 0, 0)
         assert calls((x, b, "gelu"), False) is None
 
 
@@ -148,6 +148,26 @@ def test_launches_it_does_not_make():
     assert _binary({**signature, "t": ("i32", "i32")}, (64, (1, 2))).native_form(["X", 5], {0: 0}) is None
 
 
+# -- where each gradient comes from, on any machine ----------------------------------------
+
+
+def test_gradient_sources_say_where_each_gradient_comes_from():
+    """What a registered backward assembles in C++: the kernel's gradients, an output's
+    gradient passed through, one gradient shared by two inputs (computed once)."""
+    x, r, w, b = torch.randn(2, 8), torch.randn(2, 8), torch.randn(8), torch.randn(8)
+    bgda = op_by_name("bias_gelu_dropout_add").module._OP
+    assert bgda.gradient_sources((True, True, True), (x, b, r)) == (
+        [True, True, False], [("kernel",), ("kernel",), ("output", 0)])
+    assert bgda.gradient_sources((False, False, True), (x, b, r)) == ([False, False, False], [None, None, ("output", 0)])
+    add_rmsnorm = op_by_name("add_rmsnorm").module._OP
+    assert add_rmsnorm.gradient_sources((True, True, True), (x, r, w)) == (
+        [True, False, True], [("kernel",), ("input", 0), ("kernel",)])
+    # Only one of the two asked for, or the two unlike: each is the kernel's own.
+    assert add_rmsnorm.gradient_sources((False, True, False), (x, r, w)) == ([False, True, False], [None, ("kernel",), None])
+    assert add_rmsnorm.gradient_sources((True, True, False), (x, r.double(), w)) == (
+        [True, True, False], [("kernel",), ("kernel",), None])
+
+
 # -- on a GPU -------------------------------------------------------------------------------
 
 FULL = ShapeCase("eager", lead=(4, 33), n=256, layout="full")
@@ -183,13 +203,55 @@ def test_every_op_bit_for_bit_with_the_python_path(op, grad, calls_of, device, m
     ours = [_step(op, s, device, grad) for s in (1, 2)]
     after = calls_of.module.counts(calls)
     assert after[1] == before[1] + 2  # both forwards took the C++ path
-    if grad and fused._kernel_only_backward and not any(i.one_per_row for i in fused.inputs):
-        # Every gradient the kernel's own, none summed by torch: the first call's backward
+    if grad and not any(i.one_per_row for i in fused.inputs):
+        # No gradient summed by torch (a [..., 1] input's): the first call's backward
         # (through Python) registered its kind, and both later ones ran in C++.
         assert after[2] == before[2] + 2
     for a, b in zip(python, ours):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+def test_dropout_seeds_taken_in_cpp_are_the_python_paths(calls_of, device, monkeypatch):
+    """Without an explicit seed, a dropout call of a registered kind takes its seed from the
+    standing batch in C++ (runtime.dropout's eager seeds), so its masks are the Python
+    path's: across a batch's end, another random op in between and torch.manual_seed, and
+    in the backward, which reads the forward's seed long after."""
+    from fusegen.runtime.dropout import SEED_BATCH
+
+    op = op_by_name("bias_gelu_dropout_add")
+    fused = op.module._OP
+    gen = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(16, 128, generator=gen).to(device) for _ in range(2))
+    b = torch.randn(128, generator=gen).to(device)
+    count = SEED_BATCH + 10
+
+    def run():
+        leaf = x.clone().requires_grad_(True)
+        torch.manual_seed(5)
+        outputs = []
+        for i in range(count):
+            outputs.append(op.fn(leaf, b, r, 0.3))
+            if i % 100 == 3:
+                torch.rand(3, device=device)  # moves the generator on: a new batch
+        torch.stack(outputs).sum().backward()
+        return torch.stack(outputs).detach(), leaf.grad
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PreparedCall, "offer_native", lambda self, args: None)
+        python = run()
+    fused.forget_native_calls()
+    op.fn(x.clone().requires_grad_(True), b, r, 0.3).sum().backward()  # registers the kind and its backward
+    calls = calls_of(fused)
+    before = calls_of.module.counts(calls)
+    ours = run()
+    after = calls_of.module.counts(calls)
+    assert after[1] - before[1] == count and after[2] - before[2] == count
+    # Four batches drawn by Python: after manual_seed and after each of the three rand calls.
+    assert after[3] - before[3] == count - 4
+    assert torch.equal(python[0], ours[0]) and torch.equal(python[1], ours[1])
+    assert len({tuple(o.flatten()[:64].tolist()) for o in ours[0]}) == count  # each call its own mask
 
 
 @pytest.mark.gpu

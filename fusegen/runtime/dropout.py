@@ -83,13 +83,17 @@ class _EagerSeeds:
     starts a new batch from the generator's new state, so a program draws the same seeds
     run after run, and `reference`, which draws the same way, the same masks. Nothing here
     is written twice: a backward reads its forward's seed after later calls moved on.
+
+    The C++ eager call (runtime/csrc/eager_call.cpp, take_seed) takes seeds from a standing
+    batch itself, under the same lock: `batches` maps a device index to
+    [generator seed, generator offset, drawn seeds, seeds taken].
     """
 
     def __init__(self):
-        self._batches: dict[torch.device, list] = {}
+        self.batches: dict[int, list] = {}
         self._fixed: dict[tuple[int, torch.device], torch.Tensor] = {}
         # Threads calling ops at once must not take one seed twice (one mask for two calls).
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def take(self, seed: int | None, device: torch.device) -> torch.Tensor:
         if seed is not None:
@@ -99,23 +103,28 @@ class _EagerSeeds:
                     self._fixed.clear()
                 tensor = self._fixed[(seed, device)] = torch.full((1,), seed, dtype=torch.int64, device=device)
             return tensor
-        generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-        with self._lock:
-            state = (generator.initial_seed(), generator.get_offset())
-            batch = self._batches.get(device)
-            if batch is None or batch[0] != state or batch[2] == SEED_BATCH:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+        with self.lock:
+            batch = self.batches.get(index)
+            if (batch is None or batch[0] != generator.initial_seed() or batch[1] != generator.get_offset()
+                    or batch[3] == SEED_BATCH):
                 # Every other element, so that each seed is 16-byte aligned as the kernels
                 # expect. (Not unbound into 256 tensors ahead: where other random ops run
                 # between calls, as dropout elsewhere in a model does, every call redraws.)
                 drawn = torch.randint(0, SEED_LIMIT - 1, (SEED_BATCH, 2), dtype=torch.int64, device=device)
-                batch = [(generator.initial_seed(), generator.get_offset()), drawn, 0]
-                self._batches[device] = batch
-            index = batch[2]
-            batch[2] = index + 1
-        return batch[1][index, :1]
+                batch = self.batches[index] = [generator.initial_seed(), generator.get_offset(), drawn, 0]
+            taken = batch[3]
+            batch[3] = taken + 1
+        return batch[2][taken, :1]
 
 
 _EAGER_SEEDS = _EagerSeeds()
+
+
+def eager_seeds() -> _EagerSeeds:
+    """The process's eager seeds, which the C++ eager call shares (runtime.native)."""
+    return _EAGER_SEEDS
 
 
 def dropout_keep(seed, index: torch.Tensor, stream: int, p: float) -> torch.Tensor:

@@ -177,22 +177,23 @@ def _settle():
     return module
 
 
-def eager_calls(*, inputs: int, arguments: int, seed_position: int | None, outputs: int, kernel_gradients: bool,
-                name: str, op, backward):
+def eager_calls(*, inputs: int, arguments: int, seed_position: int | None, outputs: int, name: str, op, backward):
     """A new eager call in C++ for `op` (csrc/eager_call.cpp): `calls(args, inplace_backward)`
     gives the outputs of a call of a registered kind (`inputs` tensors first, `arguments` in
     all), with its autograd node `name`, or None. None where the extension is not in use.
-    `backward`: the node's Python backward; `kernel_gradients`: every input's gradient is
-    the backward kernel's own, so that a registered backward may run in C++."""
+    `backward`: the node's Python backward."""
     module = _state.module if _state.module is not None else _settle()
     if module is None:
         return None
     from triton import knobs
 
+    from .dropout import eager_seeds
+
     _ops_with_calls.add(op)
     return module.new_calls(inputs, arguments, -1 if seed_position is None else seed_position, outputs,
-                            kernel_gradients, name, op, backward, getattr(torch._C, "_cuda_getDevice", None),
-                            getattr(torch._C, "_cuda_getCurrentRawStream", None), knobs.runtime)
+                            name, op, backward, getattr(torch._C, "_cuda_getDevice", None),
+                            getattr(torch._C, "_cuda_getCurrentRawStream", None), knobs.runtime,
+                            eager_seeds() if seed_position is not None else None)
 
 
 def forget_calls() -> None:
@@ -209,9 +210,9 @@ def register_call(calls, args: tuple, device: int, outputs: list, saved, launch:
     return _state.module.register_call(calls, args, device, outputs, saved, launch, prepared, seed)
 
 
-def register_backward(plan, needs: tuple, grads: tuple, launch: tuple, targets: list) -> None:
+def register_backward(plan, needs: tuple, grads: tuple, launch: tuple | None, targets: list, sources: list) -> None:
     """Registers a backward of a registered kind of call (see csrc/eager_call.cpp)."""
-    _state.module.register_backward(plan, list(needs), grads, launch, targets)
+    _state.module.register_backward(plan, list(needs), grads, launch, targets, sources)
 
 
 def status() -> str:

@@ -162,7 +162,7 @@ class FusedOp:
             self._native_calls = native.eager_calls(
                 inputs=self._n_inputs, arguments=self._n_inputs + self._n_params + 2 * self.has_dropout,
                 seed_position=self._seed_position, outputs=self._n_outputs,
-                kernel_gradients=self._kernel_only_backward, name=self._node_name, op=self, backward=_native_backward)
+                name=self._node_name, op=self, backward=_native_backward)
         return self._native_calls
 
     def forget_native_calls(self) -> None:
@@ -264,16 +264,7 @@ class FusedOp:
         `prepared`: the forward's kind of call, when it had one; `in_place`: inputs' memory
         may take their gradients."""
         tensors = args[: len(self.inputs)]
-        kernel_needs = [need and through is None for need, through in zip(needs, self._passthrough)]
-        shared = ()
-        if self._has_same:
-            # The kernel writes a shared gradient once where both inputs need it and agree in
-            # shape and dtype (then the two gradients are one tensor); else each its own.
-            shared = [None] * len(tensors)
-            for i, source in enumerate(self._same_as):
-                if (source is not None and kernel_needs[i] and kernel_needs[source]
-                        and tensors[i].shape == tensors[source].shape and tensors[i].dtype == tensors[source].dtype):
-                    kernel_needs[i], shared[i] = False, source
+        kernel_needs, sources = self.gradient_sources(needs, tensors)
         kernel_grads = iter(())
         if any(kernel_needs):
             # The library op only where it is needed: while torch.compile traces (its fake
@@ -288,15 +279,33 @@ class FusedOp:
                 extra += (saved,) if self.statistics else ()
                 params = args[len(self.inputs):count]
                 kernel_grads = iter(self._backward_op(list(grads), list(tensors), *params, *extra, kernel_needs))
-        results = [
-            None if not need or (shared and shared[i] is not None)
-            else next(kernel_grads) if through is None else sum_to_input(grads[through], tensor)
-            for i, (need, through, tensor) in enumerate(zip(needs, self._passthrough, tensors))
-        ]
-        for i, source in enumerate(shared):
-            if source is not None:
-                results[i] = results[source]
+        results = []
+        for source, tensor in zip(sources, tensors):
+            if source is None:
+                results.append(None)
+            elif source[0] == "kernel":
+                results.append(next(kernel_grads))
+            elif source[0] == "output":
+                results.append(sum_to_input(grads[source[1]], tensor))
+            else:
+                results.append(results[source[1]])
         return results
+
+    def gradient_sources(self, needs, tensors) -> tuple[list[bool], list]:
+        """Where the gradient of each input flagged in `needs` comes from: the gradients the
+        backward kernel computes (flagged in the first list), and per input None (not
+        needed), ("kernel",), ("output", j) (output j's gradient passes through, summed to
+        the input's shape) or ("input", s) (the gradient of input s, computed once for both
+        where both need it and agree in shape and dtype: x + residual)."""
+        kernel_needs = [need and through is None for need, through in zip(needs, self._passthrough)]
+        sources = [None if not need else ("kernel",) if through is None else ("output", through)
+                   for need, through in zip(needs, self._passthrough)]
+        if self._has_same:
+            for i, source in enumerate(self._same_as):
+                if (source is not None and kernel_needs[i] and kernel_needs[source]
+                        and tensors[i].shape == tensors[source].shape and tensors[i].dtype == tensors[source].dtype):
+                    kernel_needs[i], sources[i] = False, ("input", source)
+        return kernel_needs, sources
 
     def backward_kernels(self, grads, args, seed, needs, saved=None, prepared: PreparedCall | None = None,
                          in_place: bool = False, shard=None) -> list:
@@ -444,9 +453,11 @@ def _compiled_autograd_enabled() -> bool:
 
 
 def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> tuple:
-    """The C++ node's backward (runtime.native): one gradient or None per input."""
+    """The C++ node's backward (runtime.native): one gradient or None per input. The first
+    of each kind is offered to the C++ eager call, which then runs the later ones."""
     op, prepared, in_place, params, seed = state
     count = op._n_inputs
+    tensors = saved[:count]
     statistics = saved[count] if len(saved) > count else None
     if op._kernel_only_backward and not torch.is_grad_enabled():
         # What FusedOp.backward does for plain tensors, every gradient given and every
@@ -456,10 +467,16 @@ def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> 
                 break
         else:
             if any(needs):
-                kernel = iter(prepared.backward(grads, saved[:count], seed, needs, statistics, in_place))
-                return [next(kernel) if need else None for need in needs]
+                kernel = iter(prepared.backward(grads, tensors, seed, needs, statistics, in_place))
+                gradients = [next(kernel) if need else None for need in needs]
+                if not in_place:
+                    prepared.offer_backward(needs, grads, tensors)
+                return gradients
             return [None] * count
-    return _gradients(op, grads, saved[:count], params, seed, needs, statistics, prepared, in_place)[:count]
+    gradients = _gradients(op, grads, tensors, params, seed, needs, statistics, prepared, in_place)[:count]
+    if prepared is not None and not in_place:
+        prepared.offer_backward(needs, grads, tensors)
+    return gradients
 
 
 def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, saved=None,

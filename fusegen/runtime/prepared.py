@@ -110,21 +110,49 @@ class PreparedCall:
     def backward(self, grads: tuple, tensors: tuple, seed, needs, saved, in_place: bool = False) -> list:
         """The backward kernel's gradients (inputs flagged in `needs`, in input order);
         `in_place`: into the inputs' own memory where that is safe."""
-        key = [tuple(needs)]
-        for g in grads:
-            key.append((g.shape, g.stride(), g.dtype, g.data_ptr() & 15))
-        key = tuple(key)
+        key = _backward_key(needs, grads)
         prepared = self._backwards.get(key)
         if prepared is None:
             if len(self._backwards) >= CACHE_SIZE:
                 self._backwards.clear()
             prepared = self._backwards[key] = self.op.kernels.prepare_backward(self.call, tensors, grads, needs)
-        gradients = prepared(tensors, grads, seed, saved, in_place)
-        if self._native_plan is not None and key not in self._offered_backwards and not in_place \
-                and self.op._kernel_only_backward:
-            # The C++ node's later backwards of this kind run in C++ (csrc/eager_call.cpp).
-            self._offered_backwards.add(key)
-            form = prepared.native_form(len(tensors))
-            if form is not None:
-                native.register_backward(self._native_plan, needs, grads, *form)
-        return gradients
+        return prepared(tensors, grads, seed, saved, in_place)
+
+    def offer_backward(self, needs, grads: tuple, tensors: tuple) -> None:
+        """After a backward of this kind of call (not in place) ran through Python, hand its
+        kind of incoming gradients to the C++ eager call, whose nodes then run the later
+        ones (csrc/eager_call.cpp). Offered once; one it cannot run stays in Python: a
+        gradient summed by torch, an output's gradient summed to a broadcast input."""
+        if self._native_plan is None or torch.is_grad_enabled():
+            return
+        for g in grads:
+            if type(g) is not torch.Tensor:  # None (an unused output), a subclass
+                return
+        key = _backward_key(needs, grads)
+        if key in self._offered_backwards:
+            return
+        self._offered_backwards.add(key)
+        kernel_needs, sources = self.op.gradient_sources(needs, tensors)
+        launch, targets, kernel_inputs = None, [], []
+        if any(kernel_needs):
+            kernel = self._backwards.get(_backward_key(kernel_needs, grads))
+            form = None if kernel is None else kernel.native_form()
+            if form is None:
+                return
+            launch, targets, kernel_inputs = form
+        native_sources = []
+        for i, source in enumerate(sources):
+            if source is not None and source[0] == "kernel":
+                source = ("kernel", kernel_inputs.index(i))
+            elif source is not None and source[0] == "output" and grads[source[1]].shape != tensors[i].shape:
+                return  # summed to the input's shape by torch
+            native_sources.append(source)
+        native.register_backward(self._native_plan, needs, grads, launch, targets, native_sources)
+
+
+def _backward_key(needs, grads: tuple) -> tuple:
+    """A backward's kind: the gradients asked for and the incoming gradients' layout."""
+    key = [tuple(needs)]
+    for g in grads:
+        key.append((g.shape, g.stride(), g.dtype, g.data_ptr() & 15))
+    return tuple(key)

@@ -198,13 +198,13 @@ class PreparedBackward:
                 results.append(result)
         return results
 
-    def native_form(self, inputs: int) -> tuple | None:
-        """(launch form, targets) for a compiled caller (runtime/csrc/eager_call.cpp), or None.
-        Its targets: one per input (of `inputs`, each with a gradient from the kernel), None
-        where not needed, else (summed, buffer shape, buffer dtype, gradient shape, gradient
-        dtype, the sums' launch form or None): a "full" gradient is the buffer, a "rows"
-        one the buffer summed by the small kernel. Other kinds (a torch sum) stay here."""
-        if self._launch is None or self._inputs != list(range(inputs)):
+    def native_form(self) -> tuple | None:
+        """(launch form, targets, inputs) for a compiled caller (runtime/csrc/eager_call.cpp),
+        or None. Its targets: one per gradient the kernel computes (of the inputs listed),
+        None where not needed, else (summed, buffer shape, buffer dtype, gradient shape,
+        gradient dtype, the sums' launch form or None): a "full" gradient is the buffer, a
+        "rows" one the buffer summed by the small kernel. Other kinds (a torch sum) stay here."""
+        if self._launch is None:
             return None
         form = self._launch.native_form()
         if form is None:
@@ -221,7 +221,7 @@ class PreparedBackward:
                     return None
                 targets.append((True, target.buffer_shape, target.buffer_dtype, tuple(target.shape), target.dtype,
                                 sums_form))
-        return form, targets
+        return form, targets, list(self._inputs)
 
     def _writable(self, target: GradTarget, tensor: torch.Tensor, tensors, grads) -> bool:
         """Whether this call may write `tensor`'s gradient into `tensor` (see the class)."""

@@ -22,6 +22,7 @@
 #include <cuda.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Dtype.h>
@@ -48,6 +49,7 @@ using CtxSetCurrent = CUresult (*)(CUcontext);
 using DeviceGet = CUresult (*)(CUdevice*, int);
 using PrimaryCtxRetain = CUresult (*)(CUcontext*, CUdevice);
 using GetErrorString = CUresult (*)(CUresult, const char**);
+using StreamIsCapturing = CUresult (*)(CUstream, CUstreamCaptureStatus*);
 
 struct Driver {
   LaunchEx launch = nullptr;
@@ -56,6 +58,7 @@ struct Driver {
   DeviceGet device_get = nullptr;
   PrimaryCtxRetain primary_ctx_retain = nullptr;
   GetErrorString error_string = nullptr;
+  StreamIsCapturing stream_is_capturing = nullptr;
 };
 
 // Looked up once, on the first registration (a process that registers nothing never opens
@@ -76,8 +79,9 @@ const Driver& driver() {
     d.device_get = reinterpret_cast<DeviceGet>(dlsym(lib, "cuDeviceGet"));
     d.primary_ctx_retain = reinterpret_cast<PrimaryCtxRetain>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
     d.error_string = reinterpret_cast<GetErrorString>(dlsym(lib, "cuGetErrorString"));
+    d.stream_is_capturing = reinterpret_cast<StreamIsCapturing>(dlsym(lib, "cuStreamIsCapturing"));
     if (!d.launch || !d.ctx_get_current || !d.ctx_set_current || !d.device_get || !d.primary_ctx_retain ||
-        !d.error_string) {
+        !d.error_string || !d.stream_is_capturing) {
       throw std::runtime_error("fusegen: libcuda.so.1 lacks cuLaunchKernelEx or the context calls");
     }
     return d;
@@ -142,10 +146,18 @@ struct Target {
   Launch sums;    // summed only: values (buffer, result)
 };
 
+// Where one input's gradient comes from (FusedOp.gradient_sources).
+struct Source {
+  enum Kind { kNone, kKernel, kOutput, kInput } kind = kNone;
+  int index = 0;  // the kernel's target, the output whose gradient passes through, the earlier input
+};
+
 // The backward of one kind of call for one kind of incoming gradients.
 struct BackwardPlan {
+  bool launches = false;  // any gradient the kernel's
   Launch launch;  // values: *inputs, *grads, *buffers (one per target), saved, seed
-  std::vector<Target> targets;  // one per input, in order
+  std::vector<Target> targets;  // one per gradient the kernel computes
+  std::vector<Source> sources;  // one per input, in order
 };
 
 // What a plan's backward needs from Python, with the GIL: the current device and stream,
@@ -168,7 +180,6 @@ struct Plan {
   // kernels whose handles the launches use.
   pybind11::object prepared;
   pybind11::object seed;  // draws this call's seed tensor (a dropout that draws), or None
-  bool fast_backward = false;  // every gradient is the backward kernel's own
   std::shared_ptr<Hooks> hooks;
   // Registered from Python (with the GIL), read by the engine's threads (without).
   std::mutex mutex;
@@ -184,12 +195,14 @@ struct FUSEGEN_HIDDEN Calls {
   Py_ssize_t arguments = 0;     // all positional arguments
   Py_ssize_t seed_position = -1;  // the seed argument's, or -1 (no dropout)
   Py_ssize_t outputs = 0;
-  bool kernel_gradients = false;  // every input's gradient is the backward kernel's own
   pybind11::object op;          // the FusedOp
   pybind11::object backward;    // runtime.op._native_backward
   std::shared_ptr<Hooks> hooks;
   std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> plans;
-  uint64_t hits = 0;             // forward calls taken (for tests)
+  pybind11::object seed_batches;  // runtime.dropout's eager seeds: {device: [seed, offset, drawn, taken]}
+  pybind11::object seed_lock;     // and the lock that guards them
+  uint64_t hits = 0;              // forward calls taken (for tests)
+  uint64_t seeds = 0;             // seeds taken here, not from Python (for tests)
 };
 
 const c10::DispatchKeySet kNotPlain({
@@ -400,6 +413,71 @@ uint64_t address(const at::Tensor& t) {
   return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
 }
 
+// The next seed of the device's batch, as runtime.dropout._EagerSeeds.take gives it where
+// the batch stands (the device's generator where the batch left it, seeds left, no stream
+// capture); false for everything else, which Python's drawer handles (a new batch, an
+// explicit seed, a capture, another thread inside take). With the GIL.
+bool take_seed(Calls& calls, int device, CUstream stream, at::Tensor& out) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  check(driver().stream_is_capturing(stream, &status), "cuStreamIsCapturing");
+  if (status != CU_STREAM_CAPTURE_STATUS_NONE) {
+    return false;
+  }
+  pybind11::object index = pybind11::reinterpret_steal<pybind11::object>(PyLong_FromLong(device));
+  PyObject* batch = index ? PyDict_GetItemWithError(calls.seed_batches.ptr(), index.ptr()) : nullptr;  // borrowed
+  if (batch == nullptr) {
+    if (PyErr_Occurred()) {
+      throw python_error();
+    }
+    return false;
+  }
+  if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) != 4 || !THPVariable_Check(PyList_GET_ITEM(batch, 2))) {
+    return false;
+  }
+  pybind11::object acquired = calls.seed_lock.attr("acquire")(false);
+  if (!acquired.cast<bool>()) {
+    return false;  // another thread is inside take
+  }
+  struct Release {
+    pybind11::object& lock;
+    ~Release() {
+      PyObject* result = PyObject_CallMethod(lock.ptr(), "release", nullptr);
+      Py_XDECREF(result);
+      if (result == nullptr) {
+        PyErr_Clear();
+      }
+    }
+  } release{calls.seed_lock};
+  at::Generator generator = at::globalContext().defaultGenerator(at::Device(at::kCUDA, device));
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    seed = generator.current_seed();
+    offset = generator.get_offset();
+  }
+  const unsigned long long batch_seed = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(batch, 0));
+  const unsigned long long batch_offset = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(batch, 1));
+  const Py_ssize_t taken = PyLong_AsSsize_t(PyList_GET_ITEM(batch, 3));
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  const at::Tensor& drawn = THPVariable_Unpack(PyList_GET_ITEM(batch, 2));
+  if (batch_seed != seed || batch_offset != offset || taken < 0 || taken >= drawn.size(0) || drawn.dim() != 2) {
+    return false;  // the generator moved on (manual_seed, other random ops), or the batch is spent
+  }
+  PyObject* next = PyLong_FromSsize_t(taken + 1);
+  if (next == nullptr) {
+    throw python_error();
+  }
+  PyList_SetItem(batch, 3, next);  // steals it
+  // One int64 of row `taken`, as Python's drawn[taken, :1].
+  out = drawn.as_strided({1}, {1}, drawn.storage_offset() + taken * drawn.stride(0));
+  ++calls.seeds;
+  return true;
+}
+
 PyObject* call_python(PyObject* fn, PyObject* arg) {
   PyObject* result = PyObject_CallOneArg(fn, arg);
   if (result == nullptr) {
@@ -469,40 +547,59 @@ struct FUSEGEN_HIDDEN PlanBackward : fusegen::FastBackward {
       }
     }
     const auto options = at::TensorOptions().device(at::kCUDA, plan_->device);
-    std::vector<at::Tensor> buffers(b.targets.size());
-    for (size_t i = 0; i < b.targets.size(); ++i) {
-      if (b.targets[i].needed) {
-        buffers[i] = at::empty(b.targets[i].buffer.shape, options.dtype(b.targets[i].buffer.dtype));
+    std::vector<at::Tensor> results(b.targets.size());
+    if (b.launches) {
+      std::vector<at::Tensor> buffers(b.targets.size());
+      for (size_t k = 0; k < b.targets.size(); ++k) {
+        if (b.targets[k].needed) {
+          buffers[k] = at::empty(b.targets[k].buffer.shape, options.dtype(b.targets[k].buffer.dtype));
+        }
+      }
+      uint64_t addresses[kMaxParams];
+      size_t n = 0;
+      for (size_t i = 0; i < inputs; ++i) {
+        addresses[n++] = address(saved[i]);
+      }
+      for (const auto& g : grads) {
+        addresses[n++] = address(g);
+      }
+      for (const auto& buffer : buffers) {
+        addresses[n++] = address(buffer);
+      }
+      addresses[n++] = saved.size() > inputs ? address(saved[inputs]) : 0;
+      addresses[n++] = address(seed_);
+      ensure_context(plan_->device);
+      launch(b.launch, addresses, stream, plan_->hooks->name);
+      for (size_t k = 0; k < b.targets.size(); ++k) {
+        const Target& t = b.targets[k];
+        if (!t.needed) {
+          continue;
+        }
+        if (!t.summed) {
+          results[k] = buffers[k];
+          continue;
+        }
+        results[k] = at::empty(t.result.shape, options.dtype(t.result.dtype));
+        uint64_t pair[2] = {address(buffers[k]), address(results[k])};
+        launch(t.sums, pair, stream, plan_->hooks->name);
       }
     }
-    uint64_t addresses[kMaxParams];
-    size_t n = 0;
-    for (size_t i = 0; i < inputs; ++i) {
-      addresses[n++] = address(saved[i]);
-    }
-    for (const auto& g : grads) {
-      addresses[n++] = address(g);
-    }
-    for (const auto& buffer : buffers) {
-      addresses[n++] = address(buffer);
-    }
-    addresses[n++] = saved.size() > inputs ? address(saved[inputs]) : 0;
-    addresses[n++] = address(seed_);
-    ensure_context(plan_->device);
-    launch(b.launch, addresses, stream, plan_->hooks->name);
     out.assign(inputs, at::Tensor());
     for (size_t i = 0; i < inputs; ++i) {
-      const Target& t = b.targets[i];
-      if (!t.needed) {
-        continue;
+      const Source& source = b.sources[i];
+      switch (source.kind) {
+        case Source::kKernel:
+          out[i] = results[source.index];
+          break;
+        case Source::kOutput:
+          out[i] = grads[source.index];  // passes through as it is (its shape is the input's)
+          break;
+        case Source::kInput:
+          out[i] = out[source.index];  // one gradient for both (x + residual)
+          break;
+        case Source::kNone:
+          break;
       }
-      if (!t.summed) {
-        out[i] = buffers[i];
-        continue;
-      }
-      out[i] = at::empty(t.result.shape, options.dtype(t.result.dtype));
-      uint64_t pair[2] = {address(buffers[i]), address(out[i])};
-      launch(t.sums, pair, stream, plan_->hooks->name);
     }
     ++plan_->hooks->backward_hits;
     return true;
@@ -578,7 +675,8 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   }
   pybind11::object seed = pybind11::none();
   at::Tensor seed_tensor;
-  if (!plan.seed.is_none()) {
+  if (!plan.seed.is_none() &&
+      (seed_argument != Py_None || calls.seed_batches.is_none() || !take_seed(calls, plan.device, stream, seed_tensor))) {
     seed = pybind11::reinterpret_steal<pybind11::object>(call_python(plan.seed.ptr(), seed_argument));
     seed_tensor = THPVariable_Unpack(seed.ptr());
   }
@@ -601,6 +699,9 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     const bool in_place = argv[1] == Py_True;
     pybind11::tuple params = pybind11::reinterpret_steal<pybind11::tuple>(
         PyTuple_GetSlice(args, calls.inputs, calls.arguments));
+    if (seed_tensor.defined() && seed.is_none()) {
+      seed = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(seed_tensor));
+    }
     pybind11::tuple state = pybind11::make_tuple(calls.op, plan.prepared, pybind11::bool_(in_place), params, seed);
     torch::autograd::variable_list inputs(tensors.begin(), tensors.end());
     torch::autograd::variable_list kept(tensors.begin(), tensors.end());
@@ -608,7 +709,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
       kept.push_back(saved);
     }
     std::shared_ptr<fusegen::FastBackward> fast;
-    if (plan.fast_backward && !in_place) {
+    if (!in_place) {
       fast = std::make_shared<PlanBackward>(shared, seed_tensor);
     }
     fusegen::attach(calls.backward, state, plan.hooks->name, inputs, outputs, kept, std::move(fast));
@@ -639,14 +740,14 @@ void release(PyObject* capsule) {
 
 // A new op's calls: a function (args, inplace_backward) -> outputs or None.
 pybind11::object new_calls(Py_ssize_t inputs, Py_ssize_t arguments, Py_ssize_t seed_position, Py_ssize_t outputs,
-                           bool kernel_gradients, std::string name, pybind11::object op, pybind11::object backward,
-                           pybind11::object get_device, pybind11::object get_stream, pybind11::object knobs) {
+                           std::string name, pybind11::object op, pybind11::object backward,
+                           pybind11::object get_device, pybind11::object get_stream, pybind11::object knobs,
+                           pybind11::object seeds) {
   auto* calls = new Calls();
   calls->inputs = inputs;
   calls->arguments = arguments;
   calls->seed_position = seed_position;
   calls->outputs = outputs;
-  calls->kernel_gradients = kernel_gradients;
   calls->op = std::move(op);
   calls->backward = std::move(backward);
   calls->hooks = std::make_shared<Hooks>();
@@ -654,6 +755,10 @@ pybind11::object new_calls(Py_ssize_t inputs, Py_ssize_t arguments, Py_ssize_t s
   calls->hooks->get_stream = std::move(get_stream);
   calls->hooks->knobs = std::move(knobs);
   calls->hooks->name = std::move(name);
+  if (!seeds.is_none()) {
+    calls->seed_batches = seeds.attr("batches");
+    calls->seed_lock = seeds.attr("lock");
+  }
   PyObject* capsule = PyCapsule_New(calls, "fusegen.Calls", release);
   if (capsule == nullptr) {
     delete calls;
@@ -752,7 +857,6 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
   plan->launch = launch_of(launch_form, tensors.size() + plan->outputs.size() + 2);
   plan->prepared = std::move(prepared);
   plan->seed = std::move(seed);
-  plan->fast_backward = calls.kernel_gradients;
   plan->hooks = calls.hooks;
   if (calls.plans.size() >= kCacheSize) {
     calls.plans.clear();
@@ -762,16 +866,19 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
 }
 
 // Registers a backward of a plan: for the gradients asked for (`needs`, one per input) and
-// incoming gradients like `grads`, the backward kernel's launch and, per input, None or
-// (summed, buffer shape, buffer dtype, gradient shape, gradient dtype, sums launch or None).
+// incoming gradients like `grads`, the backward kernel's launch (None: no gradient is the
+// kernel's), its targets, one per gradient it computes: None or (summed, buffer shape,
+// buffer dtype, gradient shape, gradient dtype, sums launch or None); and one source per
+// input: None, ("kernel", target), ("output", output) or ("input", earlier input).
 void register_backward(const PlanRef& ref, const std::vector<bool>& needs, const pybind11::tuple& grads,
-                       const pybind11::tuple& launch_form, const pybind11::list& targets) {
+                       const pybind11::object& launch_form, const pybind11::list& targets,
+                       const pybind11::list& sources) {
   std::shared_ptr<Plan> plan = ref.plan.lock();
   if (!plan) {
     return;  // forgotten (its op's cache was full, or cleared)
   }
-  if (!plan->fast_backward || targets.size() != needs.size()) {
-    throw std::invalid_argument("fusegen: register_backward: not a backward this plan takes");
+  if (sources.size() != needs.size()) {
+    throw std::invalid_argument("fusegen: register_backward: one source per input");
   }
   Key key;
   for (bool need : needs) {
@@ -784,11 +891,13 @@ void register_backward(const PlanRef& ref, const std::vector<bool>& needs, const
     add_tensor(key, THPVariable_Unpack(g.ptr()));
   }
   BackwardPlan b;
-  const size_t values = needs.size() + grads.size() + targets.size() + 2;
-  b.launch = launch_of(launch_form, values);
-  for (size_t i = 0; i < targets.size(); ++i) {
+  b.launches = !launch_form.is_none();
+  if (b.launches) {
+    const size_t values = needs.size() + grads.size() + targets.size() + 2;
+    b.launch = launch_of(launch_form, values);
+  }
+  for (auto entry : targets) {
     Target t;
-    pybind11::handle entry = targets[i];
     if (!entry.is_none()) {
       auto form = entry.cast<pybind11::tuple>();
       t.needed = true;
@@ -799,10 +908,30 @@ void register_backward(const PlanRef& ref, const std::vector<bool>& needs, const
         t.sums = launch_of(form[5], 2);
       }
     }
-    if (t.needed != needs[i]) {
-      throw std::invalid_argument("fusegen: register_backward: targets and needs disagree");
-    }
     b.targets.push_back(std::move(t));
+  }
+  for (size_t i = 0; i < needs.size(); ++i) {
+    Source source;
+    pybind11::handle entry = sources[i];
+    if (!entry.is_none()) {
+      auto form = entry.cast<pybind11::tuple>();
+      const auto kind = form[0].cast<std::string>();
+      source.index = form[1].cast<int>();
+      const bool in_range = kind == "kernel"   ? source.index >= 0 && source.index < static_cast<int>(b.targets.size()) &&
+                                                    b.targets[source.index].needed
+                            : kind == "output" ? source.index >= 0 && source.index < static_cast<int>(grads.size())
+                            : kind == "input"  ? source.index >= 0 && source.index < static_cast<int>(i) &&
+                                                    needs[source.index]
+                                               : false;
+      if (!in_range || (kind == "kernel" && !b.launches)) {
+        throw std::invalid_argument("fusegen: register_backward: a gradient's source is out of range");
+      }
+      source.kind = kind == "kernel" ? Source::kKernel : kind == "output" ? Source::kOutput : Source::kInput;
+    }
+    if ((source.kind != Source::kNone) != needs[i]) {
+      throw std::invalid_argument("fusegen: register_backward: sources and needs disagree");
+    }
+    b.sources.push_back(source);
   }
   std::lock_guard<std::mutex> lock(plan->mutex);
   if (plan->backwards.size() < kCacheSize) {  // never erased: a node may be reading one
@@ -822,7 +951,7 @@ pybind11::object call_key(const pybind11::object& function, const pybind11::obje
 
 pybind11::tuple counts(const pybind11::object& function) {
   Calls& calls = calls_from(function);
-  return pybind11::make_tuple(calls.plans.size(), calls.hits, calls.hooks->backward_hits.load());
+  return pybind11::make_tuple(calls.plans.size(), calls.hits, calls.hooks->backward_hits.load(), calls.seeds);
 }
 
 }  // namespace
@@ -841,5 +970,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_call", &register_call, "Register the kind of call `args` is (see eager_call.cpp).");
   m.def("register_backward", &register_backward, "Register a backward of a registered kind of call.");
   m.def("call_key", &call_key, "The key of a call, or None (for tests).");
-  m.def("counts", &counts, "(kinds registered, forward calls taken, backwards taken) of an op's eager call.");
+  m.def("counts", &counts, "(kinds registered, forward calls taken, backwards taken, seeds taken) of an op's eager call.");
 }
