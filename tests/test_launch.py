@@ -163,16 +163,19 @@ def test_row_sum_buffer_has_one_slot_per_tile_of_the_narrowest_pruned_config(on_
 
 
 @pytest.mark.parametrize("summed", [True, False])
-@pytest.mark.parametrize("m,n", [(16384, 8192), (15, 1000), (3, 7), (100000, 1), (64, 65536 * 20), (4096, 16)])
+@pytest.mark.parametrize("m,n", [(16384, 8192), (8192, 11008), (16384, 4096), (15, 1000), (3, 7), (100000, 1),
+                                 (64, 65536 * 20), (4096, 16)])
 def test_backward_rows_per_program_are_whole_tiles(on_gpu_pruning, m, n, summed):
     """A program walks its rows BLOCK_M at a time: every tile the pruner keeps must divide
-    them, with or without row sums; without, programs are as short as the tiles allow."""
+    them, with or without row sums; without, programs are as short as the tiles allow, and
+    a row ONE_ROW_WIDTH wide or wider is one program's alone."""
     bucket = tuning.m_bucket(m)
     rows = tuning.backward_rows_per_program(bucket, n, summed)
     pruned = tuning.prune_backward_configs(tuning.BACKWARD_CONFIGS, {"M_BUCKET": bucket, "N": n, "ROWS_PER_PROGRAM": rows})
     assert pruned and all(rows % bm == 0 for bm, _ in _tiles(pruned)), (rows, _tiles(pruned))
     if not summed:
         assert rows == max(bm for bm, _ in _tiles(pruned))
+        assert (rows == 1) == (n >= tuning.ONE_ROW_WIDTH) or n < 512
 
 
 # ---------------------------------------------------------------------------

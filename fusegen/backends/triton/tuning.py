@@ -13,7 +13,11 @@ GRID_Y_LIMIT = 65535
 # reach 0.94-0.97 of copy bandwidth at 16M+ elements; the narrow tiles serve small N.
 # Whole 8192-wide rows (16 warps, as Liger-Kernel runs its GLUs) took the GLU forwards from
 # 0.97-1.00x Liger to 0.99-1.00x (16384 rows, bf16 and fp32).
+# Rows wider than 8192 (LLaMA's 11008): one 16384-wide masked tile a row, 32 warps, took
+# the GLU forwards at bf16 (8192, 11008) from 0.97x Liger to 1.01x (swiglu), 1.03x to 1.10x (geglu).
 FORWARD_CONFIGS = [
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 16384}, num_warps=32),
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 16384}, num_warps=16),
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 8192}, num_warps=16),
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 8192}, num_warps=8),
     triton.Config({"BLOCK_M": 2, "BLOCK_N": 4096}, num_warps=8),
@@ -53,6 +57,8 @@ LARGE_TILE_ELEMENTS = 2048  # and above it, tiles at least this big
 # two-row tiles (the first five) took the GLU forward+backward from 0.96-0.98x Liger to
 # 0.98-1.00x (H100, docs/benchmarks.md).
 BACKWARD_CONFIGS = [
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 16384}, num_warps=32),
+    triton.Config({"BLOCK_M": 1, "BLOCK_N": 16384}, num_warps=16),
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 8192}, num_warps=16),
     triton.Config({"BLOCK_M": 1, "BLOCK_N": 4096}, num_warps=8),
     triton.Config({"BLOCK_M": 2, "BLOCK_N": 4096}, num_warps=16),
@@ -68,6 +74,10 @@ BACKWARD_CONFIGS = [
 ]
 MIN_ROWS_PER_PROGRAM = 16  # >= every backward config's BLOCK_M
 UNSUMMED_ROWS_PER_PROGRAM = 4
+# Rows at least this wide walk one row a program where nothing is summed over rows (as
+# Liger-Kernel's GLU backwards do): GLU forward+backward at bf16 (16384, 8192) 0.7149 ms
+# against 0.7237 with up to 4 rows (swiglu; 1.00x Liger), and 0.5081 against 0.5135 at (8192, 11008).
+ONE_ROW_WIDTH = 8192
 MAX_ROWS_PER_PROGRAM = 256
 
 # The interpreter runs one Python step per program: few, mid-sized tiles are fastest.
@@ -238,12 +248,14 @@ def backward_rows_per_program(m: int, n: int, summed: bool = True) -> int:
     """Rows each backward program walks. With a gradient summed over rows (`summed`): enough
     programs to fill a GPU (~1024), but as few as that allows, since each writes one row of
     partial column sums per reduced input. Without: the tallest tile that fits at most
-    UNSUMMED_ROWS_PER_PROGRAM rows, for as many programs as the tiles allow (swiglu's
-    backward at bf16 (16384, 8192) measured 3% faster with 4 rows a program than with 128)."""
+    UNSUMMED_ROWS_PER_PROGRAM rows (one on rows ONE_ROW_WIDTH wide), for as many programs
+    as the tiles allow (swiglu's backward at bf16 (16384, 8192) measured 3% faster with 4 rows
+    a program than with 128, and 1% faster again with one)."""
     if is_interpreting():
         return max(MIN_ROWS_PER_PROGRAM, min(MAX_ROWS_PER_PROGRAM, triton.next_power_of_2(m)))
     if not summed:
-        fitting = _fitting(BACKWARD_CONFIGS, m, n, max_block_m=UNSUMMED_ROWS_PER_PROGRAM)
+        rows = 1 if n >= ONE_ROW_WIDTH else UNSUMMED_ROWS_PER_PROGRAM
+        fitting = _fitting(BACKWARD_CONFIGS, m, n, max_block_m=rows)
         return max(c.kwargs["BLOCK_M"] for c in fitting)  # the pruner, given this, keeps the same tiles
     column_tiles = cdiv(n, 1024)
     rows = MIN_ROWS_PER_PROGRAM
