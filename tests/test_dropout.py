@@ -375,33 +375,3 @@ def test_eager_seeds_taken_from_threads_are_all_distinct(device):
     seeds = torch.cat([t for per_thread in taken for t in per_thread])
     assert seeds.numel() == count * threads
     assert seeds.unique().numel() == count * threads
-
-
-@pytest.mark.gpu
-def test_ops_called_from_threads_each_drop_their_own_elements(device):
-    """Op calls from threads at once (through the C++ eager call where it is built, which
-    takes seeds under the same lock as Python) and seeds taken in Python at once: every
-    call its own mask."""
-    import threading
-
-    count, threads = 100, 6
-    x, bias, residual, _ = _graph_inputs((8, 64))
-    masks: list[list[torch.Tensor]] = [[] for _ in range(threads)]
-    seeds: list[torch.Tensor] = []
-
-    def call(k: int) -> None:
-        for _ in range(count):
-            if k == 0:
-                seeds.append(runtime.seed_tensor(None, x.device, eager=True))
-            else:
-                masks[k].append(_dropped(OPS["bias_gelu_dropout_add"](x, bias, residual, p=P), x, residual))
-
-    workers = [threading.Thread(target=call, args=(k,)) for k in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    drawn = [m.flatten() for per_thread in masks for m in per_thread]
-    assert len(drawn) == count * (threads - 1)
-    assert len({tuple(m.tolist()) for m in drawn}) == len(drawn)
-    assert torch.cat(seeds).unique().numel() == count

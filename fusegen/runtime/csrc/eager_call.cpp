@@ -6,9 +6,11 @@
 // the kernel, and then registers the kind here (PreparedCall.offer_native): the outputs to
 // allocate and the kernel's launch, each parameter as Triton's own launcher passes it. A
 // later call of that kind is keyed, allocated, launched (cuLaunchKernelEx) and given its
-// autograd node (autograd_node.cpp) here, without running Python; one with dropout asks
-// Python for its seed tensor. Likewise the first backward of each kind of incoming
-// gradient registers its launch (PreparedCall.backward), and later ones run in the node.
+// autograd node (autograd_node.cpp) here, without running Python; one with dropout takes
+// the next seed of the batch Python drew ahead (take_seed; Python draws a new batch, and
+// checks an explicit seed). Likewise the first backward of each kind of incoming gradients
+// registers its launch and where each gradient comes from (PreparedCall.offer_backward,
+// after the Python backward ran), and later ones run in the node.
 // Anything else returns None before doing anything, and the caller takes the Python path:
 // a kind not registered, a tensor subclass or wrapper, a torch.func transform, a dispatch
 // mode, compiled autograd, forward-mode AD, an explicit seed without dropout (Python checks
@@ -419,12 +421,31 @@ uint64_t address(const at::Tensor& t) {
 // explicit seed, a capture, another thread inside take). With the GIL.
 bool take_seed(Calls& calls, int device, CUstream stream, at::Tensor& out) {
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-  check(driver().stream_is_capturing(stream, &status), "cuStreamIsCapturing");
-  if (status != CU_STREAM_CAPTURE_STATUS_NONE) {
+  if (driver().stream_is_capturing(stream, &status) != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE) {
     return false;
   }
+  pybind11::object acquired = calls.seed_lock.attr("acquire")(false);
+  if (!acquired.cast<bool>()) {
+    return false;  // another thread is inside take
+  }
+  // Released on every way out, an exception pending or not.
+  struct Release {
+    pybind11::object& lock;
+    ~Release() {
+      PyObject *type, *value, *traceback;
+      PyErr_Fetch(&type, &value, &traceback);
+      PyObject* result = PyObject_CallMethod(lock.ptr(), "release", nullptr);
+      Py_XDECREF(result);
+      PyErr_Clear();
+      PyErr_Restore(type, value, traceback);
+    }
+  } release{calls.seed_lock};
+  // Looked up with the lock held: no other thread replaces the batch while it is read.
   pybind11::object index = pybind11::reinterpret_steal<pybind11::object>(PyLong_FromLong(device));
-  PyObject* batch = index ? PyDict_GetItemWithError(calls.seed_batches.ptr(), index.ptr()) : nullptr;  // borrowed
+  if (!index) {
+    throw python_error();
+  }
+  PyObject* batch = PyDict_GetItemWithError(calls.seed_batches.ptr(), index.ptr());  // borrowed
   if (batch == nullptr) {
     if (PyErr_Occurred()) {
       throw python_error();
@@ -434,20 +455,6 @@ bool take_seed(Calls& calls, int device, CUstream stream, at::Tensor& out) {
   if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) != 4 || !THPVariable_Check(PyList_GET_ITEM(batch, 2))) {
     return false;
   }
-  pybind11::object acquired = calls.seed_lock.attr("acquire")(false);
-  if (!acquired.cast<bool>()) {
-    return false;  // another thread is inside take
-  }
-  struct Release {
-    pybind11::object& lock;
-    ~Release() {
-      PyObject* result = PyObject_CallMethod(lock.ptr(), "release", nullptr);
-      Py_XDECREF(result);
-      if (result == nullptr) {
-        PyErr_Clear();
-      }
-    }
-  } release{calls.seed_lock};
   at::Generator generator = at::globalContext().defaultGenerator(at::Device(at::kCUDA, device));
   uint64_t seed = 0;
   uint64_t offset = 0;
@@ -464,7 +471,7 @@ bool take_seed(Calls& calls, int device, CUstream stream, at::Tensor& out) {
     return false;
   }
   const at::Tensor& drawn = THPVariable_Unpack(PyList_GET_ITEM(batch, 2));
-  if (batch_seed != seed || batch_offset != offset || taken < 0 || taken >= drawn.size(0) || drawn.dim() != 2) {
+  if (batch_seed != seed || batch_offset != offset || drawn.dim() != 2 || taken < 0 || taken >= drawn.size(0)) {
     return false;  // the generator moved on (manual_seed, other random ops), or the batch is spent
   }
   PyObject* next = PyLong_FromSsize_t(taken + 1);
@@ -660,6 +667,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   if (!current_stream(*plan.hooks, plan.device, stream)) {
     Py_RETURN_NONE;
   }
+  ensure_context(plan.device);  // a thread's first call: take_seed asks the driver about the stream
   ++calls.hits;
 
   // The outputs, the statistics kept for the backward, the seed.
@@ -676,7 +684,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   pybind11::object seed = pybind11::none();
   at::Tensor seed_tensor;
   if (!plan.seed.is_none() &&
-      (seed_argument != Py_None || calls.seed_batches.is_none() || !take_seed(calls, plan.device, stream, seed_tensor))) {
+      (seed_argument != Py_None || !calls.seed_batches || !take_seed(calls, plan.device, stream, seed_tensor))) {
     seed = pybind11::reinterpret_steal<pybind11::object>(call_python(plan.seed.ptr(), seed_argument));
     seed_tensor = THPVariable_Unpack(seed.ptr());
   }
@@ -692,7 +700,6 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   }
   addresses[n++] = address(saved);
   addresses[n++] = address(seed_tensor);
-  ensure_context(plan.device);
   launch(plan.launch, addresses, stream, plan.hooks->name);
 
   if (grad) {
