@@ -437,6 +437,28 @@ def test_calls_left_to_the_python_path(calls_of, device):
 
 
 @pytest.mark.gpu
+def test_a_call_through_cpp_keeps_no_tensor_alive(calls_of, device):
+    """Once a call and its backward are done, nothing of theirs stays alive in C++: not its
+    inputs (a thread-local key once held the last call's), outputs or gradients."""
+    import gc
+    import weakref
+
+    op = op_by_name("layernorm")
+    fused = op.module._OP
+    probes = []
+    for _ in range(2):  # the second through C++
+        x = torch.randn(3, 16, device=device, requires_grad=True)
+        weight, bias = torch.randn(16, device=device), torch.randn(16, device=device)
+        y = op.fn(x, weight, bias)
+        y.sum().backward()
+        probes = [weakref.ref(t) for t in (x, weight, bias, y, x.grad)]
+        del x, weight, bias, y
+    assert calls_of.module.counts(calls_of(fused))[1] >= 1
+    gc.collect()
+    assert all(probe() is None for probe in probes)
+
+
+@pytest.mark.gpu
 def test_a_forgotten_kind_of_call_is_freed(calls_of, device):
     """The plan in C++ holds its PreparedCall, which holds the plan only weakly: once the op
     forgets its kinds of call (as a full cache does), nothing keeps either alive."""

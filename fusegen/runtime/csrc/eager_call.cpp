@@ -630,6 +630,11 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   PyObject* args = argv[0];
   thread_local Key key;
   thread_local std::vector<at::Tensor> tensors;
+  // Emptied on every way out: the call's inputs must not outlive it here.
+  struct Clear {
+    std::vector<at::Tensor>& tensors;
+    ~Clear() { tensors.clear(); }
+  } clear{tensors};
   if (!make_key(calls, args, key, tensors)) {
     Py_RETURN_NONE;
   }
