@@ -276,6 +276,33 @@ def test_a_half_written_build_is_never_loaded(built, tmp_path, monkeypatch):
         native.build_directory.cache_clear()
 
 
+def test_a_killed_builds_lock_file_does_not_block_the_next_build(tmp_path, monkeypatch):
+    """torch's build lock (cpp_extension's FileBaton, build/lock) outlives a build killed
+    midway, and torch would wait on it forever; fusegen's own lock (an flock, let go when
+    its process ends) says that no build is running, so the leftover goes."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("FUSEGEN_CACHE_DIR", str(tmp_path))
+    native.build_directory.cache_clear()
+    try:
+        directory = native.build_directory()
+        work = directory / "build"
+        work.mkdir(parents=True)
+        (work / "lock").write_text("")  # left by a killed build
+        built = object()
+
+        def load(name, sources, build_directory, **kwargs):  # as torch's: waits while the lock is there
+            assert not (Path(build_directory) / "lock").exists(), "the build would wait forever"
+            (Path(build_directory) / native._library_name(directory)).write_bytes(b"library")
+            return built
+
+        monkeypatch.setattr(cpp_extension, "load", load)
+        assert native._build(directory) is built
+        assert native._built_file(directory).read_bytes() == b"library"
+    finally:
+        native.build_directory.cache_clear()
+
+
 def test_off_and_bad_modes(monkeypatch):
     monkeypatch.setattr(native._state, "module", None)
     monkeypatch.setattr(native._state, "failed", None)

@@ -25,6 +25,7 @@ upgrading any of them needs a new build (until then: the Python Function).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -36,6 +37,11 @@ import threading
 import warnings
 import weakref
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 import torch
 
@@ -145,15 +151,37 @@ def _build(directory: Path):
 
     work = directory / "build"
     work.mkdir(parents=True, exist_ok=True)
-    print(f"fusegen: building the C++ autograd node once, into {directory} (about 30 s; "
-          f"a build killed midway leaves {work / 'lock'}, which then must be deleted)", file=sys.stderr)
-    module = cpp_extension.load(_module_name(directory), sources=[str(path) for path in SOURCES],
-                                build_directory=str(work), extra_cflags=list(_CFLAGS),
-                                extra_include_paths=[_cuda_include()], verbose=False)
-    partial = directory / (_library_name(directory) + f".{os.getpid()}.partial")
-    shutil.copyfile(work / _library_name(directory), partial)
-    os.replace(partial, _built_file(directory))
-    return module
+    with _build_lock(directory):
+        built = _built_file(directory)
+        if built.exists():  # another process built it while this one waited
+            return _import(built)
+        # torch's own lock file (cpp_extension's FileBaton): a build killed midway leaves it,
+        # and every later build would wait on it forever. Builds of this folder take the
+        # lock above first, so with it held a file left here is such a leftover.
+        (work / "lock").unlink(missing_ok=True)
+        print(f"fusegen: building the C++ autograd node once, into {directory} (about 30 s)", file=sys.stderr)
+        module = cpp_extension.load(_module_name(directory), sources=[str(path) for path in SOURCES],
+                                    build_directory=str(work), extra_cflags=list(_CFLAGS),
+                                    extra_include_paths=[_cuda_include()], verbose=False)
+        partial = directory / (_library_name(directory) + f".{os.getpid()}.partial")
+        shutil.copyfile(work / _library_name(directory), partial)
+        os.replace(partial, built)
+        return module
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One build of `directory` at a time across processes: an advisory lock on a file,
+    which the system lets go when its process ends, however it ends."""
+    if fcntl is None:  # no flock (Windows): torch's lock file alone
+        yield
+        return
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def attach_for():
