@@ -175,7 +175,7 @@ def test_backward_rows_per_program_are_whole_tiles(on_gpu_pruning, m, n, summed)
     assert pruned and all(rows % bm == 0 for bm, _ in _tiles(pruned)), (rows, _tiles(pruned))
     if not summed:
         assert rows == max(bm for bm, _ in _tiles(pruned))
-        assert (rows == 1) == (n >= tuning.ONE_ROW_WIDTH) or n < 512
+        assert rows == 1 or n < tuning.ONE_ROW_WIDTH
 
 
 # ---------------------------------------------------------------------------

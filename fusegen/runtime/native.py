@@ -82,8 +82,10 @@ def build_directory() -> Path:
     key = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         key.update(path.read_bytes())
+    # "flock": builds of this folder take _build_lock (a fusegen from before it, building
+    # the same folder at once, would have its live lock file taken for a leftover).
     key.update(repr((_CFLAGS, torch.__version__, torch.version.git_version, sys.version,
-                     sysconfig.get_platform(), _cuda_include())).encode())
+                     sysconfig.get_platform(), _cuda_include(), "flock")).encode())
     root = Path(os.environ.get("FUSEGEN_CACHE_DIR") or Path.home() / ".cache" / "fusegen")
     return root / f"native-{key.hexdigest()[:16]}"
 
@@ -151,14 +153,15 @@ def _build(directory: Path):
 
     work = directory / "build"
     work.mkdir(parents=True, exist_ok=True)
-    with _build_lock(directory):
+    with _build_lock(directory) as locked:
         built = _built_file(directory)
         if built.exists():  # another process built it while this one waited
             return _import(built)
-        # torch's own lock file (cpp_extension's FileBaton): a build killed midway leaves it,
-        # and every later build would wait on it forever. Builds of this folder take the
-        # lock above first, so with it held a file left here is such a leftover.
-        (work / "lock").unlink(missing_ok=True)
+        if locked:
+            # torch's own lock file (cpp_extension's FileBaton): a build killed midway leaves
+            # it, and every later build would wait on it forever. Builds of this folder take
+            # the lock above first, so with it held a file left here is such a leftover.
+            (work / "lock").unlink(missing_ok=True)
         print(f"fusegen: building the C++ autograd node once, into {directory} (about 30 s)", file=sys.stderr)
         module = cpp_extension.load(_module_name(directory), sources=[str(path) for path in SOURCES],
                                     build_directory=str(work), extra_cflags=list(_CFLAGS),
@@ -172,14 +175,24 @@ def _build(directory: Path):
 @contextlib.contextmanager
 def _build_lock(directory: Path):
     """One build of `directory` at a time across processes: an advisory lock on a file,
-    which the system lets go when its process ends, however it ends."""
-    if fcntl is None:  # no flock (Windows): torch's lock file alone
-        yield
+    which the system lets go when its process ends, however it ends. Gives whether it holds
+    the lock: not without flock (Windows, some network file systems), where torch's lock
+    file alone serializes builds, as before."""
+    if fcntl is None:
+        yield False
         return
     with open(directory / "build.flock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"fusegen: waiting for another process's build of {directory}", file=sys.stderr)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 

@@ -628,13 +628,24 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     Py_RETURN_NONE;
   }
   PyObject* args = argv[0];
+  // Python may run inside a call (the stream's lookup, the seed drawer, a finalizer there)
+  // and call an op again: that call takes the Python path, not this thread's key and tensors.
+  thread_local bool inside = false;
+  if (inside) {
+    Py_RETURN_NONE;
+  }
   thread_local Key key;
   thread_local std::vector<at::Tensor> tensors;
-  // Emptied on every way out: the call's inputs must not outlive it here.
-  struct Clear {
+  // Left on every way out; the call's inputs must not outlive it here.
+  struct Leave {
     std::vector<at::Tensor>& tensors;
-    ~Clear() { tensors.clear(); }
-  } clear{tensors};
+    bool& inside;
+    ~Leave() {
+      tensors.clear();
+      inside = false;
+    }
+  } leave{tensors, inside};
+  inside = true;
   if (!make_key(calls, args, key, tensors)) {
     Py_RETURN_NONE;
   }
