@@ -45,9 +45,10 @@ def call_key(args: tuple, tensors: int, seed_position: int | None) -> tuple | No
     return tuple(key)
 
 
-def _draw_seed(name: str, device: torch.device, seed) -> torch.Tensor:
-    """An eager call's seed tensor, for the C++ eager call (as PreparedCall.forward draws it)."""
-    return seed_tensor(None if seed is None else check_seed(name, seed), device, eager=True)
+def _draw_seed(name: str, device: torch.device, seed, eager: bool = True) -> torch.Tensor:
+    """A call's seed tensor from its seed argument (checked): PreparedCall.forward's, and the
+    C++ eager call's where it does not take one itself."""
+    return seed_tensor(None if seed is None else check_seed(name, seed), device, eager)
 
 
 class PreparedCall:
@@ -77,8 +78,7 @@ class PreparedCall:
         device = problem.device
         seed = None
         if call.has_dropout:
-            seed = args[-1]
-            seed = seed_tensor(None if seed is None else check_seed(self.op.name, seed), device, eager)
+            seed = _draw_seed(self.op.name, device, args[-1], eager)
         elif self.op.has_dropout and args[-1] is not None:
             check_seed(self.op.name, args[-1])  # never read without dropout, but checked as the full path does
         dtype = problem.out_dtype
