@@ -15,7 +15,58 @@ import pytest  # noqa: E402
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+# The fast GPU lane (`pytest --lane fast`, README): every kernel kind, dtype and path at
+# least once, in a few minutes on an H100. Ops stand for their kinds: pointwise with
+# dropout, a GLU (chunked input), row reductions with two outputs and a shared gradient, a
+# row op with dropout and a mask input, and a plain activation.
+LANE_OPS = frozenset({"bias_gelu_dropout_add", "swiglu", "layernorm", "add_rmsnorm",
+                      "scaled_masked_softmax_dropout", "gelu"})
+# Files that never launch a kernel (the spec language, names, code text, the CLI): CPU CI
+# runs them; the lane leaves them out.
+LANE_WITHOUT = frozenset({"test_injection.py", "test_bad_specs.py", "test_ir.py", "test_spec.py",
+                          "test_printers.py", "test_names.py", "test_simplify.py", "test_codegen.py",
+                          "test_cli.py", "test_partial_build.py", "test_install.py", "test_fuzz.py",
+                          "test_interpreter_env.py", "test_philox.py"})
+
+
+def pytest_addoption(parser):
+    parser.addoption("--lane", choices=("full", "fast"), default="full",
+                     help="fast: the GPU lane (representative ops, files that launch kernels)")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if config.getoption("--lane") == "fast" and collection_path.name in LANE_WITHOUT:
+        return True  # not even imported: some build specs as they are collected
+    return None
+
+
+def _ops_named(item, names) -> set:
+    """The ops a parametrized test item runs: its params that are ops or op names."""
+    found = set()
+    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+        name = value if isinstance(value, str) else getattr(value, "name", None)
+        if isinstance(name, str) and name in names:
+            found.add(name)
+    return found
+
+
+def _lane(config, items) -> None:
+    from pathlib import Path
+    names = {p.stem for p in (Path(__file__).parent.parent / "specs").glob("*.yaml")}
+    kept, dropped = [], []
+    for item in items:
+        ops = _ops_named(item, names)
+        if ops and not ops & LANE_OPS:
+            dropped.append(item)
+        else:
+            kept.append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--lane") == "fast":
+        _lane(config, items)
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
     skip_two = pytest.mark.skip(reason="needs two CUDA devices; this machine has fewer")
     two = HAS_CUDA and torch.cuda.device_count() >= 2
