@@ -21,6 +21,8 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 # row op with dropout and a mask input, and a plain activation.
 LANE_OPS = frozenset({"bias_gelu_dropout_add", "swiglu", "layernorm", "add_rmsnorm",
                       "scaled_masked_softmax_dropout", "gelu"})
+# float16 runs once per kernel kind (layernorm's for the rows): these ops' cases are left out.
+LANE_NO_HALF = frozenset({"add_rmsnorm", "scaled_masked_softmax_dropout"})
 # Files that never launch a kernel (the spec language, names, code text, the CLI): CPU CI
 # runs them; the lane leaves them out.
 LANE_WITHOUT = frozenset({"test_injection.py", "test_bad_specs.py", "test_ir.py", "test_spec.py",
@@ -56,7 +58,9 @@ def _lane(config, items) -> None:
     kept, dropped = [], []
     for item in items:
         ops = _ops_named(item, names)
-        if ops and not ops & LANE_OPS:
+        params = getattr(getattr(item, "callspec", None), "params", {}).values()
+        half = ops & LANE_NO_HALF and any(value is torch.float16 for value in params)
+        if (ops and not ops & LANE_OPS) or half or "full_lane" in item.keywords:
             dropped.append(item)
         else:
             kept.append(item)
