@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.autograd import forward_ad
 
 from .arguments import FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar
 from .dropout import check_seed, dropout_mask_reference, seed_result, seed_tensor
@@ -116,13 +117,16 @@ class FusedOp:
         """The op. `inplace_backward`: the eager backward may write an input's gradient into
         that input's memory (fusegen.backends.triton.launch.PreparedBackward says when)."""
         compiling = torch.compiler.is_compiling()
-        if not compiling and out is None:
+        # forward_ad's level: the C++ eager call sees a tangent only where gradients are on.
+        if not compiling and out is None and forward_ad._current_level < 0:
             fast = self._native_calls
             if fast is not None:  # a call of a kind it knows: outputs (and autograd node) from C++
                 outputs = fast(args, inplace_backward)
                 if outputs is not None:
                     return outputs
         _check_inplace_backward(self.name, inplace_backward)
+        if _runs_reference(args[:self._n_inputs]):
+            return self._transformed(args, out)
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
             if sharding.takes_dtensors(self, args[:self._n_inputs]):
@@ -141,6 +145,14 @@ class FusedOp:
             prepared = self.prepare(args)
             outputs = (self.forward(args) if prepared is None else prepared.forward(args))[0]
         return outputs[0] if self._n_outputs == 1 else tuple(outputs)
+
+    def _transformed(self, args: tuple, out):
+        """The call under a torch.func transform or with a forward-mode tangent: the reference,
+        torch's own ops, which every transform and forward-mode AD go through (the kernels
+        have no jvp, and functorch's wrapper tensors have no memory to launch on)."""
+        if out is not None and torch._C._are_functorch_transforms_active():
+            raise FusegenArgumentError(f"{self.name}(): out= is not supported under torch.func transforms; drop out=")
+        return self.reference(*args, out=out)
 
     def prepare(self, args: tuple) -> PreparedCall | None:
         """This kind of call's checks, views and launches, worked out on its first call
@@ -348,7 +360,9 @@ class FusedOp:
         if self.has_dropout:
             masks = [None]  # dropout off: the body's other branch
             if call.has_dropout:
-                seed = seed_tensor(call.seed, problem.device, eager=True)  # drawn as the op draws it
+                # Drawn as the op draws it; under a torch.func transform by torch's RNG ops, to
+                # which vmap's randomness applies (nothing it makes is kept for later calls).
+                seed = seed_tensor(call.seed, problem.device, eager=not torch._C._are_functorch_transforms_active())
                 masks = [[dropout_mask_reference(seed, problem, stream, p) for stream, p in enumerate(call.params[i] for i in self._mask_params)]]
         if problem.n == 0 and self.statistics:
             # Empty rows: nothing to compute, and no row has a max to take. Zeros that depend
@@ -413,9 +427,8 @@ except (AttributeError, KeyError):  # another torch: its own apply
 
 def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, *args):
     """The forward with its autograd node: fusegen's C++ node (runtime.native) for a call of
-    a prepared kind, else the Python Function."""
-    if torch._C._are_functorch_transforms_active():
-        return _Autograd.apply(op, prepared, in_place, *args)
+    a prepared kind, else the Python Function. (Under torch.func transforms and with
+    forward-mode tangents, FusedOp.__call__ runs the reference instead.)"""
     if _compiled_autograd_enabled():
         # The Python Function, which compiled autograd traces; never in place there (what
         # decides it reads the engine's state, which a traced backward has not).
@@ -437,8 +450,38 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
             if attach(_native_backward, state, op._node_name, tensors, outputs,
                       tensors if saved is None else (*tensors, saved)):
                 return tuple(outputs)
-            # An input with a forward-mode gradient: the Python Function, which says it has no jvp.
+            # An input with a forward-mode gradient (none reach here: __call__ runs the
+            # reference for them): the Python Function, which raises for want of a jvp.
     return _C_APPLY(op, prepared, in_place, *args)
+
+
+_functorch_active = torch._C._are_functorch_transforms_active  # per call: no attribute lookups
+
+
+def _runs_reference(tensors: tuple) -> bool:
+    """Whether a call takes the reference (FusedOp._transformed): under a torch.func transform
+    (vmap, grad, jvp, jacrev, ...), or inside forward_ad.dual_level with an input that carries
+    a tangent. Two global checks otherwise."""
+    if _functorch_active():
+        return True
+    if forward_ad._current_level < 0:
+        return False
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            return True
+    return False
+
+
+def _refuse_tangents(op: FusedOp, args: tuple) -> None:
+    """The library op has no jvp, and torch's custom_op passes an input's tangent by (its
+    output would have none) where the input does not require grad: refused instead."""
+    if forward_ad._current_level < 0:
+        return
+    for spec, t in zip(op.inputs, args):
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise FusegenArgumentError(
+                f"fusegen::{op.name}: {spec.name} has a forward-mode tangent, which the library op cannot "
+                f"carry; call {op.name}() itself, which runs its reference under forward-mode AD")
 
 
 def _compiled_autograd_enabled() -> bool:
@@ -519,6 +562,7 @@ def _register_library_ops(op: FusedOp):
         schema, tags = f"({', '.join(arguments)}) -> {returns}", ()
 
     def forward_impl(*args):
+        _refuse_tangents(op, args)
         outputs, seed, saved = op.forward(args, eager=False)  # a compiled graph may be captured
         if single:
             return outputs[0]
@@ -533,6 +577,7 @@ def _register_library_ops(op: FusedOp):
 
     @forward_op.register_fake
     def _(*args):
+        _refuse_tangents(op, args)
         problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)], op._problems)
         outputs = [torch.empty(op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
                    for i in range(len(op.outputs))]
