@@ -79,6 +79,10 @@ class Build:
 def generate(paths: list[Path], out: Path) -> Build:
     """What a build of `paths` into `out` writes and removes; computed whole before anything is
     written, so that a failed build changes nothing."""
+    return folder_build(build_ops(paths), paths, out)
+
+
+def build_ops(paths: list[Path]) -> dict[str, BuiltOp]:
     built: dict[str, BuiltOp] = {}
     for path in spec_files(paths):
         op = build_op(path)
@@ -86,6 +90,11 @@ def generate(paths: list[Path], out: Path) -> Build:
             other = built[op.spec.name].spec.path
             raise SpecError(op.spec.path, 1, f"op name '{op.spec.name}' is already defined by {other}")
         built[op.spec.name] = op
+    return built
+
+
+def folder_build(built: dict[str, BuiltOp], paths: list[Path], out: Path) -> Build:
+    """The files of `built` and what they change in `out` as it is now."""
     kept, stale = outdir.plan(out, set(built), [p for p in paths if p.is_dir()])
     files = {f"{name}.py": op.text for name, op in built.items()}
     # __init__.py lists every op the folder will hold, kept ones included. render_package_init
@@ -95,11 +104,16 @@ def generate(paths: list[Path], out: Path) -> Build:
 
 
 def cmd_build(args) -> int:
-    out: Path = args.out
-    build = generate(args.paths, out)
-    written = [name for name, text in sorted(build.files.items()) if write.write_if_changed(out / name, text)]
+    out = _out_folder(args.out)
+    ops = build_ops(args.paths)  # the slow part, before the folder is touched
+    try:
+        with outdir.locked(out):  # planned under the lock: another build may just have changed it
+            build = folder_build(ops, args.paths, out)
+            written = outdir.swap_in(out, build.files, build.stale)
+    except OSError as exc:  # making the folder, its lock, finishing a killed build's swap
+        where = f": {exc.filename}" if exc.filename else ""
+        raise SpecError(str(out), None, f"{exc.strerror or exc}{where}") from None
     for module in build.stale:
-        module.path.unlink()
         print(f"removed {module.path} (its spec is gone)")
     for name in written:
         print(f"wrote {out / name}")
@@ -110,7 +124,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_check(args) -> int:
-    out: Path = args.out
+    out = _out_folder(args.out)
     build = generate(args.paths, out)
     stale = [
         out / name
@@ -125,6 +139,13 @@ def cmd_check(args) -> int:
         return 1
     print(f"{out}/ is up to date ({build.ops} ops)")
     return 0
+
+
+def _out_folder(out: Path | None) -> Path:
+    if out is None:
+        raise SpecError("-o ''", None, "an empty path: name the output folder (-o . for this one)")
+    outdir.check_folder(out)
+    return out
 
 
 def _build_command(paths: list[Path], out: Path) -> str:
@@ -237,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("paths", nargs="*", type=Path, default=[DEFAULT_SPECS], metavar="SPEC_OR_DIR")
-        command.add_argument("-o", "--out", type=Path, default=DEFAULT_OUT, help="output folder (default: generated)")
+        command.add_argument("-o", "--out", type=lambda text: Path(text) if text else None,  # "" is refused, not "."
+                             default=DEFAULT_OUT, help="output folder (default: generated)")
     show = commands.add_parser("show", help="print a spec's IR, simplified/CSE'd forms, gradients and generated code")
     show.add_argument("spec", metavar="SPEC_OR_NAME", help="a spec file, or an op name looked up in --specs")
     listing = commands.add_parser("list", help="every op with its signature and doc")

@@ -126,3 +126,21 @@ def test_a_failed_file_build_changes_nothing(project, capsys):
     assert captured.out == ""
     assert captured.err.endswith("\n") and "\n" not in captured.err[:-1] and "unknown function 'gelux'" in captured.err
     assert _snapshot(project / "gen") == before
+
+
+LONG = ("bias_dropout_add_layernorm", "scaled_masked_softmax_dropout")  # headers wrap onto two lines
+
+
+def test_long_named_ops_are_kept_by_a_file_build_and_pruned_by_a_directory_build(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "specs").mkdir()
+    for name in (*LONG, "softmax"):
+        shutil.copy(ROOT / "specs" / f"{name}.yaml", tmp_path / "specs")
+    assert cli.main(["build", "specs", "-o", "gen"]) == 0
+    assert cli.main(["build", "specs/softmax.yaml", "-o", "gen"]) == 0
+    assert _listed(tmp_path / "gen" / "__init__.py") == (*LONG, "softmax")
+    assert cli.main(["check", "specs", "-o", "gen"]) == 0
+    (tmp_path / "specs" / f"{LONG[1]}.yaml").unlink()
+    assert cli.main(["build", "specs", "-o", "gen"]) == 0
+    assert sorted(p.name for p in (tmp_path / "gen").iterdir()) == ["__init__.py", f"{LONG[0]}.py", "softmax.py"]
+    assert cli.main(["check", "specs", "-o", "gen"]) == 0
