@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -156,8 +157,23 @@ def _build_command(paths: list[Path], out: Path) -> str:
     return " ".join(words)
 
 
+def shipped_specs() -> Path:
+    """The specs of the ops fusegen ships: installed, the package fusegen.specs (see
+    pyproject.toml); in a checkout or an editable install, specs/ beside the package."""
+    package = Path(__file__).resolve().parent
+    installed = package / "specs"
+    return installed if installed.is_dir() else package.parent / "specs"
+
+
+def _specs_folder(given: Path | None) -> Path:
+    """--specs as given; else ./specs, or outside a checkout (no ./specs) the shipped specs."""
+    if given is not None:
+        return given
+    return DEFAULT_SPECS if DEFAULT_SPECS.exists() else shipped_specs()
+
+
 def cmd_show(args) -> int:
-    op = build_op(specs_or_names([args.spec], args.specs)[0])
+    op = build_op(specs_or_names([args.spec], _specs_folder(args.specs))[0])
     p = op.plan  # what the backend prints: every name as the generated code spells it
     print(f"# {op.spec.name}: {op.spec.doc}")
     print("\n## IR")
@@ -194,22 +210,55 @@ def cmd_show(args) -> int:
 
 
 def cmd_list(args) -> int:
-    for path in spec_files(specs_or_names(args.paths, args.specs) if args.paths else [args.specs]):
-        op = ir.build_ir(spec.load_spec(path))
-        signature = plan.public_signature(op.spec, has_dropout=bool(op.dropouts))
-        print(f"{op.spec.name}({signature})\n    {op.spec.doc}")
-    return 0
+    """Every spec that loads is listed; each that does not (or a path or name not found) is
+    said on stderr, and the exit status is 2."""
+    specs = _specs_folder(args.specs)
+    failed = 0
+    for item in args.paths or [None]:  # None: the specs folder
+        try:
+            files = spec_files([specs] if item is None else specs_or_names([item], specs))
+        except SpecError as exc:
+            print(exc, file=sys.stderr)
+            files, failed = [], failed + 1
+        for path in files:
+            try:
+                op = ir.build_ir(spec.load_spec(path))
+            except SpecError as exc:
+                print(exc, file=sys.stderr)
+                failed += 1
+                continue
+            signature = plan.public_signature(op.spec, has_dropout=bool(op.dropouts))
+            print(f"{op.spec.name}({signature})\n    {op.spec.doc}")
+    return 2 if failed else 0
 
 
 def cmd_new(args) -> int:
     target: Path = args.dir / f"{args.name}.yaml"
     text = write.render_starter_spec(args.name)
-    spec.check_op_name(args.name, str(target))  # before anything is written
+    # Before anything is written: every op name a build refuses, by the spec's rules and the backend's.
+    spec.check_op_name(args.name, str(target))
+    codegen().check_op_name(args.name, str(target), None)
+    if args.dir.exists() and not args.dir.is_dir():
+        raise SpecError(str(args.dir), None, "is not a folder: give --dir the folder to write NAME.yaml into")
     if target.exists():
         raise SpecError(str(target), None, "already exists; choose another name or edit it")
-    write.write_if_changed(target, text)
+    try:
+        # A spec of another file name may define the op already: the folder's build would refuse both.
+        for other in sorted(args.dir.iterdir()) if args.dir.is_dir() else []:
+            if other.suffix in (".yaml", ".yml") and other.is_file() and _op_name(other) == args.name:
+                raise SpecError(str(target), None, f"op name '{args.name}' is already defined by {other}")
+        write.write_if_changed(target, text)
+    except OSError as exc:  # --dir under a file, an unreadable or read-only folder
+        raise SpecError(str(target), None, f"cannot write: {exc.strerror}") from None
     print(f"wrote {target}: edit it, then `fusegen build`")
     return 0
+
+
+def _op_name(path: Path) -> str | None:
+    try:
+        return spec.load_spec(path).name
+    except SpecError:  # the build says what is wrong with it; it defines no op meanwhile
+        return None
 
 
 def _inline(block: plan.Body) -> str:
@@ -234,7 +283,9 @@ def cmd_native(args) -> int:
     if native.mode() == "off":
         print(native.status())
         return 0
-    module = native.load(build=True)
+    with warnings.catch_warnings():  # the warning a failed build gives an op call: said below, once
+        warnings.simplefilter("ignore")
+        module = native.load(build=True)
     print(native.status())
     return 0 if module is not None else 1
 
@@ -265,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     listing = commands.add_parser("list", help="every op with its signature and doc")
     listing.add_argument("paths", nargs="*", metavar="SPEC_DIR_OR_NAME", help="what to list (default: --specs)")
     for command in (show, listing):
-        command.add_argument("--specs", type=Path, default=DEFAULT_SPECS, metavar="DIR",
-                             help="the specs folder, where op names are looked up (default: specs)")
+        command.add_argument("--specs", type=Path, default=None, metavar="DIR",
+                             help="the specs folder, where op names are looked up "
+                                  "(default: specs, or where there is none, the specs fusegen ships)")
     new = commands.add_parser("new", help="write a commented starter spec that builds as it is")
     new.add_argument("name", help="the op's name, a Python identifier")
     new.add_argument("--dir", type=Path, default=DEFAULT_SPECS, help="where to write NAME.yaml (default: specs)")

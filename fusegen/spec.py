@@ -263,6 +263,18 @@ _LineLoader.add_implicit_resolver(
     list("-+0123456789."),
 )
 
+# Numbers only YAML 1.1 reads so (a YAML 1.2 reader reads `1:30` as a string and `010` as
+# 10): a spec author writing them most likely means neither 90 nor 8, so they are refused.
+_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")
+
+
+def _check_yaml_1_2_number(text: str, value: float | int, what: str, line: int) -> None:
+    if _BASE_60.fullmatch(text):
+        raise _Located(line, f"{what} {text} would be read as {value} (YAML 1.1 base 60): write the number plainly")
+    if _OCTAL.fullmatch(text) and value != int(text.replace("_", "")):  # not 00
+        raise _Located(line, f"{what} {text} would be read as {value} (YAML 1.1 octal): write it without a leading 0")
+
 
 # ---------------------------------------------------------------------------
 # Field helpers in torchgen's style: reject unknown keys, require the required ones.
@@ -569,6 +581,7 @@ def _parse_scalar_param(name: str, body: _LineDict, line: int) -> ScalarParam:
             values[key] = None
             continue
         value = _expect(body[key], number, f"param '{name}': '{key}'", lines[key])
+        _check_yaml_1_2_number(body.texts[key], value, f"param '{name}': '{key}'", lines[key])
         if isinstance(value, float) and not math.isfinite(value):  # isfinite(10**400) would overflow
             raise _Located(lines[key], f"param '{name}': '{key}' must be a finite number, got {value}")
         if abs(value) > limit:

@@ -228,6 +228,13 @@ CASES = [
      "specs/x.yaml:8: param 's': 'default' must be a number, got 'one'"),
     ("param_default_bool", H + "inputs:\n  x: [N]\nparams:\n  s: {type: float, default: yes}\noutputs:\n  y: x * s\n",
      "specs/x.yaml:6: param 's': 'default' must be a number, got boolean True"),
+    # YAML 1.1 reads these as 90, 5400 and 8; a YAML 1.2 reader would not.
+    ("param_default_base_60", H + "inputs:\n  x: [N]\nparams:\n  s: {type: float, default: 1:30}\noutputs:\n  y: x * s\n",
+     "specs/x.yaml:6: param 's': 'default' 1:30 would be read as 90 (YAML 1.1 base 60): write the number plainly"),
+    ("param_max_base_60", H + "inputs:\n  x: [N]\nparams:\n  s:\n    type: float\n    default: 1.0\n    max: 1:30:00\noutputs:\n  y: x * s\n",
+     "specs/x.yaml:9: param 's': 'max' 1:30:00 would be read as 5400 (YAML 1.1 base 60): write the number plainly"),
+    ("param_default_octal", H + "inputs:\n  x: [N]\nparams:\n  k: {type: int, default: 010}\noutputs:\n  y: x * k\n",
+     "specs/x.yaml:6: param 'k': 'default' 010 would be read as 8 (YAML 1.1 octal): write it without a leading 0"),
     ("param_int_given_float", H + "inputs:\n  x: [N]\nparams:\n  k: {type: int, default: 2.5}\noutputs:\n  y: x * k\n",
      "specs/x.yaml:6: param 'k': 'default' must be an integer, got 2.5"),
     ("param_default_above_max", H + "inputs:\n  x: [N]\nparams:\n  s:\n    type: float\n    default: 2.0\n    max: 1.0\noutputs:\n  y: x * s\n",

@@ -1,4 +1,5 @@
 """`fusegen list`, `show`, `new`, `check`'s advice, --version and `python -m fusegen`."""
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -38,6 +39,49 @@ def test_new_refuses_to_overwrite_or_bad_names(tmp_path, capsys):
     assert not (specs / "class.yaml").exists()
 
 
+# Names `fusegen new` could be given: Python's builtins, the generated module's imports and
+# own names, the starter spec's names, keywords and soft keywords, the module class's names.
+NEW_NAMES = [
+    "print", "sum", "len", "type", "torch", "tl", "F", "triton", "libdevice", "runtime", "launch", "tuning",
+    "reference", "eager", "rows", "self", "seed", "training", "out", "x", "bias", "residual", "scale",
+    "activation", "h", "y", "gelu", "Gelu", "annotations", "match", "class", "_op", "OPS", "my_op",
+]
+
+
+def test_new_refuses_every_name_the_build_refuses(tmp_path, capsys):
+    """Either `new` refuses NAME (one line, exit 2, nothing written), or its spec builds."""
+    built = 0
+    for name in NEW_NAMES:
+        specs = tmp_path / "specs" / name
+        code = cli.main(["new", name, "--dir", str(specs)])
+        err = capsys.readouterr().err
+        if code != 0:
+            assert code == 2 and err.count("\n") == 1 and f"'{name}'" in err, (name, err)
+            assert not specs.exists(), name
+            continue
+        assert cli.main(["build", str(specs), "-o", str(tmp_path / "gen" / name)]) == 0, (name, capsys.readouterr().err)
+        built += 1
+    assert 0 < built < len(NEW_NAMES)
+
+
+def test_new_with_dir_at_a_file_or_an_op_already_defined_is_one_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert cli.main(["new", "my_op", "--dir", str(afile)]) == 2
+    assert capsys.readouterr().err == f"{afile}: is not a folder: give --dir the folder to write NAME.yaml into\n"
+    assert cli.main(["new", "my_op", "--dir", str(afile / "sub")]) == 2
+    assert capsys.readouterr().err == f"{afile / 'sub' / 'my_op.yaml'}: cannot write: Not a directory\n"
+    assert afile.read_text() == ""
+    # A spec of another file name defines my_op: the folder's build would refuse a second one.
+    specs = tmp_path / "specs"
+    assert cli.main(["new", "my_op", "--dir", str(specs)]) == 0
+    (specs / "my_op.yaml").rename(specs / "mine.yaml")
+    capsys.readouterr()
+    assert cli.main(["new", "my_op", "--dir", str(specs)]) == 2
+    assert capsys.readouterr().err == f"{specs / 'my_op.yaml'}: op name 'my_op' is already defined by {specs / 'mine.yaml'}\n"
+    assert sorted(p.name for p in specs.iterdir()) == ["mine.yaml"]
+
+
 # ---------------------------------------------------------------------------
 # One CLI: op names or paths, --version, python -m fusegen, empty folders, check's advice
 
@@ -66,6 +110,49 @@ def test_an_unknown_name_or_path_is_one_line(capsys, tmp_path):
     assert capsys.readouterr().err == f"{specs}: no spec for op 'no_such_op' (give a spec path, or --specs DIR)\n"
     assert cli.main(["list", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err == f"{tmp_path / 'nowhere'}: no such spec file or directory\n"
+
+
+def test_list_goes_on_past_bad_specs_and_says_each(tmp_path, capsys):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    for name in ("gelu", "swiglu"):
+        (specs / f"{name}.yaml").write_bytes((ROOT / "specs" / f"{name}.yaml").read_bytes())
+    (specs / "bad_name.yaml").write_text("name: bad-name\ndoc: d\ninputs: {x: [N]}\noutputs: {y: x}\n")
+    (specs / "bad_expr.yaml").write_text("name: bad_expr\ndoc: d\ninputs: {x: [N]}\noutputs: {y: gelux(x)}\n")
+    assert cli.main(["list", str(specs), "no_such_op", str(ROOT / "specs" / "relu.yaml"), "--specs", str(specs)]) == 2
+    captured = capsys.readouterr()
+    assert [line for line in captured.out.splitlines() if not line.startswith(" ")] == [
+        "gelu(x, *, out=None)", "swiglu(x, *, out=None)"
+    ]
+    err = captured.err.splitlines()
+    assert len(err) == 4
+    assert err[0].startswith("specs/bad_expr.yaml:4: unknown function 'gelux'")
+    assert err[1] == "specs/bad_name.yaml:1: op name 'bad-name' is not a Python identifier"
+    assert err[2] == f"{specs}: no spec for op 'no_such_op' (give a spec path, or --specs DIR)"
+    assert err[3] == f"{ROOT / 'specs' / 'relu.yaml'}: no such spec file or directory"
+
+
+def test_show_and_list_outside_a_checkout_read_the_shipped_specs(tmp_path):
+    """No ./specs: `show NAME` and `list` fall back on the specs fusegen ships (here: the
+    checkout's, as the package is imported from it; an installed wheel's: tests/test_install.py)."""
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's fusegen, whatever is installed
+        return subprocess.run([sys.executable, "-m", "fusegen", *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    result = run("show", "swiglu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("# swiglu: y = silu(a) * b")
+    result = run("list")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n    ") == len(list((ROOT / "specs").glob("*.yaml")))
+    # A ./specs of the user's own is still the default: no fallback past it.
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "gelu.yaml").write_bytes((ROOT / "specs" / "gelu.yaml").read_bytes())
+    result = run("list")
+    assert result.returncode == 0 and result.stdout == "gelu(x, *, out=None)\n    y = gelu(x), exact (erf) form\n"
+    result = run("show", "swiglu")
+    assert result.returncode == 2 and result.stderr == "specs: no spec for op 'swiglu' (give a spec path, or --specs DIR)\n"
 
 
 def test_a_folder_without_specs_says_so(tmp_path, capsys):
@@ -126,3 +213,30 @@ def test_build_check_list_show_import_neither_bench_nor_torch(tmp_path):
     ]
     result = _run("-m", "fusegen", "bench", "--help")  # bench still gets its arguments
     assert result.returncode == 0 and "--dtype" in result.stdout
+
+
+def test_native_without_a_compiler_names_the_cause(tmp_path, monkeypatch, capsys):
+    """Not ninja's "build stopped": the missing compiler, in one line."""
+    from fusegen.runtime import native
+
+    monkeypatch.setenv("FUSEGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FUSEGEN_NATIVE", "on")
+    native.build_directory.cache_clear()
+    try:
+        for env, looked in [
+            ({"CXX": str(tmp_path / "no-c++")}, f"$CXX is '{tmp_path / 'no-c++'}'"),
+            ({"PATH": str(tmp_path)}, "looked for 'c++' on PATH, or $CXX"),
+        ]:
+            monkeypatch.setattr(native._state, "module", None)
+            monkeypatch.setattr(native._state, "failed", None)
+            monkeypatch.delenv("CXX", raising=False)
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            assert cli.main(["native"]) == 1
+            captured = capsys.readouterr()
+            assert captured.out == (
+                f"unavailable: RuntimeError: no C++ compiler found ({looked}): install one (g++ or clang++), or set CXX\n"
+            )
+            assert captured.err == ""
+    finally:
+        native.build_directory.cache_clear()

@@ -40,7 +40,7 @@ def test_a_wheel_maps_generated_to_fusegen_ops(tmp_path):
     sources, so the checkout gets no build/ folder; no network (no isolation, no deps)."""
     source = tmp_path / "source"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("fusegen", "templates", "generated"):
+    for folder in ("fusegen", "templates", "generated", "specs"):
         shutil.copytree(ROOT / folder, source / folder, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source)
@@ -52,6 +52,7 @@ def test_a_wheel_maps_generated_to_fusegen_ops(tmp_path):
     modules = {p.name for p in (ROOT / "generated").glob("*.py")}
     assert {f"fusegen/ops/{m}" for m in modules} <= names
     assert "fusegen/templates/init.py.jinja" in names and "fusegen/cli.py" in names
+    assert {f"fusegen/specs/{p.name}" for p in (ROOT / "specs").glob("*.yaml")} <= names
     assert "fusegen/backends/triton/templates/op.py.jinja" in names and "fusegen/bench/running.py" in names
     assert {n.split("/")[0] for n in names if not n.startswith("fusegen-")} == {"fusegen"}
 
@@ -69,3 +70,10 @@ def test_a_wheel_maps_generated_to_fusegen_ops(tmp_path):
                             cwd=tmp_path, env=_env(PYTHONPATH=str(site)), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert (out / "gelu.py").read_text(encoding="utf-8") == (ROOT / "generated" / "gelu.py").read_text(encoding="utf-8")
+    # Outside a checkout (no ./specs), `show NAME` and `list` read the specs the wheel ships.
+    for command in (["show", "swiglu"], ["list"]):
+        result = subprocess.run([sys.executable, "-m", "fusegen", *command], cwd=tmp_path,
+                                env=_env(PYTHONPATH=str(site)), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "swiglu(x, *, out=None)" in result.stdout or result.stdout.startswith("# swiglu: ")
+    assert result.stdout.count("\n    ") == len(list((ROOT / "specs").glob("*.yaml")))

@@ -176,6 +176,12 @@ outputs:
     assert spec.outputs[0].text == "on + no * eps"
 
 
+def test_numbers_yaml_1_1_and_1_2_read_alike_are_kept(tmp_path):
+    """Only YAML 1.1's base-60 and octal readings are refused (tests/test_bad_specs.py)."""
+    text = "name: op\ndoc: d\ninputs: {x: [N]}\nparams:\n  s: {type: float, default: 00, min: -010.5, max: 0x10}\noutputs:\n  y: x * s\n"
+    assert load_spec(_write(tmp_path, text)).params[0] == ScalarParam("s", "float", 0.0, -10.5, 16.0, 5)
+
+
 def test_numbers_as_expressions_are_kept_as_written(tmp_path):
     text = "name: op\ndoc: d\ninputs: {x: [N]}\noutputs:\n  y: x\n  z: 1.50\n"
     assert load_spec(_write(tmp_path, text)).outputs[1] == Binding("z", "1.50", 6)

@@ -1,8 +1,9 @@
 """Backends: each turns a plan (fusegen.plan) into the text of a generated module.
 
 A backend is a package with a `codegen` module defining `RESERVED_NAMES` (the names its
-generated code uses for itself, which fusegen.plan gives no spec-derived name) and
-`render(plan) -> str`. Register it here; spec, ir, simplify and plan do not change.
+generated code uses for itself, which fusegen.plan gives no spec-derived name),
+`check_op_name(name, path, line)` (raises SpecError for an op name its modules cannot define)
+and `render(plan) -> str`. Register it here; spec, ir, simplify and plan do not change.
 """
 from __future__ import annotations
 

@@ -148,9 +148,25 @@ def _fail(error: Exception) -> None:
                   "using torch.autograd.Function (set FUSEGEN_NATIVE=off to silence this)", stacklevel=4)
 
 
+def _compiler_missing() -> str | None:
+    """Why torch's build could not start a C++ compiler, or None: without one, ninja says
+    only "build stopped"."""
+    from torch.utils import cpp_extension
+
+    command = cpp_extension.get_cxx_compiler()  # $CXX, else c++; it may be "ccache g++"
+    words = command.split()
+    if words and shutil.which(words[0]):
+        return None
+    looked = f"$CXX is {command!r}" if "CXX" in os.environ else f"looked for {command!r} on PATH, or $CXX"
+    return f"no C++ compiler found ({looked}): install one (g++ or clang++), or set CXX"
+
+
 def _build(directory: Path):
     from torch.utils import cpp_extension
 
+    missing = _compiler_missing()
+    if missing:
+        raise RuntimeError(missing)
     work = directory / "build"
     work.mkdir(parents=True, exist_ok=True)
     with _build_lock(directory) as locked:

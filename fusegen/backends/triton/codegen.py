@@ -27,7 +27,7 @@ from .row_kernel_text import row_backward_kernel, row_kernel
 from .naming import MODULE_IMPORTS, PYTHON_BUILTINS, RESERVED_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
 
-__all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "module_class_name", "render"]
+__all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "check_op_name", "module_class_name", "render"]
 
 
 @dataclass
@@ -39,14 +39,19 @@ class _Helper:
     branches: list[dict]
 
 
+def check_op_name(name: str, path: str, line: int | None) -> None:
+    """The op function is module-level: it must not hide what the module's code reads there.
+    (Also asked by `fusegen new`, before it writes a spec.)"""
+    if name in MODULE_IMPORTS:
+        raise SpecError(path, line, f"op name '{name}' would hide the module's import of {name}")
+    if name in PYTHON_BUILTINS:
+        raise SpecError(path, line, f"op name '{name}' would hide Python's builtin {name}")
+
+
 def render(plan: OpPlan) -> str:
     """The text of generated/<op>.py."""
     spec = plan.spec
-    # The op function is module-level: it must not hide what the module's code reads there.
-    if spec.name in MODULE_IMPORTS:
-        raise SpecError(spec.path, spec.name_line, f"op name '{spec.name}' would hide the module's import of {spec.name}")
-    if spec.name in PYTHON_BUILTINS:
-        raise SpecError(spec.path, spec.name_line, f"op name '{spec.name}' would hide Python's builtin {spec.name}")
+    check_op_name(spec.name, spec.path, spec.name_line)
     names = TritonNames(plan)
     op = spec.name
     triton = TritonPrinter(names.triton_helpers, names.constexprs)
