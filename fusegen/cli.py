@@ -3,6 +3,7 @@ lives in its module. bench and profile bring torch in, so they are imported only
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import warnings
@@ -358,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     except write.GeneratedCodeError as exc:
         print(f"internal error: {exc}", file=sys.stderr)
         return 3
+    except BrokenPipeError:  # `fusegen show op | head`: the reader left; nothing more to say
+        # Python would print its own error flushing stdout at exit: point it at nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -240,3 +240,14 @@ def test_native_without_a_compiler_names_the_cause(tmp_path, monkeypatch, capsys
             assert captured.err == ""
     finally:
         native.build_directory.cache_clear()
+
+
+def test_show_into_a_pipe_closed_early_says_nothing():
+    """`fusegen show op | head -1`: the reader leaves; no BrokenPipeError traceback."""
+    shown = subprocess.Popen([sys.executable, "-m", "fusegen", "show", "scaled_masked_softmax_dropout"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    shown.stdout.readline()
+    shown.stdout.close()  # as head does after its line
+    errors = shown.stderr.read().decode()
+    shown.wait(timeout=120)
+    assert errors == ""
