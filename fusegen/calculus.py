@@ -53,15 +53,15 @@ def _with_powers(expr: sympy.Expr) -> sympy.Expr:
 
 def _masked(expr: sympy.Expr) -> sympy.Expr:
     """Each product by relu's step, Heaviside(a, 0), as a selection: 0 where a <= 0, what
-    the other factors give elsewhere. torch's relu backward selects too, so that an infinite
-    factor (relu(x)**0.5's derivative at 0) gives 0 there, not inf * 0 = NaN."""
+    the other factors give elsewhere (NaN where a is NaN). torch's relu backward selects so,
+    and an infinite factor (relu(x)**0.5's derivative at 0) then gives 0, not inf * 0 = NaN."""
 
     def select(product):
         steps = [f for f in product.args if isinstance(f, sympy.Heaviside) and f.pargs[1:] == (0,)]
-        if not steps:
-            return product
-        rest = sympy.Mul(*[f for f in product.args if f not in steps])
-        return sympy.Piecewise((rest, sympy.And(*[s.args[0] > 0 for s in steps])), (0, True))
+        selected = sympy.Mul(*[f for f in product.args if f not in steps])
+        for step in steps:
+            selected = sympy.Piecewise((0, step.args[0] <= 0), (selected, True))
+        return selected
 
     return expr.replace(lambda e: e.is_Mul, select)
 

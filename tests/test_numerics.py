@@ -63,7 +63,7 @@ FLOOR = {torch.float32: torch.finfo(torch.float32).eps / 2, torch.bfloat16: torc
 
 
 def _float32(value: float) -> float:
-    """As the launcher passes a float param: rounded to float32."""
+    """As an fp32 kernel takes a float param: rounded to float32."""
     return float(torch.tensor(value, dtype=torch.float32))
 
 
@@ -132,7 +132,9 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
     chunks = {i.name: i.chunks for i in spec.inputs}
     values = {name: (t.chunk(chunks[name], dim=-1) if chunks[name] > 1 else t) for name, t in tensors.items()}
     scalars = {
-        p.name: (_float32(params[p.name]) if p.type == "float" else params[p.name]) for p in spec.scalar_params
+        # fp64 kernels take a float param's double, the others round it to fp32.
+        p.name: (_float32(params[p.name]) if p.type == "float" and dtype != torch.float64 else params[p.name])
+        for p in spec.scalar_params
     }
     shapes = [v.shape for value in values.values() for v in (value if isinstance(value, tuple) else (value,))]
     shape = torch.broadcast_shapes(*shapes)
@@ -167,7 +169,7 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             inner = value(expr.value)
             if not has_dropout:
                 return inner
-            mask = runtime.dropout_mask_reference(seed, problem, expr.stream, _float32(params[expr.p]))
+            mask = runtime.dropout_mask_reference(seed, problem, expr.stream, params[expr.p])
             return inner * mask.to(dtype)
         if isinstance(expr, ir.Reduce):  # as eager code writes it: x.sum(-1, keepdim=True), ...
             reduce = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[expr.kind]
