@@ -52,6 +52,26 @@ class relu(sympy.Function):
         return sympy.Max(x, 0)
 
 
+class saturated(sympy.Function):
+    """x clamped to [-bound, bound], for the argument of a function that is flat to the last bit
+    (in fp64) beyond the bound. Its derivative is taken as 1: exact inside the bound, and
+    outside it multiplied by the function's derivative, which is 0 there."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, x, bound):
+        if x.is_Number:
+            return sympy.Max(sympy.Min(x, bound), -bound)
+        return None
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(1) if argindex == 1 else sympy.Integer(0)
+
+    def _eval_rewrite_as_Max(self, x, bound, **kwargs):
+        return sympy.Max(sympy.Min(x, bound), -bound)
+
+
 @dataclass(frozen=True)
 class Function:
     name: str
@@ -67,6 +87,14 @@ _SQRT_2_OVER_PI = sympy.sqrt(2 / sympy.pi)
 # Kept as the literal the GELU paper and PyTorch use; sympy.Float keeps it exact to print.
 _GELU_TANH_CUBIC = sympy.Float("0.044715")
 _QUICK_GELU_SLOPE = sympy.Float("1.702")
+# gelu_tanh's tanh argument takes x within [-24, 24]: there 2u is past 1000, where sigmoid is
+# exactly 0 or 1 even in fp64, so no value changes; unbounded, x**3 (and x * x**2 in the
+# derivative) overflows fp32 from |x| ~ 1e13 and meets sigmoid's 0 as inf * 0 = NaN.
+_GELU_TANH_BOUND = 24
+
+
+def _gelu_tanh_inner(x):
+    return x + _GELU_TANH_CUBIC * x**3
 
 
 FUNCTIONS: dict[str, Function] = {
@@ -103,7 +131,7 @@ FUNCTIONS: dict[str, Function] = {
             "gelu_tanh",
             1,
             # 0.5 x (1 + tanh(u)) == x sigmoid(2u): one transcendental instead of two.
-            lambda x: x * sigmoid(2 * _SQRT_2_OVER_PI * (x + _GELU_TANH_CUBIC * x**3)),
+            lambda x: x * sigmoid(2 * _SQRT_2_OVER_PI * _gelu_tanh_inner(saturated(x, _GELU_TANH_BOUND))),
             "tanh-approximated GELU, in its sigmoid form",
             'F.gelu({0}, approximate="tanh")',
         ),

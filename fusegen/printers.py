@@ -103,7 +103,12 @@ class ElementwisePrinter(CodePrinter):
             if factor.is_number:
                 continue
             if factor.is_Pow and factor.exp.is_Number and factor.exp < 0 and factor.exp != -sympy.Rational(1, 2):
-                denominator.append(sympy.Pow(factor.base, -factor.exp))
+                whole = -factor.exp
+                if _is_half_integer(whole):
+                    # x**-1.5 as rsqrt(x) / x: x * sqrt(x) overflows where x**-1.5 is a normal number.
+                    numerator.append(sympy.Pow(factor.base, -sympy.Rational(1, 2), evaluate=False))
+                    whole -= sympy.Rational(1, 2)
+                denominator.append(factor.base if float(whole) == 1 else sympy.Pow(factor.base, whole))
             else:
                 numerator.append(factor)
         prec = precedence(expr)
@@ -141,11 +146,14 @@ class ElementwisePrinter(CodePrinter):
                 return " * ".join([self._wrapped(base)] * int(value))
             if -value in _SMALL_POWERS:
                 return f"1.0 / ({' * '.join([self._wrapped(base)] * int(-value))})"
-            if (2 * value) % 2 == 1 and abs(value) < max(_SMALL_POWERS):
-                # x**1.5 as x * sqrt(x): a correctly rounded root, not a general power.
+            if _is_half_integer(value) and abs(value) < max(_SMALL_POWERS):
+                # x**1.5 as x * sqrt(x): a correctly rounded root, not a general power;
+                # x**-1.5 as rsqrt(x) / x, not 1 / (x * sqrt(x)), which overflows first.
                 whole = [self._wrapped(base)] * int(abs(value))
-                text = " * ".join(whole + [f"{self.sqrt}({self._print(base)})"])
-                return text if value > 0 else f"1.0 / ({text})"
+                if value > 0:
+                    return " * ".join(whole + [f"{self.sqrt}({self._print(base)})"])
+                under = " * ".join(whole)
+                return f"{self.rsqrt}({self._print(base)}) / {under if len(whole) == 1 else f'({under})'}"
         return f"{self.power}({self._power_operand(base)}, {self._power_operand(exp)})"
 
     def _power_operand(self, expr) -> str:
@@ -160,6 +168,10 @@ class ElementwisePrinter(CodePrinter):
     def _print_Relational(self, expr):
         prec = precedence(expr)
         return f"{self.parenthesize(expr.lhs, prec)} {expr.rel_op} {self.parenthesize(expr.rhs, prec)}"
+
+    def _print_And(self, expr):
+        # & binds tighter than a comparison in Python and Triton: each operand parenthesized.
+        return " & ".join(f"({self._print(a)})" for a in expr.args)
 
     def _print_Piecewise(self, expr):
         *pieces, (last_value, last_cond) = expr.args
@@ -192,6 +204,10 @@ class ElementwisePrinter(CodePrinter):
             return f"{self.where}({x} > 0, 1.0, 0.0)"
         return f"{self.where}({x} > 0, 1.0, {self.where}({x} < 0, 0.0, {self._print(at_zero)}))"
 
+    def _print_saturated(self, expr):
+        x, bound = expr.args
+        return self.maximum(self.minimum(self._print(x), self._print(bound)), self._print(-bound))
+
     def _print_sign(self, expr):
         x = self._print(expr.args[0])
         return f"{self.where}({x} > 0, 1.0, {self.where}({x} < 0, -1.0, 0.0))"
@@ -202,6 +218,12 @@ class ElementwisePrinter(CodePrinter):
             args = ", ".join(self.scalar(self._print(a)) if a.is_number else self._print(a) for a in expr.args)
             return f"{self.helpers[(param, expr.func.derivative)]}({args}, {self.choices[param]})"
         return super()._print_Function(expr)
+
+
+def _is_half_integer(value) -> bool:
+    """1.5, 2.5, -1.5, ... (not 0.5 or -0.5: sqrt and rsqrt themselves)."""
+    value = float(value)
+    return (2 * value) % 2 == 1 and abs(value) > 1
 
 
 def _is_atom_text(text: str) -> bool:

@@ -53,8 +53,13 @@ def _activation(x, ACTIVATION: tl.constexpr):
         # 1.4142135623730951 = sqrt(2)
         out = t0 * (tl.erf(1.4142135623730951 * t0) + 1)
     elif ACTIVATION == 'gelu_tanh':
+        t0 = tl.maximum(
+            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
+            -24,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+        out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
     elif ACTIVATION == 'identity':
         out = x
     else:
@@ -76,11 +81,17 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         # 0.5641895835477563 = 1/sqrt(π)
         out = 0.5641895835477563 * t0 * libdevice.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'gelu_tanh':
+        t0 = tl.maximum(
+            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
+            -24,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
+        t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = (
-            (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
+            (1.5957691216057308 * x * (0.134145 * t0 * t0 + 1) * tl.sigmoid(-t2) + 1)
+            * tl.sigmoid(t2)
         )
     elif ACTIVATION == 'identity':
         out = 1
@@ -104,7 +115,7 @@ def add_mul_activation_kernel(
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
-    multiplier,
+    multiplier: tl.float64,
     ACTIVATION: tl.constexpr,  # activation
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -117,7 +128,7 @@ def add_mul_activation_kernel(
         rows = rows.to(tl.int64)
         cols = cols.to(tl.int64)
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     multiplier = tl.full((), multiplier, tl.float64 if COMPUTE_FP64 else tl.float32)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
@@ -152,7 +163,7 @@ def add_mul_activation_backward_kernel(
     grad_inp_ptr,  # gradient of inp: [M, N]; with SUM_GRAD_INP, column sums [programs, N]
     grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
     M, N, M_BUCKET,
-    multiplier,
+    multiplier: tl.float64,
     ACTIVATION: tl.constexpr,  # activation
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -174,7 +185,7 @@ def add_mul_activation_backward_kernel(
     grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
     grad_inp_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
     grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     multiplier = tl.full((), multiplier, tl.float64 if COMPUTE_FP64 else tl.float32)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
@@ -256,8 +267,9 @@ def _activation_torch(x, choice):
         # 1.4142135623730951 = sqrt(2)
         out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
     elif choice == 'gelu_tanh':
+        t0 = torch.clamp_min(torch.clamp_max(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
     elif choice == 'identity':
         out = x
     else:

@@ -57,7 +57,7 @@ def add_rmsnorm_kernel(
     saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
-    eps,
+    eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
@@ -67,7 +67,7 @@ def add_rmsnorm_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if INDEX_64:
         rows = rows.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_N)
@@ -173,7 +173,7 @@ def add_rmsnorm_backward_kernel(
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
     saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
-    eps,
+    eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
@@ -190,7 +190,7 @@ def add_rmsnorm_backward_kernel(
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
     if ONE_TILE:
@@ -232,7 +232,7 @@ def add_rmsnorm_backward_kernel(
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = residual + x
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * grad_y * t0 * weight / (t1 * sqrt_rn(t1)), 0.0),
+                tl.where(in_bounds, -0.5 * grad_y * t0 * rsqrt_rn(t1) * weight / t1, 0.0),
                 axis=1,
                 keep_dims=True,
             )
@@ -326,7 +326,7 @@ def add_rmsnorm_backward_kernel(
                 t0 = residual + x
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * grad_y * t0 * weight / (t1 * sqrt_rn(t1)), 0.0)
+                    + tl.where(in_bounds, -0.5 * grad_y * t0 * rsqrt_rn(t1) * weight / t1, 0.0)
                 )
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             grad_mean0 = row_sum0

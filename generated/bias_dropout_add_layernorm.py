@@ -71,7 +71,7 @@ def bias_dropout_add_layernorm_kernel(
     saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
-    eps,
+    eps: tl.float64,
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
@@ -87,7 +87,7 @@ def bias_dropout_add_layernorm_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if INDEX_64:
         rows = rows.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
@@ -326,7 +326,7 @@ def bias_dropout_add_layernorm_backward_kernel(
     grad_norm_bias_ptr,
     saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
-    eps,
+    eps: tl.float64,
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
@@ -353,7 +353,7 @@ def bias_dropout_add_layernorm_backward_kernel(
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
@@ -429,7 +429,7 @@ def bias_dropout_add_layernorm_backward_kernel(
             t3 = grad_y * rsqrt_rn(t0)
             t4 = t3 * weight
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * grad_y * t2 * weight / (t0 * sqrt_rn(t0)), 0.0),
+                tl.where(in_bounds, -0.5 * grad_y * rsqrt_rn(t0) * t2 * weight / t0, 0.0),
                 axis=1,
                 keep_dims=True,
             )
@@ -594,7 +594,7 @@ def bias_dropout_add_layernorm_backward_kernel(
                 t4 = t3 * weight
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * grad_y * t2 * weight / (t0 * sqrt_rn(t0)), 0.0)
+                    + tl.where(in_bounds, -0.5 * grad_y * rsqrt_rn(t0) * t2 * weight / t0, 0.0)
                 )
                 row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t4, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)

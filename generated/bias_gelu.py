@@ -43,8 +43,13 @@ def _activation(x, ACTIVATION: tl.constexpr):
         # 1.4142135623730951 = sqrt(2)
         out = t0 * (tl.erf(1.4142135623730951 * t0) + 1)
     elif ACTIVATION == 'gelu_tanh':
+        t0 = tl.maximum(
+            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
+            -24,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+        out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
     else:
         tl.static_assert(False, "unknown activation")
     return out
@@ -58,11 +63,17 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         # 0.5641895835477563 = 1/sqrt(π)
         out = 0.5641895835477563 * t0 * libdevice.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'gelu_tanh':
+        t0 = tl.maximum(
+            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
+            -24,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
+        t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = (
-            (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
+            (1.5957691216057308 * x * (0.134145 * t0 * t0 + 1) * tl.sigmoid(-t2) + 1)
+            * tl.sigmoid(t2)
         )
     else:
         tl.static_assert(False, "unknown activation")
@@ -195,8 +206,9 @@ def _activation_torch(x, choice):
         # 1.4142135623730951 = sqrt(2)
         out = t0 * (torch.erf(1.4142135623730951 * t0) + 1)
     elif choice == 'gelu_tanh':
+        t0 = torch.clamp_min(torch.clamp_max(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
     else:
         raise ValueError(f"unknown activation {choice!r}")
     return out

@@ -54,8 +54,13 @@ __all__ = ["bias_gelu_dropout_add", "BiasGeluDropoutAdd", "reference", "eager"]
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu_tanh':
+        t0 = tl.maximum(
+            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
+            -24,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+        out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
     elif ACTIVATION == 'gelu':
         t0 = 0.5 * x
         # 1.4142135623730951 = sqrt(2)
@@ -76,11 +81,17 @@ def _activation(x, ACTIVATION: tl.constexpr):
 @triton.jit
 def _activation_grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu_tanh':
+        t0 = tl.maximum(
+            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
+            -24,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
+        t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = (
-            (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1) * tl.sigmoid(t1)
+            (1.5957691216057308 * x * (0.134145 * t0 * t0 + 1) * tl.sigmoid(-t2) + 1)
+            * tl.sigmoid(t2)
         )
     elif ACTIVATION == 'gelu':
         # 0.7071067811865476 = sqrt(2)/2
@@ -277,8 +288,9 @@ def bias_gelu_dropout_add_backward_kernel(
 
 def _activation_torch(x, choice):
     if choice == 'gelu_tanh':
+        t0 = torch.clamp_min(torch.clamp_max(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
     elif choice == 'gelu':
         t0 = 0.5 * x
         # 1.4142135623730951 = sqrt(2)

@@ -55,7 +55,7 @@ def bias_layernorm_kernel(
     saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
-    eps,
+    eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
@@ -65,7 +65,7 @@ def bias_layernorm_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if INDEX_64:
         rows = rows.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_N)
@@ -190,7 +190,7 @@ def bias_layernorm_backward_kernel(
     grad_beta_ptr,  # gradient of beta: [M, N]; with SUM_GRAD_BETA, column sums [programs, N]
     saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
-    eps,
+    eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr,
@@ -209,7 +209,7 @@ def bias_layernorm_backward_kernel(
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
     if ONE_TILE:
@@ -250,7 +250,7 @@ def bias_layernorm_backward_kernel(
             t2 = grad_y * rsqrt_rn(t0)
             t3 = gamma * t2
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * gamma * grad_y * t1 / (t0 * sqrt_rn(t0)), 0.0),
+                tl.where(in_bounds, -0.5 * gamma * grad_y * rsqrt_rn(t0) * t1 / t0, 0.0),
                 axis=1,
                 keep_dims=True,
             )
@@ -368,7 +368,7 @@ def bias_layernorm_backward_kernel(
                 t3 = gamma * t2
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * gamma * grad_y * t1 / (t0 * sqrt_rn(t0)), 0.0)
+                    + tl.where(in_bounds, -0.5 * gamma * grad_y * rsqrt_rn(t0) * t1 / t0, 0.0)
                 )
                 row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t3, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)

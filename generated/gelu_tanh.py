@@ -60,8 +60,11 @@ def gelu_tanh_kernel(
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+    t0 = tl.maximum(
+        tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL), -24, propagate_nan=tl.PropagateNan.ALL
+    )
     # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-    y = x * tl.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+    y = x * tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
     tl.store(
         y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
     )
@@ -104,12 +107,17 @@ def gelu_tanh_backward_kernel(
             mask=in_bounds,
         )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+        t0 = tl.maximum(
+            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
+            -24,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        t1 = 1.5957691216057308 * (0.044715 * x * x * x + x)
+        t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         grad_x = (
-            grad_y * (1.5957691216057308 * x * (0.134145 * x * x + 1) * tl.sigmoid(-t1) + 1)
-            * tl.sigmoid(t1)
+            grad_y * (1.5957691216057308 * x * (0.134145 * t0 * t0 + 1) * tl.sigmoid(-t2) + 1)
+            * tl.sigmoid(t2)
         )
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
@@ -129,8 +137,9 @@ def gelu_tanh_backward_kernel(
 
 def _reference(problem, x):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
+    t0 = torch.clamp_min(torch.clamp_max(x, 24), -24)
     # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-    y = x * torch.sigmoid(1.5957691216057308 * (0.044715 * x * x * x + x))
+    y = x * torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
     return (y,)
 
 

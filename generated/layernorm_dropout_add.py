@@ -71,7 +71,7 @@ def layernorm_dropout_add_kernel(
     saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
-    eps,
+    eps: tl.float64,
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
@@ -87,7 +87,7 @@ def layernorm_dropout_add_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if INDEX_64:
         rows = rows.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
@@ -261,7 +261,7 @@ def layernorm_dropout_add_backward_kernel(
     grad_beta_ptr,  # gradient of beta: [M, N]; with SUM_GRAD_BETA, column sums [programs, N]
     saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
-    eps,
+    eps: tl.float64,
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
@@ -286,7 +286,7 @@ def layernorm_dropout_add_backward_kernel(
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
@@ -348,7 +348,7 @@ def layernorm_dropout_add_backward_kernel(
             t3 = rsqrt_rn(t1) * t2
             t4 = gamma * t3
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * gamma * t0 * t2 / (t1 * sqrt_rn(t1)), 0.0),
+                tl.where(in_bounds, -0.5 * gamma * t0 * rsqrt_rn(t1) * t2 / t1, 0.0),
                 axis=1,
                 keep_dims=True,
             )
@@ -485,7 +485,7 @@ def layernorm_dropout_add_backward_kernel(
                 t4 = gamma * t3
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * gamma * t0 * t2 / (t1 * sqrt_rn(t1)), 0.0)
+                    + tl.where(in_bounds, -0.5 * gamma * t0 * rsqrt_rn(t1) * t2 / t1, 0.0)
                 )
                 row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t4, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)

@@ -66,7 +66,7 @@ def scaled_masked_softmax_dropout_kernel(
     saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
-    scale,
+    scale: tl.float64,
     dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
@@ -82,7 +82,7 @@ def scaled_masked_softmax_dropout_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if INDEX_64:
         rows = rows.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     scale = tl.full((), scale, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
@@ -227,7 +227,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
     grad_mask_ptr,  # gradient of mask: [M, N]; with SUM_GRAD_MASK, column sums [programs, N]
     saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
-    scale,
+    scale: tl.float64,
     dropout_threshold_p, dropout_scale_p,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
@@ -248,7 +248,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
-    # Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int.
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     scale = tl.full((), scale, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)

@@ -107,8 +107,7 @@ def squared_relu_backward_kernel(
         )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_x = (
-            2 * grad_y * tl.where(x > 0, 1.0, 0.0)
-            * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            grad_y * tl.where(x <= 0, 0, 2 * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL))
         )
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:

@@ -63,7 +63,7 @@ FLOOR = {torch.float32: torch.finfo(torch.float32).eps / 2, torch.bfloat16: torc
 
 
 def _float32(value: float) -> float:
-    """As the launcher passes a float param: rounded to float32."""
+    """As an fp32 kernel takes a float param: rounded to float32."""
     return float(torch.tensor(value, dtype=torch.float32))
 
 
@@ -132,7 +132,9 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
     chunks = {i.name: i.chunks for i in spec.inputs}
     values = {name: (t.chunk(chunks[name], dim=-1) if chunks[name] > 1 else t) for name, t in tensors.items()}
     scalars = {
-        p.name: (_float32(params[p.name]) if p.type == "float" else params[p.name]) for p in spec.scalar_params
+        # fp64 kernels take a float param's double, the others round it to fp32.
+        p.name: (_float32(params[p.name]) if p.type == "float" and dtype != torch.float64 else params[p.name])
+        for p in spec.scalar_params
     }
     shapes = [v.shape for value in values.values() for v in (value if isinstance(value, tuple) else (value,))]
     shape = torch.broadcast_shapes(*shapes)
@@ -167,7 +169,7 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             inner = value(expr.value)
             if not has_dropout:
                 return inner
-            mask = runtime.dropout_mask_reference(seed, problem, expr.stream, _float32(params[expr.p]))
+            mask = runtime.dropout_mask_reference(seed, problem, expr.stream, params[expr.p])
             return inner * mask.to(dtype)
         if isinstance(expr, ir.Reduce):  # as eager code writes it: x.sum(-1, keepdim=True), ...
             reduce = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[expr.kind]
@@ -519,3 +521,130 @@ def test_powers_in_every_dtype(tmp_path, case, device):
     (want_grad,) = torch.autograd.grad(want.sum(), x64)
     torch.testing.assert_close(y.detach().cpu().double(), want.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad.cpu().double(), want_grad, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# (b) at extreme magnitudes (issue 27): the contract wherever eager PyTorch's fp32 result is
+# finite, with the first input scaled from 1e-30 to 1e30. Found: layer norm's d/dx printed
+# var**1.5 as var * sqrt(var), inf from a row std of ~1e13 on; gelu_tanh's d/dx met x**3's
+# inf with sigmoid's 0 (NaN) from |x| ~ 1e13 on.
+
+MAGNITUDES = (1e-30, 1e-10, 1e13, 1e20, 1e30)
+MAGNITUDE_OPS = ("layernorm", "rmsnorm", "add_rmsnorm", "bias_layernorm", "gelu_tanh", "bias_gelu", "geglu")
+MAGNITUDE_CASES = [
+    pytest.param(op, c, m, id=f"{op.name}-{choice_id(c)}-{m:g}")
+    for op, c in CHOICE_CASES if op.name in MAGNITUDE_OPS
+    for m in MAGNITUDES
+]
+
+
+def _finite_error(got, eager_out, truth) -> tuple[float, float]:
+    """Errors over the elements where eager PyTorch and the truth are finite; there the op must be too."""
+    where = torch.isfinite(eager_out) & torch.isfinite(truth)
+    assert torch.isfinite(got[where]).all(), "non-finite where eager PyTorch is finite"
+    return rel_error(got[where], truth[where]), rel_error(eager_out[where], truth[where])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("op,choices,magnitude", MAGNITUDE_CASES)
+def test_extreme_magnitudes_within_twice_eager_error(op, choices, magnitude, device):
+    dtype = torch.float32
+    tensors = make_inputs(op, ShapeCase("2x64", lead=(2,), n=64), dtype, seed=5)
+    first = op.input_names[0]
+    tensors[first] = (tensors[first].double() * magnitude).to(dtype)
+    params, kwargs = _kwargs(op, choices)
+
+    def run(fn, dt, dev):
+        leaves = {n: t.detach().to(dt).to(dev).requires_grad_(True) for n, t in tensors.items()}
+        outs = fn(leaves)
+        grads_out = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7 + i), dtype=torch.float64)
+                     .to(dt).to(dev) for i, o in enumerate(outs)]
+        grads = torch.autograd.grad(outs, list(leaves.values()), grads_out)
+        return [o.detach().cpu() for o in outs], [g.cpu() for g in grads]
+
+    got = run(lambda ts: _run(op.fn, ts, kwargs), dtype, device)
+    low = run(lambda ts: eager(op, ts, params, SEED), dtype, "cpu")
+    truth = run(lambda ts: _run(op.reference, ts, kwargs), torch.float64, "cpu")
+    for kind, names, index in (("output", op.output_names, 0), ("grad of", op.input_names, 1)):
+        for name, g, lo, tr in zip(names, got[index], low[index], truth[index]):
+            err, eager_err = _finite_error(g, lo, tr)
+            assert err <= 2 * eager_err + FLOOR[dtype], (
+                f"{op.name} at {magnitude:g}, {kind} {name}: relative error {err:.3g} > 2 x eager PyTorch's {eager_err:.3g}"
+            )
+
+
+# ---------------------------------------------------------------------------
+# Powers with an exponent that is not a number (issue 27): the derivative as torch's, at a
+# base of 0 too (sympy's k*x**k/x was 0/0 there), and relu's step as torch's selection
+# (relu(x)**0.5 below 0: 0, not inf * 0).
+
+POWER_SPECS = {
+    "param": "inputs:\n  x: [..., N]\nparams:\n  k: {type: float, default: 2.0}\noutputs:\n  y: x ** k\n",
+    "relu": "inputs:\n  x: [..., N]\nparams:\n  k: {type: float, default: 2.0}\noutputs:\n  y: relu(x) ** k\n",
+    "input": "inputs:\n  x: [..., N]\n  k: [..., N]\noutputs:\n  y: x ** k\n",
+}
+EXPONENTS = (0.0, 0.5, 1.0, 2.0, 2.5, 3.0)
+
+
+@pytest.fixture(scope="module")
+def power_ops(tmp_path_factory):
+    from tests.helpers import build_and_import
+
+    folder = tmp_path_factory.mktemp("powers")
+    return {kind: build_and_import(folder, f"name: power_{kind}\ndoc: d\n{text}") for kind, text in POWER_SPECS.items()}
+
+
+def _same_values(got, want, what):
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN at {got.isnan().tolist()}, torch at {want.isnan().tolist()}"
+    torch.testing.assert_close(got.nan_to_num(0.0), want.nan_to_num(0.0), msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("kind", POWER_SPECS)
+def test_power_derivatives_at_zero_as_torch(power_ops, kind, dtype, device):
+    module = power_ops[kind]
+    fn = getattr(module, f"power_{kind}")
+    x = torch.tensor([[0.0, -1.0, 0.5, 1.0, 2.0, 0.0]], dtype=dtype)
+    for k in EXPONENTS:
+        leaves = [x.clone().requires_grad_(True)]
+        if kind == "input":
+            leaves.append(torch.full_like(x, k).requires_grad_(True))
+        args = [t.detach().to(device).requires_grad_(True) for t in leaves]
+        if kind == "input":
+            got = torch.autograd.grad(fn(*args).sum(), args)
+            want = torch.autograd.grad((leaves[0] ** leaves[1]).sum(), leaves)
+            ref = torch.autograd.grad(module.reference(*leaves).sum(), leaves)
+        else:
+            got = torch.autograd.grad(fn(*args, k=k).sum(), args)
+            base = torch.relu(leaves[0]) if kind == "relu" else leaves[0]
+            want = torch.autograd.grad((base**k).sum(), leaves)
+            ref = torch.autograd.grad(module.reference(*leaves, k=k).sum(), leaves)
+        for name, g, w, r in zip(("x", "k"), got, want, ref):
+            _same_values(g.cpu(), w, f"{kind}, k = {k}: grad of {name}")
+            _same_values(r, w, f"{kind}, k = {k}: reference's grad of {name}")
+
+
+# ---------------------------------------------------------------------------
+# fp64 ops take their float params in fp64 (issue 27: they were rounded to fp32, 1e-8 off).
+
+
+@pytest.mark.parametrize("name", ["scaled_masked_softmax_dropout", "layernorm"])
+def test_fp64_ops_take_fp64_params(name, device):
+    op = next(o for o in OPS if o.name == name)
+    tensors = make_inputs(op, SHAPE, torch.float64, seed=11)
+    if name == "layernorm":  # an eps that matters: rows of tiny variance
+        tensors["x"] = tensors["x"] * 1e-3
+        kwargs, want = {"eps": 1.1e-6}, None
+        want = F.layer_norm(tensors["x"], (SHAPE.n,), tensors["weight"], tensors["bias"], eps=1.1e-6)
+    else:
+        kwargs = {"scale": 0.3, "p": 0.0}
+        want = torch.softmax(tensors["x"] * 0.3 + tensors["mask"], dim=-1)
+    got = _run(op.fn, {n: t.to(device) for n, t in tensors.items()}, kwargs)[0].cpu()
+    ref = _run(op.reference, tensors, kwargs)[0]
+    for label, value in (("op", got), ("reference", ref)):
+        assert value.dtype == torch.float64
+        err = ((value - want).abs() / want.abs().clamp_min(1e-300)).max().item()
+        assert err <= 1e-13, f"{name} ({label}) in fp64: relative error {err:.3g} against float64 torch"

@@ -33,7 +33,7 @@ torch_ = TorchPrinter({("act", None): "_act_torch"}, {"act": "act"})
         # libdevice.pow picks its overload by argument types: numbers come in the compute type.
         (x**1.7, "libdevice.pow(x, tl.full((), 1.7, tl.float64 if COMPUTE_FP64 else tl.float32))", "torch.pow(x, 1.7)"),
         (x**1.5, "x * sqrt_rn(x)", "x * torch.sqrt(x)"),
-        (x**-2.5, "1.0 / (x * x * sqrt_rn(x))", "1.0 / (x * x * torch.sqrt(x))"),
+        (x**-2.5, "rsqrt_rn(x) / (x * x)", "torch.rsqrt(x) / (x * x)"),  # no overflowing x*x*sqrt(x)
         (2**x, "libdevice.pow(tl.full((), 2, tl.float64 if COMPUTE_FP64 else tl.float32), x)", "torch.pow(2, x)"),
     ],
 )

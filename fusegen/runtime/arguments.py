@@ -3,7 +3,6 @@ as torch would, and scalar and choice params against their declarations."""
 from __future__ import annotations
 
 import functools
-import struct
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +24,6 @@ def check_choice(op: str, name: str, value, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _float32(value) -> float:
-    return struct.unpack("f", struct.pack("f", float(value)))[0]
-
-
 def check_scalar(op: str, name: str, value, kind: str, low, high):
     """A runtime scalar param: right type, finite, inside the spec's range."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
@@ -43,9 +38,8 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
         raise FusegenArgumentError(f"{op}(): {name} must be {range_text(low, high)}, got {value!r}")
     if kind == "float" and abs(value) > FLOAT32_MAX:
         raise FusegenArgumentError(f"{op}(): {name}={value!r} does not fit a float32")
-    # Rounded to float32 here, as a GPU launch passes it: the interpreter would keep the
-    # double, and reference (which rounds) would then disagree in fp64.
-    return _float32(value) if kind == "float" else value
+    # The double as given: an fp64 kernel (and reference) computes with it, an fp32 one rounds it.
+    return float(value) if kind == "float" else value
 
 
 @dataclass(frozen=True)

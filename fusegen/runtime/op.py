@@ -351,8 +351,8 @@ class FusedOp:
             tensor = tensor.to(problem.compute_dtype)
             values.extend(tensor.chunk(spec.chunks, dim=-1) if spec.chunks > 1 else (tensor,))
         params = [
-            # A tensor in the compute dtype: the kernel receives a float param as a float32 scalar.
-            torch.tensor(value, dtype=torch.float32, device=problem.device).to(problem.compute_dtype)
+            # A tensor in the compute dtype, as the kernel converts a float param on entry.
+            torch.tensor(value, dtype=problem.compute_dtype, device=problem.device)
             if isinstance(p, Scalar) else value
             for p, value in zip(self.params, call.params)
         ]

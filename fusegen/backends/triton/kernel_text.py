@@ -137,7 +137,9 @@ def kernel_key(plan: OpPlan, backward: bool) -> str:
 
 def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forward: bool) -> list[str]:
     """Params, dropout and the flags: in the order fusegen.backends.triton.launch passes them."""
-    arguments = [f"{p.local}," for p in kernel.scalars]
+    # A float param as fp64 (Triton would pass a Python float as fp32): an fp64 kernel keeps
+    # every bit, an fp32 one rounds it on entry as the launch did.
+    arguments = [f"{p.local}: tl.float64," if p.declaration.kind == "float" else f"{p.local}," for p in kernel.scalars]
     for p in plan.params:
         if p.dropout_p:
             comment = f"  # {p.name} as a 24-bit keep threshold, and 1 / (1 - {p.name})" if forward else ""
@@ -190,7 +192,7 @@ def input_loads(i: InputPlan, n: InputNames) -> list[str]:
 def scalars_in_compute_type(kernel: KernelPlan) -> list[str]:
     if not kernel.scalars:
         return []
-    return ["# Scalar params in the compute type: Triton passes a Python float as fp32, an int as an int."] + [
+    return ["# Scalar params in the compute type: a float is passed as fp64, an int as an int."] + [
         f"{p.local} = tl.full((), {p.local}, {COMPUTE_DTYPE})" for p in kernel.scalars
     ]
 
