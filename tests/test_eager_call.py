@@ -411,9 +411,12 @@ def test_calls_left_to_the_python_path(calls_of, device):
     with _Recording() as mode:  # a dispatch mode sees the Python path's allocations
         torch.testing.assert_close(op.fn(x, b), op.reference(x, b))
     assert any("empty" in str(f) for f in mode.seen)
-    x.requires_grad_(True)
-    with fwAD.dual_level(), pytest.raises(RuntimeError, match="jvp"):
-        op.fn(fwAD.make_dual(x, torch.ones_like(x)), b)
+    for grad in (True, False):  # forward-mode AD runs the reference, tangent and all
+        x.requires_grad_(grad)
+        with fwAD.dual_level():
+            primal, tangent = fwAD.unpack_dual(op.fn(fwAD.make_dual(x, torch.ones_like(x)), b))
+        assert tangent is not None
+        torch.testing.assert_close(primal, op.reference(x.detach(), b))
     x.requires_grad_(False)
     out = torch.empty_like(x)
     op.fn(x, b, out=out)
