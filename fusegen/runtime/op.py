@@ -388,19 +388,38 @@ class _Autograd(torch.autograd.Function):
         op = ctx.op
         count = op._n_inputs
         needs = ctx.needs_input_grad[3:3 + count]  # after the op, prepared and in_place arguments
-        if ctx.in_place:
+        tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
+        in_place = ctx.in_place
+        if in_place:
             # Only the gradients this backward asks for (autograd.grad of some inputs): an
             # input whose gradient is not wanted must keep its values.
-            edges = ctx.next_functions[:count]  # one per tensor argument: the inputs
-            try:
-                needs = tuple(need and node is not None and torch._C._will_engine_execute_node(node)
-                              for need, (node, _) in zip(needs, edges))
-            except RuntimeError:  # not inside the engine (grad_fn.apply called directly): all of them
-                pass
-        tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
+            needs, known = _wanted(needs, ctx.next_functions[:count])  # one edge per input
+            # Where it cannot be known (a leaf inside autograd.grad, a backward called outside
+            # the engine) the gradient is computed, into new memory: nothing is written in
+            # place unless every such input is a leaf, which is never written in place.
+            in_place = all(k or t.is_leaf for k, t in zip(known, tensors))
         saved = saved[0] if saved else None
-        gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared, ctx.in_place)
+        gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared, in_place)
         return (None, None, None, *gradients)
+
+
+def _wanted(needs: tuple, edges: tuple) -> tuple[tuple, tuple]:
+    """Per input, whether this backward's engine run wants its gradient, and whether that is
+    known: torch cannot say for a leaf's AccumulateGrad inside autograd.grad, nor outside the
+    engine (grad_fn.apply called directly); those keep `needs`."""
+    wanted, known = [], []
+    for need, (node, _) in zip(needs, edges):
+        if not need or node is None:
+            wanted.append(False)
+            known.append(True)
+            continue
+        try:
+            wanted.append(torch._C._will_engine_execute_node(node))
+            known.append(True)
+        except RuntimeError:
+            wanted.append(True)
+            known.append(False)
+    return tuple(wanted), tuple(known)
 
 
 try:
@@ -456,6 +475,10 @@ def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> 
     """The C++ node's backward (runtime.native): one gradient or None per input. The first
     of each kind is offered to the C++ eager call, which then runs the later ones."""
     op, prepared, in_place, params, seed = state
+    if in_place and torch._C._current_graph_task_id() == -1:
+        # Called outside the engine (the node called directly): `needs` are the node's edges,
+        # not what a backward asked for, so nothing in place. Inside it they are exact.
+        in_place = False
     count = op._n_inputs
     tensors = saved[:count]
     statistics = saved[count] if len(saved) > count else None
