@@ -58,6 +58,7 @@ class FusedOp:
         masks: tuple[str, ...] = (),
         passthrough: dict[str, str] | None = None,
         same_gradient: dict[str, str] | None = None,
+        gradient_reads: dict[str, tuple[str, ...]] | None = None,
         kernels,
         reference,
     ):
@@ -83,6 +84,12 @@ class FusedOp:
         self._same_as = tuple(names_in.index(same_gradient[i.name]) if i.name in same_gradient else None
                               for i in inputs)
         self._has_same = any(s is not None for s in self._same_as)
+        # An input whose gradient reads only some outputs' incoming gradients: the indices of
+        # those (None: every output's). Without any of them it has no gradient (None, as in torch).
+        gradient_reads = gradient_reads or {}
+        self._reads = tuple(tuple(outputs.index(o) for o in gradient_reads[i.name]) if i.name in gradient_reads
+                            else None for i in inputs)
+        self._some_reads = any(r is not None for r in self._reads)
         # Every gradient is the backward kernel's own: the C++ node's backward may go straight
         # to the prepared launch (_native_backward).
         self._kernel_only_backward = not self._has_same and all(p is None for p in self._passthrough)
@@ -510,6 +517,12 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
     nothing = (None,) * (len(tensors) + len(params))
     if not given:
         return nothing
+    if op._some_reads and len(given) < len(grads):
+        # An unused output's gradient is zero: an input whose gradient reads only such ones has none.
+        needs = tuple(need and (reads is None or any(grads[j] is not None for j in reads))
+                      for need, reads in zip(needs, op._reads))
+        if not any(needs):
+            return nothing
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
     input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved, prepared, in_place)
     return (*input_grads, *nothing[len(tensors):])
