@@ -14,6 +14,7 @@ import sys
 import torch
 
 from .arguments import FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar
+from .arguments import check_training
 from .dropout import check_seed, dropout_mask_reference, seed_result, seed_tensor
 from .gradients import sum_to_input
 from .out import check_out_without_grad, output_buffer, write_out
@@ -221,7 +222,7 @@ class FusedOp:
             return Call(problem, tuple(params), False, None, shard)
         training, seed = args[n + self._n_params:]
         has_dropout = False
-        if training:
+        if check_training(name, training):
             for i in self._dropout_indices:
                 if params[i] > 0:
                     has_dropout = True
