@@ -130,6 +130,8 @@ class FusedOp:
                 outputs = fast(args, inplace_backward)
                 if outputs is not None:
                     return outputs
+        if torch._C._is_tracing():  # a trace would keep the kernel's outputs as constants (C++: never taken)
+            raise FusegenArgumentError(f"{self.name}(): torch.jit.trace is not supported; use torch.compile")
         _check_inplace_backward(self.name, inplace_backward)
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
