@@ -686,3 +686,21 @@ def test_a_module_with_an_input_no_gradient_covers_is_refused():
     inputs = (runtime.Input("x", ("...", "N")), runtime.Input("residual", ("...", "N")))
     with pytest.raises(ValueError, match=r"out_of_step: inputs without a gradient: \['residual'\]"):
         runtime.FusedOp("out_of_step", inputs=inputs, outputs=("y",), kernels=kernels, reference=None)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
+def test_a_valid_call_prints_nothing(op, device, use_node):
+    """No warning from a valid call, forward and backward: on the interpreter, numpy's
+    RuntimeWarnings from padded lanes (0/0 past the row's end, softmax(randn(3, 64)))."""
+    import warnings
+
+    use_node("python")
+    kwargs = with_seed(op, params_for(op, p=0.3), seed=11, training=True)
+    for case in (ShapeCase("quiet", lead=(3,), n=64), ShapeCase("quiet-ragged", lead=(2, 3), n=50)):
+        tensors = make_inputs(op, case, seed=1, device=device)
+        leaves = [t.requires_grad_(True) for t in tensors.values()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            outputs = as_tuple(op.fn(*leaves, **kwargs))
+            torch.autograd.backward(outputs, _grad_outputs(outputs))
+        assert all(leaf.grad is not None for leaf in leaves)
