@@ -130,7 +130,7 @@ class FusedOp:
                 outputs = fast(args, inplace_backward)
                 if outputs is not None:
                     return outputs
-        if torch._C._is_tracing():  # a trace would keep the kernel's outputs as constants (C++: never taken)
+        if not compiling and torch._C._is_tracing():  # a trace would keep the kernel's outputs as constants
             raise FusegenArgumentError(f"{self.name}(): torch.jit.trace is not supported; use torch.compile")
         _check_inplace_backward(self.name, inplace_backward)
         if out is not None:
