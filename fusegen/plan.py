@@ -137,6 +137,9 @@ class OpPlan:
     backward: KernelPlan
     passthrough: tuple[tuple[str, str], ...]  # (input, output): the input's gradient is the output's
     same_gradient: tuple[tuple[str, str], ...]  # (input, earlier input): the same gradient (simplify.Gradient)
+    # (input, outputs): an input whose gradient reads the incoming gradients of only some
+    # outputs, those (simplify.Gradient.reads); inputs that read every output's are left out.
+    gradient_reads: tuple[tuple[str, tuple[str, ...]], ...]
     eager: tuple[ir.Expr, ...]  # the outputs as the spec writes them, for the user-style baseline
     eager_lets: tuple[tuple[str, ir.Expr], ...]  # its intermediates, each a local (by that local's name)
     helpers: tuple[HelperPlan, ...]
@@ -262,12 +265,26 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         backward=backward,
         passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients if g.passthrough_of is not None),
         same_gradient=tuple((g.input, g.same_as) for g in op.gradients if g.same_as is not None),
+        gradient_reads=_gradient_reads(spec, op),
         eager=tuple(expr for _, expr in op.ir.outputs),
         eager_lets=tuple((namer.claim(name), expr) for name, expr in op.ir.lets),
         helpers=tuple(_helper(h, by_name[h.param]) for h in op.helpers),
         names=names,
         namer=namer,
     )
+
+
+def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Per input (all its chunks), the outputs whose incoming gradients its gradient reads,
+    where that is not all of them."""
+    reads = {g.input: set(g.reads) for g in op.gradients}
+    every = [name for name, _ in op.ir.outputs]
+    result = []
+    for spec_input in spec.inputs:
+        read = set().union(*(reads[n] for n in value_names(spec_input)))
+        if len(read) < len(every):
+            result.append((spec_input.name, tuple(name for name in every if name in read)))
+    return tuple(result)
 
 
 def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:

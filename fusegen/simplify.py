@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -53,6 +53,9 @@ class Gradient:
     # residual in x + residual): where the two tensors agree in shape and dtype, the kernel
     # writes it once and both inputs get that one tensor, as torch's add gives its inputs.
     same_as: str | None = None
+    # The outputs whose incoming gradients it reads, in the op's order: where none of them
+    # has one (an unused output's), the input has no gradient, as in torch (not zeros).
+    reads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,9 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
         )
         for name in inputs
     ), [totals[True], totals[False]], chunked)
+    gradients = tuple(
+        replace(g, reads=_reads((totals[True][g.input], totals[False][g.input]), grad_outputs)) for g in gradients
+    )
     backward = {
         has_dropout: [(g.input, totals[has_dropout][g.input]) for g in gradients if g.passthrough_of is None]
         for has_dropout in (True, False)
@@ -195,6 +201,9 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
     gradients = _same_gradients(tuple(
         Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in inputs
     ), [totals], chunked)
+    # A gradient reads the incoming ones directly and through the backward's row sums and values.
+    definitions = {r.symbol: r.value for r in found} | dict(row_values)
+    gradients = tuple(replace(g, reads=_reads((totals[g.input],), grad_outputs, definitions)) for g in gradients)
     results = [(g.input, totals[g.input]) for g in gradients if g.passthrough_of is None]
     elements = set(inputs.values()) | set(masks)
     forward = rows.schedule(reductions.found, [], outputs, elements)
@@ -370,6 +379,19 @@ def _same_gradients(gradients: tuple[Gradient, ...], totals: list[dict], chunked
                 first[key] = g.input
         result.append(g)
     return tuple(result)
+
+
+def _reads(totals, grad_outputs, definitions: dict | None = None) -> tuple[str, ...]:
+    """The outputs whose incoming gradients appear in `totals`, directly or through the
+    symbols `definitions` defines."""
+    seen, pending = set(), [s for total in totals for s in total.free_symbols]
+    while pending:
+        symbol = pending.pop()
+        if symbol not in seen:
+            seen.add(symbol)
+            if definitions and symbol in definitions:
+                pending.extend(definitions[symbol].free_symbols)
+    return tuple(g.name[len("grad["):-1] for g in grad_outputs if g in seen)
 
 
 def _passthrough(total: sympy.Expr, grad_outputs) -> str | None:

@@ -435,6 +435,8 @@ _OP = runtime.FusedOp(
     params=(runtime.Scalar("eps", "float", 0.0, None),),
     outputs=("h", "y"),
     same_gradient={"residual": "x"},  # one gradient, one tensor, where shapes and dtypes agree
+    # These inputs' gradients read only these outputs' gradients: without them, None.
+    gradient_reads={"weight": ("y",)},
     kernels=launch.RowKernels(
         add_rmsnorm_kernel,
         add_rmsnorm_backward_kernel,

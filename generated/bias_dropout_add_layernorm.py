@@ -778,6 +778,8 @@ _OP = runtime.FusedOp(
     params=(runtime.Scalar("eps", "float", 0.0, None), runtime.Scalar("p", "float", 0.0, 1.0)),
     outputs=("h", "y"),
     masks=("p",),  # each dropout's p, by Philox stream
+    # These inputs' gradients read only these outputs' gradients: without them, None.
+    gradient_reads={"weight": ("y",), "norm_bias": ("y",)},
     kernels=launch.RowKernels(
         bias_dropout_add_layernorm_kernel,
         bias_dropout_add_layernorm_backward_kernel,

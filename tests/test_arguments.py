@@ -111,3 +111,46 @@ def test_range_docstrings(ranges_module):
 def test_ranges_print_one_way(low, high, text):
     # One function prints a range for docstrings (at build) and errors (at run time).
     assert range_text(low, high) == text
+
+
+def test_numpy_numbers_are_params_as_python_numbers_are(ranges_module, device):
+    """numpy's scalars are numbers.Real and Integral: np.float32(0.1) as 0.1 (rounded to
+    float32 either way), np.int64(3) as 3; a numpy float is no int."""
+    np = pytest.importorskip("numpy")
+    x = torch.randn(2, 8, device=device)
+    expected = bias_gelu_dropout_add(x, x[0], x, p=0.25, training=False)
+    assert torch.equal(bias_gelu_dropout_add(x, x[0], x, p=np.float32(0.25), training=False), expected)
+    assert torch.equal(bias_gelu_dropout_add(x, x[0], x, p=np.float64(0.25), training=np.bool_(False)), expected)
+    f = ranges_module.ranges_op
+    assert torch.equal(f(x, cap=np.int64(3), thresh=np.float32(0.5)), f(x, cap=3, thresh=0.5))
+    with pytest.raises(FusegenArgumentError, match=re.escape("ranges_op(): cap must be an int, got np.float64(3.0)")):
+        f(x, cap=np.float64(3.0))
+    with pytest.raises(FusegenArgumentError, match=re.escape("ranges_op(): thresh must be a number, got bool")):
+        f(x, thresh=np.bool_(True))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cap": -(2**70)}, f"ranges_op(): cap={-(2**70)} is out of the int64 range"),
+        ({"cap": -(2**63) - 1}, f"ranges_op(): cap={-(2**63) - 1} is out of the int64 range"),
+        ({"thresh": torch.tensor(0.5, device="meta")}, "ranges_op(): thresh is a tensor without data (meta); pass a number"),
+    ],
+    ids=["int-2**70", "int64-min-1", "meta-tensor"],
+)
+def test_params_the_kernel_cannot_take_are_one_line(ranges_module, kwargs, message, device):
+    x = torch.randn(2, 8, device=device)
+    for call in (ranges_module.ranges_op, ranges_module.reference):
+        with pytest.raises(FusegenArgumentError) as error:
+            call(x, **kwargs)
+        assert str(error.value) == message
+    assert ranges_module.ranges_op(x, cap=-(2**63)).shape == x.shape  # the int64 range's end is taken
+
+
+@pytest.mark.parametrize("training", ["no", None, [], 1, torch.tensor(True)], ids=["str", "None", "list", "int", "tensor"])
+def test_training_is_a_bool(training, device):
+    """Not truthiness: training='no' would turn dropout on."""
+    x, b, r = _good(device)
+    name = type(training).__name__
+    with pytest.raises(FusegenArgumentError, match=re.escape(f"{OP}: training must be True or False, got {name}")):
+        bias_gelu_dropout_add(x, b, r, p=0.5, training=training)

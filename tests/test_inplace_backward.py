@@ -149,3 +149,55 @@ def test_an_input_whose_gradient_is_not_asked_for_keeps_its_values(device, node,
     expected = torch.autograd.grad(torch.nn.functional.silu(truth + 2.0 * inp0.detach().double() + bias.double()),
                                    truth, g.double())[0]
     assert torch.allclose(gx.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("node", ["python", "native"])
+@pytest.mark.parametrize("name", ["layernorm", "add_mul_activation"])
+def test_autograd_grad_of_a_leaf_alone_keeps_the_other_inputs_values(device, node, name, use_node):
+    """autograd.grad of the weight (a leaf) alone: torch cannot say inside autograd.grad
+    whether a leaf's gradient is wanted, and that must not make every input writable; x, an
+    activation whose gradient nobody asked for, keeps its values."""
+    use_node(node)
+    op = op_by_name(name).module
+    x0 = _randn(4, 32, seed=1, device=device).requires_grad_(True)
+    w = _randn(32, seed=2, device=device).requires_grad_(True)
+    b = _randn(32, seed=3, device=device).requires_grad_(True)
+    for _ in range(3):  # the first call of a kind tunes (never in place); later ones may write
+        x = x0 * 1
+        kept = x.detach().clone()
+        if name == "layernorm":
+            y = op.layernorm(x, w, b, inplace_backward=True)
+        else:  # w as the second input: x + 2 * w + b, then silu
+            y = op.add_mul_activation(x, w, b, 2.0, "silu", inplace_backward=True)
+        (gw,) = torch.autograd.grad(y.sum(), [w])
+        assert torch.equal(x.detach(), kept)
+    ref_w = w.detach().clone().requires_grad_(True)
+    ref_args = (x0.detach(), ref_w, b.detach()) + (() if name == "layernorm" else (2.0, "silu"))
+    (expected,) = torch.autograd.grad(op.reference(*ref_args).sum(), [ref_w])
+    torch.testing.assert_close(gw, expected)
+    # Both asked for: x (no leaf) may take its gradient in place, w's is still computed.
+    x = x0 * 1
+    y = op.layernorm(x, w, b, inplace_backward=True) if name == "layernorm" else \
+        op.add_mul_activation(x, w, b, 2.0, "silu", inplace_backward=True)
+    gx, gw = torch.autograd.grad(y.sum(), [x, w])
+    torch.testing.assert_close(gw, expected)
+
+
+@pytest.mark.parametrize("node", ["python", "native"])
+def test_a_backward_called_outside_the_engine_writes_nothing_in_place(device, node, use_node):
+    """The node's backward called directly: nothing says which gradients are wanted, so all
+    are computed, and none into an input's memory."""
+    use_node(node)
+    x0 = _randn(4, 32, seed=1, device=device).requires_grad_(True)
+    for _ in range(3):
+        h = x0 * 1
+        kept = h.detach().clone()
+        y = SWIGLU.swiglu(h, inplace_backward=True)
+        with torch.no_grad():  # as the engine runs a backward
+            gh = [g for g in _call_node(y.grad_fn, torch.ones_like(y)) if g is not None][0]
+        assert torch.equal(h.detach(), kept) and gh.data_ptr() != h.data_ptr()
+
+
+def _call_node(node, grad):
+    """A node's backward, called as a user may call it (the Python Function's apply, the C++ node's __call__)."""
+    return node.apply(grad) if hasattr(node, "apply") else node(grad)

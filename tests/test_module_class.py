@@ -245,3 +245,19 @@ def test_names_like_the_class_are_the_users(tmp_path, device):
     torch.testing.assert_close(z, x + 1)
     y, z = module.GeluNamed()(x, g)
     torch.testing.assert_close(y, x * g)
+
+
+@pytest.mark.parametrize("node", ["python", "native"])
+def test_torch_jit_trace_is_refused_in_one_line(node, device, use_node):
+    """A trace would keep the kernel's outputs as constants; it is refused, on a kind of call
+    seen before too (the prepared path, the eager call in C++)."""
+    use_node(node)
+    from generated.bias_gelu import BiasGelu
+
+    module = BiasGelu()
+    x, bias = torch.randn(4, 8, device=device), torch.randn(8, device=device)
+    for _ in range(2):
+        module(x, bias)
+    with pytest.raises(FusegenArgumentError) as error:
+        torch.jit.trace(module, (x, bias))
+    assert str(error.value) == "bias_gelu(): torch.jit.trace is not supported; use torch.compile"

@@ -598,6 +598,35 @@ def test_outputs_left_out_of_the_loss_have_zero_gradient(tmp_path, used, device)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+MULTI_OUTPUT = [op for op in OPS if len(op.spec.outputs) > 1]
+
+
+@pytest.mark.parametrize("node", ["python", "native"])
+@pytest.mark.parametrize("used", [0, 1], ids=["first", "second"])
+@pytest.mark.parametrize("op", MULTI_OUTPUT, ids=[op.name for op in MULTI_OUTPUT])
+def test_an_input_that_feeds_only_unused_outputs_gets_no_gradient(op, used, node, device, use_node):
+    """One output used, the other not: an input reaching only the unused one (add_rmsnorm's
+    weight, when only h is used) has no gradient (None, as in torch: an optimizer skips it,
+    where zeros would decay it); the others as the reference's. Through either autograd node."""
+    use_node(node)
+    kwargs = with_seed(op, params_for(op, p=0.3), seed=11, training=True)
+    tensors = make_inputs(op, ShapeCase("unused", lead=(2, 3), n=16), seed=1, device=device)
+    grads = {}
+    for fn in (op.fn, op.module.reference):
+        leaves = [t.detach().clone().requires_grad_(True) for t in tensors.values()]
+        for _ in range(2):  # the second call of a kind may take the eager call in C++
+            for leaf in leaves:
+                leaf.grad = None
+            outputs = as_tuple(fn(*leaves, **kwargs))
+            outputs[used].backward(_grad_outputs(outputs)[used])
+        grads[fn] = [leaf.grad for leaf in leaves]
+    for name, got, want in zip(op.input_names, grads[op.fn], grads[op.module.reference]):
+        assert (got is None) == (want is None), f"{name}: {got} vs {want}"
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert any(g is None for g in grads[op.fn]) == (used == 0)
+
+
 @pytest.mark.parametrize("node", ["python", "native"])
 @pytest.mark.parametrize("name", ["add_rmsnorm", "add_relu"])
 def test_inputs_with_the_same_gradient_share_one_tensor(name, node, device, use_node):
@@ -657,3 +686,21 @@ def test_a_module_with_an_input_no_gradient_covers_is_refused():
     inputs = (runtime.Input("x", ("...", "N")), runtime.Input("residual", ("...", "N")))
     with pytest.raises(ValueError, match=r"out_of_step: inputs without a gradient: \['residual'\]"):
         runtime.FusedOp("out_of_step", inputs=inputs, outputs=("y",), kernels=kernels, reference=None)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
+def test_a_valid_call_prints_nothing(op, device, use_node):
+    """No warning from a valid call, forward and backward: on the interpreter, numpy's
+    RuntimeWarnings from padded lanes (0/0 past the row's end, softmax(randn(3, 64)))."""
+    import warnings
+
+    use_node("python")
+    kwargs = with_seed(op, params_for(op, p=0.3), seed=11, training=True)
+    for case in (ShapeCase("quiet", lead=(3,), n=64), ShapeCase("quiet-ragged", lead=(2, 3), n=50)):
+        tensors = make_inputs(op, case, seed=1, device=device)
+        leaves = [t.requires_grad_(True) for t in tensors.values()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            outputs = as_tuple(op.fn(*leaves, **kwargs))
+            torch.autograd.backward(outputs, _grad_outputs(outputs))
+        assert all(leaf.grad is not None for leaf in leaves)

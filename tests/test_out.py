@@ -61,3 +61,35 @@ def test_output_buffer_is_out_only_when_no_input_shares_its_memory():
         buffer = runtime.output_buffer("op", out, 0, 1, problem, (*disjoint, sharing))
         assert buffer is not out and buffer.shape == out.shape
     assert runtime.output_buffer("op", out, 0, 1, problem, (base[32:].view(4, 8).expand(2, 4, 8),)) is out
+
+
+@pytest.mark.parametrize("fn_name", ["add_rmsnorm", "reference"], ids=["kernel", "reference"])
+def test_out_targets_torch_refuses_are_refused_before_anything_runs(fn_name, device):
+    """A target that requires grad (torch: out= does not support autograd), one whose elements
+    share memory (expanded: the copy into it would fail after the kernel ran), and two
+    targets that share memory (out=(h, h): h would end up holding y). Under no_grad a
+    parameter may be written, as torch allows."""
+    import generated.add_rmsnorm as rms
+    fn = getattr(rms, fn_name)
+    prefix = "add_rmsnorm(): " if fn_name == "add_rmsnorm" else ""
+    x, r, w = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device), torch.randn(8, device=device)
+    h, y = torch.full((4, 8), 7.0, device=device), torch.full((4, 8), 7.0, device=device)
+    param = torch.nn.Parameter(torch.full((4, 8), 7.0, device=device))
+    both = torch.full((8, 8), 7.0, device=device)
+    cases = [
+        ((h, h), "out[0] and out[1] share memory"),
+        ((both[:5], both[4:]), "out[0] and out[1] share memory"),
+        ((torch.zeros(8, device=device).expand(4, 8), y), "out[0] has elements that share memory (an expanded tensor)"),
+        ((h, param), "out= does not support autograd (out[1] requires grad)"),
+    ]
+    for out, message in cases:
+        with pytest.raises(runtime.FusegenArgumentError) as error:
+            fn(x, r, w, out=out)
+        assert str(error.value) == prefix + message
+        assert torch.equal(h, torch.full_like(h, 7.0)) and torch.equal(param.detach(), h)  # nothing written
+    with torch.no_grad():
+        assert fn(x, r, w, out=(h, param))[1] is param
+    want = rms.reference(x, r, w)
+    torch.testing.assert_close((h, param.detach()), want)
+    assert fn(x, r, w, out=(both[:4], both[4:]))[0] is not None  # disjoint parts of one tensor
+    torch.testing.assert_close((both[:4], both[4:]), want)

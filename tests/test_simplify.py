@@ -128,3 +128,15 @@ def test_an_input_whose_gradient_is_an_earlier_inputs_shares_it(tmp_path):
     with_dropout = _op(tmp_path, "  y: relu(dropout(x, p) + residual)\n", inputs="  x: [..., N]\n  residual: [..., N]\n",
                        params="params:\n  p: {type: float, default: 0.1, min: 0.0, max: 1.0}\n")
     assert all(g.same_as is None and g.passthrough_of is None for g in with_dropout.gradients)
+
+
+def test_each_gradient_says_which_outputs_incoming_gradients_it_reads(tmp_path):
+    """Pointwise: directly; with row reductions: also through the backward's row sums (h's
+    gradient reaches x through the norm's mean). An input reaching only one output reads
+    only its gradient: without it (an unused output) the input has no gradient."""
+    op = _op(tmp_path, "  h: x + bias\n  y: tanh(x) * scale\n", inputs="  x: [..., N]\n  bias: [N]\n  scale: [N]\n")
+    assert {g.input: g.reads for g in op.gradients} == {"x": ("h", "y"), "bias": ("h",), "scale": ("y",)}
+    (tmp_path / "rows").mkdir()
+    rows = _op(tmp_path / "rows", "  h: s\n  y: (s - mean(s)) * rsqrt(mean((s - mean(s)) ** 2) + 1.0e-5) * w\n",
+               inputs="  x: [..., N]\n  bias: [N]\n  w: [N]\n", params="let:\n  s: x + bias\n")
+    assert {g.input: g.reads for g in rows.gradients} == {"x": ("h", "y"), "bias": ("h", "y"), "w": ("y",)}

@@ -3,6 +3,8 @@ as torch would, and scalar and choice params against their declarations."""
 from __future__ import annotations
 
 import functools
+import numbers
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,7 @@ from ..layout import Input, range_text
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FLOAT32_MAX = 3.4028234663852886e38
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # an int param reaches the kernel as at most an int64
 
 
 class FusegenArgumentError(ValueError):
@@ -27,11 +30,17 @@ def check_choice(op: str, name: str, value, choices: tuple[str, ...]) -> str:
 def check_scalar(op: str, name: str, value, kind: str, low, high):
     """A runtime scalar param: right type, finite, inside the spec's range."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        if value.device.type == "meta" or is_fake(value):
+            raise FusegenArgumentError(f"{op}(): {name} is a tensor without data ({value.device.type}); pass a number")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numpy's numbers too (np.float32(0.1), np.int64(3)): numbers.Real and Integral.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise FusegenArgumentError(f"{op}(): {name} must be a number, got {type(value).__name__}")
-    if kind == "int" and not isinstance(value, int):
+    if kind == "int" and not isinstance(value, numbers.Integral):
         raise FusegenArgumentError(f"{op}(): {name} must be an int, got {value!r}")
+    value = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if kind == "int" and not INT64_MIN <= value <= INT64_MAX:
+        raise FusegenArgumentError(f"{op}(): {name}={value!r} is out of the int64 range")
     if value != value:
         raise FusegenArgumentError(f"{op}(): {name} must not be NaN")
     if (low is not None and value < low) or (high is not None and value > high):
@@ -40,6 +49,14 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
         raise FusegenArgumentError(f"{op}(): {name}={value!r} does not fit a float32")
     # The double as given: an fp64 kernel (and reference) computes with it, an fp32 one rounds it.
     return float(value) if kind == "float" else value
+
+
+def check_training(op: str, value) -> bool:
+    """Dropout's switch: a bool (numpy's too), never a truthy value such as 'no'."""
+    numpy = sys.modules.get("numpy")
+    if type(value) is bool or (numpy is not None and isinstance(value, numpy.bool_)):
+        return bool(value)
+    raise FusegenArgumentError(f"{op}(): training must be True or False, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)

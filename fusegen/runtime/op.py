@@ -15,6 +15,7 @@ import torch
 from torch.autograd import forward_ad
 
 from .arguments import FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar
+from .arguments import check_training
 from .dropout import check_seed, dropout_mask_reference, seed_result, seed_tensor
 from .gradients import sum_to_input
 from .out import check_out_without_grad, output_buffer, write_out
@@ -59,6 +60,7 @@ class FusedOp:
         masks: tuple[str, ...] = (),
         passthrough: dict[str, str] | None = None,
         same_gradient: dict[str, str] | None = None,
+        gradient_reads: dict[str, tuple[str, ...]] | None = None,
         kernels,
         reference,
     ):
@@ -84,6 +86,12 @@ class FusedOp:
         self._same_as = tuple(names_in.index(same_gradient[i.name]) if i.name in same_gradient else None
                               for i in inputs)
         self._has_same = any(s is not None for s in self._same_as)
+        # An input whose gradient reads only some outputs' incoming gradients: the indices of
+        # those (None: every output's). Without any of them it has no gradient (None, as in torch).
+        gradient_reads = gradient_reads or {}
+        self._reads = tuple(tuple(outputs.index(o) for o in gradient_reads[i.name]) if i.name in gradient_reads
+                            else None for i in inputs)
+        self._some_reads = any(r is not None for r in self._reads)
         # Every gradient is the backward kernel's own: the C++ node's backward may go straight
         # to the prepared launch (_native_backward).
         self._kernel_only_backward = not self._has_same and all(p is None for p in self._passthrough)
@@ -124,6 +132,8 @@ class FusedOp:
                 outputs = fast(args, inplace_backward)
                 if outputs is not None:
                     return outputs
+        if not compiling and torch._C._is_tracing():  # a trace would keep the kernel's outputs as constants
+            raise FusegenArgumentError(f"{self.name}(): torch.jit.trace is not supported; use torch.compile")
         _check_inplace_backward(self.name, inplace_backward)
         if _runs_reference(args[:self._n_inputs]):
             return self._transformed(args, out)
@@ -226,7 +236,7 @@ class FusedOp:
             return Call(problem, tuple(params), False, None, shard)
         training, seed = args[n + self._n_params:]
         has_dropout = False
-        if training:
+        if check_training(name, training):
             for i in self._dropout_indices:
                 if params[i] > 0:
                     has_dropout = True
@@ -402,19 +412,38 @@ class _Autograd(torch.autograd.Function):
         op = ctx.op
         count = op._n_inputs
         needs = ctx.needs_input_grad[3:3 + count]  # after the op, prepared and in_place arguments
-        if ctx.in_place:
+        tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
+        in_place = ctx.in_place
+        if in_place:
             # Only the gradients this backward asks for (autograd.grad of some inputs): an
             # input whose gradient is not wanted must keep its values.
-            edges = ctx.next_functions[:count]  # one per tensor argument: the inputs
-            try:
-                needs = tuple(need and node is not None and torch._C._will_engine_execute_node(node)
-                              for need, (node, _) in zip(needs, edges))
-            except RuntimeError:  # not inside the engine (grad_fn.apply called directly): all of them
-                pass
-        tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
+            needs, known = _wanted(needs, ctx.next_functions[:count])  # one edge per input
+            # Where it cannot be known (a leaf inside autograd.grad, a backward called outside
+            # the engine) the gradient is computed, into new memory: nothing is written in
+            # place unless every such input is a leaf, which is never written in place.
+            in_place = all(k or t.is_leaf for k, t in zip(known, tensors))
         saved = saved[0] if saved else None
-        gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared, ctx.in_place)
+        gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared, in_place)
         return (None, None, None, *gradients)
+
+
+def _wanted(needs: tuple, edges: tuple) -> tuple[tuple, tuple]:
+    """Per input, whether this backward's engine run wants its gradient, and whether that is
+    known: torch cannot say for a leaf's AccumulateGrad inside autograd.grad, nor outside the
+    engine (grad_fn.apply called directly); those keep `needs`."""
+    wanted, known = [], []
+    for need, (node, _) in zip(needs, edges):
+        if not need or node is None:
+            wanted.append(False)
+            known.append(True)
+            continue
+        try:
+            wanted.append(torch._C._will_engine_execute_node(node))
+            known.append(True)
+        except RuntimeError:
+            wanted.append(True)
+            known.append(False)
+    return tuple(wanted), tuple(known)
 
 
 try:
@@ -499,6 +528,10 @@ def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> 
     """The C++ node's backward (runtime.native): one gradient or None per input. The first
     of each kind is offered to the C++ eager call, which then runs the later ones."""
     op, prepared, in_place, params, seed = state
+    if in_place and torch._C._current_graph_task_id() == -1:
+        # Called outside the engine (the node called directly): `needs` are the node's edges,
+        # not what a backward asked for, so nothing in place. Inside it they are exact.
+        in_place = False
     count = op._n_inputs
     tensors = saved[:count]
     statistics = saved[count] if len(saved) > count else None
@@ -530,6 +563,12 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
     nothing = (None,) * (len(tensors) + len(params))
     if not given:
         return nothing
+    if op._some_reads and len(given) < len(grads):
+        # An unused output's gradient is zero: an input whose gradient reads only such ones has none.
+        needs = tuple(need and (reads is None or any(grads[j] is not None for j in reads))
+                      for need, reads in zip(needs, op._reads))
+        if not any(needs):
+            return nothing
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
     input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved, prepared, in_place)
     return (*input_grads, *nothing[len(tensors):])

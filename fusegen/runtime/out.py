@@ -1,6 +1,8 @@
 """out=: where a kernel writes its outputs, and handing them back."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .arguments import FusegenArgumentError, Problem, any_requires_grad
@@ -20,6 +22,8 @@ def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs
     shape = problem.shape if shape is None else torch.Size(shape)
     if out is None:
         return torch.empty(shape, dtype=problem.out_dtype, device=problem.device)
+    if index == 0:
+        check_out_targets(op, out, count, problem.has_data)
     target = _out_tensor(op, out, index, count)
     if target.shape != shape or target.dtype != problem.out_dtype or target.device != problem.device:
         raise FusegenArgumentError(
@@ -30,6 +34,25 @@ def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs
     if not problem.has_data or target.is_contiguous() and not any(_may_overlap(target, t) for t in inputs):
         return target
     return torch.empty(shape, dtype=problem.out_dtype, device=problem.device)
+
+
+def check_out_targets(op: str, out, count: int, has_data: bool = True) -> None:
+    """What torch's out= refuses, before anything runs: a target that requires grad (with
+    grad mode on), a target whose elements share memory (expanded: the copy into it fails
+    after the kernel ran), and targets that share memory (out=(h, h): one output lost).
+    Targets whose byte ranges intersect count as sharing. `op`: "" in messages without it."""
+    targets = [_out_tensor(op, out, i, count) for i in range(count)]
+    prefix = f"{op}(): " if op else ""
+    names = ["out"] if count == 1 else [f"out[{i}]" for i in range(count)]
+    for name, target in zip(names, targets):
+        if target.requires_grad and torch.is_grad_enabled():
+            raise FusegenArgumentError(f"{prefix}out= does not support autograd ({name} requires grad)")
+        if torch._debug_has_internal_overlap(target) == 1:  # 1: it has; 2: too hard to tell
+            raise FusegenArgumentError(f"{prefix}{name} has elements that share memory (an expanded tensor)")
+    if has_data:
+        for (a, ta), (b, tb) in itertools.combinations(zip(names, targets), 2):
+            if _may_overlap(ta, tb):
+                raise FusegenArgumentError(f"{prefix}{a} and {b} share memory")
 
 
 def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -51,6 +74,8 @@ def write_out(out, results: tuple[torch.Tensor, ...], copy: bool = False) -> tup
     if out is None:
         return results
     targets = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+    if copy:  # the reference's out=, checked as the op's is
+        check_out_targets("", out, len(results), all(t.device.type != "meta" for t in targets))
     for target, result in zip(targets, results):
         if target is not result:
             if copy:

@@ -27,7 +27,7 @@ import torch
 import triton
 from triton import knobs
 
-from .interpreter import kernel_is_interpreted
+from .interpreter import kernel_is_interpreted, quiet_numpy
 
 _CACHE_SIZE = 1024
 
@@ -76,8 +76,11 @@ class CachedLauncher:
         """Launch; returns the binary it launched when a later call with the same key may
         launch it directly (None under the interpreter, with launch hooks, or before Triton
         could say which binary it ran)."""
-        if self._interpreting or hooks_active():
-            # The interpreter has no binary to call; launch hooks (profilers) want Triton's path.
+        if self._interpreting:  # no binary to call
+            with quiet_numpy():
+                self.kernel[grid](*args, **constexprs)
+            return None
+        if hooks_active():  # launch hooks (profilers) want Triton's path
             self.kernel[grid](*args, **constexprs)
             return None
         key = self.key(args, constexprs)

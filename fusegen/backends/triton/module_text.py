@@ -38,6 +38,10 @@ def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> l
     if plan.same_gradient:
         pairs = ", ".join(f'"{i}": "{o}"' for i, o in plan.same_gradient)
         lines.append(f"same_gradient={{{pairs}}},  # one gradient, one tensor, where shapes and dtypes agree")
+    if plan.gradient_reads:
+        pairs = ", ".join(f'"{i}": {_strings(o)}' for i, o in plan.gradient_reads)
+        lines.append("# These inputs' gradients read only these outputs' gradients: without them, None.")
+        lines.append(f"gradient_reads={{{pairs}}},")
     kernel = plan.backward
     kernels = [forward.name, backward.name]
     if plan.forward.scalars:

@@ -13,8 +13,8 @@
 // after the Python backward ran), and later ones run in the node.
 // Anything else returns None before doing anything, and the caller takes the Python path:
 // a kind not registered, a tensor subclass or wrapper, a torch.func transform, a dispatch
-// mode, compiled autograd, forward-mode AD, an explicit seed without dropout (Python checks
-// it), a Triton launch hook (profilers), another device.
+// mode, torch.jit.trace, compiled autograd, forward-mode AD, an explicit seed without
+// dropout (Python checks it), a Triton launch hook (profilers), another device.
 #include "fusegen_native.h"
 
 #include <dlfcn.h>
@@ -30,6 +30,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <atomic>
 #include <cstdint>
@@ -662,6 +663,9 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   if (c10::impl::tls_local_dispatch_key_set().included_.has_any(c10::DispatchKeySet({
           c10::DispatchKey::Python, c10::DispatchKey::FuncTorchDynamicLayerFrontMode}))) {
     Py_RETURN_NONE;  // a dispatch mode, a torch.func transform
+  }
+  if (torch::jit::tracer::isTracing()) {
+    Py_RETURN_NONE;  // torch.jit.trace: Python refuses it
   }
   bool grad = false;
   if (at::GradMode::is_enabled()) {
