@@ -14,6 +14,13 @@ import pytest  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
+if os.environ.get("FUSEGEN_TEST_STACKS"):  # SIGUSR1 writes every thread's stack there (a hang)
+    import faulthandler
+    import signal
+
+    _STACKS = open(os.path.join(os.environ["FUSEGEN_TEST_STACKS"], f"stacks-{os.getpid()}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
+
 
 # The fast GPU lane (`pytest --lane fast`, README): every kernel kind, dtype and path at
 # least once, in a few minutes on an H100. Ops stand for their kinds: pointwise with
@@ -29,17 +36,6 @@ LANE_WITHOUT = frozenset({"test_injection.py", "test_bad_specs.py", "test_ir.py"
                           "test_printers.py", "test_names.py", "test_simplify.py", "test_codegen.py",
                           "test_cli.py", "test_partial_build.py", "test_install.py", "test_fuzz.py",
                           "test_interpreter_env.py", "test_philox.py", "test_outdir.py"})
-
-
-# Tests of 30-70 s each on an H100 (autotuning many tiles, wide rows, CUDA graphs).
-LANE_FIRST = frozenset({"test_every_op_bit_for_bit_with_the_python_path",
-                        "test_softmax_and_layernorm_at_any_width_on_gpu",
-                        "test_row_ops_with_dropout_under_cuda_graphs", "test_rows_wider_than_one_tile",
-                        "test_backwards_assembled_in_cpp_match_the_python_path",
-                        "test_generated_kernels_compile_for_h100",
-                        "test_placements_values_gradients_and_dropout_masks_match_one_process",
-                        "test_fsdp2_trains_the_model_benchmark_stack_as_one_process_does",
-                        "test_generated_ops_train_to_the_losses_of_plain_pytorch"})
 
 
 def pytest_addoption(parser):
@@ -76,8 +72,7 @@ def _lane(config, items) -> None:
         else:
             kept.append(item)
     config.hook.pytest_deselected(items=dropped)
-    # The longest tests first, so that no worker starts one of them last.
-    items[:] = sorted(kept, key=lambda item: item.originalname not in LANE_FIRST)
+    items[:] = kept
 
 
 def pytest_collection_modifyitems(config, items):
