@@ -126,7 +126,8 @@ def bias_gelu_dropout_add_kernel(
     y_ptr,  # y, contiguous [M, N]
     M, N,  # rows (all leading dims) and columns (the last dim)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
-    dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
+    # p as a 24-bit keep threshold, and 1 / (1 - p)
+    dropout_threshold_p, dropout_scale_p: tl.float64,
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
     ACTIVATION: tl.constexpr,  # activation
@@ -144,6 +145,8 @@ def bias_gelu_dropout_add_kernel(
         rows = rows.to(tl.int64)
         cols = cols.to(tl.int64)
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
+    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     bias = tl.load(
@@ -193,7 +196,7 @@ def bias_gelu_dropout_add_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_bias_ptr,  # gradient of bias: [M, N]; with SUM_GRAD_BIAS, column sums [programs, N]
     M, N, M_BUCKET,
-    dropout_threshold_p, dropout_scale_p,
+    dropout_threshold_p, dropout_scale_p: tl.float64,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
     ACTIVATION: tl.constexpr,  # activation
@@ -217,6 +220,8 @@ def bias_gelu_dropout_add_backward_kernel(
         first_row = first_row.to(tl.int64)
     grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
     grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
+    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):

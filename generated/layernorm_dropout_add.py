@@ -72,7 +72,8 @@ def layernorm_dropout_add_kernel(
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps: tl.float64,
-    dropout_threshold_p, dropout_scale_p,  # p as a 24-bit keep threshold, and 1 / (1 - p)
+    # p as a 24-bit keep threshold, and 1 / (1 - p)
+    dropout_threshold_p, dropout_scale_p: tl.float64,
     seed_ptr,  # one int64 on the device: the Philox key of the dropout masks
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
@@ -89,6 +90,7 @@ def layernorm_dropout_add_kernel(
         rows = rows.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
+    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
     if ONE_TILE:
@@ -262,7 +264,7 @@ def layernorm_dropout_add_backward_kernel(
     saved_ptr,  # the forward's reductions, [M, reductions]
     M, N, M_BUCKET,
     eps: tl.float64,
-    dropout_threshold_p, dropout_scale_p,
+    dropout_threshold_p, dropout_scale_p: tl.float64,
     seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit
     shard_ptr,  # with SHARDED: where this shard sits in the global problem
     HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all
@@ -288,6 +290,7 @@ def layernorm_dropout_add_backward_kernel(
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
+    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
     row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)

@@ -651,3 +651,17 @@ def test_fp64_ops_take_fp64_params(name, device):
         assert value.dtype == torch.float64
         err = ((value - want).abs() / want.abs().clamp_min(1e-300)).max().item()
         assert err <= 1e-13, f"{name} ({label}) in fp64: relative error {err:.3g} against float64 torch"
+
+
+def test_fp64_dropout_scales_kept_values_by_the_double(device):
+    """Dropout's 1 / (1 - p) reaches an fp64 kernel as a double too: kept values are torch's
+    fp64 dropout's, (x + bias) / (1 - p), to fp64 rounding (an fp32 scale is off by ~1e-8)."""
+    op = next(o for o in OPS if o.name == "bias_dropout_add")
+    x = torch.rand(4, 64, dtype=torch.float64, device=device) + 1
+    bias, residual = torch.zeros(64, dtype=torch.float64, device=device), torch.zeros_like(x)
+    for fn in (op.fn, op.reference):
+        y = fn(x, bias, residual, 0.3, training=True, seed=5)
+        kept = y != 0
+        assert 0 < int(kept.sum()) < y.numel()
+        err = ((y[kept] - x[kept] / (1 - 0.3)).abs() / (x[kept] / (1 - 0.3))).max().item()
+        assert err <= 1e-15, f"{fn.__name__}: relative error {err:.3g} of kept values in fp64"

@@ -627,6 +627,25 @@ def test_an_input_that_feeds_only_unused_outputs_gets_no_gradient(op, used, node
     assert any(g is None for g in grads[op.fn]) == (used == 0)
 
 
+@pytest.mark.parametrize("op", MULTI_OUTPUT, ids=[op.name for op in MULTI_OUTPUT])
+def test_the_library_op_gives_an_input_of_unused_outputs_no_gradient(op, device):
+    """The library op (DTensor's rule, torch.compile's graph) too: its autograd does not fill
+    the unused output's gradient with zeros, so the weight's gradient stays None."""
+    kwargs = with_seed(op, params_for(op, p=0.3), seed=11, training=True)
+    tensors = make_inputs(op, ShapeCase("unused", lead=(2, 3), n=16), seed=1, device=device)
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors.values()]
+    fused = op.module._OP
+    args = [*leaves, *(kwargs[p.name] for p in fused.params)]
+    if fused.has_dropout:
+        args += [kwargs["training"], kwargs["seed"]]
+    outputs = fused._forward_op(*args)
+    outputs[0].backward(torch.ones_like(outputs[0]))
+    # Only the first output used: an input whose gradient reads only others' gets None.
+    for spec, leaf, reads in zip(fused.inputs, leaves, fused._reads):
+        assert (leaf.grad is None) == (reads is not None and 0 not in reads), spec.name
+    assert any(leaf.grad is None for leaf in leaves)
+
+
 @pytest.mark.parametrize("node", ["python", "native"])
 @pytest.mark.parametrize("name", ["add_rmsnorm", "add_relu"])
 def test_inputs_with_the_same_gradient_share_one_tensor(name, node, device, use_node):

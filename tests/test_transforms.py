@@ -260,3 +260,18 @@ def test_compile_of_transforms():
     torch._dynamo.reset()
     _close(torch.compile(lambda x, t: jvp(gelu.gelu, (x,), (t,)), backend="eager")(x, t), jvp(gelu.eager, (x,), (t,)))
     _close(torch.compile(vmap(gelu.gelu), backend="eager")(x), gelu.eager(x))
+
+
+def test_a_param_given_as_a_tensor_with_a_derivative_is_refused():
+    """A param reaches the kernel as a number (.item()): a tangent or a transform's batch on
+    it would be dropped, so such a tensor is refused in one line."""
+    leaky = importlib.import_module("generated.leaky_relu")
+    x, slope, t = -_randn(8).abs(), torch.tensor(0.1, dtype=torch.float64, device=DEVICE), torch.tensor(1.0, dtype=torch.float64, device=DEVICE)
+    with fwAD.dual_level(), pytest.raises(FusegenArgumentError, match=r"^leaky_relu\(\): slope is a tensor under") as error:
+        leaky.leaky_relu(x, fwAD.make_dual(slope, t))
+    assert "\n" not in str(error.value)
+    with pytest.raises(FusegenArgumentError, match="slope is a tensor under"):
+        jvp(lambda s: leaky.leaky_relu(x, s), (slope,), (t,))
+    with pytest.raises(FusegenArgumentError, match="slope is a tensor under"):
+        vmap(lambda s: leaky.leaky_relu(x, s))(slope.expand(3))
+    _close(leaky.leaky_relu(x, slope), leaky.leaky_relu(x, 0.1))  # a plain tensor is a number

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.autograd import forward_ad
 
 from ..layout import Input, range_text
 
@@ -32,13 +33,18 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
         if value.device.type == "meta" or is_fake(value):
             raise FusegenArgumentError(f"{op}(): {name} is a tensor without data ({value.device.type}); pass a number")
+        if _carries_derivative(value):  # .item() would drop its tangent or its batch
+            raise FusegenArgumentError(
+                f"{op}(): {name} is a tensor under forward-mode AD or a torch.func transform; a param has no "
+                "derivative and no batch dim: pass a number")
         value = value.item()
-    # numpy's numbers too (np.float32(0.1), np.int64(3)): numbers.Real and Integral.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise FusegenArgumentError(f"{op}(): {name} must be a number, got {type(value).__name__}")
-    if kind == "int" and not isinstance(value, numbers.Integral):
+    if type(value) is not float and type(value) is not int:  # the common case skips the ABC checks
+        # numpy's numbers too (np.float32(0.1), np.int64(3)): numbers.Real and Integral.
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise FusegenArgumentError(f"{op}(): {name} must be a number, got {type(value).__name__}")
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if kind == "int" and type(value) is not int:
         raise FusegenArgumentError(f"{op}(): {name} must be an int, got {value!r}")
-    value = int(value) if isinstance(value, numbers.Integral) else float(value)
     if kind == "int" and not INT64_MIN <= value <= INT64_MAX:
         raise FusegenArgumentError(f"{op}(): {name}={value!r} is out of the int64 range")
     if value != value:
@@ -49,6 +55,13 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
         raise FusegenArgumentError(f"{op}(): {name}={value!r} does not fit a float32")
     # The double as given: an fp64 kernel (and reference) computes with it, an fp32 one rounds it.
     return float(value) if kind == "float" else value
+
+
+def _carries_derivative(value: torch.Tensor) -> bool:
+    """A functorch wrapper (vmap's batch, grad's or jvp's level) or a forward-mode dual tensor."""
+    if torch._C._functorch.is_functorch_wrapped_tensor(value):
+        return True
+    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(value).tangent is not None
 
 
 def check_training(op: str, value) -> bool:

@@ -142,6 +142,6 @@ def dropout_mask_reference(seed, problem, stream: int, p: float) -> torch.Tensor
     device, dtype = problem.device, problem.compute_dtype
     index = torch.arange(problem.m * problem.n, device=device, dtype=torch.int64)
     keep = dropout_keep(seed, index, stream, p)
-    scale = torch.tensor(dropout_scale(p), dtype=torch.float32).to(dtype)
+    scale = torch.tensor(dropout_scale(p), dtype=dtype)  # as the kernel: the double, in the compute type
     mask = torch.where(keep, scale.to(device), torch.zeros((), dtype=dtype, device=device))
     return mask.reshape(problem.shape)

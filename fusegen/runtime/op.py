@@ -14,8 +14,8 @@ import sys
 import torch
 from torch.autograd import forward_ad
 
-from .arguments import FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar
-from .arguments import check_training
+from .arguments import (FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar,
+                        check_training)
 from .dropout import check_seed, dropout_mask_reference, seed_result, seed_tensor
 from .gradients import sum_to_input
 from .out import check_out_without_grad, output_buffer, write_out
@@ -132,10 +132,11 @@ class FusedOp:
                 outputs = fast(args, inplace_backward)
                 if outputs is not None:
                     return outputs
-        if not compiling and torch._C._is_tracing():  # a trace would keep the kernel's outputs as constants
+        if not compiling and _is_tracing():  # a trace would keep the kernel's outputs as constants
             raise FusegenArgumentError(f"{self.name}(): torch.jit.trace is not supported; use torch.compile")
         _check_inplace_backward(self.name, inplace_backward)
-        if _runs_reference(args[:self._n_inputs]):
+        # Two global reads decide it for most calls (no Python call): see _runs_reference.
+        if (_functorch_active() or forward_ad._current_level >= 0) and _runs_reference(args[:self._n_inputs]):
             return self._transformed(args, out)
         if out is not None:
             check_out_without_grad(self.name, args[:self._n_inputs])
@@ -484,33 +485,36 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
     return _C_APPLY(op, prepared, in_place, *args)
 
 
-_functorch_active = torch._C._are_functorch_transforms_active  # per call: no attribute lookups
+# Per call: no attribute lookups.
+_functorch_active = torch._C._are_functorch_transforms_active
+_is_tracing = torch._C._is_tracing
+
+
+def _tangent_input(tensors: tuple) -> int | None:
+    """The first input that carries a forward-mode tangent, or None (also outside dual_level)."""
+    if forward_ad._current_level < 0:
+        return None
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            return i
+    return None
 
 
 def _runs_reference(tensors: tuple) -> bool:
     """Whether a call takes the reference (FusedOp._transformed): under a torch.func transform
     (vmap, grad, jvp, jacrev, ...), or inside forward_ad.dual_level with an input that carries
-    a tangent. Two global checks otherwise."""
-    if _functorch_active():
-        return True
-    if forward_ad._current_level < 0:
-        return False
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
-            return True
-    return False
+    a tangent."""
+    return _functorch_active() or _tangent_input(tensors) is not None
 
 
 def _refuse_tangents(op: FusedOp, args: tuple) -> None:
     """The library op has no jvp, and torch's custom_op passes an input's tangent by (its
     output would have none) where the input does not require grad: refused instead."""
-    if forward_ad._current_level < 0:
-        return
-    for spec, t in zip(op.inputs, args):
-        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
-            raise FusegenArgumentError(
-                f"fusegen::{op.name}: {spec.name} has a forward-mode tangent, which the library op cannot "
-                f"carry; call {op.name}() itself, which runs its reference under forward-mode AD")
+    i = _tangent_input(args[:len(op.inputs)])
+    if i is not None:
+        raise FusegenArgumentError(
+            f"fusegen::{op.name}: {op.inputs[i].name} has a forward-mode tangent, which the library op cannot "
+            f"carry; call {op.name}() itself, which runs its reference under forward-mode AD")
 
 
 def _compiled_autograd_enabled() -> bool:
@@ -626,6 +630,9 @@ def _register_library_ops(op: FusedOp):
         return outputs[0] if single else (*outputs, *seed, *saved)
 
     def setup_context(ctx, inputs, output):
+        # An unused output's gradient stays None (not zeros): an input whose gradient reads
+        # only such outputs gets None, as on the eager path (FusedOp._reads).
+        ctx.set_materialize_grads(False)
         count = len(op.inputs)
         outputs = (output,) if single else output
         ctx.save_for_backward(*inputs[:count], *outputs[len(op.outputs):])

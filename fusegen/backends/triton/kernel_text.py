@@ -44,7 +44,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         name=f"{plan.spec.name}_kernel",
         key=kernel_key(plan, backward=False),
         arguments=arguments,
-        prologue=scalars_in_compute_type(kernel),
+        prologue=scalars_in_compute_type(plan, kernel, names),
         loads=[line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])],
         stores=[
             f"tl.store({out}_ptr + rows[:, None] * N + cols[None, :], {out}.to({out}_ptr.dtype.element_ty), mask=in_bounds)"
@@ -85,7 +85,7 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
     ]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     tensors |= set(kernel.incoming)
-    prologue = scalars_in_compute_type(kernel)
+    prologue = scalars_in_compute_type(plan, kernel, names)
     if kernel.body_no_dropout is not None:
         prologue += ["if HAS_DROPOUT:", "    seed = tl.load(seed_ptr)"]
     loads = [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
@@ -143,7 +143,7 @@ def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forwa
     for p in plan.params:
         if p.dropout_p:
             comment = f"  # {p.name} as a 24-bit keep threshold, and 1 / (1 - {p.name})" if forward else ""
-            arguments.append(f"{names.threshold[p.name]}, {names.scale[p.name]},{comment}")
+            arguments.append(f"{names.threshold[p.name]}, {names.scale[p.name]}: tl.float64,{comment}")
     if plan.has_dropout:
         arguments.append(
             "seed_ptr,  # one int64 on the device: the Philox key of the dropout masks" if forward
@@ -189,11 +189,12 @@ def input_loads(i: InputPlan, n: InputNames) -> list[str]:
     return lines
 
 
-def scalars_in_compute_type(kernel: KernelPlan) -> list[str]:
-    if not kernel.scalars:
+def scalars_in_compute_type(plan: OpPlan, kernel: KernelPlan, names: TritonNames) -> list[str]:
+    scalars = [p.local for p in kernel.scalars] + [names.scale[p.name] for p in plan.params if p.dropout_p]
+    if not scalars:
         return []
     return ["# Scalar params in the compute type: a float is passed as fp64, an int as an int."] + [
-        f"{p.local} = tl.full((), {p.local}, {COMPUTE_DTYPE})" for p in kernel.scalars
+        f"{name} = tl.full((), {name}, {COMPUTE_DTYPE})" for name in scalars
     ]
 
 

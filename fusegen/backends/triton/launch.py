@@ -25,6 +25,7 @@ from . import tuning
 from .interpreter import (
     check_runs_off_cuda,
     is_interpreting,
+    kernel_is_interpreted,
     patch_bfloat16_rounding,
     patch_libdevice,
     patch_scalar_index,
@@ -134,9 +135,13 @@ class _Tile:
 
     def __init__(self, kernel):
         self.fn = kernel.fn
+        self.interpreted = kernel_is_interpreted(kernel)
 
     def launch(self, grid, args, constexprs) -> None:
-        with quiet_numpy():  # nothing to quiet on a GPU
+        if not self.interpreted:
+            self.fn[grid](*args, **constexprs)
+            return
+        with quiet_numpy():
             self.fn[grid](*args, **constexprs)
 
 

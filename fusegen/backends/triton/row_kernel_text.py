@@ -167,7 +167,7 @@ class _Program:
     # -- pieces ------------------------------------------------------------------
 
     def prologue(self) -> list[str]:
-        lines = scalars_in_compute_type(self.kernel)
+        lines = scalars_in_compute_type(self.plan, self.kernel, self.names)
         if self.kernel.row_width is not None:
             lines.append(f"{self.kernel.row_width} = tl.full((), N, {COMPUTE_DTYPE})")
         if self.plan.has_dropout:

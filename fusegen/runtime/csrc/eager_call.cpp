@@ -13,7 +13,8 @@
 // after the Python backward ran), and later ones run in the node.
 // Anything else returns None before doing anything, and the caller takes the Python path:
 // a kind not registered, a tensor subclass or wrapper, a torch.func transform, a dispatch
-// mode, torch.jit.trace, compiled autograd, forward-mode AD, an explicit seed without
+// mode, torch.jit.trace, compiled autograd, forward-mode AD (Python calls in here only
+// outside forward_ad.dual_level; with gradients on a tangent is checked here too), an explicit seed without
 // dropout (Python checks it), a Triton launch hook (profilers), another device.
 #include "fusegen_native.h"
 
