@@ -38,13 +38,14 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
                 f"{op}(): {name} is a tensor under forward-mode AD or a torch.func transform; a param has no "
                 "derivative and no batch dim: pass a number")
         value = value.item()
+    given = value
     if type(value) is not float and type(value) is not int:  # the common case skips the ABC checks
         # numpy's numbers too (np.float32(0.1), np.int64(3)): numbers.Real and Integral.
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise FusegenArgumentError(f"{op}(): {name} must be a number, got {type(value).__name__}")
         value = int(value) if isinstance(value, numbers.Integral) else float(value)
     if kind == "int" and type(value) is not int:
-        raise FusegenArgumentError(f"{op}(): {name} must be an int, got {value!r}")
+        raise FusegenArgumentError(f"{op}(): {name} must be an int, got {given!r}")
     if kind == "int" and not INT64_MIN <= value <= INT64_MAX:
         raise FusegenArgumentError(f"{op}(): {name}={value!r} is out of the int64 range")
     if value != value:
