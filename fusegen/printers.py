@@ -14,6 +14,10 @@ _SMALL_POWERS = (2, 3, 4)
 # Integers beyond this print as floats: a folded constant is within it (fusegen.constants),
 # but a derivative may multiply one by an exponent, and Triton has no integer literal past 2**63.
 _MAX_INTEGER_LITERAL = 2**53
+# Factors within [-1, 1] (or a normalising x**-0.5): a product takes them first, as torch's
+# (x * sigmoid(x)) * y and (x * rsqrt(var)) * w do, so that x * y cannot overflow before a
+# factor that would have brought it back (inf * 0 is NaN where torch's result is finite).
+_BOUNDED_FUNCTIONS = frozenset({"sigmoid", "tanh", "erf", "Heaviside", "sign"})
 
 
 class ElementwisePrinter(CodePrinter):
@@ -32,8 +36,12 @@ class ElementwisePrinter(CodePrinter):
     known_functions: dict[str, str] = {}
     where = sqrt = rsqrt = power = ""
 
-    def __init__(self, helpers: dict | None = None, choices: dict | None = None):
+    def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset()):
         super().__init__()
+        # A row kernel's row values (reductions and what is built from them, by name): a sum
+        # subtracts them last, as torch's s - max(s) does, so that the backward's exp(mask - max
+        # + x) is exp((mask + x) - max), <= 0 exactly as in the forward, not rounded past 0.
+        self.row_values = frozenset(row_values)
         # A choice param's call: (param, derivative or None) → the helper function's name,
         # and param → the name that tells the helper which choice (fusegen.plan named both).
         self.helpers = helpers or {}
@@ -92,6 +100,16 @@ class ElementwisePrinter(CodePrinter):
 
     # -- arithmetic --------------------------------------------------------
 
+    def _as_ordered_terms(self, expr, order=None):
+        terms = super()._as_ordered_terms(expr, order=order)
+        if not self.row_values or not isinstance(expr, sympy.Add):
+            return terms
+        return sorted(terms, key=self._subtracts_row_value)
+
+    def _subtracts_row_value(self, term) -> bool:
+        coefficient, rest = term.as_coeff_Mul()
+        return coefficient.is_negative and rest.is_Symbol and rest.name in self.row_values
+
     def _print_Mul(self, expr):
         # All numeric factors (2, sqrt(2), pi**-0.5, ...) fold into one literal, printed first.
         numeric = sympy.Mul(*[f for f in expr.args if f.is_number])
@@ -111,6 +129,7 @@ class ElementwisePrinter(CodePrinter):
                 denominator.append(factor.base if float(whole) == 1 else sympy.Pow(factor.base, whole))
             else:
                 numerator.append(factor)
+        numerator.sort(key=lambda f: not _is_bounded(f))  # stable: sympy's order otherwise
         prec = precedence(expr)
         parts = [] if numeric == 1 else [self._number(numeric)]
         parts += [self.parenthesize(f, prec) for f in numerator]
@@ -218,6 +237,12 @@ class ElementwisePrinter(CodePrinter):
             args = ", ".join(self.scalar(self._print(a)) if a.is_number else self._print(a) for a in expr.args)
             return f"{self.helpers[(param, expr.func.derivative)]}({args}, {self.choices[param]})"
         return super()._print_Function(expr)
+
+
+def _is_bounded(factor) -> bool:
+    if factor.is_Pow:
+        return factor.exp == -sympy.Rational(1, 2)
+    return isinstance(factor, sympy.Function) and factor.func.__name__ in _BOUNDED_FUNCTIONS
 
 
 def _is_half_integer(value) -> bool:

@@ -47,7 +47,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
     elif ACTIVATION == 'sigmoid':
         out = tl.sigmoid(x)
     elif ACTIVATION == 'silu':
-        out = x * tl.sigmoid(x)
+        out = tl.sigmoid(x) * x
     elif ACTIVATION == 'gelu':
         t0 = 0.5 * x
         # 1.4142135623730951 = sqrt(2)
@@ -59,7 +59,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
             propagate_nan=tl.PropagateNan.ALL,
         )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
+        out = tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
     elif ACTIVATION == 'identity':
         out = x
     else:
@@ -74,7 +74,7 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
     elif ACTIVATION == 'sigmoid':
         out = tl.sigmoid(-x) * tl.sigmoid(x)
     elif ACTIVATION == 'silu':
-        out = (x * tl.sigmoid(-x) + 1) * tl.sigmoid(x)
+        out = tl.sigmoid(x) * (tl.sigmoid(-x) * x + 1)
     elif ACTIVATION == 'gelu':
         # 0.7071067811865476 = sqrt(2)/2
         t0 = 0.7071067811865476 * x
@@ -90,8 +90,8 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = (
-            (1.5957691216057308 * x * (0.134145 * t0 * t0 + 1) * tl.sigmoid(-t2) + 1)
-            * tl.sigmoid(t2)
+            tl.sigmoid(t2)
+            * (1.5957691216057308 * tl.sigmoid(-t2) * x * (0.134145 * t0 * t0 + 1) + 1)
         )
     elif ACTIVATION == 'identity':
         out = 1
@@ -261,7 +261,7 @@ def _activation_torch(x, choice):
     elif choice == 'sigmoid':
         out = torch.sigmoid(x)
     elif choice == 'silu':
-        out = x * torch.sigmoid(x)
+        out = torch.sigmoid(x) * x
     elif choice == 'gelu':
         t0 = 0.5 * x
         # 1.4142135623730951 = sqrt(2)
@@ -269,7 +269,7 @@ def _activation_torch(x, choice):
     elif choice == 'gelu_tanh':
         t0 = torch.clamp_min(torch.clamp_max(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
+        out = torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
     elif choice == 'identity':
         out = x
     else:

@@ -90,7 +90,7 @@ def add_rmsnorm_kernel(
         mean0 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 1 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         h = t0
-        y = t0 * weight * rsqrt_rn(eps + mean0)
+        y = rsqrt_rn(eps + mean0) * t0 * weight
         tl.store(
             h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=in_bounds
         )
@@ -140,7 +140,7 @@ def add_rmsnorm_kernel(
             weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = residual + x
             h = t0
-            y = t0 * weight * rsqrt_rn(eps + mean0)
+            y = rsqrt_rn(eps + mean0) * t0 * weight
             tl.store(
                 h_ptr + rows[:, None] * N + cols[None, :],
                 h.to(h_ptr.dtype.element_ty),
@@ -232,12 +232,12 @@ def add_rmsnorm_backward_kernel(
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = residual + x
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * grad_y * t0 * rsqrt_rn(t1) * weight / t1, 0.0),
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0),
                 axis=1,
                 keep_dims=True,
             )
             grad_mean0 = row_sum0
-            t2 = grad_y * rsqrt_rn(t1)
+            t2 = rsqrt_rn(t1) * grad_y
             t3 = grad_h + grad_mean0 * (2 * residual + 2 * x) / row_width + t2 * weight
             grad_x = t3
             grad_residual = t3
@@ -326,7 +326,7 @@ def add_rmsnorm_backward_kernel(
                 t0 = residual + x
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * grad_y * t0 * rsqrt_rn(t1) * weight / t1, 0.0)
+                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0)
                 )
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             grad_mean0 = row_sum0
@@ -361,7 +361,7 @@ def add_rmsnorm_backward_kernel(
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = residual + x
-                t2 = grad_y * rsqrt_rn(t1)
+                t2 = rsqrt_rn(t1) * grad_y
                 t3 = grad_h + grad_mean0 * (2 * residual + 2 * x) / row_width + t2 * weight
                 grad_x = t3
                 grad_residual = t3
@@ -421,7 +421,7 @@ def _reference(problem, x, residual, weight, eps):
     t0 = residual + x
     mean0 = torch.mean(t0 * t0, dim=-1, keepdim=True)
     h = t0
-    y = t0 * weight * torch.rsqrt(eps + mean0)
+    y = torch.rsqrt(eps + mean0) * t0 * weight
     return (h, y)
 
 

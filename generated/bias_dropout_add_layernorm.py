@@ -140,11 +140,11 @@ def bias_dropout_add_layernorm_kernel(
         t0 = dropout_mask0 * (bias + x) + residual
         mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
-        t1 = -mean0 + t0
+        t1 = t0 - mean0
         mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         h = t0
-        y = norm_bias + t1 * weight * rsqrt_rn(eps + mean1)
+        y = norm_bias + rsqrt_rn(eps + mean1) * t1 * weight
         tl.store(
             h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=in_bounds
         )
@@ -235,7 +235,7 @@ def bias_dropout_add_layernorm_kernel(
                     (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                 )
             t0 = dropout_mask0 * (bias + x) + residual
-            t1 = -mean0 + t0
+            t1 = t0 - mean0
             mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
@@ -289,9 +289,9 @@ def bias_dropout_add_layernorm_kernel(
                     (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                 )
             t0 = dropout_mask0 * (bias + x) + residual
-            t1 = -mean0 + t0
+            t1 = t0 - mean0
             h = t0
-            y = norm_bias + t1 * weight * rsqrt_rn(eps + mean1)
+            y = norm_bias + rsqrt_rn(eps + mean1) * t1 * weight
             tl.store(
                 h_ptr + rows[:, None] * N + cols[None, :],
                 h.to(h_ptr.dtype.element_ty),
@@ -428,11 +428,11 @@ def bias_dropout_add_layernorm_backward_kernel(
                     (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                 )
             t1 = dropout_mask0 * (bias + x)
-            t2 = -mean0 + residual + t1
-            t3 = grad_y * rsqrt_rn(t0)
+            t2 = residual + t1 - mean0
+            t3 = rsqrt_rn(t0) * grad_y
             t4 = t3 * weight
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * grad_y * rsqrt_rn(t0) * t2 * weight / t0, 0.0),
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0),
                 axis=1,
                 keep_dims=True,
             )
@@ -447,7 +447,7 @@ def bias_dropout_add_layernorm_backward_kernel(
             )
             grad_x = t8
             grad_bias = t8
-            grad_residual = grad_h + t4 + t6 + t7 * (-2 * mean0 + 2 * residual + 2 * t1)
+            grad_residual = grad_h + t4 + t6 + t7 * (2 * residual + 2 * t1 - 2 * mean0)
             grad_weight = t2 * t3
             grad_norm_bias = grad_y
             if NEEDS_GRAD_X:
@@ -592,12 +592,12 @@ def bias_dropout_add_layernorm_backward_kernel(
                         (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                     )
                 t1 = dropout_mask0 * (bias + x)
-                t2 = -mean0 + residual + t1
-                t3 = grad_y * rsqrt_rn(t0)
+                t2 = residual + t1 - mean0
+                t3 = rsqrt_rn(t0) * grad_y
                 t4 = t3 * weight
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * grad_y * rsqrt_rn(t0) * t2 * weight / t0, 0.0)
+                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0)
                 )
                 row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t4, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
@@ -660,8 +660,8 @@ def bias_dropout_add_layernorm_backward_kernel(
                         (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                     )
                 t1 = dropout_mask0 * (bias + x)
-                t2 = -mean0 + residual + t1
-                t3 = grad_y * rsqrt_rn(t0)
+                t2 = residual + t1 - mean0
+                t3 = rsqrt_rn(t0) * grad_y
                 t4 = t3 * weight
                 t8 = (
                     dropout_mask0 * grad_h + 2 * dropout_mask0 * t2 * t7 + dropout_mask0 * t4
@@ -669,7 +669,7 @@ def bias_dropout_add_layernorm_backward_kernel(
                 )
                 grad_x = t8
                 grad_bias = t8
-                grad_residual = grad_h + t4 + t6 + t7 * (-2 * mean0 + 2 * residual + 2 * t1)
+                grad_residual = grad_h + t4 + t6 + t7 * (2 * residual + 2 * t1 - 2 * mean0)
                 grad_weight = t2 * t3
                 grad_norm_bias = grad_y
                 if NEEDS_GRAD_X:
@@ -762,10 +762,10 @@ def _reference(problem, x, bias, residual, weight, norm_bias, eps, p, masks):
         dropout_mask0 = 1.0
     t0 = dropout_mask0 * (bias + x) + residual
     mean0 = torch.mean(t0, dim=-1, keepdim=True)
-    t1 = -mean0 + t0
+    t1 = t0 - mean0
     mean1 = torch.mean(t1 * t1, dim=-1, keepdim=True)
     h = t0
-    y = norm_bias + t1 * weight * torch.rsqrt(eps + mean1)
+    y = norm_bias + torch.rsqrt(eps + mean1) * t1 * weight
     return (h, y)
 
 

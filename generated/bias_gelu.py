@@ -49,7 +49,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
             propagate_nan=tl.PropagateNan.ALL,
         )
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
+        out = tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
     else:
         tl.static_assert(False, "unknown activation")
     return out
@@ -72,8 +72,8 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = (
-            (1.5957691216057308 * x * (0.134145 * t0 * t0 + 1) * tl.sigmoid(-t2) + 1)
-            * tl.sigmoid(t2)
+            tl.sigmoid(t2)
+            * (1.5957691216057308 * tl.sigmoid(-t2) * x * (0.134145 * t0 * t0 + 1) + 1)
         )
     else:
         tl.static_assert(False, "unknown activation")
@@ -208,7 +208,7 @@ def _activation_torch(x, choice):
     elif choice == 'gelu_tanh':
         t0 = torch.clamp_min(torch.clamp_max(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-        out = x * torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
+        out = torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
     else:
         raise ValueError(f"unknown activation {choice!r}")
     return out

@@ -90,10 +90,10 @@ def bias_layernorm_kernel(
         t0 = bias + x
         mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
-        t1 = -mean0 + t0
+        t1 = t0 - mean0
         mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
-        y = beta + gamma * t1 * rsqrt_rn(eps + mean1)
+        y = beta + rsqrt_rn(eps + mean1) * gamma * t1
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
         )
@@ -133,7 +133,7 @@ def bias_layernorm_kernel(
             )
             bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = bias + x
-            t1 = -mean0 + t0
+            t1 = t0 - mean0
             mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
@@ -162,8 +162,8 @@ def bias_layernorm_kernel(
             )
             beta = beta.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = bias + x
-            t1 = -mean0 + t0
-            y = beta + gamma * t1 * rsqrt_rn(eps + mean1)
+            t1 = t0 - mean0
+            y = beta + rsqrt_rn(eps + mean1) * gamma * t1
             tl.store(
                 y_ptr + rows[:, None] * N + cols[None, :],
                 y.to(y_ptr.dtype.element_ty),
@@ -246,18 +246,18 @@ def bias_layernorm_backward_kernel(
                 mask=in_bounds,
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            t1 = bias - mean0 + x
-            t2 = grad_y * rsqrt_rn(t0)
+            t1 = bias + x - mean0
+            t2 = rsqrt_rn(t0) * grad_y
             t3 = gamma * t2
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * gamma * grad_y * rsqrt_rn(t0) * t1 / t0, 0.0),
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * gamma * grad_y * t1 / t0, 0.0),
                 axis=1,
                 keep_dims=True,
             )
             row_sum1 = tl.sum(tl.where(in_bounds, -t3, 0.0), axis=1, keep_dims=True)
             grad_mean1 = row_sum0
             grad_mean0 = row_sum1
-            t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias - 2 * mean0 + 2 * x) + t3
+            t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias + 2 * x - 2 * mean0) + t3
             grad_x = t5
             grad_bias = t5
             grad_gamma = t1 * t2
@@ -363,12 +363,12 @@ def bias_layernorm_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t1 = bias - mean0 + x
-                t2 = grad_y * rsqrt_rn(t0)
+                t1 = bias + x - mean0
+                t2 = rsqrt_rn(t0) * grad_y
                 t3 = gamma * t2
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * gamma * grad_y * rsqrt_rn(t0) * t1 / t0, 0.0)
+                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * gamma * grad_y * t1 / t0, 0.0)
                 )
                 row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t3, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
@@ -399,10 +399,10 @@ def bias_layernorm_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t1 = bias - mean0 + x
-                t2 = grad_y * rsqrt_rn(t0)
+                t1 = bias + x - mean0
+                t2 = rsqrt_rn(t0) * grad_y
                 t3 = gamma * t2
-                t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias - 2 * mean0 + 2 * x) + t3
+                t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias + 2 * x - 2 * mean0) + t3
                 grad_x = t5
                 grad_bias = t5
                 grad_gamma = t1 * t2
@@ -477,9 +477,9 @@ def _reference(problem, x, bias, gamma, beta, eps):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     t0 = bias + x
     mean0 = torch.mean(t0, dim=-1, keepdim=True)
-    t1 = -mean0 + t0
+    t1 = t0 - mean0
     mean1 = torch.mean(t1 * t1, dim=-1, keepdim=True)
-    y = beta + gamma * t1 * torch.rsqrt(eps + mean1)
+    y = beta + torch.rsqrt(eps + mean1) * gamma * t1
     return (y,)
 
 

@@ -117,7 +117,7 @@ def bias_relu_backward_kernel(
             mask=in_bounds,
         )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = grad_y * tl.where(bias + x > 0, 1.0, 0.0)
+        t0 = tl.where(bias + x > 0, 1.0, 0.0) * grad_y
         grad_x = t0
         grad_bias = t0
         if NEEDS_GRAD_X:

@@ -77,7 +77,7 @@ def bias_swiglu_kernel(
     )
     bias_chunk1 = bias_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     t0 = bias_chunk0 + x_chunk0
-    y = t0 * (bias_chunk1 + x_chunk1) * tl.sigmoid(t0)
+    y = tl.sigmoid(t0) * t0 * (bias_chunk1 + x_chunk1)
     tl.store(
         y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
     )
@@ -144,8 +144,8 @@ def bias_swiglu_backward_kernel(
         )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = bias_chunk0 + x_chunk0
-        t1 = grad_y * tl.sigmoid(t0)
-        t2 = t1 * (bias_chunk1 + x_chunk1) * (t0 * tl.sigmoid(-t0) + 1)
+        t1 = tl.sigmoid(t0) * grad_y
+        t2 = t1 * (bias_chunk1 + x_chunk1) * (tl.sigmoid(-t0) * t0 + 1)
         t3 = t0 * t1
         grad_x_chunk0 = t2
         grad_x_chunk1 = t3
@@ -210,7 +210,7 @@ def bias_swiglu_backward_kernel(
 def _reference(problem, x_chunk0, x_chunk1, bias_chunk0, bias_chunk1):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     t0 = bias_chunk0 + x_chunk0
-    y = t0 * (bias_chunk1 + x_chunk1) * torch.sigmoid(t0)
+    y = torch.sigmoid(t0) * t0 * (bias_chunk1 + x_chunk1)
     return (y,)
 
 

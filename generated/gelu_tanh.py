@@ -64,7 +64,7 @@ def gelu_tanh_kernel(
         tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL), -24, propagate_nan=tl.PropagateNan.ALL
     )
     # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-    y = x * tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
+    y = tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
     tl.store(
         y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
     )
@@ -116,8 +116,8 @@ def gelu_tanh_backward_kernel(
         t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         grad_x = (
-            grad_y * (1.5957691216057308 * x * (0.134145 * t0 * t0 + 1) * tl.sigmoid(-t2) + 1)
-            * tl.sigmoid(t2)
+            tl.sigmoid(t2) * grad_y
+            * (1.5957691216057308 * tl.sigmoid(-t2) * x * (0.134145 * t0 * t0 + 1) + 1)
         )
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
@@ -139,7 +139,7 @@ def _reference(problem, x):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     t0 = torch.clamp_min(torch.clamp_max(x, 24), -24)
     # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-    y = x * torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0))
+    y = torch.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
     return (y,)
 
 

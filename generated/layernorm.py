@@ -84,10 +84,10 @@ def layernorm_kernel(
         bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         mean0 = tl.sum(tl.where(in_bounds, x, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
-        t0 = -mean0 + x
+        t0 = x - mean0
         mean1 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
-        y = bias + t0 * weight * rsqrt_rn(eps + mean1)
+        y = bias + rsqrt_rn(eps + mean1) * t0 * weight
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
         )
@@ -115,7 +115,7 @@ def layernorm_kernel(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
             x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            t0 = -mean0 + x
+            t0 = x - mean0
             mean1_tile = mean1_tile + tl.where(in_bounds, t0 * t0, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
@@ -138,8 +138,8 @@ def layernorm_kernel(
                 mask=in_bounds,
             )
             bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            t0 = -mean0 + x
-            y = bias + t0 * weight * rsqrt_rn(eps + mean1)
+            t0 = x - mean0
+            y = bias + rsqrt_rn(eps + mean1) * t0 * weight
             tl.store(
                 y_ptr + rows[:, None] * N + cols[None, :],
                 y.to(y_ptr.dtype.element_ty),
@@ -212,18 +212,18 @@ def layernorm_backward_kernel(
                 mask=in_bounds,
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            t0 = -mean0 + x
-            t2 = grad_y * rsqrt_rn(t1)
+            t0 = x - mean0
+            t2 = rsqrt_rn(t1) * grad_y
             t3 = t2 * weight
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * grad_y * t0 * rsqrt_rn(t1) * weight / t1, 0.0),
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0),
                 axis=1,
                 keep_dims=True,
             )
             row_sum1 = tl.sum(tl.where(in_bounds, -t3, 0.0), axis=1, keep_dims=True)
             grad_mean1 = row_sum0
             grad_mean0 = row_sum1
-            grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (-2 * mean0 + 2 * x) + t3
+            grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (2 * x - 2 * mean0) + t3
             grad_weight = t0 * t2
             grad_bias = grad_y
             if NEEDS_GRAD_X:
@@ -306,12 +306,12 @@ def layernorm_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = -mean0 + x
-                t2 = grad_y * rsqrt_rn(t1)
+                t0 = x - mean0
+                t2 = rsqrt_rn(t1) * grad_y
                 t3 = t2 * weight
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * grad_y * t0 * rsqrt_rn(t1) * weight / t1, 0.0)
+                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0)
                 )
                 row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t3, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
@@ -337,10 +337,10 @@ def layernorm_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = -mean0 + x
-                t2 = grad_y * rsqrt_rn(t1)
+                t0 = x - mean0
+                t2 = rsqrt_rn(t1) * grad_y
                 t3 = t2 * weight
-                grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (-2 * mean0 + 2 * x) + t3
+                grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (2 * x - 2 * mean0) + t3
                 grad_weight = t0 * t2
                 grad_bias = grad_y
                 if NEEDS_GRAD_X:
@@ -396,9 +396,9 @@ def layernorm_backward_kernel(
 def _reference(problem, x, weight, bias, eps):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     mean0 = torch.mean(x, dim=-1, keepdim=True)
-    t0 = -mean0 + x
+    t0 = x - mean0
     mean1 = torch.mean(t0 * t0, dim=-1, keepdim=True)
-    y = bias + t0 * weight * torch.rsqrt(eps + mean1)
+    y = bias + torch.rsqrt(eps + mean1) * t0 * weight
     return (y,)
 
 

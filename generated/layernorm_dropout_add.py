@@ -139,10 +139,10 @@ def layernorm_dropout_add_kernel(
         t0 = bias + x
         mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
-        t1 = -mean0 + t0
+        t1 = t0 - mean0
         mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
-        y = dropout_mask0 * (beta + gamma * t1 * rsqrt_rn(eps + mean1)) + residual
+        y = dropout_mask0 * (beta + rsqrt_rn(eps + mean1) * gamma * t1) + residual
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
         )
@@ -182,7 +182,7 @@ def layernorm_dropout_add_kernel(
             )
             bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = bias + x
-            t1 = -mean0 + t0
+            t1 = t0 - mean0
             mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
@@ -235,8 +235,8 @@ def layernorm_dropout_add_kernel(
                     (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                 )
             t0 = bias + x
-            t1 = -mean0 + t0
-            y = dropout_mask0 * (beta + gamma * t1 * rsqrt_rn(eps + mean1)) + residual
+            t1 = t0 - mean0
+            y = dropout_mask0 * (beta + rsqrt_rn(eps + mean1) * gamma * t1) + residual
             tl.store(
                 y_ptr + rows[:, None] * N + cols[None, :],
                 y.to(y_ptr.dtype.element_ty),
@@ -346,19 +346,19 @@ def layernorm_dropout_add_backward_kernel(
                 dropout_mask0 = tl.full(
                     (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                 )
-            t0 = bias - mean0 + x
+            t0 = bias + x - mean0
             t2 = dropout_mask0 * grad_y
             t3 = rsqrt_rn(t1) * t2
             t4 = gamma * t3
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * gamma * t0 * rsqrt_rn(t1) * t2 / t1, 0.0),
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * gamma * t0 * t2 / t1, 0.0),
                 axis=1,
                 keep_dims=True,
             )
             row_sum1 = tl.sum(tl.where(in_bounds, -t4, 0.0), axis=1, keep_dims=True)
             grad_mean1 = row_sum0
             grad_mean0 = row_sum1
-            t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias - 2 * mean0 + 2 * x) + t4
+            t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias + 2 * x - 2 * mean0) + t4
             grad_x = t6
             grad_bias = t6
             grad_gamma = t0 * t3
@@ -482,13 +482,13 @@ def layernorm_dropout_add_backward_kernel(
                     dropout_mask0 = tl.full(
                         (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                     )
-                t0 = bias - mean0 + x
+                t0 = bias + x - mean0
                 t2 = dropout_mask0 * grad_y
                 t3 = rsqrt_rn(t1) * t2
                 t4 = gamma * t3
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * gamma * t0 * rsqrt_rn(t1) * t2 / t1, 0.0)
+                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * gamma * t0 * t2 / t1, 0.0)
                 )
                 row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t4, 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
@@ -537,11 +537,11 @@ def layernorm_dropout_add_backward_kernel(
                     dropout_mask0 = tl.full(
                         (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                     )
-                t0 = bias - mean0 + x
+                t0 = bias + x - mean0
                 t2 = dropout_mask0 * grad_y
                 t3 = rsqrt_rn(t1) * t2
                 t4 = gamma * t3
-                t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias - 2 * mean0 + 2 * x) + t4
+                t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias + 2 * x - 2 * mean0) + t4
                 grad_x = t6
                 grad_bias = t6
                 grad_gamma = t0 * t3
@@ -620,9 +620,9 @@ def _reference(problem, x, bias, gamma, beta, residual, eps, p, masks):
         dropout_mask0 = 1.0
     t0 = bias + x
     mean0 = torch.mean(t0, dim=-1, keepdim=True)
-    t1 = -mean0 + t0
+    t1 = t0 - mean0
     mean1 = torch.mean(t1 * t1, dim=-1, keepdim=True)
-    y = dropout_mask0 * (beta + gamma * t1 * torch.rsqrt(eps + mean1)) + residual
+    y = dropout_mask0 * (beta + torch.rsqrt(eps + mean1) * gamma * t1) + residual
     return (y,)
 
 

@@ -174,7 +174,7 @@ def log_softmax_backward_kernel(
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             row_sum0 = tl.sum(tl.where(in_bounds, -grad_y / sum1, 0.0), axis=1, keep_dims=True)
             grad_sum1 = row_sum0
-            grad_x = grad_sum1 * libdevice.exp(-max0 + x) + grad_y
+            grad_x = grad_sum1 * libdevice.exp(x - max0) + grad_y
             if NEEDS_GRAD_X:
                 if SUM_GRAD_X:
                     grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -226,7 +226,7 @@ def log_softmax_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_x = grad_sum1 * libdevice.exp(-max0 + x) + grad_y
+                grad_x = grad_sum1 * libdevice.exp(x - max0) + grad_y
                 if NEEDS_GRAD_X:
                     if SUM_GRAD_X:
                         partial = grad_x_ptr + tl.program_id(0) * N + cols

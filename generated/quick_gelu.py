@@ -59,7 +59,7 @@ def quick_gelu_kernel(
     in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
     x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    y = x * tl.sigmoid(1.702 * x)
+    y = tl.sigmoid(1.702 * x) * x
     tl.store(
         y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
     )
@@ -103,7 +103,7 @@ def quick_gelu_backward_kernel(
         )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = 1.702 * x
-        grad_x = grad_y * (t0 * tl.sigmoid(-t0) + 1) * tl.sigmoid(t0)
+        grad_x = tl.sigmoid(t0) * grad_y * (tl.sigmoid(-t0) * t0 + 1)
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
                 grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
@@ -122,7 +122,7 @@ def quick_gelu_backward_kernel(
 
 def _reference(problem, x):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
-    y = x * torch.sigmoid(1.702 * x)
+    y = torch.sigmoid(1.702 * x) * x
     return (y,)
 
 

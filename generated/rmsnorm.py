@@ -79,7 +79,7 @@ def rmsnorm_kernel(
         weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         mean0 = tl.sum(tl.where(in_bounds, x * x, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 1 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
-        y = weight * x * rsqrt_rn(eps + mean0)
+        y = rsqrt_rn(eps + mean0) * weight * x
         tl.store(
             y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
         )
@@ -111,7 +111,7 @@ def rmsnorm_kernel(
                 mask=in_bounds,
             )
             weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            y = weight * x * rsqrt_rn(eps + mean0)
+            y = rsqrt_rn(eps + mean0) * weight * x
             tl.store(
                 y_ptr + rows[:, None] * N + cols[None, :],
                 y.to(y_ptr.dtype.element_ty),
@@ -179,12 +179,12 @@ def rmsnorm_backward_kernel(
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * grad_y * rsqrt_rn(t0) * weight * x / t0, 0.0),
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0),
                 axis=1,
                 keep_dims=True,
             )
             grad_mean0 = row_sum0
-            t1 = grad_y * rsqrt_rn(t0)
+            t1 = rsqrt_rn(t0) * grad_y
             grad_x = 2 * grad_mean0 * x / row_width + t1 * weight
             grad_weight = t1 * x
             if NEEDS_GRAD_X:
@@ -248,7 +248,7 @@ def rmsnorm_backward_kernel(
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 row_sum0_tile = (
                     row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * grad_y * rsqrt_rn(t0) * weight * x / t0, 0.0)
+                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0)
                 )
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
             grad_mean0 = row_sum0
@@ -271,7 +271,7 @@ def rmsnorm_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t1 = grad_y * rsqrt_rn(t0)
+                t1 = rsqrt_rn(t0) * grad_y
                 grad_x = 2 * grad_mean0 * x / row_width + t1 * weight
                 grad_weight = t1 * x
                 if NEEDS_GRAD_X:
@@ -311,7 +311,7 @@ def rmsnorm_backward_kernel(
 def _reference(problem, x, weight, eps):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     mean0 = torch.mean(x * x, dim=-1, keepdim=True)
-    y = weight * x * torch.rsqrt(eps + mean0)
+    y = torch.rsqrt(eps + mean0) * weight * x
     return (y,)
 
 

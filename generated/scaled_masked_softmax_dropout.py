@@ -120,7 +120,7 @@ def scaled_masked_softmax_dropout_kernel(
         t0 = mask + scale * x
         max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
         tl.store(saved_ptr + rows * 2 + 0, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        t1 = libdevice.exp(-max0 + t0)
+        t1 = libdevice.exp(t0 - max0)
         sum1 = tl.sum(tl.where(in_bounds, t1, 0.0), axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         y = dropout_mask0 * t1 / sum1
@@ -167,7 +167,7 @@ def scaled_masked_softmax_dropout_kernel(
             )
             mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = mask + scale * x
-            t1 = libdevice.exp(-max0 + t0)
+            t1 = libdevice.exp(t0 - max0)
             sum1_tile = sum1_tile + tl.where(in_bounds, t1, 0.0)
         sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
@@ -204,7 +204,7 @@ def scaled_masked_softmax_dropout_kernel(
                     (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                 )
             t0 = mask + scale * x
-            t1 = libdevice.exp(-max0 + t0)
+            t1 = libdevice.exp(t0 - max0)
             y = dropout_mask0 * t1 / sum1
             tl.store(
                 y_ptr + rows[:, None] * N + cols[None, :],
@@ -298,7 +298,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
                 dropout_mask0 = tl.full(
                     (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                 )
-            t0 = libdevice.exp(mask - max0 + scale * x)
+            t0 = libdevice.exp(mask + scale * x - max0)
             t1 = dropout_mask0 * grad_y * t0
             row_sum0 = tl.sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
             grad_sum1 = row_sum0
@@ -383,7 +383,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
                     dropout_mask0 = tl.full(
                         (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                     )
-                t0 = libdevice.exp(mask - max0 + scale * x)
+                t0 = libdevice.exp(mask + scale * x - max0)
                 t1 = dropout_mask0 * grad_y * t0
                 row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
@@ -425,7 +425,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
                     dropout_mask0 = tl.full(
                         (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
                     )
-                t0 = libdevice.exp(mask - max0 + scale * x)
+                t0 = libdevice.exp(mask + scale * x - max0)
                 t1 = dropout_mask0 * grad_y * t0
                 t2 = grad_sum1 * t0
                 t3 = t1 / sum1
@@ -473,7 +473,7 @@ def _reference(problem, x, mask, scale, p, masks):
         dropout_mask0 = 1.0
     t0 = mask + scale * x
     max0 = torch.amax(t0, dim=-1, keepdim=True)
-    t1 = torch.exp(-max0 + t0)
+    t1 = torch.exp(t0 - max0)
     sum1 = torch.sum(t1, dim=-1, keepdim=True)
     y = dropout_mask0 * t1 / sum1
     return (y,)

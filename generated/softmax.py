@@ -70,7 +70,7 @@ def softmax_kernel(
         x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         max0 = row_max(tl.where(in_bounds, x, -float("inf")))
         tl.store(saved_ptr + rows * 2 + 0, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        t0 = libdevice.exp(-max0 + x)
+        t0 = libdevice.exp(x - max0)
         sum1 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         y = t0 / sum1
@@ -105,7 +105,7 @@ def softmax_kernel(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
             x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            t0 = libdevice.exp(-max0 + x)
+            t0 = libdevice.exp(x - max0)
             sum1_tile = sum1_tile + tl.where(in_bounds, t0, 0.0)
         sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
@@ -118,7 +118,7 @@ def softmax_kernel(
                 x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
             )
             x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            t0 = libdevice.exp(-max0 + x)
+            t0 = libdevice.exp(x - max0)
             y = t0 / sum1
             tl.store(
                 y_ptr + rows[:, None] * N + cols[None, :],
@@ -172,7 +172,7 @@ def softmax_backward_kernel(
                 mask=in_bounds,
             )
             grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            t0 = libdevice.exp(-max0 + x)
+            t0 = libdevice.exp(x - max0)
             t1 = grad_y * t0
             row_sum0 = tl.sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
             grad_sum1 = row_sum0
@@ -215,7 +215,7 @@ def softmax_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = libdevice.exp(-max0 + x)
+                t0 = libdevice.exp(x - max0)
                 t1 = grad_y * t0
                 row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0)
             row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
@@ -234,7 +234,7 @@ def softmax_backward_kernel(
                     mask=in_bounds,
                 )
                 grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                t0 = libdevice.exp(-max0 + x)
+                t0 = libdevice.exp(x - max0)
                 t1 = grad_y * t0
                 grad_x = grad_sum1 * t0 + t1 / sum1
                 if NEEDS_GRAD_X:
@@ -258,7 +258,7 @@ def softmax_backward_kernel(
 def _reference(problem, x):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     max0 = torch.amax(x, dim=-1, keepdim=True)
-    t0 = torch.exp(-max0 + x)
+    t0 = torch.exp(x - max0)
     sum1 = torch.sum(t0, dim=-1, keepdim=True)
     y = t0 / sum1
     return (y,)

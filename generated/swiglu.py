@@ -66,7 +66,7 @@ def swiglu_kernel(
         x_ptr + rows[:, None] * x_stride_m + (cols[None, :] + N) * x_stride_n, mask=in_bounds
     )
     x_chunk1 = x_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    y = x_chunk0 * x_chunk1 * tl.sigmoid(x_chunk0)
+    y = tl.sigmoid(x_chunk0) * x_chunk0 * x_chunk1
     tl.store(
         y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
     )
@@ -116,8 +116,8 @@ def swiglu_backward_kernel(
             mask=in_bounds,
         )
         grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = grad_y * tl.sigmoid(x_chunk0)
-        grad_x_chunk0 = t0 * x_chunk1 * (x_chunk0 * tl.sigmoid(-x_chunk0) + 1)
+        t0 = tl.sigmoid(x_chunk0) * grad_y
+        grad_x_chunk0 = t0 * x_chunk1 * (tl.sigmoid(-x_chunk0) * x_chunk0 + 1)
         grad_x_chunk1 = t0 * x_chunk0
         if NEEDS_GRAD_X:
             if SUM_GRAD_X:
@@ -150,7 +150,7 @@ def swiglu_backward_kernel(
 
 def _reference(problem, x_chunk0, x_chunk1):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
-    y = x_chunk0 * x_chunk1 * torch.sigmoid(x_chunk0)
+    y = torch.sigmoid(x_chunk0) * x_chunk0 * x_chunk1
     return (y,)
 
 

@@ -552,10 +552,38 @@ def _finite_error(got, eager_out, truth) -> tuple[float, float]:
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("op,choices,magnitude", MAGNITUDE_CASES)
 def test_extreme_magnitudes_within_twice_eager_error(op, choices, magnitude, device):
+    _within_twice_eager_error(op, choices, magnitude, op.input_names[:1], device)
+
+
+# Every input scaled (issue 27): the order of a printed product's factors. swiglu's a * b *
+# sigmoid(a) overflowed to inf * 0 where torch's (a * sigmoid(a)) * b is finite; a norm's
+# t * weight * rsqrt(var) likewise; and scaled_masked_softmax_dropout's backward summed
+# exp(mask - max + scale * x), rounded past 0 at 1e13, where torch's s - max(s) is <= 0.
+SCALED_ALL_CASES = [
+    pytest.param(op, c, m, id=f"{op.name}-{choice_id(c)}-{m:g}")
+    for names, magnitudes in (
+        (("swiglu", "bias_swiglu", "geglu"), (1e20, 1e30)),
+        (("layernorm", "rmsnorm", "add_rmsnorm", "bias_layernorm", "layernorm_dropout_add",
+          "bias_dropout_add_layernorm"), (1e20,)),
+        (("scaled_masked_softmax_dropout",), (1e13,)),
+    )
+    for op, c in CHOICE_CASES if op.name in names
+    for m in magnitudes
+]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("op,choices,magnitude", SCALED_ALL_CASES)
+def test_every_input_at_extreme_magnitudes_within_twice_eager_error(op, choices, magnitude, device):
+    _within_twice_eager_error(op, choices, magnitude, op.input_names, device)
+
+
+def _within_twice_eager_error(op, choices, magnitude, scaled, device):
     dtype = torch.float32
     tensors = make_inputs(op, ShapeCase("2x64", lead=(2,), n=64), dtype, seed=5)
-    first = op.input_names[0]
-    tensors[first] = (tensors[first].double() * magnitude).to(dtype)
+    for name in scaled:
+        tensors[name] = (tensors[name].double() * magnitude).to(dtype)
     params, kwargs = _kwargs(op, choices)
 
     def run(fn, dt, dev):

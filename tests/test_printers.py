@@ -99,3 +99,21 @@ def test_relu_step_is_one_where():
     assert triton.doprint(sympy.Heaviside(x, 0)) == "tl.where(x > 0, 1.0, 0.0)"
     # At 1/2 (sympy's own) the tie needs its own branch.
     assert triton.doprint(sympy.Heaviside(x)) == "tl.where(x > 0, 1.0, tl.where(x < 0, 0.0, 0.5))"
+
+
+def test_bounded_factors_come_first():
+    # (x * sigmoid(x)) * y as torch computes it: x * y may overflow where the product does not (issue 27).
+    w, v = sympy.symbols("w v", real=True)
+    assert triton.doprint(x * y * sigmoid(x)) == "tl.sigmoid(x) * x * y"
+    assert torch_.doprint(x * y * sigmoid(x)) == "torch.sigmoid(x) * x * y"
+    assert triton.doprint(w * x / sympy.sqrt(v)) == "rsqrt_rn(v) * w * x"
+    assert triton.doprint(w * x * v**-1.5) == "rsqrt_rn(v) * w * x / v"
+
+
+def test_row_values_are_subtracted_last():
+    # exp((mask + x) - max) as the forward rounds it, <= 0, not exp(mask - max + x) (issue 27).
+    m, mask = sympy.symbols("max0 mask", real=True)
+    rows = TritonPrinter(row_values={"max0"})
+    assert rows.doprint(sympy.exp(mask - m + x)) == "libdevice.exp(mask + x - max0)"
+    assert rows.doprint(m + x - y) == "max0 + x - y"  # only a subtracted row value moves
+    assert triton.doprint(sympy.exp(mask - m + x)) == "libdevice.exp(mask - max0 + x)"

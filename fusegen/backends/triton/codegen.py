@@ -54,9 +54,10 @@ def render(plan: OpPlan) -> str:
     check_op_name(spec.name, spec.path, spec.name_line)
     names = TritonNames(plan)
     op = spec.name
-    triton = TritonPrinter(names.triton_helpers, names.constexprs)
-    torch_printer = TorchPrinter(names.torch_helpers, {p.name: p.local for p in plan.params})
     rows = plan.forward.kind.is_row
+    row_values = _row_values(plan) if rows else frozenset()
+    triton = TritonPrinter(names.triton_helpers, names.constexprs, row_values)
+    torch_printer = TorchPrinter(names.torch_helpers, {p.name: p.local for p in plan.params}, row_values)
     forward = (row_kernel if rows else forward_kernel)(plan, names, triton)
     backward = (row_backward_kernel if rows else backward_kernel)(plan, names, triton)
     triton_helpers = [h for helper in plan.helpers for h in _triton_helpers(helper, names, triton)]
@@ -182,6 +183,15 @@ def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
         [f"{masks} = masks"] + statements(kernel.body, printer, torch_constant, tensors),
         statements(kernel.body_no_dropout, printer, torch_constant, tensors),
     )
+
+
+def _row_values(plan: OpPlan) -> frozenset[str]:
+    """The row programs' reductions (computed or kept by the forward) and row values."""
+    found = set()
+    for body in (plan.forward.body, plan.backward.body):
+        found |= {r.symbol.name for r in body.reductions} | {s.name for s, _ in body.loaded}
+        found |= {s.name for s, _ in (*body.row_values, *(v for p in body.passes for v in p.row_values))}
+    return frozenset(found)
 
 
 def _torch_row_constant(text: str) -> str:
