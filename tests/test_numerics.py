@@ -140,7 +140,8 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
     shape = torch.broadcast_shapes(*shapes)
     problem = SimpleNamespace(
         shape=shape, m=math.prod(shape[:-1]), n=shape[-1] if shape else 1, device=torch.device("cpu"),
-        compute_dtype=torch.float32,
+        # The kernels' compute dtype, which dropout's scale is in: fp64 for fp64, else fp32.
+        compute_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
     )
     has_dropout = training and any(scalars[d.p] > 0 for d in op_ir.dropouts)
 
