@@ -391,12 +391,17 @@ def _reads(totals, grad_outputs, definitions: dict | None = None) -> tuple[str, 
             seen.add(symbol)
             if definitions and symbol in definitions:
                 pending.extend(definitions[symbol].free_symbols)
-    return tuple(g.name[len("grad["):-1] for g in grad_outputs if g in seen)
+    return tuple(_output_of(g) for g in grad_outputs if g in seen)
+
+
+def _output_of(grad_output: sympy.Symbol) -> str:
+    """The output whose incoming gradient `grad_output` (grad[y]) is."""
+    return grad_output.name[len("grad["):-1]
 
 
 def _passthrough(total: sympy.Expr, grad_outputs) -> str | None:
     """The output whose incoming gradient this gradient is, unchanged; else None."""
-    return next((g.name[len("grad["):-1] for g in grad_outputs if total == g), None)
+    return next((_output_of(g) for g in grad_outputs if total == g), None)
 
 
 def _cse(results: list[tuple[str, sympy.Expr]]) -> Block:

@@ -18,7 +18,7 @@ from .arguments import (FusegenArgumentError, Problem, any_requires_grad, broadc
                         check_training)
 from .dropout import check_seed, dropout_mask_reference, seed_result, seed_tensor
 from .gradients import sum_to_input
-from .out import check_out_without_grad, output_buffer, write_out
+from .out import check_out_targets, check_out_without_grad, output_buffer, write_out
 from .prepared import CACHE_SIZE, PreparedCall, call_key
 from . import native, sharding
 from ..layout import Choice, Input, Scalar
@@ -357,6 +357,8 @@ class FusedOp:
             check_out_without_grad(self.name, tensors)
         call = self.check(args, needs_kernel=False)
         problem = call.problem
+        if out is not None:  # before anything runs, as the op checks it
+            check_out_targets(self.name, out, self._n_outputs, problem.has_data)
         values = []
         for spec, tensor in zip(self.inputs, tensors):
             tensor = tensor.to(problem.compute_dtype)
