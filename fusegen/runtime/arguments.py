@@ -3,6 +3,7 @@ as torch would, and scalar and choice params against their declarations."""
 from __future__ import annotations
 
 import functools
+import operator
 import numbers
 import sys
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
                 f"{op}(): {name} is a tensor under forward-mode AD or a torch.func transform; a param has no "
                 "derivative and no batch dim: pass a number")
         value = value.item()
+    if isinstance(value, torch.SymInt):  # a traced graph's int (torch.compile, dynamic=True): specialized
+        value = int(value)
     given = value
     if type(value) is not float and type(value) is not int:  # the common case skips the ABC checks
         # numpy's numbers too (np.float32(0.1), np.int64(3)): numbers.Real and Integral.
@@ -143,7 +146,9 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple) -> 
         shown = " and ".join(f"{i.name} {list(t.shape)}" for i, t in zip(inputs, tensors))
         raise FusegenArgumentError(f"{op}(): shapes do not broadcast: {shown}") from None
     n = shape[-1] if len(shape) else 1
-    m = shape.numel() // n if n else functools.reduce(lambda a, b: a * b, shape[:-1], 1)
+    # The product, not numel() // n: torch.Size.numel() makes a symbolic size (torch.compile's
+    # dynamic shapes) a constant, which would recompile the graph for every sequence length.
+    m = functools.reduce(operator.mul, shape[:-1], 1)
     out_dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
     compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     has_data = device.type != "meta" and not any(is_fake(t) for t in tensors)

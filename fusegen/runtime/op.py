@@ -9,9 +9,12 @@ inputs, then params, then (ops with dropout only) training and seed.
 """
 from __future__ import annotations
 
+import inspect
 import sys
+import typing
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 from .arguments import (FusegenArgumentError, Problem, any_requires_grad, broadcast_problem, check_choice, check_scalar,
@@ -143,8 +146,9 @@ class FusedOp:
             if sharding.takes_dtensors(self, args[:self._n_inputs]):
                 raise FusegenArgumentError(f"{self.name}(): out= does not take DTensor inputs; drop out=")
             outputs = self.forward(args, out=out)[0]
-        elif sharding.takes_dtensors(self, args[:self._n_inputs]) or compiling:
-            # The library op: torch.compile sees one opaque op, DTensor runs its rule (runtime.sharding).
+        elif compiling or sharding.takes_dtensors(self, args[:self._n_inputs]) or _tracing_graph(args[:self._n_inputs]):
+            # The library op: a traced graph records it (and its kernels, where it can: _library_op),
+            # DTensor runs its rule (runtime.sharding).
             outputs = self._forward_op(*args)
             if self._n_outputs + self.has_dropout + bool(self.statistics) == 1:
                 outputs = (outputs,)  # the schema returns one Tensor, not a tuple of one
@@ -243,12 +247,14 @@ class FusedOp:
                     has_dropout = True
         return Call(problem, tuple(params), has_dropout, check_seed(name, seed), shard)
 
-    def forward(self, args: tuple, out=None, eager: bool = True, shard=None):
+    def forward(self, args: tuple, out=None, eager: bool = True, shard=None, traced: bool = False):
         """Launch the forward kernel; returns the outputs, the seed tensor it used (None
         without dropout) and the statistics it kept for the backward (None without).
         `eager`: not inside a compiled graph, which may be captured. `shard`: the tensors
-        are a DTensor's local parts, placed so in the global problem (runtime.sharding)."""
-        if out is None and shard is None:
+        are a DTensor's local parts, placed so in the global problem (runtime.sharding).
+        `traced`: the tensors are a traced graph's, which records the launch (the library op's
+        body while torch.compile or torch.export traces it)."""
+        if out is None and shard is None and not traced:
             prepared = self.prepare(args)
             if prepared is not None:
                 return prepared.forward(args, eager)
@@ -266,7 +272,9 @@ class FusedOp:
         saved = None
         if self.statistics:
             saved = torch.empty(self.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
-        if problem.launches:  # not without elements, nor without data (meta or fake tensors)
+        if traced:
+            self.kernels.forward(call, tensors, outputs, seed, saved=saved, traced=True)
+        elif problem.launches:  # not without elements, nor without data (meta or fake tensors)
             self.kernels.forward(call, tensors, outputs, seed, saved=saved)
         return (outputs if out is None else write_out(out, tuple(outputs))), seed, saved
 
@@ -331,9 +339,13 @@ class FusedOp:
         return kernel_needs, sources
 
     def backward_kernels(self, grads, args, seed, needs, saved=None, prepared: PreparedCall | None = None,
-                         in_place: bool = False, shard=None) -> list:
-        """Launch the backward kernel: the gradients of the inputs flagged in `needs`."""
+                         in_place: bool = False, shard=None, traced: bool = False) -> list:
+        """Launch the backward kernel: the gradients of the inputs flagged in `needs`.
+        `traced`: as for forward."""
         tensors = args[: len(self.inputs)]
+        if traced:
+            call = self.check(args, needs_kernel=True)
+            return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved, traced=True)
         if shard is not None:
             call = self.check(args, needs_kernel=True, shard=shard)
             return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved)
@@ -490,6 +502,19 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
 # Per call: no attribute lookups.
 _functorch_active = torch._C._are_functorch_transforms_active
 _is_tracing = torch._C._is_tracing
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _tracing_graph(tensors: tuple) -> bool:
+    """Whether a graph is being traced outside torch.compile (make_fx, aot_function): fake
+    tensors, or a dispatch mode such as make_fx's proxy mode on real ones. A launch there
+    would be missing from the graph, so the call goes to the library op, which the graph records."""
+    if _dispatch_modes():
+        return True
+    for t in tensors:
+        if type(t) is not torch.Tensor and is_fake(t):
+            return True
+    return False
 
 
 def _tangent_input(tensors: tuple) -> int | None:
@@ -585,6 +610,39 @@ def _schema_arguments(op: FusedOp) -> list[str]:
     return [f"Tensor {i.name}" for i in op.inputs] + params
 
 
+_ANNOTATIONS = {"Tensor": torch.Tensor, "float": float, "int": int, "str": str, "bool": bool,
+                "int?": typing.Optional[int], "Tensor[]": list[torch.Tensor], "bool[]": list[bool]}
+
+
+def _library_op(name: str, impl, arguments: list[str], returns: str, traced: bool, tags=()):
+    """fusegen::<name> with this schema. `traced` (kernels a traced graph can record): a
+    torch.library.triton_op, whose body torch.compile and torch.export trace into, so that
+    Inductor launches its kernels itself; else (the CPU interpreter) an opaque custom op."""
+    if not traced:
+        schema = f"({', '.join(arguments)}) -> {returns}"
+        return torch.library.custom_op(f"fusegen::{name}", impl, mutates_args=(), schema=schema, tags=tags)
+    # triton_op takes its schema from the function's signature.
+    parameters = []
+    for argument in arguments:
+        kind, parameter = argument.rsplit(" ", 1)
+        parameters.append(inspect.Parameter(parameter, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                            annotation=_ANNOTATIONS[kind]))
+    results = returns.strip("()").split(", ")
+    returned = _ANNOTATIONS[returns] if len(results) == 1 else tuple[tuple(_ANNOTATIONS[r] for r in results)]
+
+    def body(*args):
+        return impl(*args)
+
+    body.__signature__ = inspect.Signature(parameters, return_annotation=returned)
+    # (A seeded op's tag is not needed here: traced graphs see its random draw, tagged.)
+    return torch.library.triton_op(f"fusegen::{name}", body, mutates_args=())
+
+
+def _traced(op: FusedOp, tensors) -> bool:
+    """Whether a library op's body is being traced into a graph (its tensors are fake)."""
+    return op.kernels.traceable and any(is_fake(t) for t in tensors)
+
+
 def _check_inplace_backward(name: str, value) -> None:
     if type(value) is not bool:
         raise FusegenArgumentError(f"{name}(): inplace_backward must be True or False, got {type(value).__name__}")
@@ -599,16 +657,17 @@ def _register_library_ops(op: FusedOp):
     # One result is `-> Tensor`: a schema's `(Tensor)` is not a tuple of one.
     single = len(op.outputs) + extras == 1
     returns = "Tensor" if single else "(" + ", ".join(["Tensor"] * (len(op.outputs) + extras)) + ")"
+    traceable = op.kernels.traceable
     if op.has_dropout:
         # It draws random numbers: tagged so, torch.compile never recomputes it in the backward.
-        schema = f"({', '.join(arguments + ['bool training', 'int? seed'])}) -> {returns}"
-        tags = (torch.Tag.nondeterministic_seeded,)
+        arguments, tags = arguments + ["bool training", "int? seed"], (torch.Tag.nondeterministic_seeded,)
     else:
-        schema, tags = f"({', '.join(arguments)}) -> {returns}", ()
+        tags = ()
 
     def forward_impl(*args):
         _refuse_tangents(op, args)
-        outputs, seed, saved = op.forward(args, eager=False)  # a compiled graph may be captured
+        # eager=False: a compiled graph may be captured.
+        outputs, seed, saved = op.forward(args, eager=False, traced=_traced(op, args[:len(op.inputs)]))
         if single:
             return outputs[0]
         results = list(outputs)
@@ -618,7 +677,7 @@ def _register_library_ops(op: FusedOp):
             results.append(saved)
         return tuple(results)
 
-    forward_op = torch.library.custom_op(f"fusegen::{op.name}", forward_impl, mutates_args=(), schema=schema, tags=tags)
+    forward_op = _library_op(op.name, forward_impl, arguments, returns, traceable, tags)
 
     @forward_op.register_fake
     def _(*args):
@@ -651,9 +710,8 @@ def _register_library_ops(op: FusedOp):
 
     # The backward op's own arguments start with '_', as spec names never do.
     extra = (["bool training", "Tensor _seed"] if op.has_dropout else []) + (["Tensor _saved"] if op.statistics else [])
-    backward_schema = ", ".join(
-        ["Tensor[] _grads", "Tensor[] _inputs", *arguments[len(op.inputs):], *extra, "bool[] _needs_grad"]
-    )
+    params = _schema_arguments(op)[len(op.inputs):]
+    backward_arguments = ["Tensor[] _grads", "Tensor[] _inputs", *params, *extra, "bool[] _needs_grad"]
 
     def backward_impl(grads, tensors, *rest):
         *params, needs = rest
@@ -663,11 +721,10 @@ def _register_library_ops(op: FusedOp):
         if op.has_dropout:
             *params, training, seed = params
             params = (*params, training, None)  # the seed argument: the tensor is passed on its own
-        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs, saved)
+        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs, saved,
+                                   traced=_traced(op, (*grads, *tensors)))
 
-    backward_op = torch.library.custom_op(
-        f"fusegen::{op.name}_backward", backward_impl, mutates_args=(), schema=f"({backward_schema}) -> Tensor[]"
-    )
+    backward_op = _library_op(f"{op.name}_backward", backward_impl, backward_arguments, "Tensor[]", traceable)
 
     @backward_op.register_fake
     def _(grads, tensors, *rest):

@@ -35,6 +35,13 @@ def view_2d(tensor: torch.Tensor, problem: Problem, chunks: int = 1) -> tuple[to
     return flat, flat.stride(0), flat.stride(1)
 
 
+def traced_view_2d(tensor: torch.Tensor, problem: Problem, chunks: int = 1) -> tuple[torch.Tensor, int, int]:
+    """view_2d in a traced graph (fake tensors, possibly symbolic sizes): the [M, N] tensor
+    itself, a view or a copy as torch's reshape decides, which the kernel then reads."""
+    flat = tensor.expand(*problem.shape[:-1], problem.n * chunks).reshape(problem.m, problem.n * chunks)
+    return flat, flat.stride(0), flat.stride(1)
+
+
 def needs_int64(problem: Problem, views: list[tuple[torch.Tensor, int, int]]) -> bool:
     """Whether any element offset can reach 2**31 (int32 index math would overflow)."""
     last = problem.m * problem.n

@@ -19,7 +19,7 @@ import torch
 
 from fusegen.layout import Choice
 from fusegen.runtime import GradTarget, dropout_scale, dropout_threshold, needs_int64, view_2d
-from fusegen.runtime.views import INT32_LIMIT
+from fusegen.runtime.views import INT32_LIMIT, traced_view_2d
 
 from . import tuning
 from .interpreter import (
@@ -32,6 +32,7 @@ from .interpreter import (
     quiet_numpy,
 )
 from .cached_launcher import CachedLauncher, hooks_active
+from .graph_launcher import GraphLauncher, traceable
 from .kernel_lib import sum_partials_kernel
 
 if is_interpreting():  # every generated module imports this one before its kernels run
@@ -175,9 +176,10 @@ class PreparedBackward:
 
     __slots__ = ("_launch", "_targets", "_inputs", "_sums", "_none_written")
 
-    def __init__(self, launch: Launch | None, targets: list, inputs: list[int]):
+    def __init__(self, launch: Launch | None, targets: list, inputs: list[int], traced: bool = False):
         self._launch, self._targets, self._inputs = launch, targets, inputs  # inputs: each target's
-        self._sums = [_sum_partials(t) if launch is not None else None for t in targets]
+        # In a traced graph partial sums are summed by torch's ops, which the graph records.
+        self._sums = [_sum_partials(t) if launch is not None and not traced else None for t in targets]
         self._none_written = (False,) * len(targets)
 
     def __call__(self, tensors, grads, seed, saved, in_place: bool = False) -> list[torch.Tensor]:
@@ -254,6 +256,11 @@ class _Bound:
         # straight to the binary.
         self._forward = CachedLauncher(kernels.forward)
         self._backward = CachedLauncher(kernels.backward)
+        # What a traced graph records instead (graph_launcher); None under the CPU interpreter,
+        # whose kernels a graph cannot record: the library ops stay opaque there.
+        self.traceable = traceable(kernels.forward)
+        self._graph_forward = GraphLauncher(kernels.forward) if self.traceable else None
+        self._graph_backward = GraphLauncher(kernels.backward) if self.traceable else None
         self._chunks = [i.chunks for i in op.inputs]
         self._scalars = [params.index(name) for name in kernels.scalars]
         self._dropout = op._dropout_indices
@@ -267,28 +274,37 @@ class _Bound:
 
     # -- the calls that tests and the slow path make: prepare, then launch once ---------
 
-    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None,
+                traced: bool = False) -> None:
         """`tile` (BLOCK_M, BLOCK_N): launch the kernel itself with that tile, not the
         autotuner (tests use it to check every tile computes the same). Pointwise kernels
-        keep nothing for the backward: `saved` is None."""
-        if call.problem.launches:
-            self.prepare_forward(call, tensors, tile)((*tensors, *outputs, saved, seed))
+        keep nothing for the backward: `saved` is None. `traced`: the tensors are a traced
+        graph's (fake): the launch is recorded in the graph (graph_launcher)."""
+        if _launches(call.problem, traced):
+            self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, saved, seed))
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
+                 rows_per_program: int | None = None, saved=None, traced: bool = False) -> list[torch.Tensor]:
         """The gradients of the inputs flagged in `needs` (a flag per input), in input order,
         each in a new buffer."""
-        return self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program)(tensors, grads, seed, saved)
+        prepared = self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program, traced)
+        return prepared(tensors, grads, seed, saved)
 
     # -- preparing: once per kind of call ------------------------------------------------
 
     @staticmethod
-    def _views(problem, tensors, chunks, values):
+    def _views(problem, tensors, chunks, values, traced: bool = False):
         """The [M, N] views' argument triples (a slot for values[k], then the strides) of
         tensors[k], the copies among them (a broadcast whose view is a copy, made per call),
-        and the views themselves (for INDEX_64)."""
+        and the views themselves (for INDEX_64). Traced: the [M, N] tensors themselves, in
+        place of slots (a launch in a traced graph is prepared for that one launch)."""
         args, copies, views = [], [], []
         for tensor, chunk, value in zip(tensors, chunks, values):
+            if traced:
+                view = traced_view_2d(tensor, problem, chunk)
+                args += view
+                views.append(view)
+                continue
             view = view_2d(tensor, problem, chunk)
             if view[0] is not tensor:
                 copies.append((value, problem, chunk))
@@ -311,12 +327,12 @@ class _Bound:
             args += [call.has_dropout, whole_groups, shard is not None]  # HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED
         return args
 
-    def _forward_args(self, call, tensors) -> tuple[list, tuple]:
+    def _forward_args(self, call, tensors, traced: bool = False) -> tuple[list, tuple]:
         """The forward's arguments up to COMPUTE_FP64, with slots for the values
         (*tensors, *outputs, saved, seed), and the copies among the views."""
         problem = call.problem
         count, outputs = len(tensors), len(self.op.outputs)
-        args, copies, views = self._views(problem, tensors, self._chunks, range(count))
+        args, copies, views = self._views(problem, tensors, self._chunks, range(count), traced)
         args += [Slot(count + j) for j in range(outputs)]
         args += self._extra_forward_args(count + outputs)
         args += self._common(call, Slot(count + outputs + 1))
@@ -329,26 +345,27 @@ class _Bound:
     def _index_64(self, problem, views) -> bool:
         return needs_int64(problem, views)
 
-    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None) -> Launch:
+    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False) -> Launch:
         """The forward's launch for calls like this one: `launch((*tensors, *outputs, saved, seed))`."""
         problem = call.problem
         m, n = problem.m, problem.n
-        args, copies = self._forward_args(call, tensors)
+        args, copies = self._forward_args(call, tensors, traced)
         if tile is not None:
             grid = (tuning.cdiv(m, tile[0]), tuning.cdiv(n, tile[1]))
             return Launch(_Tile(self.forward_kernel), grid, args, copies, {"BLOCK_M": tile[0], "BLOCK_N": tile[1]})
-        return Launch(self._forward, lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]), tuning.cdiv(n, meta["BLOCK_N"])),
-                      args, copies)
+        return Launch(self._graph_forward if traced else self._forward,
+                      lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]), tuning.cdiv(n, meta["BLOCK_N"])), args, copies)
 
-    def _backward_args(self, call, tensors, grads, targets) -> tuple[list, tuple]:
+    def _backward_args(self, call, tensors, grads, targets, traced: bool = False) -> tuple[list, tuple]:
         """The backward's arguments up to its gradient flags, with slots for the values
         (*tensors, *grads, *gradient buffers, saved, seed)."""
         problem = call.problem
         count = len(tensors)
         reads = self._reads
-        args, copies, views = self._views(problem, [tensors[i] for i in reads], [self._chunks[i] for i in reads], reads)
+        args, copies, views = self._views(problem, [tensors[i] for i in reads], [self._chunks[i] for i in reads], reads,
+                                          traced)
         grad_args, grad_copies, grad_views = self._views(
-            problem, grads, [1] * len(grads), range(count, count + len(grads))
+            problem, grads, [1] * len(grads), range(count, count + len(grads)), traced
         )
         args += grad_args
         args += [Slot(count + len(grads) + k) for k in range(len(targets))]
@@ -371,33 +388,33 @@ class _Bound:
                    for i in self._gradients)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
-                         rows_per_program: int | None = None) -> PreparedBackward:
+                         rows_per_program: int | None = None, traced: bool = False) -> PreparedBackward:
         problem = call.problem
         m, n = problem.m, problem.n
-        bucket = tuning.m_bucket(m)
+        bucket, n_hint = tuning.m_bucket(m), tuning.size_hint(n)
         summed = self._sums_over_rows(problem, tensors, needs)
-        rows = rows_per_program or tuning.backward_rows_per_program(bucket, n, summed)
+        rows = rows_per_program or tuning.backward_rows_per_program(bucket, n_hint, summed)
         column_tiles = 0
         if any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row)):
             # Row sums land one row per column tile: as many rows as the narrowest tile needs.
-            width = tile[1] if tile is not None else tuning.narrowest_backward_block_n(bucket, n, rows)
+            width = tile[1] if tile is not None else tuning.narrowest_backward_block_n(bucket, n_hint, rows)
             column_tiles = tuning.cdiv(n, width)
         targets = [
             GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), column_tiles, self._chunks[i], one)
             if needs[i] else None
             for i, one in zip(self._gradients, self._one_per_row)
         ]
-        if not problem.launches:
+        if not _launches(problem, traced):
             return PreparedBackward(None, targets, self._gradients)
-        args, copies = self._backward_args(call, tensors, grads, targets)
+        args, copies = self._backward_args(call, tensors, grads, targets, traced)
         args.append(rows)
         if tile is not None:
             grid = (tuning.cdiv(m, rows), tuning.cdiv(n, tile[1]))
             launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {"BLOCK_M": tile[0], "BLOCK_N": tile[1]})
         else:
-            launch = Launch(self._backward, lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta["BLOCK_N"])),
-                            args, copies)
-        return PreparedBackward(launch, targets, self._gradients)
+            launch = Launch(self._graph_backward if traced else self._backward,
+                            lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta["BLOCK_N"])), args, copies)
+        return PreparedBackward(launch, targets, self._gradients, traced)
 
 
 class _BoundRows(_Bound):
@@ -405,10 +422,11 @@ class _BoundRows(_Bound):
         super().__init__(kernels, op)
         self.statistics = kernels.statistics
 
-    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None) -> None:
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None,
+                traced: bool = False) -> None:
         if saved is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
             saved = self._saved_buffer(call.problem)
-        super().forward(call, tensors, outputs, seed, tile, saved)
+        super().forward(call, tensors, outputs, seed, tile, saved, traced)
 
     def _saved_buffer(self, problem) -> torch.Tensor:
         return torch.empty(self.op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
@@ -422,18 +440,20 @@ class _BoundRows(_Bound):
         """Some offset reaches 2**31: in a tensor, or in the [M, statistics] buffer."""
         return needs_int64(problem, views) or problem.m * self.statistics >= INT32_LIMIT
 
-    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None) -> Launch:
+    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False) -> Launch:
         problem = call.problem
         m, n = problem.m, problem.n
-        args, copies = self._forward_args(call, tensors)
+        args, copies = self._forward_args(call, tensors, traced)
         block_n = tile[1] if tile is not None else tuning.row_block_n(n)
-        args += [block_n, block_n >= n]  # BLOCK_N, ONE_TILE
+        # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
+        args += [block_n, bool(block_n >= n)]  # BLOCK_N, ONE_TILE
         if tile is not None:
             return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]),), args, copies, {"BLOCK_M": tile[0]})
-        return Launch(self._forward, lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]),), args, copies)
+        return Launch(self._graph_forward if traced else self._forward,
+                      lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]),), args, copies)
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None, saved=None) -> list[torch.Tensor]:
+                 rows_per_program: int | None = None, saved=None, traced: bool = False) -> list[torch.Tensor]:
         problem = call.problem
         if saved is None and self.statistics and problem.launches:
             # No forward's statistics at hand (tests launching the kernel): a forward makes them.
@@ -441,10 +461,10 @@ class _BoundRows(_Bound):
             outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
                        for i in range(len(self.op.outputs))]
             self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
-        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, saved)
+        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, saved, traced)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
-                         rows_per_program: int | None = None) -> PreparedBackward:
+                         rows_per_program: int | None = None, traced: bool = False) -> PreparedBackward:
         problem = call.problem
         m, n = problem.m, problem.n
         summed = self._sums_over_rows(problem, tensors, needs)
@@ -455,14 +475,20 @@ class _BoundRows(_Bound):
             GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), 1, self._chunks[i], one) if needs[i] else None
             for i, one in zip(self._gradients, self._one_per_row)
         ]
-        if not problem.launches:
+        if not _launches(problem, traced):
             return PreparedBackward(None, targets, self._gradients)
-        args, copies = self._backward_args(call, tensors, grads, targets)
+        args, copies = self._backward_args(call, tensors, grads, targets, traced)
         block_n = tile[1] if tile is not None else tuning.row_block_n(n, backward=True)
-        args += [rows, block_n, block_n >= n]  # ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE
+        args += [rows, block_n, bool(block_n >= n)]  # ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE
         grid = (tuning.cdiv(m, rows),)
         if tile is not None:
             launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {"BLOCK_M": tile[0]})
         else:
-            launch = Launch(self._backward, grid, args, copies)
-        return PreparedBackward(launch, targets, self._gradients)
+            launch = Launch(self._graph_backward if traced else self._backward, grid, args, copies)
+        return PreparedBackward(launch, targets, self._gradients, traced)
+
+
+def _launches(problem, traced: bool) -> bool:
+    """Whether a kernel has anything to do. A traced graph's tensors have no data, but the
+    launch is recorded for the graph's real ones."""
+    return problem.m * problem.n > 0 if traced else problem.launches

@@ -2,6 +2,7 @@
 those that fit a problem, and the backward's rows per program."""
 from __future__ import annotations
 
+import torch
 import triton
 
 from .interpreter import is_interpreting
@@ -113,7 +114,7 @@ def _fitting(configs, m: int, n: int, max_block_m: int, wide_block_n: int = WIDE
 
 def prune_forward_configs(configs, named_args, **kwargs):
     """Keep the tiles that fit the problem; under the interpreter keep exactly one."""
-    m, n = named_args["M_BUCKET"], named_args["N"]
+    m, n = named_args["M_BUCKET"], size_hint(named_args["N"])
     if is_interpreting():
         return [_interpreter_config(m, n)]
     elements = lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]  # noqa: E731
@@ -125,7 +126,7 @@ def prune_forward_configs(configs, named_args, **kwargs):
 
 
 def prune_backward_configs(configs, named_args, **kwargs):
-    m, n, rows = named_args["M_BUCKET"], named_args["N"], named_args["ROWS_PER_PROGRAM"]
+    m, n, rows = named_args["M_BUCKET"], size_hint(named_args["N"]), named_args["ROWS_PER_PROGRAM"]
     if is_interpreting():
         return [_interpreter_config(m, n, max_block_m=rows)]
     return _fitting(configs, m, n, max_block_m=rows)
@@ -152,6 +153,7 @@ _INTERPRETER_ONE_TILE = 1024
 
 def row_block_n(n: int, backward: bool = False) -> int:
     """BLOCK_N for a row kernel: the whole row where it fits, else the loop's step."""
+    n = size_hint(n)
     width = max(MIN_BLOCK_N, 1 << max(n - 1, 0).bit_length())
     if is_interpreting():
         return min(width, _INTERPRETER_ONE_TILE)
@@ -206,7 +208,21 @@ def m_bucket(m: int) -> int:
     share a tuned config (a new sequence length does not retune), and every choice that
     follows from the config (pruning, the backward's rows per program and row-sum slots) is
     made from the bucket, so a config tuned at one M of the bucket fits every other."""
+    m = size_hint(m)
     return 1 if m <= 1 else 1 << (m - 1).bit_length()
+
+
+def size_hint(size):
+    """A size as tuning sees it. In a graph traced with symbolic sizes (torch.compile's
+    dynamic shapes) that is the size it was traced with: every tile computes the same values
+    at every size, so choosing tiles by it constrains nothing (no guard, no recompilation)."""
+    if type(size) is int or not isinstance(size, torch.SymInt):
+        return size
+    hint = size.node.hint
+    return hint if hint is not None else _UNKNOWN_SIZE
+
+
+_UNKNOWN_SIZE = 4096  # a size without an example value (data-dependent): tiles for a mid-sized problem
 
 
 def persist_results() -> bool:
