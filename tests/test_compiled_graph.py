@@ -191,6 +191,9 @@ def test_export_and_aot_inductor_package_runs_in_a_fresh_process(tmp_path):
     exported = torch.export.export(model, (x, residual))
     assert "fusegen" in str(exported.graph)  # exported as the ops themselves (serializable)
     package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "block.pt2"))
+    in_process = torch._inductor.aoti_load_package(package)(x, residual)
+    for g, w in zip(in_process, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     torch.save((x.cpu(), residual.cpu()), tmp_path / "inputs.pt")
     torch.save([w.cpu() for w in want], tmp_path / "expected.pt")
     done = subprocess.run([sys.executable, "-c", _LOAD, package, str(tmp_path / "inputs.pt"), str(tmp_path / "expected.pt")],

@@ -13,6 +13,7 @@ runs while tracing on the sizes the graph was traced with (`tuning.size_hint`).
 """
 from __future__ import annotations
 
+import torch
 import triton
 
 from .interpreter import kernel_is_interpreted
@@ -45,5 +46,12 @@ class GraphLauncher:
     def launch(self, grid, args: list, constexprs: dict) -> None:
         from torch.library import wrap_triton
 
+        if any(a is None for a in args):
+            # A pointer the kernel does not read in this call (its flag is off: no dropout, a
+            # gradient not wanted) is None in eager launches; in a graph, which AOTInductor
+            # compiles to C++ launches, a one-element tensor stands for it.
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            unused = torch.empty(1, dtype=torch.int64, device=device)
+            args = [unused if a is None else a for a in args]
         wrap_triton(self.kernel)[grid](*args, **constexprs)
         return None  # no binary here: Inductor compiles and launches its own
