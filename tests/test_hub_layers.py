@@ -262,7 +262,7 @@ def test_activations_compute_the_same_values_and_gradients(hub, tmp_path, calls)
         "quick_gelu": activations.QuickGELUActivation(),
     })
     original = copy.deepcopy(modules)
-    _kernelize(modules, tmp_path)
+    _kernelize(modules, tmp_path, layers=hub_layers.LAYER_NAMES)
     assert hub_layers.kernelized(modules) == {"gelu": "GeLU", "gelu_python": "GeLU", "gelu_pytorch_tanh": "GeluTanh",
                                               "gelu_new": "NewGELU", "quick_gelu": "QuickGELU"}
     x = torch.linspace(-6, 6, 24, device=DEVICE).reshape(3, 8)
@@ -277,14 +277,16 @@ def test_activations_compute_the_same_values_and_gradients(hub, tmp_path, calls)
     assert calls == {"gelu": 2, "gelu_tanh": 2, "quick_gelu": 1}
 
 
-def test_only_the_layers_asked_for_are_mapped(hub, tmp_path, calls):
+def test_the_norms_are_mapped_unless_more_is_asked_for(hub, tmp_path, calls):
     from transformers import activations
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     _write(tmp_path, DEVICE)
-    model = torch.nn.Sequential(LlamaRMSNorm(8), activations.GELUActivation()).to(DEVICE)
-    _kernelize(model, tmp_path, layers=["RMSNorm"])
+    model = torch.nn.Sequential(LlamaRMSNorm(8), activations.GELUActivation(), activations.QuickGELUActivation())
+    _kernelize(model.to(DEVICE), tmp_path)
     assert hub_layers.kernelized(model) == {"0": "RMSNorm"}
+    _kernelize(model, tmp_path, layers=["RMSNorm", "QuickGELU"])
+    assert hub_layers.kernelized(model) == {"0": "RMSNorm", "2": "QuickGELU"}
 
 
 def test_a_kernelized_norm_compiles_whole(hub, tmp_path):

@@ -57,6 +57,11 @@ LAYERS = (
     Layer("NewGELU", "gelu_tanh", "NewGELUActivation (\"gelu_new\")"),
     Layer("QuickGELU", "quick_gelu", "QuickGELUActivation (\"quick_gelu\")"),
 )
+LAYER_NAMES = tuple(layer.name for layer in LAYERS)
+# What kernel_mapping maps unless told: the activations fuse nothing (one elementwise op, as
+# torch's own kernel is) and, under torch.compile, keep Inductor from fusing them with their
+# neighbours; map them (LAYER_NAMES) to measure, not by default.
+DEFAULT_LAYERS = ("RMSNorm",)
 BACKENDS = ("cuda", "cpu")  # cpu: only where TRITON_INTERPRET=1 runs the kernels (tests, experiments)
 KERNEL_NAME = "fusegen-layers"  # the kernel's name in metadata.json
 GENERATED_BY = "fusegen kernels-repo; do not edit"  # metadata.json's mark that fusegen wrote it
@@ -70,14 +75,13 @@ def variant(backend: str) -> str:
 
 def repo_files(backends: tuple[str, ...]) -> dict[str, str]:
     """What the repository holds for `backends`: path below the folder → text."""
-    names = [layer.name for layer in LAYERS]
     init = "\n".join([
         INIT_LINE,
         '"""fusegen\'s ops as layers of Hugging Face\'s `kernels`: what each computes is in',
         'fusegen.integrations.kernels_layers, how to use them in fusegen.integrations.hub_layers."""',
         "from fusegen.integrations import kernels_layers as layers",
         "",
-        f"LAYERS = {tuple(names)!r}",
+        f"LAYERS = {LAYER_NAMES!r}",
         '__all__ = ["layers"]',
         "",
     ])
@@ -200,10 +204,11 @@ def _check_transformers() -> None:
         f"'transformers[kernels]=={version('transformers')}'")
 
 
-def kernel_mapping(folder, *, layers=None) -> dict:
-    """The mapping to pass to `kernels.use_kernel_mapping`: each layer of the repository at
-    `folder` (written by `fusegen kernels-repo`), or those named in `layers`, for each backend
-    it was written for (device types "cuda", "cpu"), from that local repository.
+def kernel_mapping(folder, *, layers=DEFAULT_LAYERS) -> dict:
+    """The mapping to pass to `kernels.use_kernel_mapping`: the layers named in `layers` (by
+    default RMSNorm only; LAYER_NAMES for every one), for each backend the repository at
+    `folder` (written by `fusegen kernels-repo`) was written for (device types "cuda", "cpu"),
+    from that local repository.
 
     Refuses (ValueError) a folder with no current repository of fusegen's, and (RuntimeError)
     a transformers, already imported, whose layers the installed `kernels` cannot replace."""
@@ -214,8 +219,8 @@ def kernel_mapping(folder, *, layers=None) -> dict:
 
     folder = Path(folder).resolve()
     backends = repo_backends(folder)
-    known = [layer.name for layer in LAYERS]
-    chosen = known if layers is None else list(layers)
+    known = list(LAYER_NAMES)
+    chosen = [layers] if isinstance(layers, str) else list(layers)
     unknown = [name for name in chosen if name not in known]
     if unknown or not chosen:
         raise ValueError(f"layers {', '.join(map(str, unknown)) or '(none)'}: fusegen has {', '.join(known)}")
