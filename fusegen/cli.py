@@ -1,5 +1,6 @@
-"""`fusegen build | check | show | list | new | bench | profile`: orchestration only; each stage
-lives in its module. bench and profile bring torch in, so they are imported only when run."""
+"""`fusegen build | check | show | list | new | bench | profile | native | kernels-repo`:
+orchestration only; each stage lives in its module. bench and profile bring torch in, so they
+are imported only when run."""
 from __future__ import annotations
 
 import argparse
@@ -266,6 +267,25 @@ def _inline(block: plan.Body) -> str:
     return "; ".join(f"{t} = {e}" for t, e in (*block.temps, *block.results))
 
 
+def cmd_kernels_repo(args) -> int:
+    from .integrations import hub_layers  # no torch, kernels nor transformers: only when loaded
+
+    if args.folder is None:
+        raise SpecError("''", None, "an empty path: name the repository's folder (. for this one)")
+    backends = tuple(dict.fromkeys(args.backend or ["cuda"]))
+    written, removed, total = hub_layers.write_repo(args.folder, backends)
+    for path in removed:
+        print(f"removed {path} (its backend was not asked for)")
+    for name in written:
+        print(f"wrote {args.folder / name}")
+    names = ", ".join(layer.name for layer in hub_layers.LAYERS)
+    print(f"{len(hub_layers.LAYERS)} layers ({names}) for {', '.join(backends)} in {args.folder}/: "
+          f"{len(written)} files written, {total - len(written)} unchanged")
+    print(f"use: with kernels.use_kernel_mapping(fusegen.integrations.hub_layers.kernel_mapping("
+          f"{str(args.folder)!r})): kernels.kernelize(model, mode=..., device={backends[0]!r})")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -330,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser = commands.add_parser("bench", help="time ops against eager PyTorch and torch.compile (GPU)")
     profile_parser = commands.add_parser("profile", help="torch.profiler tables: eager, generated, compiled (GPU)")
     commands.add_parser("native", help="build the C++ autograd node (used from then on) and say where it is")
+    kernels_repo = commands.add_parser(
+        "kernels-repo", help="write a local repository of layers for Hugging Face's kernels (transformers models)")
+    kernels_repo.add_argument("folder", type=lambda text: Path(text) if text else None, metavar="FOLDER",
+                              help="the repository's folder (made if missing)")
+    kernels_repo.add_argument("--backend", action="append", choices=("cuda", "cpu"),
+                              help="a build variant to write, once each (default: cuda); cpu runs the "
+                                   "kernels on Triton's CPU interpreter (TRITON_INTERPRET=1) only")
     chosen = next((word for word in argv if not word.startswith("-")), None)
     if chosen == "bench":
         from . import bench
@@ -350,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": cmd_bench,
         "profile": cmd_profile,
         "native": cmd_native,
+        "kernels-repo": cmd_kernels_repo,
     }
     try:
         return handlers[args.command](args)

@@ -14,6 +14,11 @@ modules removed last, so that __init__.py never lists a module that is not there
 killed during those renames leaves the journal, and the next build of the folder finishes the
 swap before anything else; until then the folder may hold new modules beside old ones, each
 file whole. The guarantee is against a killed process, not a power cut (nothing is fsynced).
+
+The same swap writes other folders fusegen owns (`fusegen kernels-repo`): a file's name may
+then be a path below the folder, whose folders are made as the renames need them (the staged
+files stay at the top, beside the journal), and the caller says which files already there
+are fusegen's.
 """
 from __future__ import annotations
 
@@ -106,13 +111,13 @@ def plan(out: Path, built: set[str], spec_dirs: list[Path]) -> tuple[list[Genera
     return [m for m in others if m not in stale], stale
 
 
-def check_folder(out: Path) -> None:
+def check_folder(out: Path, hint: str = "-o names the output folder") -> None:
     """`out` is a folder, or one can be made there: a one-line SpecError otherwise."""
     if out.exists() and not out.is_dir():
-        raise SpecError(str(out), None, "not a folder: -o names the output folder")
+        raise SpecError(str(out), None, f"not a folder: {hint}")
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir():
-        raise SpecError(str(out), None, f"{parent} is not a folder: -o names the output folder")
+        raise SpecError(str(out), None, f"{parent} is not a folder: {hint}")
 
 
 @contextlib.contextmanager
@@ -154,31 +159,35 @@ def _flock(out: Path):
         os.close(fd)  # lets the lock go
 
 
-def swap_in(out: Path, files: dict[str, str], stale: list[GeneratedModule]) -> list[str]:
-    """Write `files` (name → text) into `out` where their bytes changed and remove `stale`, all
-    or nothing (see the module's doc); the names written. Refuses, writing nothing, when a
-    target is not fusegen's."""
+def swap_in(out: Path, files: dict[str, str], stale: list, ours=None) -> list[str]:
+    """Write `files` (name → text) into `out` where their bytes changed and remove `stale` (each a
+    GeneratedModule or a Path inside `out`), all or nothing (see the module's doc); the names
+    written. A name may be a path below `out` ("build/torch-cuda/__init__.py"). Refuses,
+    writing nothing, when a target is not fusegen's: `ours(path, name)` says whether a file
+    already there is (default: the generated headers of `fusegen build`)."""
+    ours = ours or _has_generated_header
     changed = {}
     for name, text in sorted(files.items()):
         data = text.encode("utf-8")
         path = out / name
         if path.is_file() and path.read_bytes() == data:
             continue
-        _refuse_unless_ours(path, name)
+        _refuse_unless_ours(out, name, ours)
         changed[name] = data
     # modules first, __init__.py after them: it never lists a module that is not there yet
-    order = sorted(changed, key=lambda name: name == "__init__.py")
+    order = sorted(changed, key=lambda name: Path(name).name == "__init__.py")
     if not order and not stale:
         return []
     staged: dict[str, str] = {}  # name → its staged file's name; the journal's last
     try:
         for name in [*order, JOURNAL]:
             writing = name
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=STAGED, dir=out)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name.replace('/', '-')}.", suffix=STAGED, dir=out)
             staged[name] = os.path.basename(tmp)
             with os.fdopen(fd, "wb") as f:
                 f.write(changed[name] if name in changed else json.dumps({
-                    "rename": [[staged[n], n] for n in order], "remove": [m.path.name for m in stale],
+                    "rename": [[staged[n], n] for n in order],
+                    "remove": [Path(os.path.relpath(getattr(m, "path", m), out)).as_posix() for m in stale],
                 }).encode("utf-8"))
         os.replace(out / staged[JOURNAL], out / JOURNAL)  # from here on the new set is the folder's
     except BaseException as exc:
@@ -197,15 +206,22 @@ def swap_in(out: Path, files: dict[str, str], stale: list[GeneratedModule]) -> l
     return order
 
 
-def _refuse_unless_ours(path: Path, name: str) -> None:
+def _has_generated_header(path: Path, name: str) -> bool:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        head = f.readline() + f.readline()
+    return bool(INIT_HEADER.match(head) if name == "__init__.py" else _header(head))
+
+
+def _refuse_unless_ours(out: Path, name: str, ours) -> None:
+    for folder in reversed(Path(name).parents[:-1]):  # "build", then "build/torch-cuda"
+        where = out / folder
+        if (where.exists() or where.is_symlink()) and not where.is_dir():
+            raise SpecError(str(where), None, "not a folder, where the build writes one: nothing written; "
+                                              "move it away or build into another folder")
+    path = out / name
     if not path.exists() and not path.is_symlink():
         return
-    header = None
-    if path.is_file():
-        with path.open(encoding="utf-8", errors="replace") as f:
-            head = f.readline() + f.readline()
-        header = INIT_HEADER.match(head) if name == "__init__.py" else _header(head)
-    if header is None:
+    if not (path.is_file() and ours(path, name)):
         raise SpecError(str(path), None, "not fusegen's (no generated header): nothing written; "
                                           "move it away or build into another folder")
 
@@ -221,9 +237,15 @@ def _finish_swap(out: Path) -> None:
             steps = {"rename": [], "remove": []}
         for tmp, name in steps["rename"]:
             if (out / tmp).is_file():
+                (out / name).parent.mkdir(parents=True, exist_ok=True)
                 os.replace(out / tmp, out / name)
         for name in steps["remove"]:
             (out / name).unlink(missing_ok=True)
+            for folder in Path(name).parents[:-1]:  # the folders it leaves empty, deepest first
+                try:
+                    (out / folder).rmdir()
+                except OSError:  # not empty (or gone): the folders above it are not empty either
+                    break
         journal.unlink()
     for leftover in out.glob(f".*{STAGED}"):
         leftover.unlink(missing_ok=True)
