@@ -18,6 +18,12 @@ torch.compile takes the aot_eager backend and the CUDA-graph variants are left o
 
 The timing, the round-robin and the loss comparison are fusegen.bench.model's; only the
 models differ. What the patch replaces, and what it leaves, is printed and kept in the JSON.
+
+This measures what a transformers user gets. fusegen.bench.model's synthetic stacks still
+have a use beside it: they fuse each MLP's residual add with the next layer's norm (across the
+layer boundary, which patching transformers' layers cannot do), carry none of transformers'
+per-step Python (masks, rotary tables, output classes), and --swap elementwise separates the
+norms' share: the most the ops can give, against what they give here.
 """
 from __future__ import annotations
 
