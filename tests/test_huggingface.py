@@ -116,13 +116,21 @@ def test_mistral_and_qwen2_take_what_llama_takes(family, device):
 
 
 def test_gpt2_patched_trains_as_unpatched_in_eval_mode(device):
-    """GPT-2's default dropout (0.1) is off in eval mode, for torch's dropout and the fused ops alike."""
+    """GPT-2's default dropout (0.1) is off in eval mode, for torch's dropout and the fused ops
+    alike. A call with output_hidden_states leaves transformers' output-capturing hooks on the
+    blocks and their attention modules: those record what the patch does not change."""
     model, batch = gpt2(device).eval(), tokens(device)
     before = loss_and_grads(model, batch)
+    states = model(input_ids=batch, output_hidden_states=True).hidden_states
+    assert model.transformer.h[0].attn._forward_hooks
     with hf.patch(model) as p:
         assert ops_patched(p) == GPT2_PATCHED and p.skipped == ()
         assert "bias_gelu (gelu_tanh)" in dict(p.patched).values()
         assert_same_training(loss_and_grads(model, batch), before)
+        patched_states = model(input_ids=batch, output_hidden_states=True).hidden_states
+    assert len(patched_states) == len(states) == 2
+    for state, patched_state in zip(states, patched_states):
+        torch.testing.assert_close(patched_state, state, rtol=1e-5, atol=1e-5)
     after = loss_and_grads(model, batch)
     assert torch.equal(after[0], before[0]) and all(torch.equal(after[1][n], g) for n, g in before[1].items())
 
@@ -196,7 +204,8 @@ LEFT = {
     "mlp bias": (lambda d: llama_like("llama", d, mlp_bias=True), "model.layers.0.mlp", "swiglu",
                  "gate_proj and up_proj have biases (mlp_bias=True)"),
     "hooked norm": (_hooked, "model.layers.0", "add_rmsnorm",
-                    "model.layers.0.post_attention_layernorm has forward hooks, which the fused op would bypass"),
+                    "model.layers.0.post_attention_layernorm has forward hooks, which would see other values, or "
+                    "none, when fused"),
     "cross-attention": (lambda d: gpt2(d, add_cross_attention=True), "transformer.h.0", "bias_dropout_add_layernorm",
                         "a block with cross-attention (add_cross_attention=True)"),
     "relu act": (lambda d: gpt2(d, activation_function="relu"), "transformer.h.0.mlp", "bias_gelu",

@@ -308,16 +308,19 @@ class _Planner:
     def _name(self, module: nn.Module) -> str:
         return self.names.get(module, type(module).__name__)
 
-    def _untouched(self, *modules: nn.Module, bypassed: tuple[nn.Module, ...] = ()) -> str | None:
-        """Why a module given a forward (`modules`), or one no longer called or returning
-        something else while patched (`bypassed`), cannot be: a forward of its own would be
-        lost or skipped, hooks would see other values or none."""
-        for module in (*modules, *bypassed):
+    def _untouched(self, *modules: nn.Module, bypassed: tuple[nn.Module, ...] = (),
+                   observed: tuple[nn.Module, ...] = ()) -> str | None:
+        """Why a module given a forward (`modules`), one no longer called or returning
+        something else while patched (`bypassed`), or one still called whose first output
+        changes (`observed`: GPT-2's attention) cannot be: a forward of its own would be lost
+        or skipped, hooks would see other values or none."""
+        for module in (*modules, *bypassed, *observed):
             if "forward" in module.__dict__:
                 return f"{self._name(module)} has a forward of its own (set by another library?)"
-        for module in bypassed:
-            if module._forward_hooks or module._forward_pre_hooks:
-                return f"{self._name(module)} has forward hooks, which the fused op would bypass"
+        for module, allowed in (*((m, None) for m in bypassed), *((m, _records_a_later_output) for m in observed)):
+            hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+            if any(allowed is None or not allowed(hook) for hook in hooks):
+                return f"{self._name(module)} has forward hooks, which would see other values, or none, when fused"
         return None
 
     # -- norms -------------------------------------------------------------------------------
@@ -395,13 +398,25 @@ class _Planner:
         tails = (attn.c_proj, attn.resid_dropout, mlp.c_proj, mlp.dropout)
         label = "bias_dropout_add_layernorm (attention's c_proj bias, dropout, residual add, ln_2) + " \
                 "bias_dropout_add (the MLP's c_proj bias, dropout, residual add)"
-        # Hooks on attn and mlp would see their outputs without bias and dropout.
-        return self._untouched(block, bypassed=(ln, attn, mlp, *tails)) or _Fit(
+        # Hooks on attn and mlp would see their outputs without bias and dropout (but for
+        # transformers' own on attn, which record its attention weights).
+        return self._untouched(block, bypassed=(ln, mlp, *tails), observed=(attn,)) or _Fit(
             label, ("bias_dropout_add_layernorm", "bias_dropout_add"), (
                 (block, _gpt2_block_forward),
                 (attn.c_proj, _conv1d_without_bias), (attn.resid_dropout, _passes_through),
                 (mlp.c_proj, _conv1d_without_bias), (mlp.dropout, _passes_through),
             ))
+
+
+def _records_a_later_output(hook) -> bool:
+    """Whether `hook` is transformers' output-capturing hook (installed by a call with
+    output_attentions or output_hidden_states) recording element `index` ≥ 1 of a tuple output:
+    an attention's weights, which the patch leaves as they are. Anything else: False."""
+    code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None)
+    if getattr(hook, "__module__", None) != "transformers.utils.output_capturing" or code is None or not cells:
+        return False
+    index = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells))).get("index")
+    return type(index) is int and index >= 1
 
 
 def _has_modules(module: nn.Module, names: tuple[str, ...]) -> bool:
