@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -264,18 +265,24 @@ def build_model(model: str, size: dict, p: float, ops, dtype, device) -> nn.Modu
 
 class _Run:
     """One variant built and warmed up, stepped in timed chunks: its model, optimizer and
-    batches (the same for every variant), its losses and its timings so far."""
+    batches (the same for every variant), its losses and its timings so far.
 
-    def __init__(self, model: str, size_name: str, variant: str, steps: int, warmup: int, p: float, dtype,
-                 device, generated_dir: Path, swap: str):
-        size = SIZES[size_name]
+    `net(tokens, targets)` returns the loss; "compile" variants step it through torch.compile
+    (`backend`; CUDA graphs for "graphs" variants, inductor only). `size` gives the batches'
+    vocab, batch and seq."""
+
+    def __init__(self, model: str, size_name: str, variant: str, steps: int, warmup: int, net: nn.Module,
+                 size: dict, device, swap: str, backend: str = "inductor"):
         self.model, self.size_name, self.variant, self.swap = model, size_name, variant, swap
-        ops = fusegen_ops(generated_dir, swap) if variant.startswith("fusegen") else eager_ops()
-        self.net = build_model(model, size, p, ops, dtype, device)
+        self.net = net
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
         self.forward = self.net
         if "compile" in variant:
-            self.forward = torch.compile(self.net, mode="reduce-overhead" if "graphs" in variant else None)
+            if "graphs" in variant and backend != "inductor":
+                raise ValueError(f"{variant}: CUDA graphs (mode='reduce-overhead') need the inductor backend, "
+                                 f"not {backend!r}")
+            self.forward = torch.compile(self.net, backend=backend,
+                                         mode="reduce-overhead" if "graphs" in variant else None)
         g = torch.Generator(device="cpu").manual_seed(1)
         self.batches = [
             torch.randint(0, size["vocab"], (2, size["batch"], size["seq"]), generator=g).to(device)
@@ -343,17 +350,33 @@ def _set_random_state(state: tuple, on_cuda: bool) -> None:
         torch.cuda.set_rng_state(state[1])
 
 
+def synthetic_net(model: str, size_name: str, variant: str, p: float, dtype, device, generated_dir: Path,
+                  swap: str) -> nn.Module:
+    """The block stack a variant of this benchmark trains: generated ops for "fusegen" variants."""
+    ops = fusegen_ops(generated_dir, swap) if variant.startswith("fusegen") else eager_ops()
+    return build_model(model, SIZES[size_name], p, ops, dtype, device)
+
+
 def run_variants(model: str, size_name: str, variants: list[str], steps: int, warmup: int, p: float,
                  dtype=torch.bfloat16, device="cuda", generated_dir: Path = Path("generated"),
-                 swap: str = "all", rounds: int = 1) -> list[Result]:
+                 swap: str = "all", rounds: int = 1, build: Callable[[str], nn.Module] | None = None,
+                 size: dict | None = None, backend: str = "inductor") -> list[Result]:
     """Each variant's Result. rounds=1: one variant after another, each freed before the
     next is built. rounds > 1: all built at once (more memory), then stepped round-robin,
     `steps / rounds` steps each per round, so that the host's drift over the run falls on
-    every variant alike (on the H100 host, ±20% between sequential runs)."""
+    every variant alike (on the H100 host, ±20% between sequential runs).
+
+    build(variant) -> the loss module, seeded alike for every variant (default: this
+    benchmark's block stacks, `synthetic_net`); size: its vocab, batch and seq (default
+    SIZES[size_name]); backend: torch.compile's, for the "compile" variants."""
     if rounds < 1 or rounds > steps:
         raise ValueError(f"rounds must be between 1 and steps ({steps}), got {rounds}")
     if len(set(variants)) != len(variants):
         raise ValueError(f"variants must be distinct, got {variants}")
+    if build is None:
+        def build(variant: str) -> nn.Module:
+            return synthetic_net(model, size_name, variant, p, dtype, device, generated_dir, swap)
+    size = SIZES[size_name] if size is None else size
     results: dict[str, Result] = {}
     runs: dict[str, _Run] = {}
 
@@ -363,7 +386,7 @@ def run_variants(model: str, size_name: str, variants: list[str], steps: int, wa
 
     for variant in variants:
         try:
-            runs[variant] = _Run(model, size_name, variant, steps, warmup, p, dtype, device, generated_dir, swap)
+            runs[variant] = _Run(model, size_name, variant, steps, warmup, build(variant), size, device, swap, backend)
             if rounds == 1:
                 runs[variant].timed(steps)
                 results[variant] = runs.pop(variant).result()
@@ -390,7 +413,8 @@ def run_variant(model: str, size_name: str, variant: str, steps: int, warmup: in
                 dtype=torch.bfloat16, device="cuda", generated_dir: Path = Path("generated"),
                 swap: str = "all") -> Result:
     """One variant on its own (run_variants with one variant; a failure raises)."""
-    run = _Run(model, size_name, variant, steps, warmup, p, dtype, device, generated_dir, swap)
+    net = synthetic_net(model, size_name, variant, p, dtype, device, generated_dir, swap)
+    run = _Run(model, size_name, variant, steps, warmup, net, SIZES[size_name], device, swap)
     run.timed(steps)
     return run.result()
 
@@ -401,6 +425,28 @@ def compare_losses(results: list[Result]) -> None:
     for r in results:
         if eager is not None and r.error is None:
             r.max_loss_difference = max(abs(a - b) for a, b in zip(r.losses, eager.losses))
+
+
+def versions(on_cuda: bool = True) -> dict:
+    """What a result depends on besides the code: library versions, the device, the autograd node."""
+    import triton
+
+    from ..runtime import native
+
+    return dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                device=torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu",
+                autograd_node=native.status())  # the C++ node or the Python Function (runtime.native)
+
+
+def print_results(results: list[Result]) -> None:
+    for r in results:
+        if r.error:
+            shown = "failed: " + r.error
+        else:
+            median = "" if r.median_step_ms is None else f" (median {r.median_step_ms:.2f})"
+            shown = f"{r.step_ms:8.2f} ms/step{median}"
+        difference = "" if r.max_loss_difference is None else f"  max |loss - eager's| {r.max_loss_difference:.3g}"
+        print(f"{r.model:6s} {r.size:5s} {r.variant:24s} {shown}{difference}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,18 +475,12 @@ def main(argv: list[str] | None = None) -> int:
                                 generated_dir=args.generated, swap=args.swap, rounds=args.rounds)
         compare_losses([r for r in results if r.model == model])
         torch.cuda.empty_cache()
-    from ..runtime import native
-
-    print(f"autograd node: {native.status()}")
-    for r in results:
-        shown = "failed: " + r.error if r.error else f"{r.step_ms:8.2f} ms/step (median {r.median_step_ms:.2f})"
-        difference = "" if r.max_loss_difference is None else f"  max |loss - eager's| {r.max_loss_difference:.3g}"
-        print(f"{r.model:6s} {r.size:5s} {r.variant:24s} {shown}{difference}")
+    meta = versions()
+    print(f"autograd node: {meta['autograd_node']}")
+    print_results(results)
     if args.json:
-        meta = dict(torch=torch.__version__, python=platform.python_version(), device=torch.cuda.get_device_name(),
-                    size=SIZES[args.size], p=args.p, swap=args.swap, steps=args.steps, warmup=args.warmup,
-                    rounds=args.rounds,
-                    autograd_node=native.status())  # the C++ node or the Python Function (runtime.native)
+        meta.update(size=SIZES[args.size], p=args.p, swap=args.swap, steps=args.steps, warmup=args.warmup,
+                    rounds=args.rounds)
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"metadata": meta, "results": [asdict(r) for r in results]}, handle, indent=1)
     return 0 if all(r.error is None and math.isfinite(r.step_ms) for r in results) else 1
