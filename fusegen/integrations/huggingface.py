@@ -34,9 +34,10 @@ What is not replaced, and why:
 - A model with no LLaMA-style decoder layer and no GPT-2 block is not a family this module
   knows: patch() raises UnsupportedModelError, one line, and changes nothing.
 - In a family it knows, a module that does not fit (a forward that is not the one transformers
-  5.x writes, an activation other than SiLU in a SwiGLU MLP, biases on gate_proj/up_proj, a
+  5.17 writes, an activation other than SiLU in a SwiGLU MLP, biases on gate_proj/up_proj, a
   LayerNorm without bias, a GPT-2 block with cross-attention, a module carrying forward hooks
-  or a forward of its own, such as accelerate's) is left as it was: it computes what it
+  that would see other values (transformers' own, recording an attention's weights, pass) or a
+  forward of its own, such as accelerate's) is left as it was: it computes what it
   computed, only unfused. Each is listed with its reason in Patch.summary() and in one
   warning. `strict=True` raises instead, on the first. Nothing fitting at all raises.
 - Fusing a layer's MLP residual add with the next layer's input norm would need a new
@@ -46,7 +47,7 @@ Patch the model before torch.compile (a compiled model is refused); under torch.
 generated ops are torch.library ops, and the patched forwards trace like the originals.
 
 The matched forwards are checked by their code (its AST, annotations and docstrings aside)
-against the transformers 5.x source quoted at the end of this module, so a later transformers
+against the transformers 5.17 source quoted at the end of this module, so a later transformers
 that changes one is left unpatched and reported rather than patched wrongly.
 """
 from __future__ import annotations
@@ -371,7 +372,7 @@ class _Planner:
 
     def _llama_layer(self, layer):
         if not _same_code(type(layer).forward, _LLAMA_DECODER_LAYER):
-            return f"{type(layer).__name__}.forward is not LlamaDecoderLayer's (transformers 5.x)"
+            return f"{type(layer).__name__}.forward is not LlamaDecoderLayer's (as of transformers 5.17)"
         norm = layer.post_attention_layernorm
         if not _same_code(type(norm).forward, _LLAMA_RMS_NORM):
             return f"post_attention_layernorm is a {type(norm).__name__}, whose forward is not LlamaRMSNorm's"
@@ -381,7 +382,7 @@ class _Planner:
 
     def _gpt2_block(self, block):
         if not _same_code(type(block).forward, _GPT2_BLOCK_FORWARD):
-            return f"{type(block).__name__}.forward is not GPT2Block's (transformers 5.x)"
+            return f"{type(block).__name__}.forward is not GPT2Block's (as of transformers 5.17)"
         if hasattr(block, "crossattention"):
             return "a block with cross-attention (add_cross_attention=True)"
         attn, mlp, ln = block.attn, block.mlp, block.ln_2
@@ -474,7 +475,7 @@ def _gpt2_mlp_forward(ops, activation):
 def _llama_layer_forward(ops):
     add_rmsnorm = ops["add_rmsnorm"]
 
-    # LlamaDecoderLayer.forward (transformers 5.x), its attention's residual add and
+    # LlamaDecoderLayer.forward (transformers 5.17), its attention's residual add and
     # post_attention_layernorm in one op.
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs):
@@ -501,7 +502,7 @@ def _llama_layer_forward(ops):
 def _gpt2_block_forward(ops):
     bias_dropout_add_layernorm, bias_dropout_add = ops["bias_dropout_add_layernorm"], ops["bias_dropout_add"]
 
-    # GPT2Block.forward (transformers 5.x) for a block without cross-attention. While the block
+    # GPT2Block.forward (transformers 5.17) for a block without cross-attention. While the block
     # is patched, attn.c_proj and mlp.c_proj leave out their biases and attn.resid_dropout and
     # mlp.dropout pass their input on: each sublayer's bias, dropout and residual add are the
     # fused op's, with ln_2 after the attention's.
@@ -601,7 +602,7 @@ def _ends_with(function, tail: str, attributes: tuple[str, ...]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The forwards matched, as transformers 5.x (5.17) writes them, annotations left out.
+# The forwards matched, as transformers 5.17 writes them, annotations left out.
 
 _LLAMA_RMS_NORM = """
 def forward(self, hidden_states):
