@@ -13,8 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from generated.gelu_tanh import gelu_tanh
-from generated.rmsnorm import rmsnorm
+from fusegen.ops.gelu_tanh import gelu_tanh
+from fusegen.ops.rmsnorm import rmsnorm
 
 
 def host_us(fn, *args, calls=2000):
