@@ -65,7 +65,7 @@ def build_op(path: Path) -> BuiltOp:
     op_spec = spec.load_spec(path)
     simplified = simplify.simplify(ir.build_ir(op_spec))
     backend = codegen()
-    op_plan = plan.plan(simplified, backend.RESERVED_NAMES)
+    op_plan = plan.plan(simplified, backend.RESERVED_NAMES, backend.MODULE_IMPORTS)
     text = backend.render(op_plan)
     write.check_module(text, f"{op_spec.name}.py")
     return BuiltOp(op_spec, simplified, op_plan, text)
@@ -239,7 +239,7 @@ def cmd_new(args) -> int:
     text = write.render_starter_spec(args.name)
     # Before anything is written: every op name a build refuses, by the spec's rules and the backend's.
     spec.check_op_name(args.name, str(target))
-    codegen().check_op_name(args.name, str(target), None)
+    plan.check_op_name(args.name, str(target), None, codegen().MODULE_IMPORTS)
     if args.dir.exists() and not args.dir.is_dir():
         raise SpecError(str(args.dir), None, "is not a folder: give --dir the folder to write NAME.yaml into")
     if target.exists():

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import sympy
 
 from . import ir
-from .names import Namer
+from .errors import SpecError
+from .names import PYTHON_BUILTINS, Namer
 from .layout import Choice, Input, Scalar
 from .rows import ADJOINT_PREFIX, ADJOINT_SUM_PREFIX, EXTREME_PREFIX, REDUCTION_PREFIX, TIES_PREFIX, WIDTH, RowProgram
 from .calculus import TEMPORARY_PREFIX
@@ -127,11 +128,17 @@ class HelperPlan:
 
 @dataclass(frozen=True)
 class OpPlan:
-    spec: OpSpec
+    op: str  # the op's name: its module's, its function's
+    doc: str  # the spec's doc text
+    spec_path: str  # the spec file, as the build was given it, and its sha256: the module's header
+    spec_sha256: str
+    public_signature: str  # the op function's parameters, as its `def` line writes them
+    op_signature: str  # the op's own parameters (`reference`'s): the public ones, inplace_backward
     inputs: tuple[InputPlan, ...]
     params: tuple[ParamPlan, ...]
     outputs: tuple[tuple[str, str], ...]  # (spec name, local name)
     row_outputs: frozenset[str]  # spec names of outputs with one value per row, [..., 1]
+    output_dims: tuple[tuple[str, tuple[str, ...]], ...]  # (spec name, its dims as the spec names them)
     masks: tuple[Mask, ...]
     forward: KernelPlan
     backward: KernelPlan
@@ -151,9 +158,12 @@ class OpPlan:
         return bool(self.masks)
 
 
-def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
-    """`reserved`: the names the backend's generated code uses for itself."""
+def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str] = frozenset()) -> OpPlan:
+    """`reserved`: the names the backend's generated code uses for itself; `module_names`:
+    the module-level names its modules import, which the op (a module-level function) must
+    not hide (check_op_name)."""
     spec = op.ir.spec
+    check_op_name(spec.name, spec.path, spec.name_line, module_names)
     namer = Namer(reserved)
     # The spec's own names first: each keeps its name wherever the backend does not use it.
     names = {}
@@ -255,11 +265,20 @@ def plan(op: SimplifiedOp, reserved: frozenset[str]) -> OpPlan:
         row_width=width if rows and WIDTH in backward_symbols else None,
     )
     return OpPlan(
-        spec=spec,
+        op=spec.name,
+        doc=spec.doc,
+        spec_path=spec.path,
+        spec_sha256=spec.sha256,
+        public_signature=public_signature(spec, has_dropout),
+        op_signature=op_signature(spec, has_dropout),
         inputs=tuple(inputs),
         params=tuple(params),
         outputs=outputs,
         row_outputs=op.ir.row_outputs,
+        output_dims=tuple(
+            (name, (*spec.out_dims[:-1], "1") if name in op.ir.row_outputs else tuple(spec.out_dims))
+            for name, _ in outputs
+        ),
         masks=tuple(masks),
         forward=forward,
         backward=backward,
@@ -350,6 +369,16 @@ def _helper(helper: ChoiceHelper, param: ParamPlan) -> HelperPlan:
         forward=tuple((choice, body(b)) for choice, b in helper.forward),
         derivatives=tuple(tuple((choice, body(b)) for choice, b in g) for g in helper.grads),
     )
+
+
+def check_op_name(name: str, path: str, line: int | None, module_names: frozenset[str]) -> None:
+    """The op function is module-level: it must not hide what the module's code reads there
+    (`module_names`, the backend's imports) or a Python builtin. (Also asked by `fusegen new`,
+    before it writes a spec.)"""
+    if name in module_names:
+        raise SpecError(path, line, f"op name '{name}' would hide the module's import of {name}")
+    if name in PYTHON_BUILTINS:
+        raise SpecError(path, line, f"op name '{name}' would hide Python's builtin {name}")
 
 
 def public_signature(spec: OpSpec, has_dropout: bool) -> str:

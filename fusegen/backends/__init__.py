@@ -2,8 +2,9 @@
 
 A backend is a package with a `codegen` module defining `RESERVED_NAMES` (the names its
 generated code uses for itself, which fusegen.plan gives no spec-derived name),
-`check_op_name(name, path, line)` (raises SpecError for an op name its modules cannot define)
-and `render(plan) -> str`. Register it here; spec, ir, simplify and plan do not change.
+`MODULE_IMPORTS` (the module-level names its modules import, which fusegen.plan refuses as
+an op's name: plan.check_op_name raises the SpecError) and `render(plan) -> str`, which
+reads the plan only and raises nothing about the spec. Register it here; spec, ir, simplify and plan do not change.
 """
 from __future__ import annotations
 

@@ -14,9 +14,8 @@ from importlib import resources
 import jinja2
 
 from fusegen import outdir, templating
-from fusegen.errors import SpecError
 from fusegen.functions import FUNCTIONS
-from fusegen.plan import Body, HelperPlan, OpPlan, op_signature, public_signature
+from fusegen.plan import Body, HelperPlan, OpPlan
 from fusegen.rows import RowProgram
 from fusegen.printers import EagerPrinter, ElementwisePrinter, TorchPrinter
 from fusegen.pyformat import format_module
@@ -27,7 +26,7 @@ from .row_kernel_text import row_backward_kernel, row_kernel
 from .naming import MODULE_IMPORTS, PYTHON_BUILTINS, RESERVED_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
 
-__all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "check_op_name", "module_class_name", "render"]
+__all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "module_class_name", "render"]
 
 
 @dataclass
@@ -39,21 +38,10 @@ class _Helper:
     branches: list[dict]
 
 
-def check_op_name(name: str, path: str, line: int | None) -> None:
-    """The op function is module-level: it must not hide what the module's code reads there.
-    (Also asked by `fusegen new`, before it writes a spec.)"""
-    if name in MODULE_IMPORTS:
-        raise SpecError(path, line, f"op name '{name}' would hide the module's import of {name}")
-    if name in PYTHON_BUILTINS:
-        raise SpecError(path, line, f"op name '{name}' would hide Python's builtin {name}")
-
-
 def render(plan: OpPlan) -> str:
     """The text of generated/<op>.py."""
-    spec = plan.spec
-    check_op_name(spec.name, spec.path, spec.name_line)
     names = TritonNames(plan)
-    op = spec.name
+    op = plan.op
     rows = plan.forward.kind.is_row
     row_values = _row_values(plan) if rows else frozenset()
     triton = TritonPrinter(names.triton_helpers, names.constexprs, row_values)
@@ -75,11 +63,11 @@ def render(plan: OpPlan) -> str:
     twin = f"Eager PyTorch twin of {op}: same arguments, same values" + (", same dropout mask." if plan.has_dropout else ".")
     context = dict(
         op=op,
-        header=outdir.header_lines(op, spec.path),  # as outdir reads it back
+        header=outdir.header_lines(op, plan.spec_path),  # as outdir reads it back
         reference_doc=textwrap.wrap(twin, width=92),
-        doc=spec.doc,
-        spec_path=spec.path,
-        spec_sha256=spec.sha256,
+        doc=plan.doc,
+        spec_path=plan.spec_path,
+        spec_sha256=plan.spec_sha256,
         docstring=docstring(plan, class_name),
         uses_functional="F." in "\n".join(eager_lines + [line for h in eager_helpers for b in h.branches for line in b["lines"]]),
         uses_libdevice="libdevice." in kernel_code,
@@ -95,8 +83,8 @@ def render(plan: OpPlan) -> str:
         torch_helpers=torch_helpers,
         reference=reference,
         op_declaration=op_declaration(plan, forward, backward),
-        public_signature=public_signature(spec, plan.has_dropout),
-        op_signature=op_signature(spec, plan.has_dropout),
+        public_signature=plan.public_signature,
+        op_signature=plan.op_signature,
         public_arguments=", ".join(public),
         class_name=class_name,
         class_doc=class_doc(plan),

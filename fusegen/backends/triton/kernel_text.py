@@ -41,7 +41,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     arguments += ["BLOCK_M: tl.constexpr,", "BLOCK_N: tl.constexpr,"]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     result = KernelText(
-        name=f"{plan.spec.name}_kernel",
+        name=f"{plan.op}_kernel",
         key=kernel_key(plan, backward=False),
         arguments=arguments,
         prologue=scalars_in_compute_type(plan, kernel, names),
@@ -96,7 +96,7 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
             f"{incoming} = {incoming}{_TO_COMPUTE}",
         ]
     result = KernelText(
-        name=f"{plan.spec.name}_backward_kernel",
+        name=f"{plan.op}_backward_kernel",
         key=kernel_key(plan, backward=True),
         arguments=arguments,
         prologue=prologue,

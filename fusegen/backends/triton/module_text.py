@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from fusegen.layout import Choice, Scalar, range_text
-from fusegen.plan import OpPlan, op_signature
+from fusegen.plan import OpPlan
 
 from .kernel_text import KernelText
 
@@ -16,7 +16,7 @@ def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> l
     for i in plan.inputs:
         chunks = f", chunks={i.layout.chunks}" if i.layout.chunks > 1 else ""
         inputs.append(f'runtime.Input("{i.name}", {_strings(i.layout.dims)}{chunks})')
-    lines = [f'"{plan.spec.name}",', *_argument("inputs", inputs, tuple_=True)]
+    lines = [f'"{plan.op}",', *_argument("inputs", inputs, tuple_=True)]
     params = []
     for p in plan.params:
         d = p.declaration
@@ -72,7 +72,7 @@ def _strings(items) -> str:
 
 def class_doc(plan: OpPlan) -> list[str]:
     """Lines not wrapped: where a spec's names fall must not move the line breaks."""
-    lines = [f"The op as a torch.nn.Module: forward({', '.join(i.name for i in plan.inputs)})", f"calls {plan.spec.name}."]
+    lines = [f"The op as a torch.nn.Module: forward({', '.join(i.name for i in plan.inputs)})", f"calls {plan.op}."]
     if plan.params:
         lines.append("Its params are fixed at construction, and checked then.")
     if plan.has_dropout:
@@ -82,16 +82,15 @@ def class_doc(plan: OpPlan) -> list[str]:
 
 
 def docstring(plan: OpPlan, class_name: str) -> list[str]:
-    spec = plan.spec
     wrap = lambda text, indent="": textwrap.wrap(text, width=92, subsequent_indent=indent)  # noqa: E731
     class_arguments = ", ".join(f"{p.name}={p.default!r}" for p in plan.params)
     tensors = ", ".join(i.name for i in plan.inputs)
-    lines = [spec.doc.replace("\\", "\\\\").replace('"', '\\"'), ""]
-    lines += ["    " + line for line in wrap(f"{spec.name}({op_signature(spec, plan.has_dropout)})", "    ")]
+    lines = [plan.doc.replace("\\", "\\\\").replace('"', '\\"'), ""]
+    lines += ["    " + line for line in wrap(f"{plan.op}({plan.op_signature})", "    ")]
     lines += ["    " + line for line in wrap(f"{class_name}({class_arguments})({tensors}): the same, as a torch.nn.Module", "    ")]
     lines.append("")
     lines += wrap("Inputs (broadcast as torch broadcasts): " + ", ".join(f"{i.name} {i.layout.declared}" for i in plan.inputs))
-    dims = {name: [*spec.out_dims[:-1], "1"] if name in plan.row_outputs else spec.out_dims for name, _ in plan.outputs}
+    dims = dict(plan.output_dims)
     lines += wrap("Outputs: " + ", ".join(f"{name} [{', '.join(dims[name])}]" for name, _ in plan.outputs))
     for p in plan.params:
         d = p.declaration

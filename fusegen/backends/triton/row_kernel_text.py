@@ -77,7 +77,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         "else:",
         *_indent(program.looped(stores, [], [])),
     ]
-    return KernelText(name=f"{plan.spec.name}_kernel", key=kernel_key(plan, backward=False), arguments=arguments,
+    return KernelText(name=f"{plan.op}_kernel", key=kernel_key(plan, backward=False), arguments=arguments,
                       plain_lines=lines)
 
 
@@ -144,7 +144,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         "else:",
         *_indent(looped),
     ]
-    return KernelText(name=f"{plan.spec.name}_backward_kernel", key=kernel_key(plan, backward=True), arguments=arguments,
+    return KernelText(name=f"{plan.op}_backward_kernel", key=kernel_key(plan, backward=True), arguments=arguments,
                       plain_lines=lines)
 
 
