@@ -20,7 +20,9 @@ import sympy
 
 from . import ir
 from .errors import SpecError
+from .functions import FUNCTIONS
 from .names import PYTHON_BUILTINS, Namer
+from .printers import EagerPrinter
 from .layout import Choice, Input, Scalar
 from .rows import ADJOINT_PREFIX, ADJOINT_SUM_PREFIX, EXTREME_PREFIX, REDUCTION_PREFIX, TIES_PREFIX, WIDTH, RowProgram
 from .calculus import TEMPORARY_PREFIX
@@ -124,6 +126,10 @@ class HelperPlan:
     args: tuple[str, ...]
     forward: tuple[tuple[str, Body], ...]  # (choice, body)
     derivatives: tuple[tuple[tuple[str, Body], ...], ...]  # per argument: (choice, body)
+    # The eager twin's helper (module-level, so '_'-prefixed): its name, and per choice the
+    # expression a PyTorch user writes for it (F.gelu(x)), over args.
+    eager_name: str
+    eager: tuple[tuple[str, str], ...]  # (choice, expression)
 
 
 @dataclass(frozen=True)
@@ -147,8 +153,10 @@ class OpPlan:
     # (input, outputs): an input whose gradient reads the incoming gradients of only some
     # outputs, those (simplify.Gradient.reads); inputs that read every output's are left out.
     gradient_reads: tuple[tuple[str, tuple[str, ...]], ...]
-    eager: tuple[ir.Expr, ...]  # the outputs as the spec writes them, for the user-style baseline
-    eager_lets: tuple[tuple[str, ir.Expr], ...]  # its intermediates, each a local (by that local's name)
+    # The user-style baseline's body (`eager`, over the inputs' and params' locals): chunked
+    # inputs split, the spec's intermediates as locals, then `return` the outputs as the
+    # spec writes them, in PyTorch (F.gelu, F.dropout).
+    eager: tuple[str, ...]
     helpers: tuple[HelperPlan, ...]
     names: dict[str, str]  # spec name → local name, for everything the spec names
     namer: Namer  # every name given out so far: a backend's own derived names come from it
@@ -264,6 +272,14 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         body_no_dropout=body(op.backward_no_dropout, grad_locals) if has_dropout and not rows else None,
         row_width=width if rows and WIDTH in backward_symbols else None,
     )
+    eager_lets = tuple((namer.claim(name), expr) for name, expr in op.ir.lets)
+    # The eager function's own names: the tuple of each chunked input's chunks, each choice
+    # param's helper.
+    eager_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_eager") for h in op.helpers}
+    chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs if i.layout.chunks > 1}
+    eager = _eager_lines(
+        tuple(expr for _, expr in op.ir.outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers
+    )
     return OpPlan(
         op=spec.name,
         doc=spec.doc,
@@ -285,9 +301,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients if g.passthrough_of is not None),
         same_gradient=tuple((g.input, g.same_as) for g in op.gradients if g.same_as is not None),
         gradient_reads=_gradient_reads(spec, op),
-        eager=tuple(expr for _, expr in op.ir.outputs),
-        eager_lets=tuple((namer.claim(name), expr) for name, expr in op.ir.lets),
-        helpers=tuple(_helper(h, by_name[h.param]) for h in op.helpers),
+        eager=eager,
+        helpers=tuple(_helper(h, by_name[h.param], eager_helpers[h.param]) for h in op.helpers),
         names=names,
         namer=namer,
     )
@@ -352,7 +367,16 @@ def _free_symbols(block: Block) -> set:
     return found
 
 
-def _helper(helper: ChoiceHelper, param: ParamPlan) -> HelperPlan:
+def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
+                 names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str]) -> tuple[str, ...]:
+    """The eager function's body: the spec's IR printed as a PyTorch user writes it."""
+    printer = EagerPrinter(names, chunk_tuples, helpers, {id(expr): local for local, expr in lets})
+    lines = [f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.layout.chunks > 1]
+    lines += [f"{local} = {printer.doprint(expr, defining=True)}" for local, expr in lets]
+    return tuple(lines + ["return " + ", ".join(printer.doprint(expr) for expr in outputs)])
+
+
+def _helper(helper: ChoiceHelper, param: ParamPlan, eager_name: str) -> HelperPlan:
     """A helper's scope holds no spec names: its temporaries are simply t0, t1, ..."""
     temps = _temporary_names(None, [b for _, b in (*helper.forward, *(pair for g in helper.grads for pair in g))])
     rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in temps.items()}
@@ -368,6 +392,8 @@ def _helper(helper: ChoiceHelper, param: ParamPlan) -> HelperPlan:
         args=tuple(a.name for a in helper.args),
         forward=tuple((choice, body(b)) for choice, b in helper.forward),
         derivatives=tuple(tuple((choice, body(b)) for choice, b in g) for g in helper.grads),
+        eager_name=eager_name,
+        eager=tuple((c, FUNCTIONS[c].torch_idiom.format(*(a.name for a in helper.args))) for c in param.declaration.choices),
     )
 
 

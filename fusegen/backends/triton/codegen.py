@@ -14,10 +14,9 @@ from importlib import resources
 import jinja2
 
 from fusegen import outdir, templating
-from fusegen.functions import FUNCTIONS
 from fusegen.plan import Body, HelperPlan, OpPlan
 from fusegen.rows import RowProgram
-from fusegen.printers import EagerPrinter, ElementwisePrinter, TorchPrinter
+from fusegen.printers import ElementwisePrinter, TorchPrinter
 from fusegen.pyformat import format_module
 
 from .kernel_text import backward_kernel, forward_kernel, kernel_lines, statements, torch_constant, with_argument_comments
@@ -51,8 +50,8 @@ def render(plan: OpPlan) -> str:
     triton_helpers = [h for helper in plan.helpers for h in _triton_helpers(helper, names, triton)]
     torch_helpers = [_torch_helper(helper, names, torch_printer) for helper in plan.helpers]
     reference = _reference(plan, torch_printer)
-    eager_helpers = [_eager_helper(helper, names) for helper in plan.helpers]
-    eager_lines = _eager_lines(plan, names)
+    eager_helpers = [_eager_helper(helper) for helper in plan.helpers]
+    eager_lines = list(plan.eager)
     kernel_code = "\n".join(
         [*kernel_lines(forward), *kernel_lines(backward)]
         + [line for h in triton_helpers for b in h.branches for line in b["lines"]]
@@ -214,22 +213,13 @@ def _torch_helper(helper: HelperPlan, names: TritonNames, printer: TorchPrinter)
     return _Helper(name, helper.param.name, arguments, "choice", _branches(helper.forward, printer))
 
 
-def _eager_helper(helper: HelperPlan, names: TritonNames) -> _Helper:
+def _eager_helper(helper: HelperPlan) -> _Helper:
     param = helper.param
-    args = helper.args
     branches = [
-        dict(keyword="if" if k == 0 else "elif", choice=repr(c), lines=[FUNCTIONS[c].torch_idiom.format(*args)])
-        for k, c in enumerate(param.declaration.choices)
+        dict(keyword="if" if k == 0 else "elif", choice=repr(c), lines=[text])
+        for k, (c, text) in enumerate(helper.eager)
     ]
-    return _Helper(names.eager_helpers[param.name], param.name, ", ".join([*args, "choice"]), "choice", branches)
-
-
-def _eager_lines(plan: OpPlan, names: TritonNames) -> list[str]:
-    lets = {id(expr): local for local, expr in plan.eager_lets}
-    printer = EagerPrinter(plan.names, names.chunks, names.eager_helpers, lets)
-    lines = [f"{names.chunks[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in plan.inputs if i.layout.chunks > 1]
-    lines += [f"{local} = {printer.doprint(expr, defining=True)}" for local, expr in plan.eager_lets]
-    return lines + ["return " + ", ".join(printer.doprint(expr) for expr in plan.eager)]
+    return _Helper(helper.eager_name, param.name, ", ".join([*helper.args, "choice"]), "choice", branches)
 
 
 def _environment() -> jinja2.Environment:

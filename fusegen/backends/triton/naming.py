@@ -75,7 +75,7 @@ class TritonNames:
         self.constexprs = {p.name: namer.claim(p.local.upper()) for p in plan.forward.choices}
         # Module-level helpers start with '_', as spec names never do: they only need to
         # differ from each other.
-        self.triton_helpers, self.torch_helpers, self.eager_helpers = {}, {}, {}
+        self.triton_helpers, self.torch_helpers = {}, {}
         for helper in plan.helpers:
             param, arity = helper.param, len(helper.args)
             self.triton_helpers[(param.name, None)] = namer.claim(f"_{param.local}")
@@ -83,8 +83,6 @@ class TritonNames:
                 suffix = "_grad" if arity == 1 else f"_grad{k}"
                 self.triton_helpers[(param.name, k)] = namer.claim(f"_{param.local}{suffix}")
             self.torch_helpers[(param.name, None)] = namer.claim(f"_{param.local}_torch")
-            self.eager_helpers[param.name] = namer.claim(f"_{param.local}_eager")
-        self.chunks = {i.name: namer.claim(f"{i.local}_chunks") for i in plan.inputs if i.layout.chunks > 1}
         # Row kernels' looped reductions: a [BLOCK_M, BLOCK_N] tile each, reduced after the loop.
         self.tiles: dict[str, str] = {}
         for kernel in (plan.forward, plan.backward):
