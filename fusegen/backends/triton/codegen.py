@@ -14,8 +14,7 @@ from importlib import resources
 import jinja2
 
 from fusegen import outdir, templating
-from fusegen.plan import Body, HelperPlan, OpPlan
-from fusegen.rows import RowProgram
+from fusegen.plan import Body, HelperPlan, OpPlan, RowBody
 from fusegen.printers import ElementwisePrinter, TorchPrinter
 from fusegen.pyformat import format_module
 
@@ -130,7 +129,7 @@ def _reference(plan: OpPlan, printer: TorchPrinter) -> _ReferenceBody:
     if kernel.kind.is_row:
         # One body; with dropout off its masks are 1, as in the kernel.
         masks = "(" + ", ".join(m.local for m in kernel.masks) + ("," if len(kernel.masks) == 1 else "") + ")"
-        body: RowProgram = kernel.body
+        body: RowBody = kernel.body
         # What varies along the row: the tensors, and the temporaries computed per element.
         elements = tensors | {t.name for p in body.passes for t, _ in p.temps} | {t.name for t, _ in body.final_temps}
         # and the row values, [..., 1] tensors: an output of them alone is one value a row

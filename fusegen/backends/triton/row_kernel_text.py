@@ -1,5 +1,5 @@
 """The text of an op's row kernels (plan kinds ROW and ROW_BACKWARD): a program owns BLOCK_M
-whole rows and runs the plan's RowProgram over them.
+whole rows and runs the plan's RowBody over them.
 
 Two layouts of the same program, chosen per call by the ONE_TILE constexpr:
 
@@ -14,8 +14,7 @@ backward) draws the same ones; with dropout off they are 1.
 """
 from __future__ import annotations
 
-from fusegen.plan import KernelPlan, OpPlan
-from fusegen.rows import Reduction, RowProgram
+from fusegen.plan import KernelPlan, OpPlan, RowBody, RowReduction
 
 from .kernel_text import (
     KernelText,
@@ -153,11 +152,11 @@ def _indent(lines: list[str]) -> list[str]:
 
 
 class _Program:
-    """The lines of one RowProgram, in either layout."""
+    """The lines of one RowBody, in either layout."""
 
     def __init__(self, plan: OpPlan, kernel: KernelPlan, names: TritonNames, printer: TritonPrinter):
         self.plan, self.kernel, self.names, self.printer = plan, kernel, names, printer
-        self.body: RowProgram = kernel.body
+        self.body: RowBody = kernel.body
         self.tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
         self.tensors |= set(kernel.incoming)
         # Row values are [BLOCK_M, 1] tensors too: an expression of them needs no broadcast.
@@ -238,7 +237,7 @@ class _Program:
             for symbol, k in self.body.loaded
         ]
 
-    def _value(self, reduction: Reduction) -> str:
+    def _value(self, reduction: RowReduction) -> str:
         text = self.printer.doprint(reduction.value)
         if not depends_on(reduction.value, self.temps, self.tensors):
             text = triton_constant(text)
