@@ -30,6 +30,10 @@ class Namer:
     def taken(self, name: str) -> bool:
         return name in self._taken
 
+    def all_taken(self) -> frozenset[str]:
+        """Every name taken so far (the reserved ones too): what a later scope starts from."""
+        return frozenset(self._taken)
+
     def child(self, reserved=()) -> "Namer":
         """A namer for one scope: everything taken here stays taken there, plus `reserved`."""
         namer = Namer(self._taken)

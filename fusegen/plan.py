@@ -219,8 +219,9 @@ class OpPlan:
     # spec writes them, in PyTorch (F.gelu, F.dropout).
     eager: tuple[str, ...]
     helpers: tuple[HelperPlan, ...]
-    names: dict[str, str]  # spec name → local name, for everything the spec names
-    namer: Namer  # every name given out so far: a backend's own derived names come from it
+    # Every name the module's code uses so far (the backend's reserved names, and each the plan
+    # gave out): a backend's own derived names start from these (names.Namer(taken)).
+    taken: frozenset[str]
 
     @property
     def has_dropout(self) -> bool:
@@ -364,8 +365,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         gradient_reads=_gradient_reads(spec, op),
         eager=eager,
         helpers=tuple(_helper(h, by_name[h.param], eager_helpers[h.param]) for h in op.helpers),
-        names=names,
-        namer=namer,
+        taken=namer.all_taken(),
     )
 
 

@@ -45,11 +45,11 @@ class InputNames:
 
 class TritonNames:
     """The Triton module's own names for what the plan named: pointers, strides, gradient
-    buffers and sums, constexprs, dropout arguments and helper functions; from the plan's
-    namer, so none is a spec name or another's."""
+    buffers and sums, constexprs, dropout arguments and helper functions; claimed past the
+    plan's taken names, so none is a spec name or another's."""
 
     def __init__(self, plan: OpPlan):
-        namer: Namer = plan.namer.child()
+        namer = Namer(plan.taken)
         self.inputs = {
             i.name: InputNames(namer.claim(f"{i.local}_ptr"), namer.claim(f"{i.local}_stride_m"),
                                 namer.claim(f"{i.local}_stride_n"))
