@@ -446,7 +446,9 @@ def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], 
                  names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str]) -> tuple[str, ...]:
     """The eager function's body: the spec's IR printed as a PyTorch user writes it."""
     printer = EagerPrinter(names, chunk_tuples, helpers, {id(expr): local for local, expr in lets})
-    lines = [f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.layout.chunks > 1]
+    lines = [
+        f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.layout.chunks > 1
+    ]
     lines += [f"{local} = {printer.doprint(expr, defining=True)}" for local, expr in lets]
     return tuple(lines + ["return " + ", ".join(printer.doprint(expr) for expr in outputs)])
 
@@ -468,7 +470,9 @@ def _helper(helper: ChoiceHelper, param: ParamPlan, eager_name: str) -> HelperPl
         forward=tuple((choice, body(b)) for choice, b in helper.forward),
         derivatives=tuple(tuple((choice, body(b)) for choice, b in g) for g in helper.grads),
         eager_name=eager_name,
-        eager=tuple((c, FUNCTIONS[c].torch_idiom.format(*(a.name for a in helper.args))) for c in param.declaration.choices),
+        eager=tuple(
+            (c, FUNCTIONS[c].torch_idiom.format(*(a.name for a in helper.args))) for c in param.declaration.choices
+        ),
     )
 
 

@@ -21,7 +21,7 @@ from fusegen.pyformat import format_module
 from .kernel_text import backward_kernel, forward_kernel, kernel_lines, statements, torch_constant, with_argument_comments
 from .module_text import class_doc, docstring, op_declaration
 from .row_kernel_text import row_backward_kernel, row_kernel
-from .naming import MODULE_IMPORTS, PYTHON_BUILTINS, RESERVED_NAMES, TritonNames, module_class_name
+from .naming import MODULE_IMPORTS, RESERVED_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
 
 __all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "module_class_name", "render"]
