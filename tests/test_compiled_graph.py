@@ -117,6 +117,116 @@ def test_one_traced_graph_serves_every_sequence_length():
     assert done.stdout.strip().splitlines()[-1] == "1"
 
 
+_SAME_ARGUMENTS = textwrap.dedent("""
+    import importlib, inspect, json, torch
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+    from torch._dynamo.backends.common import aot_autograd
+    from fusegen.backends.triton import graph_launcher, launch
+
+    recorded = {}
+    launch_in_graph = graph_launcher.GraphLauncher.launch
+
+    def record(self, grid, args, constexprs):
+        recorded[self.kernel.fn.__name__] = list(args)
+        return launch_in_graph(self, grid, args, constexprs)
+
+    graph_launcher.GraphLauncher.launch = record
+    ops = {}
+
+    def written(kernel_idx, constant_args_idx, kwargs, tma):  # Triton's write analysis, stood in for
+        name = wrap.kernel_side_table.get_kernel(kernel_idx).fn.__name__
+        op = ops[name]
+        if "backward" in name:
+            names = {f"grad_{i.name}_ptr" for i in op.inputs}
+        else:
+            names = {f"{o}_ptr" for o in op.outputs} | {"saved_ptr"}
+        return [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k in names]
+
+    wrap.get_mutated_tensors = written
+
+    def no_run(gm, inputs):
+        def run(*args):
+            raise RuntimeError("not run")
+        return run
+
+    def shown(value):  # a tensor by its dtype; a symbolic size by the size it was traced with
+        if isinstance(value, torch.Tensor):
+            return str(value.dtype)
+        if isinstance(value, (torch.SymInt, torch.SymBool)):
+            return value.node.hint
+        return value
+
+    def same(eager, traced):
+        # None (a pointer the kernel does not read: its flag is off) may be a tensor in a graph.
+        return len(eager) == len(traced) and all(
+            e == t or (e is None and isinstance(t, str)) for e, t in zip(eager, traced))
+
+    def check(name, tensors, dynamic, **params):
+        module = importlib.import_module(f"generated.{name}")
+        op, function = module._OP, getattr(module, name)
+        ops[op.kernels.forward_kernel.fn.__name__] = ops[op.kernels.backward_kernel.fn.__name__] = op
+        recorded.clear()
+        torch._dynamo.reset()
+        step = torch.compile(lambda *t: function(*t, **params), fullgraph=True, dynamic=dynamic,
+                             backend=aot_autograd(fw_compiler=no_run, bw_compiler=no_run))
+        try:
+            step(*tensors)
+        except RuntimeError as error:
+            assert "not run" in str(error), error
+        # What the eager path passes for the same call (prepared, not launched).
+        bound = inspect.signature(function).bind(*tensors, **params)
+        bound.apply_defaults()
+        args = tuple(v for k, v in bound.arguments.items() if k not in ("out", "inplace_backward"))
+        call = op.check(args, needs_kernel=False)
+        problem = call.problem
+        outputs = [torch.empty(op.output_shape(problem, i), dtype=problem.out_dtype) for i in range(len(op.outputs))]
+        saved = torch.empty(op.saved_shape(problem), dtype=problem.compute_dtype) if op.statistics else None
+        seed = torch.zeros(1, dtype=torch.int64) if call.has_dropout else None
+        prepared = op.kernels.prepare_forward(call, tensors)
+        values = (*tensors, *outputs, saved, seed)
+        want = {op.kernels.forward_kernel.fn.__name__: [
+            shown(values[a.index]) if type(a) is launch.Slot else shown(a) for a in prepared._template]}
+        needs = op.gradient_sources([t.requires_grad for t in tensors], tensors)[0]
+        backward = op.kernels.prepare_backward(call, tensors, outputs, needs)
+        buffers = [None if t is None else t.new_buffer() for t in backward._targets]
+        values = (*tensors, *outputs, *buffers, saved, seed)
+        want[op.kernels.backward_kernel.fn.__name__] = [
+            shown(values[a.index]) if type(a) is launch.Slot else shown(a) for a in backward._launch._template]
+        return [f"{name} dynamic={dynamic} {kernel}: eager {args} traced {[shown(a) for a in recorded.get(kernel, [])]}"
+                for kernel, args in want.items()
+                if kernel not in recorded or not same(args, [shown(a) for a in recorded[kernel]])]
+
+    def grad(*shape, dtype=torch.float32):
+        return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+    differ = []
+    dynamic = True  # symbolic sizes: what a static graph passes too, as plain ints
+    differ += check("scale_add", (grad(4, 8, 64), grad(4, 8, 1), grad(4, 8, 64)), dynamic)  # row sums
+    differ += check("swiglu", (torch.randn(8, 4, 128).transpose(0, 1).requires_grad_(),), dynamic)
+    differ += check("add_relu", (grad(4, 8, 64), grad(4, 1, 64)), dynamic)  # a broadcast copied
+    differ += check("layernorm", (grad(4, 8, 64, dtype=torch.float64), grad(64, dtype=torch.float64),
+                                  grad(64, dtype=torch.float64)), dynamic)
+    differ += check("softmax", (grad(4, 8, 3000),), dynamic)  # a row in several tiles
+    differ += check("bias_gelu_dropout_add", (grad(4, 8, 66), grad(66), grad(4, 8, 66)), dynamic, p=0.1, seed=5)
+    differ += check("bias_gelu_dropout_add", (grad(4, 8, 64), grad(64), grad(4, 8, 64)), dynamic, p=0.1,
+                    training=False)
+    differ += check("add_rmsnorm", (grad(4, 8, 64), grad(4, 8, 64), grad(64)), dynamic)  # two outputs
+    print(json.dumps(differ))
+""")
+
+
+def test_traced_launches_take_the_eager_arguments():
+    """Each kernel a traced graph records gets the arguments the eager path gives the same call
+    (strides, M, N, the bucket, tiles, flags, gradient targets): broadcast, chunked,
+    non-contiguous, fp64, [..., 1] and dropout inputs, with dynamic shapes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _SAME_ARGUMENTS], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
 # -- on a GPU ------------------------------------------------------------------------------
 
 
