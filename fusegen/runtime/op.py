@@ -22,6 +22,7 @@ from .arguments import (FusegenArgumentError, Problem, any_requires_grad, broadc
 from .dropout import check_seed, dropout_mask_reference, seed_result, seed_tensor
 from .gradients import sum_to_input
 from .out import check_out_targets, check_out_without_grad, output_buffer, write_out
+from .backend import BackendKernels, BoundKernels
 from .prepared import CACHE_SIZE, PreparedCall, call_key
 from . import native, sharding
 from ..layout import Choice, Input, Scalar
@@ -45,12 +46,12 @@ class Call:
 
 
 class FusedOp:
-    """One generated op. `kernels` is the backend's launcher (see
-    fusegen.backends.triton.launch.Kernels): `kernels.bind(op)` gives an object with
-    `check_device(device)`, `forward(call, tensors, outputs, seed, saved=None)` and
-    `backward(call, tensors, grad_outputs, needs, seed, saved=None) -> gradients`;
-    `kernels.statistics` is how many values per row the forward keeps for the backward
-    (row reductions: the `saved` buffer, [M, statistics] in the compute dtype), 0 for none."""
+    """One generated op. `kernels` is the backend's run-time kernels, a
+    runtime.backend.BackendKernels (the Triton backend's: fusegen.backends.triton.launch.Kernels);
+    `self.kernels` is them bound to this op (runtime.backend.BoundKernels), and those
+    Protocols are all the op uses of them. `kernels.statistics` is how many values per row
+    the forward keeps for the backward (row reductions: the `saved` buffer, [M, statistics]
+    in the compute dtype), 0 for none."""
 
     def __init__(
         self,
@@ -64,7 +65,7 @@ class FusedOp:
         passthrough: dict[str, str] | None = None,
         same_gradient: dict[str, str] | None = None,
         gradient_reads: dict[str, tuple[str, ...]] | None = None,
-        kernels,
+        kernels: BackendKernels,
         reference,
     ):
         self.name = name
@@ -118,7 +119,7 @@ class FusedOp:
         self._native_calls = None
         self._reference_body = reference
         self.statistics = kernels.statistics
-        self.kernels = kernels.bind(self)
+        self.kernels: BoundKernels = kernels.bind(self)
         self._forward_op, self._backward_op = _register_library_ops(self)
         sharding.register_if_loaded(self)
 

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from . import native
+from .backend import PreparedBackward, PreparedForward
 from .arguments import PLAIN_TENSOR_TYPES
 from .dropout import check_seed, seed_tensor
 
@@ -64,8 +65,8 @@ class PreparedCall:
         self._tensors = len(tensors)
         self._output_shapes = [op.output_shape(problem, i) for i in range(len(op.outputs))]
         self._saved_shape = op.saved_shape(problem) if op.statistics else None
-        self._launch = op.kernels.prepare_forward(call, tensors) if problem.launches else None
-        self._backwards: dict = {}
+        self._launch: PreparedForward | None = op.kernels.prepare_forward(call, tensors) if problem.launches else None
+        self._backwards: dict[tuple, PreparedBackward] = {}
         self._offered = False  # to the op's eager call in C++ (offer_native)
         self._native_plan = None  # its plan there, once registered (held weakly)
         self._offered_backwards: set = set()  # keys of backwards offered to that plan
@@ -111,7 +112,7 @@ class PreparedCall:
         """The backward kernel's gradients (inputs flagged in `needs`, in input order);
         `in_place`: into the inputs' own memory where that is safe."""
         key = _backward_key(needs, grads)
-        prepared = self._backwards.get(key)
+        prepared: PreparedBackward | None = self._backwards.get(key)
         if prepared is None:
             if len(self._backwards) >= CACHE_SIZE:
                 self._backwards.clear()

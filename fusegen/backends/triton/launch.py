@@ -42,9 +42,9 @@ if is_interpreting():  # every generated module imports this one before its kern
 
 
 class Kernels:
-    """What a generated module hands its FusedOp: the kernels, and which params and inputs
-    they take beyond the ones every kernel takes (by spec name). Pointwise kernels; row
-    kernels take RowKernels."""
+    """What a generated module hands its FusedOp (a runtime.backend.BackendKernels): the
+    kernels, and which params and inputs they take beyond the ones every kernel takes (by
+    spec name). Pointwise kernels; row kernels take RowKernels."""
 
     def __init__(self, forward, backward, *, scalars: tuple[str, ...] = (), backward_reads: tuple[str, ...],
                  gradients: tuple[str, ...], statistics: int = 0):
