@@ -25,6 +25,9 @@ from .names import PYTHON_BUILTINS, Namer
 from .printers import EagerPrinter
 from .layout import Choice, Input, Scalar
 from .rows import ADJOINT_PREFIX, ADJOINT_SUM_PREFIX, EXTREME_PREFIX, REDUCTION_PREFIX, TIES_PREFIX, WIDTH, RowProgram
+# A row kernel's body is simplify's frozen RowProgram with every name final (renamed here):
+# the backend reads it as the plan's, under these names, and imports nothing of fusegen.rows.
+from .rows import Reduction as RowReduction, RowPass, RowProgram as RowBody  # noqa: F401  (the plan's API)
 from .calculus import TEMPORARY_PREFIX
 from .simplify import Block, ChoiceHelper, SimplifiedOp, value_names
 from .spec import ChoiceParam, OpSpec
@@ -86,67 +89,6 @@ class Body:
 
     temps: tuple[tuple[str, sympy.Expr], ...]
     results: tuple[tuple[str, sympy.Expr], ...]  # (local name of the result, expression)
-
-
-@dataclass(frozen=True)
-class RowReduction:
-    symbol: sympy.Symbol  # named as the generated code names it (mean0, row_sum2)
-    kind: str  # sum, mean, max or min
-    value: sympy.Expr  # the element expression reduced along the row
-
-
-@dataclass(frozen=True)
-class RowPass:
-    """One sweep along the row: element temporaries computed per tile, the reductions it
-    accumulates, then the row values (constant along the row) those make ready."""
-
-    temps: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
-    reductions: tuple[RowReduction, ...]
-    row_values: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
-
-
-@dataclass(frozen=True)
-class RowBody:
-    """A row kernel's program (simplify's fusegen.rows.RowProgram, every name final): row
-    values from params, passes along the row, then the element results."""
-
-    row_values: tuple[tuple[sympy.Symbol, sympy.Expr], ...]  # before any pass: params only
-    passes: tuple[RowPass, ...]
-    final_temps: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
-    results: tuple[tuple[str, sympy.Expr], ...]  # (local name of the result, expression), per tile
-    # The forward saves each of its reductions per row (fp32; fp64 for fp64), in order; the
-    # backward loads those it reads, by their place in that order, instead of reducing again.
-    saved: tuple[sympy.Symbol, ...]
-    loaded: tuple[tuple[sympy.Symbol, int], ...]
-
-    @property
-    def reductions(self) -> tuple[RowReduction, ...]:
-        return tuple(r for p in self.passes for r in p.reductions)
-
-    @property
-    def definitions(self) -> tuple[tuple[sympy.Symbol, sympy.Expr], ...]:
-        """Every name the program defines by an expression (temporaries and row values), each
-        once, in order; reductions aside."""
-        seen, found = set(), []
-        for t, e in (*self.row_values, *(item for p in self.passes for item in (*p.temps, *p.row_values)),
-                     *self.final_temps):
-            if t not in seen:
-                seen.add(t)
-                found.append((t, e))
-        return tuple(found)
-
-    def lines(self) -> list[str]:
-        """The program as text, pass by pass: what `fusegen show` prints."""
-        out = [f"{s} = (kept by the forward, column {k})" for s, k in self.loaded]
-        out += [f"{s} = {e}" for s, e in self.row_values]
-        for number, p in enumerate(self.passes, 1):
-            out.append(f"# pass {number} along the row")
-            out += [f"{s} = {e}" for s, e in p.temps]
-            out += [f"{r.symbol} = {r.kind}({r.value})" for r in p.reductions]
-            out += [f"{s} = {e}" for s, e in p.row_values]
-        out.append("# results, element by element")
-        out += [f"{s} = {e}" for s, e in (*self.final_temps, *self.results)]
-        return out
 
 
 @dataclass(frozen=True)
@@ -283,7 +225,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
 
     def body(block: Block | RowProgram, result_names: dict[str, str]) -> Body | RowBody:
         if isinstance(block, RowProgram):
-            return _row_body(block.renamed(rename, result_names))
+            return block.renamed(rename, result_names)
         return Body(
             tuple((temps[t.name], e.xreplace(rename)) for t, e in block.temps),
             tuple((result_names[n], e.xreplace(rename)) for n, e in block.results),
@@ -392,20 +334,6 @@ def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
     )
     plain = {name: "t" + name[len(TEMPORARY_PREFIX):] for name in used}
     return plain if namer is None else {name: namer.claim(local) for name, local in plain.items()}
-
-
-def _row_body(program: RowProgram) -> RowBody:
-    return RowBody(
-        program.row_values,
-        tuple(
-            RowPass(p.temps, tuple(RowReduction(r.symbol, r.kind, r.value) for r in p.reductions), p.row_values)
-            for p in program.passes
-        ),
-        program.final_temps,
-        program.results,
-        program.saved,
-        program.loaded,
-    )
 
 
 def _row_names(namer: Namer, forward: RowProgram, backward: RowProgram) -> dict[str, str]:

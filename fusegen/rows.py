@@ -105,6 +105,19 @@ class RowProgram:
             tuple((s.xreplace(rename), k) for s, k in self.loaded),
         )
 
+    def lines(self) -> list[str]:
+        """The program as text, pass by pass: what `fusegen show` prints."""
+        out = [f"{s} = (kept by the forward, column {k})" for s, k in self.loaded]
+        out += [f"{s} = {e}" for s, e in self.row_values]
+        for number, p in enumerate(self.passes, 1):
+            out.append(f"# pass {number} along the row")
+            out += [f"{s} = {e}" for s, e in p.temps]
+            out += [f"{r.symbol} = {r.kind}({r.value})" for r in p.reductions]
+            out += [f"{s} = {e}" for s, e in p.row_values]
+        out.append("# results, element by element")
+        out += [f"{s} = {e}" for s, e in (*self.final_temps, *self.results)]
+        return out
+
     def free_symbols(self) -> set:
         found = set()
         for _, e in (*self.row_values, *self.final_temps, *self.results):
