@@ -635,7 +635,8 @@ def _library_op(name: str, impl, arguments: list[str], returns: str, traced: boo
         return impl(*args)
 
     body.__signature__ = inspect.Signature(parameters, return_annotation=returned)
-    # (A seeded op's tag is not needed here: traced graphs see its random draw, tagged.)
+    # triton_op takes no tags: inside torch.compile the op is decomposed and its seed's draw
+    # (torch.randint) carries the tag; a torch.export graph keeps the op whole, untagged.
     return torch.library.triton_op(f"fusegen::{name}", body, mutates_args=())
 
 
@@ -660,7 +661,7 @@ def _register_library_ops(op: FusedOp):
     returns = "Tensor" if single else "(" + ", ".join(["Tensor"] * (len(op.outputs) + extras)) + ")"
     traceable = op.kernels.traceable
     if op.has_dropout:
-        # It draws random numbers: tagged so, torch.compile never recomputes it in the backward.
+        # It draws random numbers: tagged so (as a custom op), never recomputed in the backward.
         arguments, tags = arguments + ["bool training", "int? seed"], (torch.Tag.nondeterministic_seeded,)
     else:
         tags = ()
