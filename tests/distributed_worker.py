@@ -29,8 +29,11 @@ def _check(name, fn, whole: dict, placements: dict, mesh, exact: bool, grad_seed
     expected = fn(**leaves)
     grad = _randn(expected.shape, grad_seed)
     expected_grads = torch.autograd.grad(expected, list(leaves.values()), grad)
-    shards = {k: distribute_tensor(v, mesh, [placements.get(k, Replicate())]).requires_grad_(True)
-              for k, v in whole.items()}
+    def placed(k):  # one placement per mesh dim
+        placement = placements.get(k, (Replicate(),) * mesh.ndim)
+        return list(placement) if isinstance(placement, tuple) else [placement]
+
+    shards = {k: distribute_tensor(v, mesh, placed(k)).requires_grad_(True) for k, v in whole.items()}
     got = fn(**shards)
     assert isinstance(got, DTensor), f"{name}: the result is not a DTensor"
     full = got.full_tensor()
@@ -120,21 +123,61 @@ def run(rank: int, world: int, init_file: str) -> None:
             assert str(error) == "swiglu(): out= does not take DTensor inputs; drop out=", error
         else:
             raise AssertionError("out= with DTensors was not refused")
-        # Dropout on shards there would draw each shard's mask as a whole tensor's: refused.
-        shards = [distribute_tensor(t, mesh, [p]) for t, p in ((x, Shard(1)), (bias, Replicate()), (residual, Shard(1)))]
-        try:
-            compiled_seed_op(*shards, p=0.3)
-        except Exception as error:  # torch.compile wraps the op's error in its own
-            assert "dropout on sharded DTensors inside torch.compile is not supported" in str(error), error
-        else:
-            raise AssertionError("sharded dropout inside torch.compile was not refused")
+        # Dropout on shards inside torch.compile: the graph carries each shard's place, so
+        # shards drop what one device does, forward and backward, even and uneven, and with
+        # dynamic sizes (one graph).
+        for placement in (Shard(0), Shard(1), Shard(2)):
+            _check("compiled bias_gelu_dropout_add, sharded", lambda **t: compiled_seed_op(**t, p=0.3),
+                   {"x": x, "bias": bias, "residual": residual}, {"x": placement, "residual": placement}, mesh,
+                   exact=True, grad_seed=26)
+        dynamic_seed_op = torch.compile(lambda x, bias, residual: seed_op(x, bias, residual, p=0.5, seed=5),
+                                        backend="aot_eager", dynamic=True, fullgraph=True)
+        for rows in (3, 5, 7):  # uneven on 2 ranks
+            _check("compiled bias_gelu_dropout_add, dynamic", dynamic_seed_op,
+                   {"x": _randn((rows, 4, 10), 27), "bias": _randn((10,), 28), "residual": _randn((rows, 4, 10), 29)},
+                   {"x": Shard(0), "residual": Shard(0)}, mesh, exact=True, grad_seed=30)
     finally:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # tests/test_distributed.py: python distributed_worker.py INIT_FILE
+def run_2d(rank: int, world: int, init_file: str) -> None:
+    """A 2 × 2 mesh (data parallel × tensor parallel): placements on both mesh dims."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        seed_op = importlib.import_module("generated.bias_gelu_dropout_add").bias_gelu_dropout_add
+        layernorm = importlib.import_module("generated.layernorm").layernorm
+        x, bias, residual = _randn((6, 5, 24), 31), _randn((24,), 32), _randn((6, 5, 24), 33)
+        tensors = {"x": x, "bias": bias, "residual": residual}
+        compiled_seed_op = torch.compile(lambda x, bias, residual: seed_op(x, bias, residual, p=0.3, seed=13),
+                                         backend="aot_eager", fullgraph=True)
+        # Rows × columns, a dim split twice (uneven: 5 rows in 4 parts), and two leading dims
+        # (the kernels place a shard by one: the second is gathered first).
+        cases = (((Shard(0), Shard(2)), (Shard(0), Shard(2))), ((Shard(1), Shard(1)), (Shard(1), Shard(1))),
+                 ((Shard(0), Shard(1)), (Shard(0), Replicate())), ((Replicate(), Shard(2)), (Replicate(), Shard(2))))
+        for placements, expected in cases:
+            for name, fn in (("bias_gelu_dropout_add 2-D", lambda **t: seed_op(**t, p=0.3, seed=13)),
+                             ("compiled bias_gelu_dropout_add 2-D", compiled_seed_op)):
+                got = _check(name, fn, tensors, {"x": placements, "residual": placements}, mesh, exact=True,
+                             grad_seed=34)
+                assert got.placements == expected, (name, placements, got.placements)
+        # Without dropout, any leading dims stay sharded; a row's last dim is gathered.
+        weight, b = _randn((24,), 35), _randn((24,), 36)
+        for placements, expected in (((Shard(0), Shard(1)), (Shard(0), Shard(1))),
+                                     ((Shard(0), Shard(2)), (Shard(0), Replicate()))):
+            got = _check("layernorm 2-D", lambda x, weight, bias: layernorm(x, weight, bias),
+                         {"x": x, "weight": weight, "bias": b}, {"x": placements}, mesh, exact=False, grad_seed=37)
+            assert got.placements == expected, (placements, got.placements)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # tests/test_distributed.py: python distributed_worker.py INIT_FILE [2d]
     import sys
 
     import torch.multiprocessing as mp
 
-    mp.spawn(run, args=(2, sys.argv[1]), nprocs=2, join=True)
+    if sys.argv[2:] == ["2d"]:
+        mp.spawn(run_2d, args=(4, sys.argv[1]), nprocs=4, join=True)
+    else:
+        mp.spawn(run, args=(2, sys.argv[1]), nprocs=2, join=True)

@@ -25,6 +25,14 @@ def test_placements_values_gradients_and_dropout_masks_match_one_process(tmp_pat
                    env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}, timeout=600)
 
 
+def test_a_two_by_two_mesh_matches_one_process(tmp_path):
+    """Four processes on a 2 × 2 mesh (data parallel × tensor parallel): placements on both
+    mesh dims, eager and compiled, dropout masks bit for bit (tests/distributed_worker.py run_2d)."""
+    worker = Path(__file__).with_name("distributed_worker.py")
+    subprocess.run([sys.executable, str(worker), str(tmp_path / "init"), "2d"], check=True, cwd=ROOT,
+                   env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}, timeout=600)
+
+
 def test_plain_tensors_do_not_import_dtensor():
     """Importing DTensor costs most of a second: an op imports it only once a call meets one."""
     code = (

@@ -345,7 +345,7 @@ class FusedOp:
         `traced`: as for forward."""
         tensors = args[: len(self.inputs)]
         if traced:
-            call = self.check(args, needs_kernel=True)
+            call = self.check(args, needs_kernel=True, shard=shard)
             return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved, traced=True)
         if shard is not None:
             call = self.check(args, needs_kernel=True, shard=shard)
@@ -612,7 +612,22 @@ def _schema_arguments(op: FusedOp) -> list[str]:
 
 
 _ANNOTATIONS = {"Tensor": torch.Tensor, "float": float, "int": int, "str": str, "bool": bool,
-                "int?": typing.Optional[int], "Tensor[]": list[torch.Tensor], "bool[]": list[bool]}
+                "int?": typing.Optional[int], "Tensor[]": list[torch.Tensor], "bool[]": list[bool],
+                "SymInt[]?": typing.Optional[typing.Sequence[int]]}
+
+# The library ops' last argument: a DTensor shard's place in the global problem
+# (runtime.sharding.Shard's six sizes), which dropout's masks are keyed by. Only the DTensor
+# rules pass it, on a shard's local tensors; as sizes (SymInts while traced) it is data that a
+# compiled graph carries, so a sharded graph draws the global mask.
+_SHARD_ARGUMENT = "SymInt[]? _shard=None"
+
+
+def _split_shard(args: tuple, count: int) -> tuple[tuple, object]:
+    """A library op's arguments without the trailing shard sizes, and the Shard they give
+    (None: a whole problem). `count`: how many arguments come before them."""
+    if len(args) > count:
+        return args[:count], sharding.Shard.of(args[count])
+    return args, None
 
 
 def _library_op(name: str, impl, arguments: list[str], returns: str, traced: bool, tags=()):
@@ -625,9 +640,11 @@ def _library_op(name: str, impl, arguments: list[str], returns: str, traced: boo
     # triton_op takes its schema from the function's signature.
     parameters = []
     for argument in arguments:
+        argument, _, default = argument.partition("=")
         kind, parameter = argument.rsplit(" ", 1)
         parameters.append(inspect.Parameter(parameter, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                            annotation=_ANNOTATIONS[kind]))
+                                            annotation=_ANNOTATIONS[kind],
+                                            default=None if default == "None" else inspect.Parameter.empty))
     results = returns.strip("()").split(", ")
     returned = _ANNOTATIONS[returns] if len(results) == 1 else tuple[tuple(_ANNOTATIONS[r] for r in results)]
 
@@ -666,10 +683,13 @@ def _register_library_ops(op: FusedOp):
     else:
         tags = ()
 
+    count = len(arguments)  # before the shard's sizes
+
     def forward_impl(*args):
         _refuse_tangents(op, args)
+        args, shard = _split_shard(args, count)
         # eager=False: a compiled graph may be captured.
-        outputs, seed, saved = op.forward(args, eager=False, traced=_traced(op, args[:len(op.inputs)]))
+        outputs, seed, saved = op.forward(args, eager=False, shard=shard, traced=_traced(op, args[:len(op.inputs)]))
         if single:
             return outputs[0]
         results = list(outputs)
@@ -679,7 +699,7 @@ def _register_library_ops(op: FusedOp):
             results.append(saved)
         return tuple(results)
 
-    forward_op = _library_op(op.name, forward_impl, arguments, returns, traceable, tags)
+    forward_op = _library_op(op.name, forward_impl, [*arguments, _SHARD_ARGUMENT], returns, traceable, tags)
 
     @forward_op.register_fake
     def _(*args):
@@ -699,7 +719,9 @@ def _register_library_ops(op: FusedOp):
         count = len(op.inputs)
         outputs = (output,) if single else output
         ctx.save_for_backward(*inputs[:count], *outputs[len(op.outputs):])
-        ctx.params = inputs[count:]
+        # Without the shard's sizes: autograd sees the whole (DTensor) call, whose shards'
+        # places the DTensor rule of the backward op works out again.
+        ctx.params = inputs[count:len(arguments)]
 
     def backward(ctx, *grads):
         count = len(op.inputs)
@@ -714,23 +736,26 @@ def _register_library_ops(op: FusedOp):
     extra = (["bool training", "Tensor _seed"] if op.has_dropout else []) + (["Tensor _saved"] if op.statistics else [])
     params = _schema_arguments(op)[len(op.inputs):]
     backward_arguments = ["Tensor[] _grads", "Tensor[] _inputs", *params, *extra, "bool[] _needs_grad"]
+    backward_count = len(backward_arguments)
 
-    def backward_impl(grads, tensors, *rest):
-        *params, needs = rest
+    def backward_impl(*args):
+        args, shard = _split_shard(args, backward_count)
+        grads, tensors, *params, needs = args
         seed = saved = None
         if op.statistics:
             *params, saved = params
         if op.has_dropout:
             *params, training, seed = params
             params = (*params, training, None)  # the seed argument: the tensor is passed on its own
-        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs, saved,
+        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs, saved, shard=shard,
                                    traced=_traced(op, (*grads, *tensors)))
 
-    backward_op = _library_op(f"{op.name}_backward", backward_impl, backward_arguments, "Tensor[]", traceable)
+    backward_op = _library_op(f"{op.name}_backward", backward_impl, [*backward_arguments, _SHARD_ARGUMENT],
+                              "Tensor[]", traceable)
 
     @backward_op.register_fake
-    def _(grads, tensors, *rest):
-        needs = rest[-1]
+    def _(*args):
+        _, tensors, *_, needs = args[:backward_count]
         return [torch.empty_like(t) for t, need in zip(tensors, needs) if need]
 
     def no_double_backward(ctx, *grads):

@@ -1,21 +1,24 @@
 """Generated ops on DTensors (tensor and sequence parallelism), with rules derived from each
 input's layout rather than written per op.
 
-The problem's placement P (one device mesh dimension) comes from the inputs shaped like the
-output: their first `Shard(d)`, else `Replicate`. It falls back to `Replicate` (DTensor then
-gathers, visibly) where a shard cannot be computed locally: `Shard(last)` for row reductions
-(a row's values must meet) and for chunked inputs (`[..., 2N]`: the last dim's shard would
-split the chunks unevenly). Each input takes P where it spans the sharded dim, else
-`Replicate` (a bias `[N]` under a row shard, a `[..., 1]` scale under a column shard);
-`Partial` inputs are reduced by that redistribution before anything nonlinear. Outputs, row
-outputs and the row statistics kept for the backward take P; the seed is replicated. A
-gradient takes its input's placement, or `Partial(sum)` where the input was replicated over
-a sharded dim (its gradient is a sum over rows this rank holds part of).
+The problem's placement P (per device mesh dim) comes from the inputs shaped like the
+output: their first `Shard(d)` on that mesh dim, else `Replicate`. It falls back to
+`Replicate` (DTensor then gathers, visibly) where a shard cannot be computed locally:
+`Shard(last)` for row reductions (a row's values must meet) and for chunked inputs
+(`[..., 2N]`: the last dim's shard would split the chunks unevenly), and for ops with
+dropout a second sharded leading dim (`Shard` places a part by one leading dim and the
+last). Each input takes P where it spans the sharded dim, else `Replicate` (a bias `[N]`
+under a row shard, a `[..., 1]` scale under a column shard); `Partial` inputs are reduced by
+that redistribution before anything nonlinear. Outputs, row outputs and the row statistics
+kept for the backward take P; the seed is replicated. A gradient takes its input's
+placement, or `Partial(sum)` on each mesh dim where the input was replicated over a sharded
+dim (its gradient is a sum over rows this rank holds part of).
 
 Dropout draws the mask of the global tensor: the kernels get the shard's place in the global
 problem (`Shard`), so a sharded run drops exactly what one device would, given the same seed
 on every rank (torch.manual_seed on every rank, as DTensor's own random ops require, or an
-explicit seed=).
+explicit seed=). Inside torch.compile the library op's last argument carries the shard's
+place as sizes (`_shard`), which the graph keeps symbolic where the sizes are.
 """
 from __future__ import annotations
 
@@ -47,19 +50,35 @@ class Shard:
     column_offset: int
     n_global: int
 
+    @classmethod
+    def of(cls, sizes) -> "Shard | None":
+        """The Shard of a library op's `_shard` argument (its six sizes), None for None."""
+        return None if sizes is None else cls(*sizes)
+
+    def sizes(self) -> list:
+        """The six sizes, as the library ops take them (SymInts while torch.compile traces)."""
+        return [self.inner, self.local, self.total, self.offset, self.column_offset, self.n_global]
+
     @property
     def whole_groups(self) -> bool:
         """Rows of whole groups of four dropout words, globally."""
         return self.n_global % 4 == 0 and self.column_offset % 4 == 0
 
-    def buffer(self, device: torch.device) -> torch.Tensor:
+    def buffer(self, device: torch.device, traced: bool = False) -> torch.Tensor:
+        """The six sizes as the kernels read them: a cached int64 tensor, or in a traced graph
+        one the graph makes (a constant, or from its symbolic sizes, never their example values)."""
+        if traced:
+            values = self.sizes()
+            if all(type(v) is int for v in values):
+                return torch.tensor(values, dtype=torch.int64, device=device)
+            # torch.tensor would take a SymInt's example value, specializing the graph to it.
+            return torch.stack([torch.scalar_tensor(v, dtype=torch.int64, device=device) for v in values])
         key = (self, device)
         buffer = _BUFFERS.get(key)
         if buffer is None:
             if len(_BUFFERS) >= CACHE_SIZE:
                 _BUFFERS.clear()
-            values = [self.inner, self.local, self.total, self.offset, self.column_offset, self.n_global]
-            buffer = _BUFFERS[key] = torch.tensor(values, dtype=torch.int64, device=device)
+            buffer = _BUFFERS[key] = torch.tensor(self.sizes(), dtype=torch.int64, device=device)
         return buffer
 
 
@@ -106,11 +125,15 @@ _REGISTERED: set = set()  # the ops whose library ops carry DTensor rules
 @dataclass(frozen=True)
 class _Plan:
     mesh: object
-    placement: object  # P: the output's, on the mesh's one dim
-    inputs: tuple  # each input's target placement
+    placements: tuple  # P: the output's, one per mesh dim
+    inputs: tuple  # each input's target placements
     shape: torch.Size  # the global output shape
-    shard: Shard | None  # None when not sharded, or while traced
+    shard: Shard | None  # None when not sharded; symbolic sizes while traced
     traced: bool  # torch.compile traces the call: its local tensors are fake ones
+
+    @property
+    def sharded(self) -> bool:
+        return any(p.is_shard() for p in self.placements)
 
 
 def _plan(op, tensors) -> _Plan:
@@ -119,7 +142,7 @@ def _plan(op, tensors) -> _Plan:
     from torch.distributed.tensor import DTensor
 
     if _traced([t._local_tensor for t in tensors if isinstance(t, DTensor)]):
-        # torch.compile's tracing: shapes may be symbolic, and the rank is not known.
+        # torch.compile's tracing: shapes may be symbolic, and the plan is not kept.
         return _new_plan(op, tensors, traced=True)
     key = (op, *((t.shape, t.placements, t.device_mesh) if isinstance(t, DTensor) else (t.shape,)
                  for t in tensors))
@@ -135,8 +158,8 @@ _PLANS: dict = {}
 
 
 def _new_plan(op, tensors, traced: bool = False) -> _Plan:
-    """`traced`: the shard's place in the global problem (dropout's global index) is not
-    worked out: the graph cannot carry it."""
+    """`traced`: torch.compile traces the call; the shard's place is worked out from the
+    traced sizes (symbolic ones stay symbolic) and this rank's mesh coordinate."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as ShardPlacement
 
@@ -144,23 +167,34 @@ def _new_plan(op, tensors, traced: bool = False) -> _Plan:
     mesh = dtensors[0].device_mesh
     if any(t.device_mesh != mesh for t in dtensors):
         raise FusegenArgumentError(f"{op.name}(): all DTensor inputs must be on one device mesh")
-    if mesh.ndim != 1:
-        raise FusegenArgumentError(f"{op.name}(): DTensor inputs on a 1-D device mesh only; got {mesh.ndim} dims")
     # The global problem, checked as the op checks plain tensors (shapes only: meta stand-ins).
     stand_ins = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
     shape = broadcast_problem(op.name, op.inputs, stand_ins).shape
-    ndim = len(shape)
-    placement = Replicate()
-    for t in tensors:
-        if isinstance(t, DTensor) and t.dim() == ndim and t.placements[0].is_shard():
-            placement = ShardPlacement(t.placements[0].dim % ndim)
-            break
-    if placement.is_shard() and placement.dim == ndim - 1 and (
-        op.statistics or any(spec.chunks > 1 for spec in op.inputs)
-    ):
+    ndim, last = len(shape), len(shape) - 1
+    placements = []
+    for i in range(mesh.ndim):  # each mesh dim: the first shard among inputs shaped like the output
         placement = Replicate()
-    targets = tuple(_input_placement(placement, t, shape) for t in tensors)
-    return _Plan(mesh, placement, targets, shape, None if traced else _shard(placement, shape, mesh), traced)
+        for t in tensors:
+            if isinstance(t, DTensor) and t.dim() == ndim and t.placements[i].is_shard():
+                placement = ShardPlacement(t.placements[i].dim % ndim)
+                break
+        if placement.is_shard() and placement.dim == last and (
+            op.statistics or any(spec.chunks > 1 for spec in op.inputs)
+        ):
+            placement = Replicate()  # rows must stay whole, chunks unsplit: gathered first
+        placements.append(placement)
+    if op.has_dropout:
+        # The kernels place a shard in the global mask by one leading dim and the last dim
+        # (Shard): a second sharded leading dim is gathered first.
+        leading = None
+        for i, placement in enumerate(placements):
+            if placement.is_shard() and placement.dim != last:
+                if leading is None:
+                    leading = placement.dim
+                elif placement.dim != leading:
+                    placements[i] = Replicate()
+    targets = tuple(tuple(_input_placement(p, t, shape) for p in placements) for t in tensors)
+    return _Plan(mesh, tuple(placements), targets, shape, _shard(placements, shape, mesh), traced)
 
 
 def _input_placement(placement, tensor, shape):
@@ -176,52 +210,75 @@ def _input_placement(placement, tensor, shape):
     return ShardPlacement(own)
 
 
-def _shard(placement, shape, mesh) -> Shard | None:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not placement.is_shard():
+def _shard(placements, shape, mesh) -> Shard | None:
+    """Where this rank's part sits in the global problem, from the placements applied in mesh
+    order (torch.chunk's split: a dim sharded on two mesh dims is split within the first's
+    part). Plain arithmetic on the sizes and the mesh coordinate, SymInts included: DTensor's
+    own helper indexes a tensor of offsets, which a traced graph cannot read back."""
+    if not any(p.is_shard() for p in placements):
         return None
-    local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
-    d, last = placement.dim, len(shape) - 1
-    if d == last:
-        return Shard(1, 1, 1, 0, offset[d], shape[last])
-    return Shard(math.prod(shape[d + 1:last]), local[d], shape[d], offset[d], 0, shape[last])
+    local, offset = list(shape), [0] * len(shape)
+    for i, placement in enumerate(placements):
+        if placement.is_shard():
+            d = placement.dim
+            size, start = _chunk(local[d], mesh.size(i), _coordinate(mesh, i))
+            local[d], offset[d] = size, offset[d] + start
+    last = len(shape) - 1
+    leading = [p.dim for p in placements if p.is_shard() and p.dim != last]
+    if not leading:
+        return Shard(1, 1, 1, 0, offset[last], shape[last])
+    d = leading[0]  # the only one where dropout is in play (_new_plan)
+    return Shard(math.prod(shape[d + 1:last]), local[d], shape[d], offset[d], offset[last], shape[last])
 
 
-def _local(tensor, mesh, placement):
+def _chunk(size, count: int, index):
+    """Part `index` of `count` of a dim of `size`, as torch.chunk splits it: (its size, its start)."""
+    step = -(-size // count)  # ceil, for SymInts too
+    start = torch.sym_min(step * index, size)
+    return torch.sym_min(size, start + step) - start, start
+
+
+def _coordinate(mesh, dim: int):
+    """This rank's coordinate on a mesh dim (a SymInt where torch.distributed.config's
+    compile_on_one_rank makes graphs rank-agnostic)."""
+    coordinate = getattr(mesh, "_sym_get_coordinate", None)
+    return coordinate(dim) if coordinate is not None else mesh.get_coordinate()[dim]
+
+
+def _local(tensor, mesh, placements):
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
-        if tensor.placements == (placement,):
+        if tensor.placements == placements:
             # Below autograd already (a dispatch rule): the local part itself, not to_local().
             return tensor._local_tensor
-        return tensor.redistribute(mesh, [placement]).to_local()
+        return tensor.redistribute(mesh, placements).to_local()
     return tensor  # a plain tensor beside DTensors: taken as the same on every rank
 
 
-def _wrap(local: torch.Tensor, plan: _Plan, placement, shape):
+def _wrap(local: torch.Tensor, plan: _Plan, placements: tuple, shape):
     """A result as a DTensor, made as DTensor's own op rules make theirs (from_local is an
     autograd function, and building its spec each time cost as much again)."""
     from torch.distributed.tensor import DTensor
 
     if not all(type(d) is int for d in shape):  # symbolic sizes (torch.compile): not kept
-        return DTensor(local, _spec(plan.mesh, placement, shape, local.dtype), requires_grad=False)
-    key = (plan.mesh, placement, tuple(shape), local.dtype)
+        return DTensor(local, _spec(plan.mesh, placements, shape, local.dtype), requires_grad=False)
+    key = (plan.mesh, placements, tuple(shape), local.dtype)
     spec = _SPECS.get(key)
     if spec is None:
         if len(_SPECS) >= CACHE_SIZE:
             _SPECS.clear()
-        spec = _SPECS[key] = _spec(plan.mesh, placement, shape, local.dtype)
+        spec = _SPECS[key] = _spec(plan.mesh, placements, shape, local.dtype)
     return DTensor(local, spec, requires_grad=False)
 
 
-def _spec(mesh, placement, shape, dtype):
+def _spec(mesh, placements: tuple, shape, dtype):
     """A contiguous global tensor's spec on the mesh (uneven shards included)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     shape = torch.Size(shape)
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(shape, stride, dtype))
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, dtype))
 
 
 _SPECS: dict = {}
@@ -232,16 +289,20 @@ def _register(op) -> None:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     count = len(op.inputs)
+    # The library ops' arguments after the inputs, up to the shard's sizes (which a call
+    # from above DTensor leaves out, or passes as None).
+    forward_rest = len(op.params) + 2 * op.has_dropout
+    backward_rest = len(op.params) + 2 * op.has_dropout + bool(op.statistics) + 1
 
     def forward_rule(cls, func, types, args, kwargs):
-        tensors, rest = args[:count], args[count:]
+        tensors, rest = args[:count], args[count:count + forward_rest]
         plan = _plan(op, tensors)
         local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
         if plan.traced:
             # torch.compile traces the DTensor call: the graph records the library op on the
-            # local tensors (launching here would only see fake ones).
-            _refuse_traced_sharded_dropout(op, plan, (*local, *rest))
-            results = func(*local, *rest)
+            # local tensors (launching here would only see fake ones), with the shard's place
+            # as sizes the graph carries.
+            results = func(*local, *rest, _sizes(plan.shard))
             results = list(results) if isinstance(results, (tuple, list)) else [results]
             outputs = results[:len(op._row_outputs)]
             seed = results[len(outputs)] if op.has_dropout else None
@@ -251,41 +312,45 @@ def _register(op) -> None:
             # same generator state on every rank).
             outputs, seed, saved = op.forward((*local, *rest), eager=True, shard=plan.shard)
         lead = plan.shape[:-1]
-        results = [_wrap(o, plan, plan.placement, (*lead, 1) if row else plan.shape)
+        results = [_wrap(o, plan, plan.placements, (*lead, 1) if row else plan.shape)
                    for o, row in zip(outputs, op._row_outputs)]
         if op.has_dropout:
-            results.append(_wrap(seed_result(seed, outputs[0].device), plan, Replicate(), (1,)))
+            replicated = (Replicate(),) * plan.mesh.ndim
+            results.append(_wrap(seed_result(seed, outputs[0].device), plan, replicated, (1,)))
         if op.statistics:
-            results.append(_wrap(saved, plan, plan.placement, (*lead, op.statistics)))
+            results.append(_wrap(saved, plan, plan.placements, (*lead, op.statistics)))
         return results[0] if len(results) == 1 else tuple(results)
 
     def backward_rule(cls, func, types, args, kwargs):
-        grads, tensors, *rest = args
+        grads, tensors, *rest = args[:2 + backward_rest]
         needs = rest[-1]
         plan = _plan(op, tensors)
         local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
-        local_grads = [_local(g, plan.mesh, plan.placement) for g in grads]
+        local_grads = [_local(g, plan.mesh, plan.placements) for g in grads]
         params = rest[:len(op.params)]
         extra = rest[len(op.params):-1]
         seed = saved = None
         if op.has_dropout:
-            training, seed = extra[0], _local(extra[1], plan.mesh, Replicate())
+            training, seed = extra[0], _local(extra[1], plan.mesh, (Replicate(),) * plan.mesh.ndim)
             params = (*params, training, None)
             extra = extra[2:]
         if op.statistics:
-            saved = _local(extra[0], plan.mesh, plan.placement)
+            saved = _local(extra[0], plan.mesh, plan.placements)
         if plan.traced:
-            _refuse_traced_sharded_dropout(op, plan, (*local, *params))
             saved_args = ((training, seed) if op.has_dropout else ()) + ((saved,) if op.statistics else ())
-            gradients = func(list(local_grads), list(local), *rest[:len(op.params)], *saved_args, needs)
+            gradients = func(list(local_grads), list(local), *rest[:len(op.params)], *saved_args, needs,
+                             _sizes(plan.shard))
         else:
             gradients = op.backward_kernels(tuple(local_grads), (*local, *params), seed, needs, saved,
                                             shard=plan.shard)
         results = []
-        for gradient, t, target in zip(gradients, [t for t, n in zip(tensors, needs) if n],
-                                       [p for p, n in zip(plan.inputs, needs) if n]):
-            placement = Partial() if plan.placement.is_shard() and not target.is_shard() else target
-            results.append(_wrap(gradient, plan, placement, t.shape))
+        for gradient, t, targets in zip(gradients, [t for t, n in zip(tensors, needs) if n],
+                                        [p for p, n in zip(plan.inputs, needs) if n]):
+            # Summed over the rows this rank holds part of, where the input was replicated
+            # over a sharded mesh dim.
+            placements = tuple(Partial() if p.is_shard() and not target.is_shard() else target
+                               for p, target in zip(plan.placements, targets))
+            results.append(_wrap(gradient, plan, placements, t.shape))
         return results
 
     op._forward_op.register_torch_dispatch(DTensor, forward_rule)
@@ -298,15 +363,8 @@ def _traced(local) -> bool:
     return any(isinstance(t, torch.Tensor) and type(t) not in PLAIN_TENSOR_TYPES for t in local)
 
 
-def _refuse_traced_sharded_dropout(op, plan: _Plan, args: tuple) -> None:
-    """A compiled graph records the library op on local tensors, which cannot carry the
-    shard's place: its dropout would draw each shard's mask as if it were the whole tensor."""
-    if plan.placement.is_shard() and op.has_dropout and op.check(args, needs_kernel=False).has_dropout:
-        raise FusegenArgumentError(
-            f"{op.name}(): dropout on sharded DTensors inside torch.compile is not supported (the "
-            "compiled graph cannot give each shard its place in the global mask); call the op "
-            "outside torch.compile, with p=0 or training=False there, or on replicated inputs"
-        )
+def _sizes(shard: Shard | None):
+    return None if shard is None else shard.sizes()
 
 
 def _detach_in_place_rule(DTensor) -> None:

@@ -312,7 +312,7 @@ class _Bound:
             args += [Slot(value), view[1], view[2]]
         return args, copies, views
 
-    def _common(self, call, seed) -> list:
+    def _common(self, call, seed, traced: bool = False) -> list:
         """M, N, M_BUCKET, the params, the seed and the dropout flags: what both kernels take."""
         problem, params = call.problem, call.params
         args = [problem.m, problem.n, tuning.m_bucket(problem.m), *(params[i] for i in self._scalars)]
@@ -320,7 +320,7 @@ class _Bound:
             args += [dropout_threshold(params[i]), dropout_scale(params[i])]
         shard = call.shard
         if self.op.has_dropout:
-            args += [seed, None if shard is None else shard.buffer(problem.device)]  # seed_ptr, shard_ptr
+            args += [seed, None if shard is None else shard.buffer(problem.device, traced)]  # seed_ptr, shard_ptr
         args += [params[i] for i in self._choices]
         if self.op.has_dropout:
             whole_groups = problem.n % 4 == 0 and (shard is None or shard.whole_groups)
@@ -335,7 +335,7 @@ class _Bound:
         args, copies, views = self._views(problem, tensors, self._chunks, range(count), traced)
         args += [Slot(count + j) for j in range(outputs)]
         args += self._extra_forward_args(count + outputs)
-        args += self._common(call, Slot(count + outputs + 1))
+        args += self._common(call, Slot(count + outputs + 1), traced)
         args += [self._index_64(problem, views), problem.compute_dtype == torch.float64]
         return args, tuple(copies)
 
@@ -370,7 +370,7 @@ class _Bound:
         args += grad_args
         args += [Slot(count + len(grads) + k) for k in range(len(targets))]
         args += self._extra_backward_args(count + len(grads) + len(targets))
-        args += self._common(call, Slot(count + len(grads) + len(targets) + 1))
+        args += self._common(call, Slot(count + len(grads) + len(targets) + 1), traced)
         args += [self._index_64(problem, views + grad_views), problem.compute_dtype == torch.float64]
         for target, one in zip(targets, self._one_per_row):
             args += [target is not None, target is not None and target.kind == "rows"]
