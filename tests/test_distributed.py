@@ -67,13 +67,20 @@ def test_fsdp2_trains_the_model_benchmark_stack_as_one_process_does(tmp_path):
         assert row["output_bit_identical"], where
         assert row.get("dropped_elements_identical", True), where
         assert max(row["gradient_relative_errors"]) < 1e-6, where
+    assert any(row["op"].endswith(", compiled") for row in report["shards"])
+    # FSDP2 × tensor parallel (sequence parallel) on a 1 × 2 mesh, dropout on, eager and
+    # compiled block by block: the losses of one process (fp32; a TP matmul sums in halves).
+    assert set(report["tensor_parallel"]) == {"p=0.0", "p=0.1", "p=0.1, compiled"}
+    for label, run in report["tensor_parallel"].items():
+        assert len(run["losses"]["fsdp2 x tp"]) == 3 and run["max_difference"] < 1e-4, (label, run)
 
 
 @pytest.mark.gpu2
 def test_two_gpus_match_one_device(tmp_path):
     """docs/scripts/distributed_check.py on 2 GPUs (NCCL, NVLink multicast off): shards of the
     seed op, swiglu, layer norm and a sequence-parallel layernorm_dropout_add against one
-    device, and FSDP2 training against one device."""
+    device, eager and compiled by Inductor; FSDP2 training, and FSDP2 × tensor parallel on a
+    1 × 2 mesh with dropout on, against one device."""
     report_path = tmp_path / "report.json"
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1", "PYTHONPATH": str(ROOT)}
@@ -94,3 +101,6 @@ def test_two_gpus_match_one_device(tmp_path):
         assert row["output_relative_error"] < 1e-5, where
         assert max(row["gradient_relative_errors"]) < 1e-2, where  # bf16; row-summed ones rounded per rank
     assert report["fsdp"]["max_difference"] < 1e-4  # fp32 over 10 steps
+    assert any(row["op"].endswith(", compiled") for row in report["shards"])
+    for label, run in report["tensor_parallel"].items():
+        assert run["max_difference"] < 1e-3, (label, run)  # fp32, 10 steps, TF32 off

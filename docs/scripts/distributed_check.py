@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 CPU = "--cpu" in sys.argv
 if CPU:
@@ -22,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
 from fusegen.bench import model as model_bench  # noqa: E402
 from generated.bias_gelu_dropout_add import bias_gelu_dropout_add  # noqa: E402
@@ -37,6 +39,37 @@ def reseeded(op):
         torch.manual_seed(7)
         return op(*tensors, p=0.1)
     return call
+
+
+def tensor_parallel(net, mesh) -> None:
+    """Megatron-style tensor parallelism with sequence parallelism for fusegen.bench.model's
+    GPT-2 stack: the residual stream sharded over tokens (Shard(1)); attention on the gathered
+    tokens, whole on every rank (its heads are not split here); the MLP column then row
+    parallel; the embedding by vocabulary rows, the head by columns. The other parameters
+    (norms, the fused biases) are replicated DTensors, so the generated ops see DTensors only."""
+    from torch import nn
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel,
+                                                   parallelize_module)
+
+    parallelize_module(net, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in net.blocks:
+        parallelize_module(block, mesh, {
+            "attention": PrepareModuleInputOutput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_input=True,
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False),
+            "fc": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+            "out": RowwiseParallel(input_layouts=Shard(2), output_layouts=Shard(1), use_local_output=False),
+        })
+        block.fc_bias = nn.Parameter(distribute_tensor(block.fc_bias.data, mesh, [Shard(0)]))
+    for module in net.modules():
+        if module is net or any(module is b.attention or module in b.attention.modules() for b in net.blocks):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                setattr(module, name, nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()])))
 
 
 def main() -> None:
@@ -77,6 +110,11 @@ def main() -> None:
         ("bias_gelu_dropout_add p=0.1 seed=None", reseeded(bias_gelu_dropout_add),
          (x, bias, residual), [(Shard(1), Replicate(), Shard(1))]),
     ]
+    # Each case eager, then compiled (Inductor on GPUs, aot_eager on the CPU's interpreter;
+    # fullgraph, dynamic sizes): the graph carries each shard's place in the global mask.
+    backend = "aot_eager" if CPU else "inductor"
+    cases += [(name + ", compiled", torch.compile(fn, backend=backend, fullgraph=True, dynamic=True), tensors, sets)
+              for name, fn, tensors, sets in cases if "seed=None" not in name]
     for name, fn, tensors, placement_sets in cases:
         leaves = [t.clone().requires_grad_(True) for t in tensors]
         whole = fn(*leaves)
@@ -135,6 +173,39 @@ def main() -> None:
     if rank == 0:
         print(report["fsdp"], flush=True)
 
+    # FSDP2 × tensor parallel on a 2-D mesh (1 × world: data parallel of one, tensor parallel
+    # over every rank), sequence parallel: the generated ops see DTensors sharded over tokens
+    # (norms, the fused residual adds) and over the MLP's columns (bias + GELU). Dropout on:
+    # every rank and the one device draw the same seeds, and the masks are the global ones.
+    mesh_2d = init_device_mesh("cpu" if CPU else "cuda", (1, world), mesh_dim_names=("dp", "tp"))
+    report["tensor_parallel"] = {}
+    for p, compiled in ((0.0, False), (0.1, False), (0.1, True)):
+        label = f"p={p}" + (", compiled" if compiled else "")
+        tp_losses = {}
+        for variant in ("one device", "fsdp2 x tp"):
+            net = model_bench.build_model("gpt2", size, p, ops, torch.float32, device)
+            if variant != "one device":
+                tensor_parallel(net, mesh_2d["tp"])
+                for block in net.blocks:
+                    fully_shard(block, mesh=mesh_2d["dp"])
+                fully_shard(net, mesh=mesh_2d["dp"])
+            optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+            if compiled:  # block by block, as FSDP2 advises (its hooks stay outside the graphs)
+                for block in net.blocks:
+                    block.compile(backend="aot_eager" if CPU else "inductor")
+            torch.manual_seed(5)  # the dropout seeds: one sequence for every rank and the one device
+            tp_losses[variant] = []
+            for step in range(steps):
+                loss = net(*tokens[step])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                tp_losses[variant].append(float(loss.detach()))
+        report["tensor_parallel"][label] = {
+            "losses": tp_losses, "max_difference": max(abs(a - b) for a, b in zip(*tp_losses.values()))}
+        if rank == 0:
+            print(label, report["tensor_parallel"][label], flush=True)
+
     if not CPU:  # a sharded forward + backward against the replicated op, on (8, 2048, 4096) bf16
         import triton
 
@@ -149,6 +220,24 @@ def main() -> None:
                 torch.autograd.grad(out, leaves[:2], grad_d)
 
             report["timing"][label] = triton.testing.do_bench(step, warmup=10, rep=100)
+        # Host time of a compiled step (forward + backward issued, the GPU idle first), sharded
+        # against replicated: what the shard's place adds to a graph.
+        compiled_op = torch.compile(lambda x, b, r: bias_gelu_dropout_add(x, b, r, p=0.1), fullgraph=True)
+        report["host_ms"] = {}
+        for label, placement in (("replicated", Replicate()), ("Shard(0)", Shard(0)), ("Shard(1)", Shard(1))):
+            leaves = [distribute_tensor(t, mesh, [p]).requires_grad_(True)
+                      for t, p in zip((xs, bs, rs), (placement, Replicate(), placement))]
+            grad_d = distribute_tensor(gs, mesh, [placement])
+            times = []
+            for i in range(30):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                torch.autograd.grad(compiled_op(*leaves), leaves[:2], grad_d)
+                times.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+            report["host_ms"][label] = 1e3 * statistics.median(times[10:])
+        if rank == 0:
+            print("compiled step, host ms:", report["host_ms"], flush=True)
         plain = [t.clone().requires_grad_(True) for t in (xs, bs, rs)]
         report["timing"]["plain tensors, one GPU"] = triton.testing.do_bench(
             lambda: torch.autograd.grad(bias_gelu_dropout_add(*plain, p=0.1), plain[:2], gs), warmup=10, rep=100)

@@ -141,7 +141,7 @@ def _plan(op, tensors) -> _Plan:
     anew took about a third of a DTensor call's host time."""
     from torch.distributed.tensor import DTensor
 
-    if _traced([t._local_tensor for t in tensors if isinstance(t, DTensor)]):
+    if _traced([_waited(t._local_tensor) for t in tensors if isinstance(t, DTensor)]):
         # torch.compile's tracing: shapes may be symbolic, and the plan is not kept.
         return _new_plan(op, tensors, traced=True)
     key = (op, *((t.shape, t.placements, t.device_mesh) if isinstance(t, DTensor) else (t.shape,)
@@ -251,9 +251,20 @@ def _local(tensor, mesh, placements):
     if isinstance(tensor, DTensor):
         if tensor.placements == placements:
             # Below autograd already (a dispatch rule): the local part itself, not to_local().
-            return tensor._local_tensor
-        return tensor.redistribute(mesh, placements).to_local()
+            return _waited(tensor._local_tensor)
+        return _waited(tensor.redistribute(mesh, placements).to_local())
     return tensor  # a plain tensor beside DTensors: taken as the same on every rank
+
+
+def _waited(local: torch.Tensor) -> torch.Tensor:
+    """The tensor itself where a collective's result is still in flight (an
+    AsyncCollectiveTensor, which a redistribution or a tensor-parallel layer's backward hands
+    on): a kernel reads memory, which only the wait makes final."""
+    if type(local) is torch.Tensor:
+        return local
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
 
 
 def _wrap(local: torch.Tensor, plan: _Plan, placements: tuple, shape):
