@@ -76,7 +76,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--parts", default="shards,fsdp,tp,timing", help="comma-separated: what to run")
+    parser.add_argument("--tp-runs", default="p=0.0,p=0.1,p=0.1 compiled",
+                        help="comma-separated: the tensor-parallel runs (of the default's)")
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if os.environ.get("FUSEGEN_HANG_DUMP"):  # a stuck rank prints every thread's stack
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["FUSEGEN_HANG_DUMP"]), exit=True)
     dist.init_process_group("gloo" if CPU else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cpu" if CPU else f"cuda:{rank}"
@@ -110,32 +118,33 @@ def main() -> None:
         ("bias_gelu_dropout_add p=0.1 seed=None", reseeded(bias_gelu_dropout_add),
          (x, bias, residual), [(Shard(1), Replicate(), Shard(1))]),
     ]
-    # Each case eager, then compiled (Inductor on GPUs, aot_eager on the CPU's interpreter;
-    # fullgraph, dynamic sizes): the graph carries each shard's place in the global mask.
-    backend = "aot_eager" if CPU else "inductor"
-    cases += [(name + ", compiled", torch.compile(fn, backend=backend, fullgraph=True, dynamic=True), tensors, sets)
-              for name, fn, tensors, sets in cases if "seed=None" not in name]
-    for name, fn, tensors, placement_sets in cases:
-        leaves = [t.clone().requires_grad_(True) for t in tensors]
-        whole = fn(*leaves)
-        whole_grads = torch.autograd.grad(whole, leaves, grad)
-        for placements in placement_sets:
-            shards = [distribute_tensor(t, mesh, [p]).requires_grad_(True) for t, p in zip(tensors, placements)]
-            out = fn(*shards)
-            grads = torch.autograd.grad(out, shards, distribute_tensor(grad, mesh, out.placements))
-            errors = [((g.full_tensor().double() - w.double()).norm() / w.double().norm()).item()
-                      for g, w in zip(grads, whole_grads)]
-            full = out.full_tensor()
-            row = {"op": name, "placements": [str(p) for p in placements], "output": str(out.placements[0]),
-                   "output_bit_identical": bool(torch.equal(full, whole.detach())),
-                   "output_relative_error": ((full.double() - whole.double()).norm() / whole.double().norm()).item(),
-                   "gradient_relative_errors": errors}
-            if "dropout" in name:  # y = dropout(...) + residual: y == residual exactly where dropped
-                residual_in = tensors[-1]
-                row["dropped_elements_identical"] = bool(torch.equal(full == residual_in, whole == residual_in))
-            report["shards"].append(row)
-            if rank == 0:
-                print(row, flush=True)
+    if "shards" in parts:
+        # Each case eager, then compiled (Inductor on GPUs, aot_eager on the CPU's interpreter;
+        # fullgraph, dynamic sizes): the graph carries each shard's place in the global mask.
+        backend = "aot_eager" if CPU else "inductor"
+        cases += [(name + ", compiled", torch.compile(fn, backend=backend, fullgraph=True, dynamic=True), tensors, sets)
+                  for name, fn, tensors, sets in cases if "seed=None" not in name]
+        for name, fn, tensors, placement_sets in cases:
+            leaves = [t.clone().requires_grad_(True) for t in tensors]
+            whole = fn(*leaves)
+            whole_grads = torch.autograd.grad(whole, leaves, grad)
+            for placements in placement_sets:
+                shards = [distribute_tensor(t, mesh, [p]).requires_grad_(True) for t, p in zip(tensors, placements)]
+                out = fn(*shards)
+                grads = torch.autograd.grad(out, shards, distribute_tensor(grad, mesh, out.placements))
+                errors = [((g.full_tensor().double() - w.double()).norm() / w.double().norm()).item()
+                          for g, w in zip(grads, whole_grads)]
+                full = out.full_tensor()
+                row = {"op": name, "placements": [str(p) for p in placements], "output": str(out.placements[0]),
+                       "output_bit_identical": bool(torch.equal(full, whole.detach())),
+                       "output_relative_error": ((full.double() - whole.double()).norm() / whole.double().norm()).item(),
+                       "gradient_relative_errors": errors}
+                if "dropout" in name:  # y = dropout(...) + residual: y == residual exactly where dropped
+                    residual_in = tensors[-1]
+                    row["dropped_elements_identical"] = bool(torch.equal(full == residual_in, whole == residual_in))
+                report["shards"].append(row)
+                if rank == 0:
+                    print(row, flush=True)
 
     # FSDP2: a small GPT-2 stack with generated ops, trained on 2 ranks (half the batch each)
     # against the same model on one device (the whole batch); dropout off, so the two see
@@ -146,67 +155,74 @@ def main() -> None:
     steps = 3 if CPU else 10
     tokens = torch.randint(0, size["vocab"], (steps, 2, size["batch"], size["seq"]),
                            generator=torch.Generator().manual_seed(1)).to(device)
-    losses = {}
-    for variant in ("one device", "fsdp2"):
-        net = model_bench.build_model("gpt2", size, 0.0, ops, torch.float32, device)
-        if variant == "fsdp2":
-            for block in net.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(net, mesh=mesh)
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        losses[variant] = []
-        for step in range(steps):
-            inputs, targets = tokens[step]
+    if "fsdp" in parts:
+        losses = {}
+        for variant in ("one device", "fsdp2"):
+            net = model_bench.build_model("gpt2", size, 0.0, ops, torch.float32, device)
             if variant == "fsdp2":
-                half = size["batch"] // world
-                inputs, targets = inputs[rank * half:(rank + 1) * half], targets[rank * half:(rank + 1) * half]
-            loss = net(inputs, targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            value = loss.detach().clone()
-            if variant == "fsdp2":
-                dist.all_reduce(value, op=dist.ReduceOp.AVG if not CPU else dist.ReduceOp.SUM)
-                value = value / world if CPU else value
-            losses[variant].append(float(value))
-    report["fsdp"] = {"losses": losses, "max_difference": max(abs(a - b) for a, b in zip(*losses.values()))}
-    if rank == 0:
-        print(report["fsdp"], flush=True)
-
-    # FSDP2 × tensor parallel on a 2-D mesh (1 × world: data parallel of one, tensor parallel
-    # over every rank), sequence parallel: the generated ops see DTensors sharded over tokens
-    # (norms, the fused residual adds) and over the MLP's columns (bias + GELU). Dropout on:
-    # every rank and the one device draw the same seeds, and the masks are the global ones.
-    mesh_2d = init_device_mesh("cpu" if CPU else "cuda", (1, world), mesh_dim_names=("dp", "tp"))
-    report["tensor_parallel"] = {}
-    for p, compiled in ((0.0, False), (0.1, False), (0.1, True)):
-        label = f"p={p}" + (", compiled" if compiled else "")
-        tp_losses = {}
-        for variant in ("one device", "fsdp2 x tp"):
-            net = model_bench.build_model("gpt2", size, p, ops, torch.float32, device)
-            if variant != "one device":
-                tensor_parallel(net, mesh_2d["tp"])
                 for block in net.blocks:
-                    fully_shard(block, mesh=mesh_2d["dp"])
-                fully_shard(net, mesh=mesh_2d["dp"])
+                    fully_shard(block, mesh=mesh)
+                fully_shard(net, mesh=mesh)
             optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-            if compiled:  # block by block, as FSDP2 advises (its hooks stay outside the graphs)
-                for block in net.blocks:
-                    block.compile(backend="aot_eager" if CPU else "inductor")
-            torch.manual_seed(5)  # the dropout seeds: one sequence for every rank and the one device
-            tp_losses[variant] = []
+            losses[variant] = []
             for step in range(steps):
-                loss = net(*tokens[step])
+                inputs, targets = tokens[step]
+                if variant == "fsdp2":
+                    half = size["batch"] // world
+                    inputs, targets = inputs[rank * half:(rank + 1) * half], targets[rank * half:(rank + 1) * half]
+                loss = net(inputs, targets)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                tp_losses[variant].append(float(loss.detach()))
-        report["tensor_parallel"][label] = {
-            "losses": tp_losses, "max_difference": max(abs(a - b) for a, b in zip(*tp_losses.values()))}
+                value = loss.detach().clone()
+                if variant == "fsdp2":
+                    dist.all_reduce(value, op=dist.ReduceOp.AVG if not CPU else dist.ReduceOp.SUM)
+                    value = value / world if CPU else value
+                losses[variant].append(float(value))
+        report["fsdp"] = {"losses": losses, "max_difference": max(abs(a - b) for a, b in zip(*losses.values()))}
         if rank == 0:
-            print(label, report["tensor_parallel"][label], flush=True)
+            print(report["fsdp"], flush=True)
 
-    if not CPU:  # a sharded forward + backward against the replicated op, on (8, 2048, 4096) bf16
+    if "tp" in parts:
+        # FSDP2 × tensor parallel on a 2-D mesh (1 × world: data parallel of one, tensor parallel
+        # over every rank), sequence parallel: the generated ops see DTensors sharded over tokens
+        # (norms, the fused residual adds) and over the MLP's columns (bias + GELU). Dropout on:
+        # every rank and the one device draw the same seeds, and the masks are the global ones.
+        mesh_2d = init_device_mesh("cpu" if CPU else "cuda", (1, world), mesh_dim_names=("dp", "tp"))
+        report["tensor_parallel"] = {}
+        runs = args.tp_runs.split(",")
+        for p, compiled in ((0.0, False), (0.1, False), (0.1, True)):
+            if f"p={p}" + (" compiled" if compiled else "") not in runs:
+                continue
+            label = f"p={p}" + (", compiled" if compiled else "")
+            tp_losses = {}
+            for variant in ("one device", "fsdp2 x tp"):
+                if rank == 0:
+                    print(time.strftime("%X"), "tensor parallel:", label, variant, flush=True)
+                net = model_bench.build_model("gpt2", size, p, ops, torch.float32, device)
+                if variant != "one device":
+                    tensor_parallel(net, mesh_2d["tp"])
+                    for block in net.blocks:
+                        fully_shard(block, mesh=mesh_2d["dp"])
+                    fully_shard(net, mesh=mesh_2d["dp"])
+                optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+                if compiled:  # block by block, as FSDP2 advises (its hooks stay outside the graphs)
+                    for block in net.blocks:
+                        block.compile(backend="aot_eager" if CPU else "inductor")
+                torch.manual_seed(5)  # the dropout seeds: one sequence for every rank and the one device
+                tp_losses[variant] = []
+                for step in range(steps):
+                    loss = net(*tokens[step])
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    tp_losses[variant].append(float(loss.detach()))
+            report["tensor_parallel"][label] = {
+                "losses": tp_losses, "max_difference": max(abs(a - b) for a, b in zip(*tp_losses.values()))}
+            if rank == 0:
+                print(label, report["tensor_parallel"][label], flush=True)
+
+    if "timing" in parts and not CPU:  # a sharded forward + backward against the replicated op, on (8, 2048, 4096) bf16
         import triton
 
         xs, bs, rs, gs = randn(8, 2048, 4096), randn(4096), randn(8, 2048, 4096), randn(8, 2048, 4096)
