@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fusegen import cli, ir, plan, simplify, spec, write
+from fusegen import cli, ir, planning, simplify, spec, write
 from fusegen.backends import codegen
 from fusegen.backends.triton.codegen import RESERVED_NAMES, render
 
@@ -16,7 +16,7 @@ SEED_SPEC = ROOT / "specs" / "bias_gelu_dropout_add.yaml"
 
 
 def _render(path: Path) -> str:
-    return render(plan.plan(simplify.simplify(ir.build_ir(spec.load_spec(path))), RESERVED_NAMES))
+    return render(planning.plan(simplify.simplify(ir.build_ir(spec.load_spec(path))), RESERVED_NAMES))
 
 
 def test_header_names_spec_and_hash():

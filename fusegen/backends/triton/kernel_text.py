@@ -6,10 +6,8 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass, field
 
-import sympy
-
-from fusegen.plan import Body, GradientPlan, InputPlan, KernelPlan, OpPlan
-from fusegen.printers import ElementwisePrinter
+from fusegen.body_text import statements
+from fusegen.plan import GradientPlan, InputPlan, KernelPlan, OpPlan
 
 from .naming import InputNames, TritonNames
 from .printer import COMPUTE_DTYPE, TritonPrinter
@@ -242,43 +240,6 @@ def gradient_sums(gradient: GradientPlan, names: TritonNames) -> list[str]:
 
 def kernel_lines(kernel: KernelText) -> list[str]:
     return [*kernel.prologue, *kernel.loads, *kernel.dropout_lines, *kernel.plain_lines, *kernel.stores, *kernel.epilogue]
-
-
-def statements(body: Body, printer: ElementwisePrinter, constant, tensors: set[str]) -> list[str]:
-    """`t0 = ...` lines then `name = ...` lines, each after a comment naming the constants
-    it spells as literals; a result that reaches no tensor is broadcast by `constant`."""
-    lines = []
-
-    def emit(target: str, text: str) -> None:
-        for literal, meaning in printer.constants.items():
-            lines.append(f"# {literal} = {meaning}")
-        printer.constants.clear()
-        lines.append(f"{target} = {text}")
-
-    temps = dict(body.temps)
-    for target, expr in body.temps:
-        emit(target, printer.doprint(expr))
-    for target, expr in body.results:
-        text = printer.doprint(expr)
-        if constant is not None and not depends_on(expr, temps, tensors):
-            text = constant(text)
-        emit(target, text)
-    return lines
-
-
-def depends_on(expr: sympy.Expr, temps: dict, tensors: set[str]) -> bool:
-    """Whether a result reaches one of `tensors`, directly or through temporaries."""
-    pending, seen = [s.name for s in expr.free_symbols], set()
-    while pending:
-        name = pending.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in temps:
-            pending.extend(s.name for s in temps[name].free_symbols)
-        elif name in tensors:
-            return True
-    return False
 
 
 def triton_constant(text: str) -> str:

@@ -50,9 +50,9 @@ def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> l
         f"backward_reads={_strings([i.name for i in kernel.inputs])}",
         f"gradients={_strings([g.input.name for g in kernel.gradients])}",
     ]
-    if plan.forward.kind.is_row and plan.forward.body.saved:
+    if (plan.kind == "row") and plan.forward.body.saved:
         kernels.append(f"statistics={len(plan.forward.body.saved)}")
-    call = "launch.RowKernels" if plan.forward.kind.is_row else "launch.Kernels"
+    call = "launch.RowKernels" if (plan.kind == "row") else "launch.Kernels"
     return lines + _argument("kernels", kernels, call=call) + ["reference=_reference,"]
 
 
@@ -104,7 +104,7 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
     if plan.has_dropout:
         lines += wrap("training=False, or every dropout p == 0, takes a kernel with no random numbers.", "    ")
         lines += wrap("seed=None draws the dropout seed from torch's default generator (torch.manual_seed).", "    ")
-    rows = plan.forward.kind.is_row
+    rows = (plan.kind == "row")
     if rows:
         lines += [""] + wrap(
             "The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "

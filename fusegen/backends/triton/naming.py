@@ -86,6 +86,6 @@ class TritonNames:
         # Row kernels' looped reductions: a [BLOCK_M, BLOCK_N] tile each, reduced after the loop.
         self.tiles: dict[str, str] = {}
         for kernel in (plan.forward, plan.backward):
-            for r in kernel.body.reductions if kernel.kind.is_row else ():
+            for r in kernel.body.reductions if (plan.kind == "row") else ():
                 if r.symbol.name not in self.tiles:
                     self.tiles[r.symbol.name] = namer.claim(f"{r.symbol.name}_tile")

@@ -14,11 +14,11 @@ backward) draws the same ones; with dropout off they are 1.
 """
 from __future__ import annotations
 
+from fusegen.body_text import depends_on
 from fusegen.plan import KernelPlan, OpPlan, RowBody, RowReduction
 
 from .kernel_text import (
     KernelText,
-    depends_on,
     gradient_stores,
     gradient_sums,
     input_argument,
