@@ -104,8 +104,10 @@ class HelperPlan:
     args: tuple[str, ...]
     forward: tuple[tuple[str, Body], ...]  # (choice, body)
     derivatives: tuple[tuple[tuple[str, Body], ...], ...]  # per argument: (choice, body)
-    # The eager twin's helper (module-level, so '_'-prefixed): its name, and per choice the
-    # expression a PyTorch user writes for it (F.gelu(x)), over args.
+    # The reference's helper (module-level, so '_'-prefixed; its bodies are `forward`).
+    torch_name: str
+    # The eager twin's helper: its name, and per choice the expression a PyTorch user writes
+    # for it (F.gelu(x)), over args.
     eager_name: str
     eager: tuple[tuple[str, str], ...]  # (choice, expression)
 

@@ -134,6 +134,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     # The eager function's own names: the tuple of each chunked input's chunks, each choice
     # param's helper.
     eager_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_eager") for h in op.helpers}
+    torch_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_torch") for h in op.helpers}
     chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs if i.layout.chunks > 1}
     eager = _eager_lines(
         tuple(expr for _, expr in op.ir.outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers
@@ -161,7 +162,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         same_gradient=tuple((g.input, g.same_as) for g in op.gradients if g.same_as is not None),
         gradient_reads=_gradient_reads(spec, op),
         eager=eager,
-        helpers=tuple(_helper(h, by_name[h.param], eager_helpers[h.param]) for h in op.helpers),
+        helpers=tuple(_helper(h, by_name[h.param], torch_helpers[h.param], eager_helpers[h.param]) for h in op.helpers),
         taken=namer.all_taken(),
     )
 
@@ -202,7 +203,7 @@ def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], 
     return tuple(lines + ["return " + ", ".join(printer.doprint(expr) for expr in outputs)])
 
 
-def _helper(helper: ChoiceHelper, param: ParamPlan, eager_name: str) -> HelperPlan:
+def _helper(helper: ChoiceHelper, param: ParamPlan, torch_name: str, eager_name: str) -> HelperPlan:
     """A helper's scope holds no spec names: its temporaries are simply t0, t1, ..."""
     temps = _temporary_names(None, [b for _, b in (*helper.forward, *(pair for g in helper.grads for pair in g))])
     rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in temps.items()}
@@ -218,6 +219,7 @@ def _helper(helper: ChoiceHelper, param: ParamPlan, eager_name: str) -> HelperPl
         args=tuple(a.name for a in helper.args),
         forward=tuple((choice, body(b)) for choice, b in helper.forward),
         derivatives=tuple(tuple((choice, body(b)) for choice, b in g) for g in helper.grads),
+        torch_name=torch_name,
         eager_name=eager_name,
         eager=tuple(
             (c, FUNCTIONS[c].torch_idiom.format(*(a.name for a in helper.args))) for c in param.declaration.choices
