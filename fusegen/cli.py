@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import ir, outdir, plan, simplify, spec, write
+from . import ir, outdir, plan, planning, simplify, spec, write
 from .backends import codegen
 from .errors import SpecError
+from .kinds import KINDS
 
 DEFAULT_SPECS = Path("specs")
 DEFAULT_OUT = Path("generated")
@@ -65,7 +66,7 @@ def build_op(path: Path) -> BuiltOp:
     op_spec = spec.load_spec(path)
     simplified = simplify.simplify(ir.build_ir(op_spec))
     backend = codegen()
-    op_plan = plan.plan(simplified, backend.RESERVED_NAMES, backend.MODULE_IMPORTS)
+    op_plan = planning.plan(simplified, backend.RESERVED_NAMES, backend.MODULE_IMPORTS)
     text = backend.render(op_plan)
     write.check_module(text, f"{op_spec.name}.py")
     return BuiltOp(op_spec, simplified, op_plan, text)
@@ -181,21 +182,10 @@ def cmd_show(args) -> int:
     print("\n## IR")
     for name, expr in op.simplified.ir.outputs:
         print(f"{name} = {expr}")
-    if p.forward.kind.is_row:  # one program each way; with dropout off its masks are 1
-        for title, program in [("forward", p.forward.body), ("backward", p.backward.body)]:
-            print(f"\n## {title}, simplified and CSE'd, as passes along each row")
-            print("\n".join(program.lines()))
-    for title, body in [] if p.forward.kind.is_row else [
-        ("forward (dropout on)", p.forward.body if p.has_dropout else None),
-        ("forward (dropout off)" if p.has_dropout else "forward", p.forward.body_no_dropout or p.forward.body),
-        ("backward (dropout on)", p.backward.body if p.has_dropout else None),
-        ("backward (dropout off)" if p.has_dropout else "backward", p.backward.body_no_dropout or p.backward.body),
-    ]:
-        if body is None:
-            continue
-        print(f"\n## {title}, simplified and CSE'd")
-        for name, expr in (*body.temps, *body.results):
-            print(f"{name} = {expr}")
+    for heading, lines in KINDS[p.kind].sections(p):
+        if lines:
+            print(f"\n## {heading}")
+            print("\n".join(lines))
     for source, output in p.passthrough:
         print(f"grad_{source} = grad_{output}  (passed through, no copy)")
     for name, source in p.same_gradient:
@@ -229,7 +219,7 @@ def cmd_list(args) -> int:
                 print(exc, file=sys.stderr)
                 failed += 1
                 continue
-            signature = plan.public_signature(op.spec, has_dropout=bool(op.dropouts))
+            signature = planning.public_signature(op.spec, has_dropout=bool(op.dropouts))
             print(f"{op.spec.name}({signature})\n    {op.spec.doc}")
     return 2 if failed else 0
 
@@ -239,7 +229,7 @@ def cmd_new(args) -> int:
     text = write.render_starter_spec(args.name)
     # Before anything is written: every op name a build refuses, by the spec's rules and the backend's.
     spec.check_op_name(args.name, str(target))
-    plan.check_op_name(args.name, str(target), None, codegen().MODULE_IMPORTS)
+    planning.check_op_name(args.name, str(target), None, codegen().MODULE_IMPORTS)
     if args.dir.exists() and not args.dir.is_dir():
         raise SpecError(str(args.dir), None, "is not a folder: give --dir the folder to write NAME.yaml into")
     if target.exists():

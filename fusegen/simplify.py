@@ -32,6 +32,17 @@ class Block:
     temps: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
     results: tuple[tuple[str, sympy.Expr], ...]
 
+    # As a RowProgram answers them, so that plan building asks either the same.
+    @property
+    def definitions(self) -> tuple[tuple[sympy.Symbol, sympy.Expr], ...]:
+        return self.temps
+
+    def free_symbols(self) -> set:
+        found = set()
+        for _, expr in (*self.temps, *self.results):
+            found |= expr.free_symbols
+        return found
+
 
 @dataclass(frozen=True)
 class ChoiceHelper:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fusegen import cli, ir, plan, simplify, spec, write
+from fusegen import cli, ir, planning, simplify, spec, write
 from fusegen.backends import codegen
 from fusegen.backends.triton.codegen import RESERVED_NAMES, render
 
@@ -16,7 +16,7 @@ SEED_SPEC = ROOT / "specs" / "bias_gelu_dropout_add.yaml"
 
 
 def _render(path: Path) -> str:
-    return render(plan.plan(simplify.simplify(ir.build_ir(spec.load_spec(path))), RESERVED_NAMES))
+    return render(planning.plan(simplify.simplify(ir.build_ir(spec.load_spec(path))), RESERVED_NAMES))
 
 
 def test_header_names_spec_and_hash():
@@ -159,3 +159,33 @@ def test_long_statements_are_broken_without_changing_the_program():
     formatted = format_module(source)
     assert ast.dump(ast.parse(formatted)) == ast.dump(ast.parse(source))
     assert max(len(line) for line in formatted.splitlines()) <= 100
+
+
+def test_each_kind_is_registered_once_and_rendered_by_the_backend():
+    """Each kernel kind (fusegen.kinds) has its Triton kernel text under the same name; each
+    shipped spec is of exactly one kind (kind_of); a module declares its kernels with the
+    launcher class and tuning space its kind names, which the run-time modules define."""
+    from fusegen.backends.triton import kinds as triton_kinds, launch, tuning
+    from fusegen.kinds import KINDS, kind_of
+
+    assert set(KINDS) == set(triton_kinds.TRITON_KINDS)
+    seen = set()
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        op = simplify.simplify(ir.build_ir(spec.load_spec(path)))
+        kind = kind_of(op)
+        assert [k.name for k in KINDS.values() if k.matches(op)] == [kind.name], path.name
+        if kind.name in seen:
+            continue
+        seen.add(kind.name)
+        triton_kind = triton_kinds.TRITON_KINDS[kind.name]
+        assert getattr(launch, triton_kind.binding.removeprefix("launch.")), triton_kind.binding
+        text = _render(path)
+        assert f"kernels={triton_kind.binding}(" in text
+        for kernel in ast.parse(text).body:
+            if isinstance(kernel, ast.FunctionDef) and kernel.name.endswith("kernel") and kernel.decorator_list:
+                autotune = kernel.decorator_list[0]
+                for keyword in autotune.keywords:
+                    for node in ast.walk(keyword.value):
+                        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "tuning":
+                            assert hasattr(tuning, node.attr), node.attr
+    assert seen == set(KINDS)  # every registered kind has a shipped spec to stand for it

@@ -44,8 +44,7 @@ import torch
 import yaml
 
 from fusegen import cli, write
-from fusegen.backends.triton.codegen import module_class_name
-from fusegen.backends.triton.naming import MODULE_IMPORTS, RESERVED_NAMES
+from fusegen.backends.triton.codegen import MODULE_IMPORTS, RESERVED_NAMES, module_class_name
 from fusegen.errors import SpecError
 from fusegen.names import PYTHON_BUILTINS
 from fusegen.spec import SIGNATURE_NAMES, load_spec
@@ -53,7 +52,7 @@ from fusegen.spec import SIGNATURE_NAMES, load_spec
 NEUTRAL = "qzneutral"  # a name no template uses, in any position
 
 # The hostile names, by class: the classes are what the generated code could collide with
-# (fusegen.backends.triton.naming: MODULE_IMPORTS, RESERVED_NAMES; fusegen.names:
+# (fusegen.backends.triton.codegen: MODULE_IMPORTS, RESERVED_NAMES; fusegen.names:
 # PYTHON_BUILTINS and Python's keywords; the names plan.py and TritonNames derive) or what
 # could break out of a string or a name. test_the_name_classes_match_the_code checks the
 # classes against those sets. Every position gets the CORE classes; names that the

@@ -1,15 +1,14 @@
-"""The text of an op's two Triton kernels, and of straight-line bodies for any printer:
-the kernels' arguments in the order fusegen.backends.triton.launch passes them, their loads,
-bodies, stores and gradient reductions, as lists of lines for the template."""
+"""What every kind's Triton kernels are made of: the kernels' arguments in the order
+fusegen.backends.triton.launch passes them, their loads, stores and gradient reductions, as
+lists of lines; `KernelText`, one kernel as the template takes it, and `TritonKind`, what a
+kind registers (kinds.py)."""
 from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass, field
+from typing import Callable
 
-import sympy
-
-from fusegen.plan import Body, GradientPlan, InputPlan, KernelPlan, OpPlan
-from fusegen.printers import ElementwisePrinter
+from fusegen.plan import GradientPlan, InputPlan, KernelPlan, OpPlan
 
 from .naming import InputNames, TritonNames
 from .printer import COMPUTE_DTYPE, TritonPrinter
@@ -19,101 +18,32 @@ _TO_COMPUTE = f".to({COMPUTE_DTYPE})"
 
 @dataclass
 class KernelText:
+    """One kernel as the template lays it out: its autotuner (the kind's tuning space:
+    `configs`, `prune` and a `pre_hook` where a kind needs one), signature and body."""
+
     name: str
     key: str
     arguments: list[str]
-    prologue: list[str] = field(default_factory=list)
-    loads: list[str] = field(default_factory=list)
-    dropout_lines: list[str] = field(default_factory=list)
-    plain_lines: list[str] = field(default_factory=list)
-    stores: list[str] = field(default_factory=list)
-    accumulators: list[str] = field(default_factory=list)
-    epilogue: list[str] = field(default_factory=list)
+    lines: list[str]
+    configs: str  # the tuning module's configs and pruner, as the module names them
+    prune: str
+    pre_hook: list[str] = field(default_factory=list)  # the autotuner's pre_hook argument, with its comment
 
 
-def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
-    kernel = plan.forward
-    arguments = [input_argument(i, names) for i in kernel.inputs]
-    arguments += [f"{out}_ptr,  # {name}, contiguous [M, N]" for (name, _), out in zip(plan.outputs, kernel.outputs)]
-    arguments.append("M, N,  # rows (all leading dims) and columns (the last dim)")
-    arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
-    arguments += shared_arguments(plan, kernel, names, forward=True)
-    arguments += ["BLOCK_M: tl.constexpr,", "BLOCK_N: tl.constexpr,"]
-    tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
-    result = KernelText(
-        name=f"{plan.op}_kernel",
-        key=kernel_key(plan, backward=False),
-        arguments=arguments,
-        prologue=scalars_in_compute_type(plan, kernel, names),
-        loads=[line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])],
-        stores=[
-            f"tl.store({out}_ptr + rows[:, None] * N + cols[None, :], {out}.to({out}_ptr.dtype.element_ty), mask=in_bounds)"
-            for out in kernel.outputs
-        ],
-    )
-    if kernel.body_no_dropout is not None:
-        result.dropout_lines = ["seed = tl.load(seed_ptr)"] + _mask_lines(plan, names)
-        result.dropout_lines += statements(kernel.body, printer, triton_constant, tensors)
-        result.plain_lines = statements(kernel.body_no_dropout, printer, triton_constant, tensors)
-    else:
-        result.plain_lines = statements(kernel.body, printer, triton_constant, tensors)
-    return result
+@dataclass(frozen=True)
+class TritonKind:
+    """A kernel kind as the Triton backend renders it (registered in kinds.py under the
+    kind's name, fusegen.kinds): its two kernels' text, the launcher class the module
+    declares them with (backends/triton/launch.py: its binding, argument lists and grids),
+    the module docstring's words on the kernels, and the names its kernels use for
+    themselves (no spec-derived name takes them)."""
 
-
-def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
-    kernel = plan.backward
-    arguments = [input_argument(i, names) for i in kernel.inputs]
-    for (output, _), incoming in zip(plan.outputs, kernel.incoming):
-        n = names.incoming[incoming]
-        arguments.append(f"{n.pointer}, {n.stride_m}, {n.stride_n},  # incoming gradient of {output}")
-    for gradient in kernel.gradients:
-        name, width = gradient.input.name, width_text(gradient.input)
-        pointer, sums = names.gradient_pointer[name], names.sums[name]
-        more = "; or row sums [column tiles, M]" if gradient.one_per_row else ""
-        arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
-    arguments.append("M, N, M_BUCKET,")
-    arguments += shared_arguments(plan, kernel, names, forward=False)
-    for gradient in kernel.gradients:
-        name = gradient.input.name
-        arguments += [f"{names.needs[name]}: tl.constexpr,", f"{names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows"]
-        if gradient.one_per_row:
-            arguments.append(f"{names.column_sums[name]}: tl.constexpr,  # {name} is broadcast along columns")
-    arguments += [
-        "ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums",
-        "BLOCK_M: tl.constexpr,",
-        "BLOCK_N: tl.constexpr,",
-    ]
-    tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
-    tensors |= set(kernel.incoming)
-    prologue = scalars_in_compute_type(plan, kernel, names)
-    if kernel.body_no_dropout is not None:
-        prologue += ["if HAS_DROPOUT:", "    seed = tl.load(seed_ptr)"]
-    loads = [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
-    for incoming in kernel.incoming:
-        n = names.incoming[incoming]
-        loads += [
-            f"{incoming} = tl.load({n.pointer} + rows[:, None] * {n.stride_m} + cols[None, :] * {n.stride_n}, mask=in_bounds)",
-            f"{incoming} = {incoming}{_TO_COMPUTE}",
-        ]
-    result = KernelText(
-        name=f"{plan.op}_backward_kernel",
-        key=kernel_key(plan, backward=True),
-        arguments=arguments,
-        prologue=prologue,
-        loads=loads,
-        accumulators=[
-            f"{names.accumulator[v]} = tl.zeros((BLOCK_M, BLOCK_N), {COMPUTE_DTYPE})"
-            for g in kernel.gradients for v in g.values
-        ],
-        stores=[line for g in kernel.gradients for line in gradient_stores(g, names)],
-        epilogue=[line for g in kernel.gradients for line in gradient_sums(g, names)],
-    )
-    if kernel.body_no_dropout is not None:
-        result.dropout_lines = _mask_lines(plan, names) + statements(kernel.body, printer, triton_constant, tensors)
-        result.plain_lines = statements(kernel.body_no_dropout, printer, triton_constant, tensors)
-    else:
-        result.plain_lines = statements(kernel.body, printer, triton_constant, tensors)
-    return result
+    name: str
+    forward: Callable[[OpPlan, TritonNames, TritonPrinter], KernelText]
+    backward: Callable[[OpPlan, TritonNames, TritonPrinter], KernelText]
+    binding: str
+    doc: str
+    reserved: frozenset[str] = frozenset()
 
 
 def with_argument_comments(kernel: KernelText) -> KernelText:
@@ -161,6 +91,31 @@ def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forwa
     return arguments
 
 
+def backward_arguments(plan: OpPlan, names: TritonNames, row_sums: str, saved: list[str]) -> list[str]:
+    """The backward's arguments up to ROWS_PER_PROGRAM: what it reads, the gradients it
+    writes (`row_sums`: the shape of a [..., 1] input's row sums), the `saved` arguments a
+    kind adds, M, N, M_BUCKET, the shared ones, and each gradient's flags."""
+    kernel = plan.backward
+    arguments = [input_argument(i, names) for i in kernel.inputs]
+    for (output, _), incoming in zip(plan.outputs, kernel.incoming):
+        n = names.incoming[incoming]
+        arguments.append(f"{n.pointer}, {n.stride_m}, {n.stride_n},  # incoming gradient of {output}")
+    for gradient in kernel.gradients:
+        name, width = gradient.input.name, width_text(gradient.input)
+        pointer, sums = names.gradient_pointer[name], names.sums[name]
+        more = f"; or row sums [{row_sums}]" if gradient.one_per_row else ""
+        arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
+    arguments += saved
+    arguments.append("M, N, M_BUCKET,")
+    arguments += shared_arguments(plan, kernel, names, forward=False)
+    for gradient in kernel.gradients:
+        name = gradient.input.name
+        arguments += [f"{names.needs[name]}: tl.constexpr,", f"{names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows"]
+        if gradient.one_per_row:
+            arguments.append(f"{names.column_sums[name]}: tl.constexpr,  # {name} is broadcast along columns")
+    return arguments
+
+
 def input_argument(i: InputPlan, names: TritonNames) -> str:
     n = names.inputs[i.name]
     return f"{n.pointer}, {n.stride_m}, {n.stride_n},  # {i.name} {i.layout.declared}, as [M, {width_text(i)}]"
@@ -198,14 +153,6 @@ def scalars_in_compute_type(plan: OpPlan, kernel: KernelPlan, names: TritonNames
     ]
 
 
-def _mask_lines(plan: OpPlan, names: TritonNames) -> list[str]:
-    return [
-        f"{m.local} = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, {m.stream}, "
-        f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)"
-        for m in plan.masks
-    ]
-
-
 def gradient_stores(gradient: GradientPlan, names: TritonNames) -> list[str]:
     name = gradient.input.name
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
@@ -240,50 +187,9 @@ def gradient_sums(gradient: GradientPlan, names: TritonNames) -> list[str]:
     return lines
 
 
-def kernel_lines(kernel: KernelText) -> list[str]:
-    return [*kernel.prologue, *kernel.loads, *kernel.dropout_lines, *kernel.plain_lines, *kernel.stores, *kernel.epilogue]
-
-
-def statements(body: Body, printer: ElementwisePrinter, constant, tensors: set[str]) -> list[str]:
-    """`t0 = ...` lines then `name = ...` lines, each after a comment naming the constants
-    it spells as literals; a result that reaches no tensor is broadcast by `constant`."""
-    lines = []
-
-    def emit(target: str, text: str) -> None:
-        for literal, meaning in printer.constants.items():
-            lines.append(f"# {literal} = {meaning}")
-        printer.constants.clear()
-        lines.append(f"{target} = {text}")
-
-    temps = dict(body.temps)
-    for target, expr in body.temps:
-        emit(target, printer.doprint(expr))
-    for target, expr in body.results:
-        text = printer.doprint(expr)
-        if constant is not None and not depends_on(expr, temps, tensors):
-            text = constant(text)
-        emit(target, text)
-    return lines
-
-
-def depends_on(expr: sympy.Expr, temps: dict, tensors: set[str]) -> bool:
-    """Whether a result reaches one of `tensors`, directly or through temporaries."""
-    pending, seen = [s.name for s in expr.free_symbols], set()
-    while pending:
-        name = pending.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in temps:
-            pending.extend(s.name for s in temps[name].free_symbols)
-        elif name in tensors:
-            return True
-    return False
+def indent(lines: list[str]) -> list[str]:
+    return ["    " + line for line in lines]
 
 
 def triton_constant(text: str) -> str:
     return f"tl.full((BLOCK_M, BLOCK_N), {text}, {COMPUTE_DTYPE})"
-
-
-def torch_constant(text: str) -> str:
-    return f"torch.full(problem.shape, {text}, dtype=problem.compute_dtype, device=problem.device)"

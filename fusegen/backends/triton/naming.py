@@ -12,15 +12,13 @@ MODULE_IMPORTS = frozenset(
     {"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", "dropout_mask", "sqrt_rn", "rsqrt_rn",
      "row_max", "row_min"}
 )
-# Names the generated code uses for itself: fusegen.plan names nothing spec-derived so.
-RESERVED_NAMES = (
+# Names every Triton module's code uses for itself (each kind adds its kernels' own: kinds.py).
+SHARED_NAMES = (
     MODULE_IMPORTS
     | {"reference", "eager", "_OP", "_reference"}
     # the kernels' own arguments and locals
     | {"rows", "cols", "in_bounds", "M", "N", "M_BUCKET", "seed", "seed_ptr", "shard_ptr", "first_row", "row_offset"}
     | {"HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "SHARDED", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"}
-    # the row kernels' own
-    | {"first_col", "partial", "tile_sum", "ONE_TILE", "saved_ptr"}
     # the reference body's and the module class's
     | {"problem", "masks", "self", "training"}
     | PYTHON_BUILTINS
@@ -75,17 +73,18 @@ class TritonNames:
         self.constexprs = {p.name: namer.claim(p.local.upper()) for p in plan.forward.choices}
         # Module-level helpers start with '_', as spec names never do: they only need to
         # differ from each other.
-        self.triton_helpers, self.torch_helpers = {}, {}
+        self.triton_helpers = {}
         for helper in plan.helpers:
             param, arity = helper.param, len(helper.args)
             self.triton_helpers[(param.name, None)] = namer.claim(f"_{param.local}")
             for k in range(arity):
                 suffix = "_grad" if arity == 1 else f"_grad{k}"
                 self.triton_helpers[(param.name, k)] = namer.claim(f"_{param.local}{suffix}")
-            self.torch_helpers[(param.name, None)] = namer.claim(f"_{param.local}_torch")
-        # Row kernels' looped reductions: a [BLOCK_M, BLOCK_N] tile each, reduced after the loop.
-        self.tiles: dict[str, str] = {}
-        for kernel in (plan.forward, plan.backward):
-            for r in kernel.body.reductions if kernel.kind.is_row else ():
-                if r.symbol.name not in self.tiles:
-                    self.tiles[r.symbol.name] = namer.claim(f"{r.symbol.name}_tile")
+        self._namer, self._own = namer, {}
+
+    def claim_once(self, key: str, wanted: str) -> str:
+        """A name a kind's kernels derive for themselves (a row reduction's tile), claimed
+        past all the others on first use, the same one after."""
+        if key not in self._own:
+            self._own[key] = self._namer.claim(wanted)
+        return self._own[key]

@@ -14,11 +14,14 @@ backward) draws the same ones; with dropout off they are 1.
 """
 from __future__ import annotations
 
+from fusegen.body_text import depends_on
 from fusegen.plan import KernelPlan, OpPlan, RowBody, RowReduction
 
 from .kernel_text import (
     KernelText,
-    depends_on,
+    backward_arguments,
+    TritonKind,
+    indent as _indent,
     gradient_stores,
     gradient_sums,
     input_argument,
@@ -76,29 +79,13 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         "else:",
         *_indent(program.looped(stores, [], [])),
     ]
-    return KernelText(name=f"{plan.op}_kernel", key=kernel_key(plan, backward=False), arguments=arguments,
-                      plain_lines=lines)
+    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
+                      "tuning.ROW_CONFIGS", "tuning.prune_row_configs")
 
 
 def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.backward
-    arguments = [input_argument(i, names) for i in kernel.inputs]
-    for (output, _), incoming in zip(plan.outputs, kernel.incoming):
-        n = names.incoming[incoming]
-        arguments.append(f"{n.pointer}, {n.stride_m}, {n.stride_n},  # incoming gradient of {output}")
-    for gradient in kernel.gradients:
-        name, width = gradient.input.name, width_text(gradient.input)
-        pointer, sums = names.gradient_pointer[name], names.sums[name]
-        more = "; or row sums [1, M]" if gradient.one_per_row else ""
-        arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
-    arguments.append("saved_ptr,  # the forward's reductions, [M, reductions]")
-    arguments.append("M, N, M_BUCKET,")
-    arguments += shared_arguments(plan, kernel, names, forward=False)
-    for gradient in kernel.gradients:
-        name = gradient.input.name
-        arguments += [f"{names.needs[name]}: tl.constexpr,", f"{names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows"]
-        if gradient.one_per_row:
-            arguments.append(f"{names.column_sums[name]}: tl.constexpr,  # {name} is broadcast along columns")
+    arguments = backward_arguments(plan, names, "1, M", ["saved_ptr,  # the forward's reductions, [M, reductions]"])
     arguments.append("ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums")
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
@@ -143,12 +130,8 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         "else:",
         *_indent(looped),
     ]
-    return KernelText(name=f"{plan.op}_backward_kernel", key=kernel_key(plan, backward=True), arguments=arguments,
-                      plain_lines=lines)
-
-
-def _indent(lines: list[str]) -> list[str]:
-    return ["    " + line for line in lines]
+    return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True), arguments, lines,
+                      "tuning.ROW_CONFIGS", "tuning.prune_row_backward_configs")
 
 
 class _Program:
@@ -237,6 +220,11 @@ class _Program:
             for symbol, k in self.body.loaded
         ]
 
+    def _tile(self, reduction: RowReduction) -> str:
+        """A looped reduction's [BLOCK_M, BLOCK_N] tile, reduced after the loop."""
+        name = reduction.symbol.name
+        return self.names.claim_once(name, f"{name}_tile")
+
     def _value(self, reduction: RowReduction) -> str:
         text = self.printer.doprint(reduction.value)
         if not depends_on(reduction.value, self.temps, self.tensors):
@@ -279,14 +267,14 @@ class _Program:
         lines = self._saved_loads() + self._assignments(body.row_values)
         for p in body.passes:
             for r in p.reductions:
-                lines.append(f"{self.names.tiles[r.symbol.name]} = tl.full((BLOCK_M, BLOCK_N), {_NEUTRAL[r.kind]}, {COMPUTE_DTYPE})")
+                lines.append(f"{self._tile(r)} = tl.full((BLOCK_M, BLOCK_N), {_NEUTRAL[r.kind]}, {COMPUTE_DTYPE})")
             lines += self._loop([r.value for r in p.reductions])
             lines += _indent(self._assignments(p.temps))
             for r in p.reductions:
-                tile = self.names.tiles[r.symbol.name]
+                tile = self._tile(r)
                 lines.append(f"    {tile} = {_accumulate(r.kind, tile, self._value(r))}")
             for r in p.reductions:
-                lines.append(f"{r.symbol.name} = {_reduce(r.kind, self.names.tiles[r.symbol.name])}")
+                lines.append(f"{r.symbol.name} = {_reduce(r.kind, self._tile(r))}")
             lines += self._saved_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += before
@@ -344,3 +332,15 @@ def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
         for k, v in enumerate(gradient.values)
     ]
     return lines
+
+
+KIND = TritonKind(
+    name="row",
+    forward=row_kernel,
+    backward=row_backward_kernel,
+    binding="launch.RowKernels",
+    doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
+        "reduced in registers, a wider one is swept once per level of nested reductions. They compute in fp32 "
+        "(fp64 for fp64 inputs) and write every output once, in the dtype torch's type promotion gives.",
+    reserved=frozenset({"first_col", "partial", "tile_sum", "ONE_TILE", "saved_ptr"}),
+)

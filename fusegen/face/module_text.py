@@ -1,17 +1,17 @@
-"""The text of a Triton module's public face: its docstring, its module class's, the op's
-signature, and the `_OP = runtime.FusedOp(...)` declaration."""
+"""The text of a generated module's public face, whatever its backend: its docstring, its
+module class's, and the `_OP = runtime.FusedOp(...)` declaration."""
 from __future__ import annotations
 
 import textwrap
 
+from fusegen.kinds import KINDS
 from fusegen.layout import Choice, Scalar, range_text
 from fusegen.plan import OpPlan
 
-from .kernel_text import KernelText
 
-
-def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> list[str]:
-    """The arguments of `_OP = runtime.FusedOp(...)`, one a line (a long one over several)."""
+def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str]) -> list[str]:
+    """The arguments of `_OP = runtime.FusedOp(...)`, one a line (a long one over several):
+    the kernels as `binding(forward, backward, ...)` (the backend's class for the plan's kind)."""
     inputs = []
     for i in plan.inputs:
         chunks = f", chunks={i.layout.chunks}" if i.layout.chunks > 1 else ""
@@ -43,17 +43,17 @@ def op_declaration(plan: OpPlan, forward: KernelText, backward: KernelText) -> l
         lines.append("# These inputs' gradients read only these outputs' gradients: without them, None.")
         lines.append(f"gradient_reads={{{pairs}}},")
     kernel = plan.backward
-    kernels = [forward.name, backward.name]
+    kernels = list(kernel_names)
     if plan.forward.scalars:
         kernels.append(f"scalars={_strings([p.name for p in plan.forward.scalars])}")
     kernels += [
         f"backward_reads={_strings([i.name for i in kernel.inputs])}",
         f"gradients={_strings([g.input.name for g in kernel.gradients])}",
     ]
-    if plan.forward.kind.is_row and plan.forward.body.saved:
-        kernels.append(f"statistics={len(plan.forward.body.saved)}")
-    call = "launch.RowKernels" if plan.forward.kind.is_row else "launch.Kernels"
-    return lines + _argument("kernels", kernels, call=call) + ["reference=_reference,"]
+    statistics = KINDS[plan.kind].statistics(plan)
+    if statistics:
+        kernels.append(f"statistics={statistics}")
+    return lines + _argument("kernels", kernels, call=binding) + ["reference=_reference,"]
 
 
 def _argument(name: str, items: list[str], tuple_: bool = False, call: str = "") -> list[str]:
@@ -81,7 +81,8 @@ def class_doc(plan: OpPlan) -> list[str]:
     return lines
 
 
-def docstring(plan: OpPlan, class_name: str) -> list[str]:
+def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
+    """The module's docstring; `kernels_doc`: the backend's words on what its kernels do."""
     wrap = lambda text, indent="": textwrap.wrap(text, width=92, subsequent_indent=indent)  # noqa: E731
     class_arguments = ", ".join(f"{p.name}={p.default!r}" for p in plan.params)
     tensors = ", ".join(i.name for i in plan.inputs)
@@ -104,18 +105,7 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
     if plan.has_dropout:
         lines += wrap("training=False, or every dropout p == 0, takes a kernel with no random numbers.", "    ")
         lines += wrap("seed=None draws the dropout seed from torch's default generator (torch.manual_seed).", "    ")
-    rows = plan.forward.kind.is_row
-    if rows:
-        lines += [""] + wrap(
-            "The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
-            "reduced in registers, a wider one is swept once per level of nested reductions. They compute in fp32 "
-            "(fp64 for fp64 inputs) and write every output once, in the dtype torch's type promotion gives."
-        )
-    else:
-        lines += [""] + wrap(
-            "The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write every output "
-            "once, in the dtype torch's type promotion gives."
-        )
+    lines += [""] + wrap(kernels_doc)
     if plan.has_dropout:
         lines += wrap(
             "Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does not depend on "
@@ -125,9 +115,8 @@ def docstring(plan: OpPlan, class_name: str) -> list[str]:
         )
     redraw = ", draws the same dropout masks again from the seed" if plan.has_dropout else ""
     saved = " and the seed tensor" if plan.has_dropout else ""
-    if rows:
-        redraw = " and the forward's per-row reductions" + redraw
-        saved += " and each row's reductions (fp32, [..., reductions])"
+    kind = KINDS[plan.kind]
+    redraw, saved = kind.recomputes + redraw, saved + kind.keeps
     lines += [""] + wrap(
         f"Backward: one fused kernel recomputes the forward from the saved inputs{redraw} and writes every input "
         "gradient in one pass; gradients of inputs broadcast along rows are summed per program in fp32 and then "

@@ -1,0 +1,249 @@
+"""Simplified op → plan (fusegen.plan): every name given, every body renamed to it.
+
+What is the same for every kernel kind is built here: the spec's names and the derived
+ones (chunks, masks, gradients, temporaries), inputs, params, masks, what each kernel loads
+and stores, the eager twin's body and the choice helpers. What is a kind's own (its
+symbols' names, its bodies as the plan holds them) its registered kind builds
+(fusegen.kinds, `kind_of(op)`).
+
+Names: a spec name stays as the user wrote it, unless the backend's generated code
+already uses it for itself (then it takes a trailing underscore, inside the generated
+code only: public signatures keep the spec's names). See fusegen.names.
+"""
+from __future__ import annotations
+
+import sympy
+
+from . import ir
+from .calculus import TEMPORARY_PREFIX
+from .errors import SpecError
+from .functions import FUNCTIONS
+from .kinds import kind_of
+from .layout import Choice, Scalar
+from .names import PYTHON_BUILTINS, Namer
+from .plan import Body, GradientPlan, HelperPlan, InputPlan, KernelPlan, Mask, OpPlan, ParamPlan, Value
+from .printers import EagerPrinter
+from .rows import WIDTH
+from .simplify import Block, ChoiceHelper, SimplifiedOp, value_names
+from .spec import ChoiceParam, OpSpec
+
+
+def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str] = frozenset()) -> OpPlan:
+    """`reserved`: the names the backend's generated code uses for itself; `module_names`:
+    the module-level names its modules import, which the op (a module-level function) must
+    not hide (check_op_name)."""
+    spec = op.ir.spec
+    check_op_name(spec.name, spec.path, spec.name_line, module_names)
+    namer = Namer(reserved)
+    # The spec's own names first: each keeps its name wherever the backend does not use it.
+    names = {}
+    for item in (*spec.inputs, *spec.params, *spec.outputs):
+        names[item.name] = namer.claim(item.name)
+    symbols: dict[str, str] = {}  # simplify's symbol names → local names
+    inputs = []
+    for spec_input in spec.inputs:
+        local = names[spec_input.name]
+        values = []
+        for k, value in enumerate(value_names(spec_input)):
+            symbols[value] = local if spec_input.chunks == 1 else namer.claim(f"{local}_chunk{k}")
+            values.append(Value(symbols[value], k))
+        inputs.append(InputPlan(spec_input.name, local, spec_input.layout, tuple(values)))
+    dropout_ps = {d.p for d in op.ir.dropouts}
+    params = []
+    for p in spec.params:
+        symbols[p.name] = names[p.name]
+        if isinstance(p, ChoiceParam):
+            declaration: Scalar | Choice = Choice(p.name, p.choices)
+        else:
+            declaration = Scalar(p.name, p.type, p.min, p.max)
+        params.append(ParamPlan(p.name, names[p.name], declaration, p.default, p.name in dropout_ps))
+    by_name = {p.name: p for p in params}
+    masks = []
+    for symbol, dropout in zip(op.masks, op.ir.dropouts):
+        symbols[symbol.name] = namer.claim(f"dropout_mask{dropout.stream}")
+        masks.append(Mask(symbols[symbol.name], dropout.stream, by_name[dropout.p]))
+    for symbol, (output, _) in zip(op.grad_outputs, op.ir.outputs):
+        symbols[symbol.name] = namer.claim(f"grad_{names[output]}")
+    # Gradients the backward kernel computes (the others pass an output's gradient on).
+    kernel_values = {g.input for g in op.gradients if g.passthrough_of is None}
+    grad_locals = {
+        value: namer.claim(f"grad_{symbols[value]}")
+        for spec_input in spec.inputs
+        for value in value_names(spec_input)
+        if value in kernel_values
+    }
+    kind = kind_of(op)
+    symbols.update(kind.symbol_names(namer, op))
+    blocks = (op.forward, op.forward_no_dropout, op.backward, op.backward_no_dropout)
+    temps = _temporary_names(namer, [b for b in blocks if b is not None])
+    rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in {**symbols, **temps}.items()}
+    outputs = tuple((name, names[name]) for name, _ in op.ir.outputs)
+    has_dropout = bool(masks)
+
+    def body(block, result_names: dict[str, str]):
+        return kind.body(block, rename, temps, result_names)
+
+    def plain_body(block, result_names: dict[str, str]):
+        """The body with dropout off, for a kind that has one apart (rows' masks are 1)."""
+        return body(block, result_names) if has_dropout and block is not None else None
+
+    scalars = tuple(by_name[s.name] for s in op.scalar_params)
+    choices = tuple(p for p in params if isinstance(p.declaration, Choice))
+    width = symbols.get(WIDTH.name)  # a kind with rows names N
+    forward = KernelPlan(
+        inputs=tuple(inputs),
+        incoming=(),
+        outputs=tuple(local for _, local in outputs),
+        gradients=(),
+        scalars=scalars,
+        masks=tuple(masks),
+        choices=choices,
+        body=body(op.forward, names),
+        body_no_dropout=plain_body(op.forward_no_dropout, names),
+        row_width=width if width and WIDTH in op.forward.free_symbols() else None,
+    )
+    backward_symbols = op.backward.free_symbols()
+    if op.backward_no_dropout is not None:
+        backward_symbols |= op.backward_no_dropout.free_symbols()
+    spec_inputs = {i.name: i for i in spec.inputs}
+    gradients = tuple(
+        GradientPlan(
+            i,
+            tuple(grad_locals[n] for n in value_names(spec_inputs[i.name])),
+            i.layout.one_per_row,
+        )
+        for i in inputs
+        if any(n in kernel_values for n in value_names(spec_inputs[i.name]))
+    )
+    backward = KernelPlan(
+        inputs=tuple(
+            i for i in inputs
+            if any(sympy.Symbol(n, real=True) in backward_symbols for n in value_names(spec_inputs[i.name]))
+        ),
+        incoming=tuple(symbols[g.name] for g in op.grad_outputs),
+        outputs=(),
+        gradients=gradients,
+        scalars=scalars,
+        masks=tuple(masks),
+        choices=choices,
+        body=body(op.backward, grad_locals),
+        body_no_dropout=plain_body(op.backward_no_dropout, grad_locals),
+        row_width=width if width and WIDTH in backward_symbols else None,
+    )
+    eager_lets = tuple((namer.claim(name), expr) for name, expr in op.ir.lets)
+    # The eager function's own names: the tuple of each chunked input's chunks, each choice
+    # param's helper.
+    eager_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_eager") for h in op.helpers}
+    torch_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_torch") for h in op.helpers}
+    chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs if i.layout.chunks > 1}
+    eager = _eager_lines(
+        tuple(expr for _, expr in op.ir.outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers
+    )
+    return OpPlan(
+        op=spec.name,
+        kind=kind.name,
+        doc=spec.doc,
+        spec_path=spec.path,
+        spec_sha256=spec.sha256,
+        public_signature=public_signature(spec, has_dropout),
+        op_signature=op_signature(spec, has_dropout),
+        inputs=tuple(inputs),
+        params=tuple(params),
+        outputs=outputs,
+        row_outputs=op.ir.row_outputs,
+        output_dims=tuple(
+            (name, (*spec.out_dims[:-1], "1") if name in op.ir.row_outputs else tuple(spec.out_dims))
+            for name, _ in outputs
+        ),
+        masks=tuple(masks),
+        forward=forward,
+        backward=backward,
+        passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients if g.passthrough_of is not None),
+        same_gradient=tuple((g.input, g.same_as) for g in op.gradients if g.same_as is not None),
+        gradient_reads=_gradient_reads(spec, op),
+        eager=eager,
+        helpers=tuple(_helper(h, by_name[h.param], torch_helpers[h.param], eager_helpers[h.param]) for h in op.helpers),
+        taken=namer.all_taken(),
+    )
+
+
+def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Per input (all its chunks), the outputs whose incoming gradients its gradient reads,
+    where that is not all of them."""
+    reads = {g.input: set(g.reads) for g in op.gradients}
+    every = [name for name, _ in op.ir.outputs]
+    result = []
+    for spec_input in spec.inputs:
+        read = set().union(*(reads[n] for n in value_names(spec_input)))
+        if len(read) < len(every):
+            result.append((spec_input.name, tuple(name for name in every if name in read)))
+    return tuple(result)
+
+
+def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
+    """simplify's %t0, %t1, ... as t0, t1, ...: claimed for the whole module (the backend's
+    own names, given out later, must not take them); a helper (namer None) has no others."""
+    defined = [pair for b in blocks for pair in b.definitions]
+    used = sorted(
+        {t.name for t, _ in defined if t.name.startswith(TEMPORARY_PREFIX)},  # not a row program's row values
+        key=lambda n: int(n[len(TEMPORARY_PREFIX):]),
+    )
+    plain = {name: "t" + name[len(TEMPORARY_PREFIX):] for name in used}
+    return plain if namer is None else {name: namer.claim(local) for name, local in plain.items()}
+
+
+def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
+                 names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str]) -> tuple[str, ...]:
+    """The eager function's body: the spec's IR printed as a PyTorch user writes it."""
+    printer = EagerPrinter(names, chunk_tuples, helpers, {id(expr): local for local, expr in lets})
+    lines = [
+        f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.layout.chunks > 1
+    ]
+    lines += [f"{local} = {printer.doprint(expr, defining=True)}" for local, expr in lets]
+    return tuple(lines + ["return " + ", ".join(printer.doprint(expr) for expr in outputs)])
+
+
+def _helper(helper: ChoiceHelper, param: ParamPlan, torch_name: str, eager_name: str) -> HelperPlan:
+    """A helper's scope holds no spec names: its temporaries are simply t0, t1, ..."""
+    temps = _temporary_names(None, [b for _, b in (*helper.forward, *(pair for g in helper.grads for pair in g))])
+    rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in temps.items()}
+
+    def body(block: Block) -> Body:
+        return Body(
+            tuple((temps[t.name], e.xreplace(rename)) for t, e in block.temps),
+            tuple((n, e.xreplace(rename)) for n, e in block.results),
+        )
+
+    return HelperPlan(
+        param=param,
+        args=tuple(a.name for a in helper.args),
+        forward=tuple((choice, body(b)) for choice, b in helper.forward),
+        derivatives=tuple(tuple((choice, body(b)) for choice, b in g) for g in helper.grads),
+        torch_name=torch_name,
+        eager_name=eager_name,
+        eager=tuple(
+            (c, FUNCTIONS[c].torch_idiom.format(*(a.name for a in helper.args))) for c in param.declaration.choices
+        ),
+    )
+
+
+def check_op_name(name: str, path: str, line: int | None, module_names: frozenset[str]) -> None:
+    """The op function is module-level: it must not hide what the module's code reads there
+    (`module_names`, the backend's imports) or a Python builtin. (Also asked by `fusegen new`,
+    before it writes a spec.)"""
+    if name in module_names:
+        raise SpecError(path, line, f"op name '{name}' would hide the module's import of {name}")
+    if name in PYTHON_BUILTINS:
+        raise SpecError(path, line, f"op name '{name}' would hide Python's builtin {name}")
+
+
+def public_signature(spec: OpSpec, has_dropout: bool) -> str:
+    """The generated op's parameters, as its `def` line writes them: the spec's names."""
+    parts = [i.name for i in spec.inputs] + [f"{p.name}={p.default!r}" for p in spec.params]
+    parts += ["training=True", "seed=None"] if has_dropout else []
+    return ", ".join(parts + ["*", "out=None"])
+
+
+def op_signature(spec: OpSpec, has_dropout: bool) -> str:
+    """The op's own parameters: `reference`'s, and the backward's memory choice."""
+    return public_signature(spec, has_dropout) + ", inplace_backward=False"
