@@ -99,7 +99,7 @@ def build_ops(paths: list[Path]) -> dict[str, BuiltOp]:
 
 def folder_build(built: dict[str, BuiltOp], paths: list[Path], out: Path) -> Build:
     """The files of `built` and what they change in `out` as it is now."""
-    kept, stale = outdir.plan(out, set(built), [p for p in paths if p.is_dir()])
+    kept, stale = outdir.survey(out, set(built), [p for p in paths if p.is_dir()])
     files = {f"{name}.py": op.text for name, op in built.items()}
     # __init__.py lists every op the folder will hold, kept ones included. render_package_init
     # reads only .name and .doc, which both OpSpec and GeneratedModule carry.

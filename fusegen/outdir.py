@@ -103,7 +103,7 @@ def removable(module: GeneratedModule, spec_dirs: list[Path]) -> bool:
     return bool(module.spec_dir) and module.spec_dir in names
 
 
-def plan(out: Path, built: set[str], spec_dirs: list[Path]) -> tuple[list[GeneratedModule], list[GeneratedModule]]:
+def survey(out: Path, built: set[str], spec_dirs: list[Path]) -> tuple[list[GeneratedModule], list[GeneratedModule]]:
     """(kept, stale): fusegen's modules in `out` that this build does not write, split into those
     it leaves (and lists in __init__.py) and those it removes."""
     others = [m for m in generated_modules(out) if m.name not in built]

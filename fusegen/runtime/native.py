@@ -262,14 +262,14 @@ def forget_calls() -> None:
 
 
 def register_call(calls, args: tuple, device: int, outputs: list, saved, launch: tuple, prepared, seed):
-    """Registers the kind of call `args` is with `calls` (see csrc/eager_call.cpp); its plan,
+    """Registers the kind of call `args` is with `calls` (see csrc/eager_call.cpp); its C++ half (Prepared),
     to register backwards with, or None."""
     return _state.module.register_call(calls, args, device, outputs, saved, launch, prepared, seed)
 
 
-def register_backward(plan, needs: tuple, grads: tuple, launch: tuple | None, targets: list, sources: list) -> None:
+def register_backward(prepared, needs: tuple, grads: tuple, launch: tuple | None, targets: list, sources: list) -> None:
     """Registers a backward of a registered kind of call (see csrc/eager_call.cpp)."""
-    _state.module.register_backward(plan, list(needs), grads, launch, targets, sources)
+    _state.module.register_backward(prepared, list(needs), grads, launch, targets, sources)
 
 
 def status() -> str:

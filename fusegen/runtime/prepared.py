@@ -57,7 +57,7 @@ class PreparedCall:
     launch and the backward's, by the kind of incoming gradient."""
 
     __slots__ = ("op", "call", "_tensors", "_output_shapes", "_saved_shape", "_launch", "_backwards", "_offered",
-                 "_native_plan", "_offered_backwards", "__weakref__")
+                 "_native_prepared", "_offered_backwards", "__weakref__")
 
     def __init__(self, op, call, tensors: tuple):
         problem = call.problem
@@ -68,8 +68,8 @@ class PreparedCall:
         self._launch: PreparedForward | None = op.kernels.prepare_forward(call, tensors) if problem.launches else None
         self._backwards: dict[tuple, PreparedBackward] = {}
         self._offered = False  # to the op's eager call in C++ (offer_native)
-        self._native_plan = None  # its plan there, once registered (held weakly)
-        self._offered_backwards: set = set()  # keys of backwards offered to that plan
+        self._native_prepared = None  # its C++ half there (csrc/eager_call.cpp Prepared), once registered (held weakly)
+        self._offered_backwards: set = set()  # keys of backwards offered to it
 
     def forward(self, args: tuple, eager: bool = True):
         """What FusedOp.forward returns: the outputs, the seed tensor (None without dropout)
@@ -106,7 +106,7 @@ class PreparedCall:
         draw = functools.partial(_draw_seed, self.op.name, problem.device) if self.call.has_dropout else None
         outputs = [(shape, problem.out_dtype) for shape in self._output_shapes]
         saved = None if self._saved_shape is None else (self._saved_shape, problem.compute_dtype)
-        self._native_plan = native.register_call(calls, args, problem.device.index, outputs, saved, form, self, draw)
+        self._native_prepared = native.register_call(calls, args, problem.device.index, outputs, saved, form, self, draw)
 
     def backward(self, grads: tuple, tensors: tuple, seed, needs, saved, in_place: bool = False) -> list:
         """The backward kernel's gradients (inputs flagged in `needs`, in input order);
@@ -124,7 +124,7 @@ class PreparedCall:
         kind of incoming gradients to the C++ eager call, whose nodes then run the later
         ones (csrc/eager_call.cpp). Offered once; one it cannot run stays in Python: a
         gradient summed by torch, an output's gradient summed to a broadcast input."""
-        if self._native_plan is None or torch.is_grad_enabled():
+        if self._native_prepared is None or torch.is_grad_enabled():
             return
         for g in grads:
             if type(g) is not torch.Tensor:  # None (an unused output), a subclass
@@ -148,7 +148,7 @@ class PreparedCall:
             elif source is not None and source[0] == "output" and grads[source[1]].shape != tensors[i].shape:
                 return  # summed to the input's shape by torch
             native_sources.append(source)
-        native.register_backward(self._native_plan, needs, grads, launch, targets, native_sources)
+        native.register_backward(self._native_prepared, needs, grads, launch, targets, native_sources)
 
 
 def _backward_key(needs, grads: tuple) -> tuple:

@@ -123,7 +123,9 @@ _REGISTERED: set = set()  # the ops whose library ops carry DTensor rules
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _ShardedCall:
+    """How one kind of DTensor call runs: its placements and its shard's place."""
+
     mesh: object
     placements: tuple  # P: the output's, one per mesh dim
     inputs: tuple  # each input's target placements
@@ -131,33 +133,30 @@ class _Plan:
     shard: Shard | None  # None when not sharded; symbolic sizes while traced
     traced: bool  # torch.compile traces the call: its local tensors are fake ones
 
-    @property
-    def sharded(self) -> bool:
-        return any(p.is_shard() for p in self.placements)
 
-
-def _plan(op, tensors) -> _Plan:
-    """The call's plan, kept per kind of call (shapes, placements, mesh): working it out
-    anew took about a third of a DTensor call's host time."""
+def _sharded_call(op, tensors) -> _ShardedCall:
+    """A DTensor call worked out (placements, the shard's place), kept per kind of call
+    (shapes, placements, mesh): working it out anew took about a third of a DTensor call's
+    host time."""
     from torch.distributed.tensor import DTensor
 
     if _traced([_waited(t._local_tensor) for t in tensors if isinstance(t, DTensor)]):
-        # torch.compile's tracing: shapes may be symbolic, and the plan is not kept.
-        return _new_plan(op, tensors, traced=True)
+        # torch.compile's tracing: shapes may be symbolic, and nothing is kept.
+        return _new_sharded_call(op, tensors, traced=True)
     key = (op, *((t.shape, t.placements, t.device_mesh) if isinstance(t, DTensor) else (t.shape,)
                  for t in tensors))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= CACHE_SIZE:
-            _PLANS.clear()
-        plan = _PLANS[key] = _new_plan(op, tensors)
-    return plan
+    call = _SHARDED_CALLS.get(key)
+    if call is None:
+        if len(_SHARDED_CALLS) >= CACHE_SIZE:
+            _SHARDED_CALLS.clear()
+        call = _SHARDED_CALLS[key] = _new_sharded_call(op, tensors)
+    return call
 
 
-_PLANS: dict = {}
+_SHARDED_CALLS: dict = {}
 
 
-def _new_plan(op, tensors, traced: bool = False) -> _Plan:
+def _new_sharded_call(op, tensors, traced: bool = False) -> _ShardedCall:
     """`traced`: torch.compile traces the call; the shard's place is worked out from the
     traced sizes (symbolic ones stay symbolic) and this rank's mesh coordinate."""
     from torch.distributed.tensor import DTensor, Replicate
@@ -194,7 +193,7 @@ def _new_plan(op, tensors, traced: bool = False) -> _Plan:
                 elif placement.dim != leading:
                     placements[i] = Replicate()
     targets = tuple(tuple(_input_placement(p, t, shape) for p in placements) for t in tensors)
-    return _Plan(mesh, tuple(placements), targets, shape, _shard(placements, shape, mesh), traced)
+    return _ShardedCall(mesh, tuple(placements), targets, shape, _shard(placements, shape, mesh), traced)
 
 
 def _input_placement(placement, tensor, shape):
@@ -227,7 +226,7 @@ def _shard(placements, shape, mesh) -> Shard | None:
     leading = [p.dim for p in placements if p.is_shard() and p.dim != last]
     if not leading:
         return Shard(1, 1, 1, 0, offset[last], shape[last])
-    d = leading[0]  # the only one where dropout is in play (_new_plan)
+    d = leading[0]  # the only one where dropout is in play (_new_sharded_call)
     return Shard(math.prod(shape[d + 1:last]), local[d], shape[d], offset[d], offset[last], shape[last])
 
 
@@ -267,19 +266,19 @@ def _waited(local: torch.Tensor) -> torch.Tensor:
     return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
 
 
-def _wrap(local: torch.Tensor, plan: _Plan, placements: tuple, shape):
+def _wrap(local: torch.Tensor, call: _ShardedCall, placements: tuple, shape):
     """A result as a DTensor, made as DTensor's own op rules make theirs (from_local is an
     autograd function, and building its spec each time cost as much again)."""
     from torch.distributed.tensor import DTensor
 
     if not all(type(d) is int for d in shape):  # symbolic sizes (torch.compile): not kept
-        return DTensor(local, _spec(plan.mesh, placements, shape, local.dtype), requires_grad=False)
-    key = (plan.mesh, placements, tuple(shape), local.dtype)
+        return DTensor(local, _spec(call.mesh, placements, shape, local.dtype), requires_grad=False)
+    key = (call.mesh, placements, tuple(shape), local.dtype)
     spec = _SPECS.get(key)
     if spec is None:
         if len(_SPECS) >= CACHE_SIZE:
             _SPECS.clear()
-        spec = _SPECS[key] = _spec(plan.mesh, placements, shape, local.dtype)
+        spec = _SPECS[key] = _spec(call.mesh, placements, shape, local.dtype)
     return DTensor(local, spec, requires_grad=False)
 
 
@@ -307,13 +306,13 @@ def _register(op) -> None:
 
     def forward_rule(cls, func, types, args, kwargs):
         tensors, rest = args[:count], args[count:count + forward_rest]
-        plan = _plan(op, tensors)
-        local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
-        if plan.traced:
+        call = _sharded_call(op, tensors)
+        local = [_local(t, call.mesh, p) for t, p in zip(tensors, call.inputs)]
+        if call.traced:
             # torch.compile traces the DTensor call: the graph records the library op on the
             # local tensors (launching here would only see fake ones), with the shard's place
             # as sizes the graph carries.
-            results = func(*local, *rest, _sizes(plan.shard))
+            results = func(*local, *rest, _sizes(call.shard))
             results = list(results) if isinstance(results, (tuple, list)) else [results]
             outputs = results[:len(op._row_outputs)]
             seed = results[len(outputs)] if op.has_dropout else None
@@ -321,47 +320,47 @@ def _register(op) -> None:
         else:
             # Seeds drawn as an eager call on one device draws them (the same seed, given the
             # same generator state on every rank).
-            outputs, seed, saved = op.forward((*local, *rest), eager=True, shard=plan.shard)
-        lead = plan.shape[:-1]
-        results = [_wrap(o, plan, plan.placements, (*lead, 1) if row else plan.shape)
+            outputs, seed, saved = op.forward((*local, *rest), eager=True, shard=call.shard)
+        lead = call.shape[:-1]
+        results = [_wrap(o, call, call.placements, (*lead, 1) if row else call.shape)
                    for o, row in zip(outputs, op._row_outputs)]
         if op.has_dropout:
-            replicated = (Replicate(),) * plan.mesh.ndim
-            results.append(_wrap(seed_result(seed, outputs[0].device), plan, replicated, (1,)))
+            replicated = (Replicate(),) * call.mesh.ndim
+            results.append(_wrap(seed_result(seed, outputs[0].device), call, replicated, (1,)))
         if op.statistics:
-            results.append(_wrap(saved, plan, plan.placements, (*lead, op.statistics)))
+            results.append(_wrap(saved, call, call.placements, (*lead, op.statistics)))
         return results[0] if len(results) == 1 else tuple(results)
 
     def backward_rule(cls, func, types, args, kwargs):
         grads, tensors, *rest = args[:2 + backward_rest]
         needs = rest[-1]
-        plan = _plan(op, tensors)
-        local = [_local(t, plan.mesh, p) for t, p in zip(tensors, plan.inputs)]
-        local_grads = [_local(g, plan.mesh, plan.placements) for g in grads]
+        call = _sharded_call(op, tensors)
+        local = [_local(t, call.mesh, p) for t, p in zip(tensors, call.inputs)]
+        local_grads = [_local(g, call.mesh, call.placements) for g in grads]
         params = rest[:len(op.params)]
         extra = rest[len(op.params):-1]
         seed = saved = None
         if op.has_dropout:
-            training, seed = extra[0], _local(extra[1], plan.mesh, (Replicate(),) * plan.mesh.ndim)
+            training, seed = extra[0], _local(extra[1], call.mesh, (Replicate(),) * call.mesh.ndim)
             params = (*params, training, None)
             extra = extra[2:]
         if op.statistics:
-            saved = _local(extra[0], plan.mesh, plan.placements)
-        if plan.traced:
+            saved = _local(extra[0], call.mesh, call.placements)
+        if call.traced:
             saved_args = ((training, seed) if op.has_dropout else ()) + ((saved,) if op.statistics else ())
             gradients = func(list(local_grads), list(local), *rest[:len(op.params)], *saved_args, needs,
-                             _sizes(plan.shard))
+                             _sizes(call.shard))
         else:
             gradients = op.backward_kernels(tuple(local_grads), (*local, *params), seed, needs, saved,
-                                            shard=plan.shard)
+                                            shard=call.shard)
         results = []
         for gradient, t, targets in zip(gradients, [t for t, n in zip(tensors, needs) if n],
-                                        [p for p, n in zip(plan.inputs, needs) if n]):
+                                        [p for p, n in zip(call.inputs, needs) if n]):
             # Summed over the rows this rank holds part of, where the input was replicated
             # over a sharded mesh dim.
             placements = tuple(Partial() if p.is_shard() and not target.is_shard() else target
-                               for p, target in zip(plan.placements, targets))
-            results.append(_wrap(gradient, plan, placements, t.shape))
+                               for p, target in zip(call.placements, targets))
+            results.append(_wrap(gradient, call, placements, t.shape))
         return results
 
     op._forward_op.register_torch_dispatch(DTensor, forward_rule)

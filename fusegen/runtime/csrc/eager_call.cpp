@@ -157,15 +157,15 @@ struct Source {
 };
 
 // The backward of one kind of call for one kind of incoming gradients.
-struct BackwardPlan {
+struct PreparedBackward {
   bool launches = false;  // any gradient the kernel's
   Launch launch;  // values: *inputs, *grads, *buffers (one per target), saved, seed
   std::vector<Target> targets;  // one per gradient the kernel computes
   std::vector<Source> sources;  // one per input, in order
 };
 
-// What a plan's backward needs from Python, with the GIL: the current device and stream,
-// Triton's launch hooks. Shared by an op's plans, which may outlive its Calls.
+// What a call's backward needs from Python, with the GIL: the current device and stream,
+// Triton's launch hooks. Shared by an op's prepared calls, which may outlive its Calls.
 struct Hooks {
   pybind11::object get_device;  // torch._C._cuda_getDevice
   pybind11::object get_stream;  // torch._C._cuda_getCurrentRawStream
@@ -174,7 +174,8 @@ struct Hooks {
   std::atomic<uint64_t> backward_hits{0};  // backwards run here (for tests)
 };
 
-struct Plan {
+// The C++ half of a runtime.prepared.PreparedCall: one kind of call, ready to launch.
+struct Prepared {
   int device = 0;
   std::vector<Buffer> outputs;
   bool has_saved = false;
@@ -182,12 +183,12 @@ struct Plan {
   Launch launch;
   // The Python PreparedCall: the Python backward goes through it, and it holds the compiled
   // kernels whose handles the launches use.
-  pybind11::object prepared;
+  pybind11::object python;
   pybind11::object seed;  // draws this call's seed tensor (a dropout that draws), or None
   std::shared_ptr<Hooks> hooks;
   // Registered from Python (with the GIL), read by the engine's threads (without).
   std::mutex mutex;
-  std::unordered_map<Key, BackwardPlan, KeyHash> backwards;
+  std::unordered_map<Key, PreparedBackward, KeyHash> backwards;
 };
 
 constexpr size_t kCacheSize = 1024;  // as the Python path's (runtime.prepared.CACHE_SIZE)
@@ -202,7 +203,7 @@ struct FUSEGEN_HIDDEN Calls {
   pybind11::object op;          // the FusedOp
   pybind11::object backward;    // runtime.op._native_backward
   std::shared_ptr<Hooks> hooks;
-  std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> plans;
+  std::unordered_map<Key, std::shared_ptr<Prepared>, KeyHash> prepared;
   pybind11::object seed_batches;  // runtime.dropout's eager seeds: {device: [seed, offset, drawn, taken]}
   pybind11::object seed_lock;     // and the lock that guards them
   uint64_t hits = 0;              // forward calls taken (for tests)
@@ -231,7 +232,7 @@ void add_tensor(Key& key, const at::Tensor& t) {
     key.push_back(t.strides()[d]);
   }
   key.push_back(static_cast<int64_t>(t.scalar_type()));
-  key.push_back(static_cast<int64_t>(t.device().type()));  // plans are CUDA's only
+  key.push_back(static_cast<int64_t>(t.device().type()));  // prepared calls are CUDA's only
   key.push_back(t.device().index());
   key.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15);
 }
@@ -519,8 +520,8 @@ bool current_stream(const Hooks& hooks, int device, CUstream& stream) {
 }
 
 // A call's backward without Python, where its kind of incoming gradients is registered.
-struct FUSEGEN_HIDDEN PlanBackward : fusegen::FastBackward {
-  PlanBackward(std::shared_ptr<Plan> plan, at::Tensor seed) : plan_(std::move(plan)), seed_(std::move(seed)) {}
+struct FUSEGEN_HIDDEN PreparedNode : fusegen::FastBackward {
+  PreparedNode(std::shared_ptr<Prepared> call, at::Tensor seed) : prepared_(std::move(call)), seed_(std::move(seed)) {}
 
   bool run(const torch::autograd::variable_list& grads, const torch::autograd::variable_list& saved,
            const std::vector<bool>& needs, torch::autograd::variable_list& out) override {
@@ -538,24 +539,24 @@ struct FUSEGEN_HIDDEN PlanBackward : fusegen::FastBackward {
       }
       add_tensor(key, g);
     }
-    const BackwardPlan* found = nullptr;
+    const PreparedBackward* found = nullptr;
     {
-      std::lock_guard<std::mutex> lock(plan_->mutex);
-      auto it = plan_->backwards.find(key);
-      if (it == plan_->backwards.end()) {
+      std::lock_guard<std::mutex> lock(prepared_->mutex);
+      auto it = prepared_->backwards.find(key);
+      if (it == prepared_->backwards.end()) {
         return false;
       }
-      found = &it->second;  // entries are never erased while the plan lives
+      found = &it->second;  // entries are never erased while the prepared call lives
     }
-    const BackwardPlan& b = *found;
+    const PreparedBackward& b = *found;
     CUstream stream = nullptr;
     {
       pybind11::gil_scoped_acquire gil;
-      if (!current_stream(*plan_->hooks, plan_->device, stream)) {
+      if (!current_stream(*prepared_->hooks, prepared_->device, stream)) {
         return false;
       }
     }
-    const auto options = at::TensorOptions().device(at::kCUDA, plan_->device);
+    const auto options = at::TensorOptions().device(at::kCUDA, prepared_->device);
     std::vector<at::Tensor> results(b.targets.size());
     if (b.launches) {
       std::vector<at::Tensor> buffers(b.targets.size());
@@ -577,8 +578,8 @@ struct FUSEGEN_HIDDEN PlanBackward : fusegen::FastBackward {
       }
       addresses[n++] = saved.size() > inputs ? address(saved[inputs]) : 0;
       addresses[n++] = address(seed_);
-      ensure_context(plan_->device);
-      launch(b.launch, addresses, stream, plan_->hooks->name);
+      ensure_context(prepared_->device);
+      launch(b.launch, addresses, stream, prepared_->hooks->name);
       for (size_t k = 0; k < b.targets.size(); ++k) {
         const Target& t = b.targets[k];
         if (!t.needed) {
@@ -590,7 +591,7 @@ struct FUSEGEN_HIDDEN PlanBackward : fusegen::FastBackward {
         }
         results[k] = at::empty(t.result.shape, options.dtype(t.result.dtype));
         uint64_t pair[2] = {address(buffers[k]), address(results[k])};
-        launch(t.sums, pair, stream, plan_->hooks->name);
+        launch(t.sums, pair, stream, prepared_->hooks->name);
       }
     }
     out.assign(inputs, at::Tensor());
@@ -610,11 +611,11 @@ struct FUSEGEN_HIDDEN PlanBackward : fusegen::FastBackward {
           break;
       }
     }
-    ++plan_->hooks->backward_hits;
+    ++prepared_->hooks->backward_hits;
     return true;
   }
 
-  std::shared_ptr<Plan> plan_;
+  std::shared_ptr<Prepared> prepared_;
   at::Tensor seed_;
 };
 
@@ -626,7 +627,7 @@ Calls* calls_of(PyObject* capsule) {
 PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) {
   HANDLE_TH_ERRORS
   Calls& calls = *calls_of(capsule);
-  if (argc != 2 || (argv[1] != Py_True && argv[1] != Py_False) || calls.plans.empty()) {
+  if (argc != 2 || (argv[1] != Py_True && argv[1] != Py_False) || calls.prepared.empty()) {
     Py_RETURN_NONE;
   }
   PyObject* args = argv[0];
@@ -651,14 +652,14 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   if (!make_key(calls, args, key, tensors)) {
     Py_RETURN_NONE;
   }
-  auto found = calls.plans.find(key);
-  if (found == calls.plans.end()) {
+  auto found = calls.prepared.find(key);
+  if (found == calls.prepared.end()) {
     Py_RETURN_NONE;
   }
-  std::shared_ptr<Plan> shared = found->second;
-  Plan& plan = *shared;
+  std::shared_ptr<Prepared> shared = found->second;
+  Prepared& call = *shared;
   PyObject* seed_argument = calls.seed_position >= 0 ? PyTuple_GET_ITEM(args, calls.seed_position) : Py_None;
-  if (seed_argument != Py_None && plan.seed.is_none()) {
+  if (seed_argument != Py_None && call.seed.is_none()) {
     Py_RETURN_NONE;  // without dropout the seed is never read, but Python checks it
   }
   if (c10::impl::tls_local_dispatch_key_set().included_.has_any(c10::DispatchKeySet({
@@ -685,28 +686,28 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     }
   }
   CUstream stream = nullptr;
-  if (!current_stream(*plan.hooks, plan.device, stream)) {
+  if (!current_stream(*call.hooks, call.device, stream)) {
     Py_RETURN_NONE;
   }
-  ensure_context(plan.device);  // a thread's first call: take_seed asks the driver about the stream
+  ensure_context(call.device);  // a thread's first call: take_seed asks the driver about the stream
   ++calls.hits;
 
   // The outputs, the statistics kept for the backward, the seed.
-  const auto options = at::TensorOptions().device(at::kCUDA, plan.device);
+  const auto options = at::TensorOptions().device(at::kCUDA, call.device);
   std::vector<at::Tensor> outputs;
-  outputs.reserve(plan.outputs.size());
-  for (const Buffer& b : plan.outputs) {
+  outputs.reserve(call.outputs.size());
+  for (const Buffer& b : call.outputs) {
     outputs.push_back(at::empty(b.shape, options.dtype(b.dtype)));
   }
   at::Tensor saved;
-  if (plan.has_saved) {
-    saved = at::empty(plan.saved.shape, options.dtype(plan.saved.dtype));
+  if (call.has_saved) {
+    saved = at::empty(call.saved.shape, options.dtype(call.saved.dtype));
   }
   pybind11::object seed = pybind11::none();
   at::Tensor seed_tensor;
-  if (!plan.seed.is_none() &&
-      (seed_argument != Py_None || !calls.seed_batches || !take_seed(calls, plan.device, stream, seed_tensor))) {
-    seed = pybind11::reinterpret_steal<pybind11::object>(call_python(plan.seed.ptr(), seed_argument));
+  if (!call.seed.is_none() &&
+      (seed_argument != Py_None || !calls.seed_batches || !take_seed(calls, call.device, stream, seed_tensor))) {
+    seed = pybind11::reinterpret_steal<pybind11::object>(call_python(call.seed.ptr(), seed_argument));
     seed_tensor = THPVariable_Unpack(seed.ptr());
   }
 
@@ -721,7 +722,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   }
   addresses[n++] = address(saved);
   addresses[n++] = address(seed_tensor);
-  launch(plan.launch, addresses, stream, plan.hooks->name);
+  launch(call.launch, addresses, stream, call.hooks->name);
 
   if (grad) {
     const bool in_place = argv[1] == Py_True;
@@ -730,7 +731,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     if (seed_tensor.defined() && seed.is_none()) {
       seed = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(seed_tensor));
     }
-    pybind11::tuple state = pybind11::make_tuple(calls.op, plan.prepared, pybind11::bool_(in_place), params, seed);
+    pybind11::tuple state = pybind11::make_tuple(calls.op, call.python, pybind11::bool_(in_place), params, seed);
     torch::autograd::variable_list inputs(tensors.begin(), tensors.end());
     torch::autograd::variable_list kept(tensors.begin(), tensors.end());
     if (saved.defined()) {
@@ -738,9 +739,9 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     }
     std::shared_ptr<fusegen::FastBackward> fast;
     if (!in_place) {
-      fast = std::make_shared<PlanBackward>(shared, seed_tensor);
+      fast = std::make_shared<PreparedNode>(shared, seed_tensor);
     }
-    fusegen::attach(calls.backward, state, plan.hooks->name, inputs, outputs, kept, std::move(fast));
+    fusegen::attach(calls.backward, state, call.hooks->name, inputs, outputs, kept, std::move(fast));
   }
   if (outputs.size() == 1) {
     return THPVariable_Wrap(outputs[0]);
@@ -849,14 +850,14 @@ Launch launch_of(const pybind11::handle& form_handle, size_t values) {
   return l;
 }
 
-// A plan as Python holds it, to register its backwards: weakly, as the plan holds the
+// A call as Python holds it, to register its backwards: weakly, as the call holds the
 // PreparedCall that holds this (a cycle Python's collector cannot see would keep both).
 struct PlanRef {
-  std::weak_ptr<Plan> plan;
+  std::weak_ptr<Prepared> call;
 };
 
 // Registers the kind of `args`: outputs [(shape, dtype)], saved (shape, dtype) or None, the
-// launch (launch_of), the PreparedCall and the seed drawer or None. Returns the plan's
+// launch (launch_of), the PreparedCall and the seed drawer or None. Returns the call's
 // handle, or None where `args` is not a call this path would take.
 pybind11::object register_call(const pybind11::object& function, const pybind11::tuple& args, int device,
                                const pybind11::list& outputs, const pybind11::object& saved,
@@ -868,32 +869,32 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
     return pybind11::none();
   }
   driver();  // libcuda opens here, or the registration fails
-  auto plan = std::make_shared<Plan>();
-  plan->device = device;
+  auto call = std::make_shared<Prepared>();
+  call->device = device;
   for (auto output : outputs) {
     auto pair = output.cast<pybind11::tuple>();
-    plan->outputs.push_back(buffer_of(pair[0], pair[1]));
+    call->outputs.push_back(buffer_of(pair[0], pair[1]));
   }
-  if (static_cast<Py_ssize_t>(plan->outputs.size()) != calls.outputs) {
+  if (static_cast<Py_ssize_t>(call->outputs.size()) != calls.outputs) {
     throw std::invalid_argument("fusegen: register_call: wrong number of outputs");
   }
   if (!saved.is_none()) {
     auto pair = saved.cast<pybind11::tuple>();
-    plan->has_saved = true;
-    plan->saved = buffer_of(pair[0], pair[1]);
+    call->has_saved = true;
+    call->saved = buffer_of(pair[0], pair[1]);
   }
-  plan->launch = launch_of(launch_form, tensors.size() + plan->outputs.size() + 2);
-  plan->prepared = std::move(prepared);
-  plan->seed = std::move(seed);
-  plan->hooks = calls.hooks;
-  if (calls.plans.size() >= kCacheSize) {
-    calls.plans.clear();
+  call->launch = launch_of(launch_form, tensors.size() + call->outputs.size() + 2);
+  call->python = std::move(prepared);
+  call->seed = std::move(seed);
+  call->hooks = calls.hooks;
+  if (calls.prepared.size() >= kCacheSize) {
+    calls.prepared.clear();
   }
-  calls.plans[std::move(key)] = plan;
-  return pybind11::cast(PlanRef{plan});
+  calls.prepared[std::move(key)] = call;
+  return pybind11::cast(PlanRef{call});
 }
 
-// Registers a backward of a plan: for the gradients asked for (`needs`, one per input) and
+// Registers a backward of a call: for the gradients asked for (`needs`, one per input) and
 // incoming gradients like `grads`, the backward kernel's launch (None: no gradient is the
 // kernel's), its targets, one per gradient it computes: None or (summed, buffer shape,
 // buffer dtype, gradient shape, gradient dtype, sums launch or None); and one source per
@@ -901,8 +902,8 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
 void register_backward(const PlanRef& ref, const std::vector<bool>& needs, const pybind11::tuple& grads,
                        const pybind11::object& launch_form, const pybind11::list& targets,
                        const pybind11::list& sources) {
-  std::shared_ptr<Plan> plan = ref.plan.lock();
-  if (!plan) {
+  std::shared_ptr<Prepared> call = ref.call.lock();
+  if (!call) {
     return;  // forgotten (its op's cache was full, or cleared)
   }
   if (sources.size() != needs.size()) {
@@ -918,7 +919,7 @@ void register_backward(const PlanRef& ref, const std::vector<bool>& needs, const
     }
     add_tensor(key, THPVariable_Unpack(g.ptr()));
   }
-  BackwardPlan b;
+  PreparedBackward b;
   b.launches = !launch_form.is_none();
   if (b.launches) {
     const size_t values = needs.size() + grads.size() + targets.size() + 2;
@@ -961,9 +962,9 @@ void register_backward(const PlanRef& ref, const std::vector<bool>& needs, const
     }
     b.sources.push_back(source);
   }
-  std::lock_guard<std::mutex> lock(plan->mutex);
-  if (plan->backwards.size() < kCacheSize) {  // never erased: a node may be reading one
-    plan->backwards.emplace(std::move(key), std::move(b));
+  std::lock_guard<std::mutex> lock(call->mutex);
+  if (call->backwards.size() < kCacheSize) {  // never erased: a node may be reading one
+    call->backwards.emplace(std::move(key), std::move(b));
   }
 }
 
@@ -979,7 +980,7 @@ pybind11::object call_key(const pybind11::object& function, const pybind11::obje
 
 pybind11::tuple counts(const pybind11::object& function) {
   Calls& calls = calls_from(function);
-  return pybind11::make_tuple(calls.plans.size(), calls.hits, calls.hooks->backward_hits.load(), calls.seeds);
+  return pybind11::make_tuple(calls.prepared.size(), calls.hits, calls.hooks->backward_hits.load(), calls.seeds);
 }
 
 }  // namespace
