@@ -48,29 +48,26 @@ def test_plain_tensors_do_not_import_dtensor():
 
 
 def test_fsdp2_trains_the_model_benchmark_stack_as_one_process_does(tmp_path):
-    """docs/scripts/distributed_check.py on 2 CPU processes (gloo, the interpreter): among
-    its checks, FSDP2 training of the model benchmark's GPT-2 stack, whose blocks hand a
-    pending residual add to the next one, against the same model in one process."""
+    """docs/scripts/distributed_check.py on 2 CPU processes (gloo, the interpreter): FSDP2
+    training of the model benchmark's GPT-2 stack, whose blocks hand a pending residual add to
+    the next one, and FSDP2 × tensor parallel with dropout, eager and compiled, against the
+    same model in one process."""
     report_path = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(ROOT / "docs" / "scripts" / "distributed_check.py"), "--cpu", "--json", str(report_path)],
+                          str(ROOT / "docs" / "scripts" / "distributed_check.py"), "--cpu", "--json", str(report_path),
+                          # The shards eager and compiled are distributed_worker's (above); tensor
+                          # parallel without dropout is a subset of the run with it.
+                          "--parts", "fsdp,tp", "--tp-runs", "p=0.1,p=0.1 compiled"],
                          cwd=ROOT, env=env, timeout=600, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(report_path.read_text())
     one, fsdp = report["fsdp"]["losses"]["one device"], report["fsdp"]["losses"]["fsdp2"]
     assert len(fsdp) == 3 and all(math.isfinite(v) for v in one + fsdp), (one, fsdp)
     assert max(abs(a - b) for a, b in zip(one, fsdp)) < 1e-5  # fp32, 3 steps
-    assert len(report["shards"]) >= 10
-    for row in report["shards"]:  # fp32 on the CPU: every op's shards bit for bit
-        where = (row["op"], row["placements"])
-        assert row["output_bit_identical"], where
-        assert row.get("dropped_elements_identical", True), where
-        assert max(row["gradient_relative_errors"]) < 1e-6, where
-    assert any(row["op"].endswith(", compiled") for row in report["shards"])
     # FSDP2 × tensor parallel (sequence parallel) on a 1 × 2 mesh, dropout on, eager and
     # compiled block by block: the losses of one process (fp32; a TP matmul sums in halves).
-    assert set(report["tensor_parallel"]) == {"p=0.0", "p=0.1", "p=0.1, compiled"}
+    assert set(report["tensor_parallel"]) == {"p=0.1", "p=0.1, compiled"}
     for label, run in report["tensor_parallel"].items():
         assert len(run["losses"]["fsdp2 x tp"]) == 3 and run["max_difference"] < 1e-4, (label, run)
 
