@@ -17,7 +17,7 @@ _MAX_INTEGER_LITERAL = 2**53
 # Factors within [-1, 1] (or a normalising x**-0.5): a product takes them first, as torch's
 # (x * sigmoid(x)) * y and (x * rsqrt(var)) * w do, so that x * y cannot overflow before a
 # factor that would have brought it back (inf * 0 is NaN where torch's result is finite).
-_BOUNDED_FUNCTIONS = frozenset({"sigmoid", "tanh", "erf", "Heaviside", "sign"})
+_BOUNDED_FUNCTIONS = frozenset({"sigmoid", "tanh", "erf", "Heaviside", "sign", "sin", "cos"})
 
 
 class ElementwisePrinter(CodePrinter):
@@ -192,6 +192,12 @@ class ElementwisePrinter(CodePrinter):
         # & binds tighter than a comparison in Python and Triton: each operand parenthesized.
         return " & ".join(f"({self._print(a)})" for a in expr.args)
 
+    def _print_Or(self, expr):
+        return " | ".join(f"({self._print(a)})" for a in expr.args)
+
+    def _print_Not(self, expr):
+        return f"~({self._print(expr.args[0])})"
+
     def _print_Piecewise(self, expr):
         *pieces, (last_value, last_cond) = expr.args
         if last_cond is not sympy.true:
@@ -226,6 +232,11 @@ class ElementwisePrinter(CodePrinter):
     def _print_saturated(self, expr):
         x, bound = expr.args
         return self.maximum(self.minimum(self._print(x), self._print(bound)), self._print(-bound))
+
+    def _print_clamp(self, expr):
+        # As torch.clamp: the lower bound first, so that hi wins where lo > hi.
+        x, lo, hi = (self._print(a) for a in expr.args)
+        return self.minimum(self.maximum(x, lo), hi)
 
     def _print_sign(self, expr):
         x = self._print(expr.args[0])
@@ -278,11 +289,29 @@ class TorchPrinter(ElementwisePrinter):
         "Abs": "torch.abs",
         "sigmoid": "torch.sigmoid",
         "relu": "torch.relu",
+        "round_half_even": "torch.round",
+        "floor": "torch.floor",
+        "log1p": "torch.log1p",
+        "expm1": "torch.expm1",
+        "sin": "torch.sin",
+        "cos": "torch.cos",
     }
     where, sqrt, rsqrt, power = "torch.where", "torch.sqrt", "torch.rsqrt", "torch.pow"
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"
+
+    def _print_clamp(self, expr):
+        # torch's own, whose derivative is 1 at the bounds (torch.maximum's is 1/2 at a tie).
+        # It takes both bounds as numbers or both as tensors.
+        x, lo, hi = (self._print(a) for a in expr.args)
+        if not (_is_number_text(lo) and _is_number_text(hi)):
+            lo, hi = (self.scalar(b) if _is_number_text(b) else b for b in (lo, hi))
+        return f"torch.clamp({x}, {lo}, {hi})"
+
+    def _print_sign(self, expr):
+        # torch's own: the same values (0 for NaN), and a reference autograd can differentiate.
+        return f"torch.sign({self._print(expr.args[0])})"
 
     def minimum(self, a, b):
         return f"torch.clamp_max({a}, {b})" if _is_number_text(b) else f"torch.minimum({a}, {b})"
