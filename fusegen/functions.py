@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
+import math
+
 import sympy
 from sympy.codegen.cfunctions import expm1, log1p
+from sympy.logic.boolalg import BooleanFunction
 
 
 class sigmoid(sympy.Function):
@@ -232,6 +235,31 @@ FUNCTIONS: dict[str, Function] = {
         Function("cos", 1, sympy.cos, "cosine", "torch.cos({0})"),
     ]
 }
+
+class infinity(sympy.Symbol):
+    """The literal inf. A symbol, not sympy's oo, which would absorb what it meets (x + oo is oo,
+    where x = -inf gives NaN) and which a constant may not be (fusegen.constants); printers spell
+    it as the float. Like any symbol it cancels itself (inf - inf is 0 here, NaN in torch)."""
+
+
+INF = infinity("%inf", real=True)  # a name no spec name can have
+
+
+class negated(BooleanFunction):
+    """`~cond`, kept whole: sympy's Not turns ~(x > 0) into x <= 0, which is False for NaN where
+    torch's ~ gives True."""
+
+    nargs = 1
+
+    @classmethod
+    def eval(cls, cond):
+        if cond in (sympy.true, sympy.false):
+            return sympy.false if cond is sympy.true else sympy.true
+        return None
+
+
+# The language's literal names: `inf` (and `-inf`, its negation), a float.
+LITERALS = {"inf": math.inf}
 
 # Built into the language rather than the registry: `where` takes a comparison,
 # `dropout` is stochastic and `chunk(x, i)` names part of an input, so none is a plain

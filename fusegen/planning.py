@@ -55,7 +55,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         if isinstance(p, ChoiceParam):
             declaration: Scalar | Choice = Choice(p.name, p.choices)
         else:
-            declaration = Scalar(p.name, p.type, p.min, p.max)
+            declaration = Scalar(p.name, p.type, p.min, p.max, p.min_open, p.max_open)
         params.append(ParamPlan(p.name, names[p.name], declaration, p.default, p.name in dropout_ps))
     by_name = {p.name: p for p in params}
     masks = []

@@ -6,9 +6,13 @@ anything without a spelling an error at build time instead of silent garbage.
 """
 from __future__ import annotations
 
+import math
+
 import sympy
 from sympy.printing.codeprinter import CodePrinter
 from sympy.printing.precedence import precedence
+
+from .functions import INF
 
 _SMALL_POWERS = (2, 3, 4)
 # Integers beyond this print as floats: a folded constant is within it (fusegen.constants),
@@ -195,8 +199,11 @@ class ElementwisePrinter(CodePrinter):
     def _print_Or(self, expr):
         return " | ".join(f"({self._print(a)})" for a in expr.args)
 
-    def _print_Not(self, expr):
+    def _print_negated(self, expr):
         return f"~({self._print(expr.args[0])})"
+
+    def _print_infinity(self, expr):
+        return 'float("inf")'
 
     def _print_Piecewise(self, expr):
         *pieces, (last_value, last_cond) = expr.args
@@ -215,7 +222,7 @@ class ElementwisePrinter(CodePrinter):
 
     def _fold(self, args, combine) -> str:
         # Numbers last, so a target may spell max(x, 0) as a clamp.
-        ordered = sorted(args, key=lambda a: a.is_Number)
+        ordered = sorted(args, key=lambda a: a.is_Number or a in (INF, -INF))
         text = self._print(ordered[0])
         for arg in ordered[1:]:
             text = combine(text, self._print(arg))
@@ -321,6 +328,8 @@ class TorchPrinter(ElementwisePrinter):
 
 
 def _is_number_text(text: str) -> bool:
+    if text.lstrip("-") == 'float("inf")':
+        return True
     try:
         float(text)
     except ValueError:
@@ -354,7 +363,7 @@ class EagerPrinter:
         if id(e) in self.lets and id(e) != self._defining:
             return self.lets[id(e)]
         if isinstance(e, ir.Const):
-            return repr(e.value)
+            return 'float("inf")' if e.value == math.inf else repr(e.value)
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
             return self.names[e.name]
         if isinstance(e, ir.ChunkRef):
@@ -367,6 +376,10 @@ class EagerPrinter:
             numbers = _is_python_number(e.left) and _is_python_number(e.right)
             left = self._tensor(e.left) if numbers else self._operand(e.left)
             return f"{left} {e.op} {self._operand(e.right)}"
+        if isinstance(e, ir.Logic):
+            if e.op == "~":
+                return f"~({self._print(e.args[0])})"
+            return f" {e.op} ".join(f"({self._print(a)})" for a in e.args)
         if isinstance(e, ir.Where):
             return f"torch.where({self._print(e.cond)}, {self._print(e.if_true)}, {self._print(e.if_false)})"
         if isinstance(e, ir.Call):
@@ -406,7 +419,7 @@ class EagerPrinter:
     def _tensor(self, e) -> str:
         from . import ir
 
-        value = repr(float(e.value)) if isinstance(e, ir.Const) else f"float({self._print(e)})"
+        value = f"float({self._print(e)})" if not isinstance(e, ir.Const) or e.value == math.inf else repr(float(e.value))
         return f"torch.tensor({value})"
 
 

@@ -9,6 +9,7 @@ is a constant is folded to one literal as it is lowered, or refused (fusegen.con
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from dataclasses import dataclass, replace
 
@@ -18,9 +19,10 @@ from . import calculus, constants, ir, rows
 from .calculus import derivative
 from .rows import RowProgram
 from .errors import SpecError
-from .functions import FUNCTIONS
+from .functions import FUNCTIONS, INF, negated
 
 _RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
+_LOGIC = {"&": sympy.And, "|": sympy.Or, "~": negated}
 _BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "**": operator.pow}
 HELPER_ARGS = ("x", "y", "z")  # a choice helper's argument names, by arity
 
@@ -291,7 +293,7 @@ class _Lowering:
             raise self._error(f"`{self._text(e)}` simplifies to a product whose constant factor {exc}") from None
         except constants.ConstantError as exc:  # 9 ** 9 ** 9, or act(0) for a choice of log
             raise self._error(f"{self._constant(e)} {exc}") from None
-        if isinstance(e, ir.Compare):
+        if isinstance(e, ir.CONDITIONS):
             return value
         try:
             if value.is_number:
@@ -307,6 +309,8 @@ class _Lowering:
 
     def _lower(self, e: ir.Expr) -> sympy.Basic:
         if isinstance(e, ir.Const):
+            if e.value == math.inf:
+                return INF
             return sympy.Integer(e.value) if isinstance(e.value, int) else sympy.Float(e.value)
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
             return self.symbols[e.name]
@@ -320,6 +324,8 @@ class _Lowering:
             return _BINARY[e.op](self(e.left), self(e.right))
         if isinstance(e, ir.Compare):
             return _RELATIONS[e.op](self(e.left), self(e.right))
+        if isinstance(e, ir.Logic):
+            return _LOGIC[e.op](*(self(a) for a in e.args))
         if isinstance(e, ir.Call):
             return FUNCTIONS[e.func].sympy_form(*(self(a) for a in e.args))
         if isinstance(e, ir.ChoiceCall):
