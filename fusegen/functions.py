@@ -258,8 +258,18 @@ class negated(BooleanFunction):
         return None
 
 
+class column(sympy.Symbol):
+    """The built-in name `col`: each element's index along the last dim, 0 <= col < N. Varies
+    along the row like an [N] input, has no gradient; printers spell it as the kernel's or
+    torch's column index."""
+
+
+COL = column("%col", real=True)
+
 # The language's literal names: `inf` (and `-inf`, its negation), a float.
 LITERALS = {"inf": math.inf}
+# Names the language defines, besides its functions: a spec name may not be one.
+BUILTIN_NAMES = frozenset({*LITERALS, "col"})
 
 # Built into the language rather than the registry: `where` takes a comparison,
 # `dropout` is stochastic and `chunk(x, i)` names part of an input, so none is a plain

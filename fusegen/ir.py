@@ -42,6 +42,11 @@ class ChunkRef:
 
 
 @dataclass(frozen=True)
+class Col:
+    """The built-in `col`: the element's index along the last dim, 0 <= col < N."""
+
+
+@dataclass(frozen=True)
 class ParamRef:
     name: str
 
@@ -111,7 +116,7 @@ class Reduce:
     value: "Expr"
 
 
-Expr = Union[Const, InputRef, ChunkRef, ParamRef, Unary, Binary, Compare, Logic, Call, ChoiceCall, Where, Dropout, Reduce]
+Expr = Union[Const, InputRef, ChunkRef, Col, ParamRef, Unary, Binary, Compare, Logic, Call, ChoiceCall, Where, Dropout, Reduce]
 CONDITIONS = (Compare, Logic)
 
 
@@ -298,6 +303,10 @@ class _Scope:
             return let.expr
         if name in LITERALS:
             return Const(LITERALS[name])
+        if name == "col":
+            if not any(d and d[-1] != "1" for d in self.dims.values()):
+                raise _Located("'col' is the element's index along the last dim, and no input of this op has one")
+            return Col()
         if name in self.choices:
             raise _Located(f"'{name}' is a choice of function; call it, as in {name}(x)")
         if name in FUNCTIONS or name in BUILTINS:
@@ -427,6 +436,8 @@ def _row_shape(expr: Expr, dims: dict[str, tuple[str, ...]], memo: dict) -> tupl
         if isinstance(expr, (InputRef, ChunkRef)):
             d = dims[expr.name]
             memo[key] = (bool(d) and d[-1] != "1", len(d) > 1 or (bool(d) and d[0] == "..."))
+        elif isinstance(expr, Col):  # as an [N] input
+            memo[key] = (True, False)
         elif isinstance(expr, Reduce):
             memo[key] = (False, _row_shape(expr.value, dims, memo)[1])
         else:
@@ -496,6 +507,8 @@ def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, in
         return e.name, _ATOM
     if isinstance(e, ChunkRef):
         return f"chunk({e.name}, {e.index})", _ATOM
+    if isinstance(e, Col):
+        return "col", _ATOM
     if isinstance(e, Unary):
         text, strength = _unparse(e.operand, names)
         return "-" + (text if strength >= _UNARY else f"({text})"), _UNARY

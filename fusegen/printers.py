@@ -39,6 +39,7 @@ class ElementwisePrinter(CodePrinter):
     # A target's spellings: sympy function name → call, and the structural helpers.
     known_functions: dict[str, str] = {}
     where = sqrt = rsqrt = power = ""
+    column = ""  # the element's index along the row (the language's `col`)
 
     def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset()):
         super().__init__()
@@ -205,6 +206,9 @@ class ElementwisePrinter(CodePrinter):
     def _print_infinity(self, expr):
         return 'float("inf")'
 
+    def _print_column(self, expr):
+        return self.column
+
     def _print_Piecewise(self, expr):
         *pieces, (last_value, last_cond) = expr.args
         if last_cond is not sympy.true:
@@ -304,6 +308,7 @@ class TorchPrinter(ElementwisePrinter):
         "cos": "torch.cos",
     }
     where, sqrt, rsqrt, power = "torch.where", "torch.sqrt", "torch.rsqrt", "torch.pow"
+    column = "torch.arange(problem.n, dtype=problem.compute_dtype, device=problem.device)"
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"
@@ -343,11 +348,12 @@ class EagerPrinter:
     spelling (F.gelu, F.dropout), not fusegen's definitions."""
 
     def __init__(self, names: dict[str, str], chunks: dict[str, str], helpers: dict[str, str],
-                 lets: dict[int, str] | None = None):
+                 lets: dict[int, str] | None = None, column: str = ""):
         self.names = names  # spec name → the name the generated function uses
         self.chunks = chunks  # chunked input → the name of its tuple of chunks
         self.helpers = helpers  # choice param → its eager helper
         self.lets = lets or {}  # id(an intermediate's tree) → the local that holds it
+        self.column = column  # `col`: torch.arange over the last dim of an input that has it
         self._defining = None
 
     def doprint(self, expr, defining: bool = False) -> str:
@@ -368,6 +374,8 @@ class EagerPrinter:
             return self.names[e.name]
         if isinstance(e, ir.ChunkRef):
             return f"{self.chunks[e.name]}[{e.index}]"
+        if isinstance(e, ir.Col):
+            return self.column
         if isinstance(e, ir.Unary):
             return f"-{self._operand(e.operand)}"
         if isinstance(e, ir.Binary):

@@ -19,7 +19,7 @@ from . import calculus, constants, ir, rows
 from .calculus import derivative
 from .rows import RowProgram
 from .errors import SpecError
-from .functions import FUNCTIONS, INF, negated
+from .functions import COL, FUNCTIONS, INF, negated
 
 _RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
 _LOGIC = {"&": sympy.And, "|": sympy.Or, "~": negated}
@@ -198,7 +198,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
 def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunked: set) -> SimplifiedOp:
     spec = op.spec
     along = {inputs[n] for i in spec.inputs if i.dims and i.dims[-1] != "1" for n in value_names(i)}
-    reductions = rows.Reductions(along | set(masks))
+    reductions = rows.Reductions(along | set(masks) | {COL})
     outputs = _Lowering(op, {**inputs, **params}, masks, reductions).outputs()
     grad_outputs = tuple(sympy.Symbol(grad_output_name(name), real=True) for name, _ in op.outputs)
     lines = {b.name: b.line for b in spec.outputs}
@@ -218,7 +218,7 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
     definitions = {r.symbol: r.value for r in found} | dict(row_values)
     gradients = tuple(replace(g, reads=_reads((totals[g.input],), grad_outputs, definitions)) for g in gradients)
     results = [(g.input, totals[g.input]) for g in gradients if g.passthrough_of is None]
-    elements = set(inputs.values()) | set(masks)
+    elements = set(inputs.values()) | set(masks) | {COL}
     forward = rows.schedule(reductions.found, [], outputs, elements)
     backward = rows.schedule(found, row_values, results, elements | set(grad_outputs), forward_saved=forward.saved)
     used = forward.free_symbols() | backward.free_symbols()
@@ -316,6 +316,8 @@ class _Lowering:
             return self.symbols[e.name]
         if isinstance(e, ir.ChunkRef):
             return self.symbols[chunk_name(e.name, e.index)]
+        if isinstance(e, ir.Col):
+            return COL
         if isinstance(e, ir.Unary):
             return -self(e.operand)
         if isinstance(e, ir.Binary):

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import SpecError
-from .functions import BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS
+from .functions import BUILTIN_NAMES, BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS
 from .layout import Input
 
 ELLIPSIS = "..."
@@ -350,6 +350,8 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
         raise _Located(line, f"{what} name '{name}' is the name of the function '{name}' of the expression language")
     if what != "op" and name in LITERALS:
         raise _Located(line, f"{what} name '{name}' is a literal of the expression language")
+    if what != "op" and name in BUILTIN_NAMES:
+        raise _Located(line, f"{what} name '{name}' is a built-in name of the expression language")
     if what == "op" and name in MODULE_NAMES:
         raise _Located(line, f"op name '{name}' is the name of the generated module's function {name}()")
     if what in ("input", "param") and name in SIGNATURE_NAMES:

@@ -29,6 +29,7 @@ class TritonPrinter(ElementwisePrinter):
         "cos": "libdevice.cos",
     }
     where, sqrt, rsqrt, power = "tl.where", "sqrt_rn", "rsqrt_rn", "libdevice.pow"
+    column = "cols[None, :]"  # every kind's kernels index a tile's columns by `cols` (naming.SHARED_NAMES)
 
     def maximum(self, a, b):
         return f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
