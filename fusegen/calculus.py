@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sympy
 
+from .functions import INF
+
 TEMPORARY_PREFIX = "%t"  # CSE temporaries: %t0, %t1, ...
 
 
@@ -66,11 +68,16 @@ def _masked(expr: sympy.Expr) -> sympy.Expr:
     return expr.replace(lambda e: e.is_Mul, select)
 
 
+def is_literal(expr: sympy.Expr) -> bool:
+    """A number, or one built from the literal inf (-inf): what a printer writes as a literal."""
+    return expr.is_number or (bool(expr.free_symbols) and expr.free_symbols <= {INF})
+
+
 def cse(exprs: list[sympy.Expr]) -> tuple[list[tuple[sympy.Symbol, sympy.Expr]], list[sympy.Expr]]:
     """Temporaries in order, and the expressions rewritten over them."""
     temps = sympy.numbered_symbols(TEMPORARY_PREFIX, real=True)
     replacements, reduced = sympy.cse(exprs, symbols=temps)
-    # A temporary that is only a number (2*sqrt(2/pi)) reads better as the literal it prints to.
-    numbers = {t: e for t, e in replacements if e.is_number}
+    # A temporary that is only a number (2*sqrt(2/pi), -inf) reads better as the literal it prints to.
+    numbers = {t: e for t, e in replacements if is_literal(e)}
     kept = [(t, e.xreplace(numbers)) for t, e in replacements if t not in numbers]
     return kept, [e.xreplace(numbers) for e in reduced]

@@ -7,9 +7,14 @@ spell sympy's own primitives (exp, tanh, Max, Piecewise, ...) plus `sigmoid` bel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable
 
+import math
+
 import sympy
+from sympy.codegen.cfunctions import expm1, log1p
+from sympy.logic.boolalg import BooleanFunction
 
 
 class sigmoid(sympy.Function):
@@ -70,6 +75,82 @@ class saturated(sympy.Function):
 
     def _eval_rewrite_as_Max(self, x, bound, **kwargs):
         return sympy.Max(sympy.Min(x, bound), -bound)
+
+
+class _Stepwise(sympy.Function):
+    """A function constant between its steps: its derivative is 0 everywhere, as torch's
+    backward of round, floor and sign is (sympy's own would give DiracDelta terms, or stay
+    unevaluated). A number argument is evaluated by `_number`, as torch would."""
+
+    nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return cls._number(x)
+        return None
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
+
+
+class round_half_even(_Stepwise):
+    """torch.round: to the nearest integer, halves to the even one."""
+
+    @staticmethod
+    def _number(x):
+        # Python's round is half to even, for an exact fraction as for a double.
+        return sympy.Integer(round(Fraction(x.p, x.q))) if x.is_Rational else sympy.Float(round(float(x)))
+
+
+class floor(_Stepwise):
+    """torch.floor: the largest integer not above x."""
+
+    @staticmethod
+    def _number(x):
+        return sympy.floor(x)
+
+
+class sign(_Stepwise):
+    """torch.sign: -1, 0 or 1 (0 for NaN, as torch gives on CPU and GPU). Printed as sympy's
+    sign (Abs's derivative) is; a class of its own for its derivative, 0."""
+
+    @staticmethod
+    def _number(x):
+        return sympy.sign(x)
+
+
+class clamp(sympy.Function):
+    """torch.clamp(x, lo, hi) = min(max(x, lo), hi), NaN passing through. Its derivatives are
+    torch's: 1 for x on [lo, hi] inclusive (min(max(...)) would give 1/2 at the bounds), for
+    lo where x is below it and lo < hi, for hi where x is above it or lo > hi (hi wins where
+    lo > hi; where x < lo == hi, torch gives no argument a gradient, and so do these)."""
+
+    nargs = 3
+
+    @classmethod
+    def eval(cls, x, lo, hi):
+        if x.is_Number and lo.is_Number and hi.is_Number:
+            return sympy.Min(sympy.Max(x, lo), hi)
+        return None
+
+    def fdiff(self, argindex=1):
+        x, lo, hi = self.args
+        selected = {
+            1: sympy.And(x >= lo, x <= hi),
+            2: sympy.And(x < lo, lo < hi),
+            3: sympy.Or(x > hi, lo > hi),
+        }[argindex]
+        return sympy.Piecewise((1, selected), (0, True))
+
+
+# torch's F.softplus default: above this x (beta 1), softplus(x) is x to the last bit of fp32.
+SOFTPLUS_THRESHOLD = 20
+
+
+def _softplus(x):
+    # Its derivative follows: 1 above the threshold, exp(x) / (exp(x) + 1) below, torch's form.
+    return sympy.Piecewise((x, x > SOFTPLUS_THRESHOLD), (log1p(sympy.exp(x)), True))
 
 
 @dataclass(frozen=True)
@@ -143,8 +224,52 @@ FUNCTIONS: dict[str, Function] = {
             "x * sigmoid(1.702 x)",
             "{0} * torch.sigmoid(1.702 * {0})",
         ),
+        Function("round", 1, round_half_even, "nearest integer, halves to even", "torch.round({0})"),
+        Function("floor", 1, floor, "largest integer <= x", "torch.floor({0})"),
+        Function("sign", 1, sign, "-1, 0 or 1", "torch.sign({0})"),
+        Function("clamp", 3, clamp, "x limited to [lo, hi]", "torch.clamp({0}, torch.as_tensor({1}), torch.as_tensor({2}))"),
+        Function("softplus", 1, _softplus, "log(1 + exp(x)), x above 20", "F.softplus({0})"),
+        Function("log1p", 1, log1p, "log(1 + x)", "torch.log1p({0})"),
+        Function("expm1", 1, expm1, "exp(x) - 1", "torch.expm1({0})"),
+        Function("sin", 1, sympy.sin, "sine", "torch.sin({0})"),
+        Function("cos", 1, sympy.cos, "cosine", "torch.cos({0})"),
     ]
 }
+
+class infinity(sympy.Symbol):
+    """The literal inf. A symbol, not sympy's oo, which would absorb what it meets (x + oo is oo,
+    where x = -inf gives NaN) and which a constant may not be (fusegen.constants); printers spell
+    it as the float. Like any symbol it cancels itself (inf - inf is 0 here, NaN in torch)."""
+
+
+INF = infinity("%inf", real=True)  # a name no spec name can have
+
+
+class negated(BooleanFunction):
+    """`~cond`, kept whole: sympy's Not turns ~(x > 0) into x <= 0, which is False for NaN where
+    torch's ~ gives True."""
+
+    nargs = 1
+
+    @classmethod
+    def eval(cls, cond):
+        if cond in (sympy.true, sympy.false):
+            return sympy.false if cond is sympy.true else sympy.true
+        return None
+
+
+class column(sympy.Symbol):
+    """The built-in name `col`: each element's index along the last dim, 0 <= col < N. Varies
+    along the row like an [N] input, has no gradient; printers spell it as the kernel's or
+    torch's column index."""
+
+
+COL = column("%col", real=True)
+
+# The language's literal names: `inf` (and `-inf`, its negation), a float.
+LITERALS = {"inf": math.inf}
+# Names the language defines, besides its functions: a spec name may not be one.
+BUILTIN_NAMES = frozenset({*LITERALS, "col"})
 
 # Built into the language rather than the registry: `where` takes a comparison,
 # `dropout` is stochastic and `chunk(x, i)` names part of an input, so none is a plain

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from .errors import SpecError
-from .functions import BUILTINS, FUNCTIONS, REDUCTIONS, known_function_names
+from .functions import BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS, known_function_names
 from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, OpSpec, ScalarParam
 
 # Bounds on one expression, intermediates inlined: later stages recurse over the whole tree.
@@ -42,6 +42,11 @@ class ChunkRef:
 
 
 @dataclass(frozen=True)
+class Col:
+    """The built-in `col`: the element's index along the last dim, 0 <= col < N."""
+
+
+@dataclass(frozen=True)
 class ParamRef:
     name: str
 
@@ -67,6 +72,14 @@ class Compare:
 
 
 @dataclass(frozen=True)
+class Logic:
+    """Conditions combined: `&` and `|` of two, `~` of one (where's condition, as in torch)."""
+
+    op: str  # "&", "|" or "~"
+    args: tuple["Expr", ...]  # conditions: Compare or Logic
+
+
+@dataclass(frozen=True)
 class Call:
     func: str  # a name in functions.FUNCTIONS
     args: tuple["Expr", ...]
@@ -82,7 +95,7 @@ class ChoiceCall:
 
 @dataclass(frozen=True)
 class Where:
-    cond: Compare
+    cond: "Compare | Logic"
     if_true: "Expr"
     if_false: "Expr"
 
@@ -103,7 +116,8 @@ class Reduce:
     value: "Expr"
 
 
-Expr = Union[Const, InputRef, ChunkRef, ParamRef, Unary, Binary, Compare, Call, ChoiceCall, Where, Dropout, Reduce]
+Expr = Union[Const, InputRef, ChunkRef, Col, ParamRef, Unary, Binary, Compare, Logic, Call, ChoiceCall, Where, Dropout, Reduce]
+CONDITIONS = (Compare, Logic)
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,7 @@ class OpIR:
 _BINARY_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
 _COMPARE_OPS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
 _UNARY_OPS = {ast.USub: "-", ast.UAdd: "+"}
+_LOGIC_OPS = {ast.BitAnd: "&", ast.BitOr: "|"}
 
 
 class _Located(Exception):
@@ -226,11 +241,26 @@ class _Scope:
             return operand if isinstance(node.op, ast.UAdd) else Unary("-", operand)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
             return Binary(_BINARY_OPS[type(node.op)], self._value(node.left, d), self._value(node.right, d))
-        if isinstance(node, (ast.BinOp, ast.UnaryOp, ast.BoolOp)):
-            raise _Located(f"unsupported operator in {_snippet(node)} (supported: + - * / ** and comparisons)")
+        if isinstance(node, ast.BinOp) and type(node.op) in _LOGIC_OPS:
+            return Logic(_LOGIC_OPS[type(node.op)], (self._condition(node.left, d), self._condition(node.right, d)))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
+            return Logic("~", (self._condition(node.operand, d),))
+        if isinstance(node, ast.BoolOp) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not)):
+            raise _Located(
+                f"unsupported operator in {_snippet(node)}: combine conditions with & | ~, each comparison in "
+                "parentheses, as in (x > 0) & (x < 1)"
+            )
+        if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+            raise _Located(
+                f"unsupported operator in {_snippet(node)} (supported: + - * / ** and comparisons, "
+                "combined by & | ~)"
+            )
         if isinstance(node, ast.Compare):
             if len(node.ops) != 1 or type(node.ops[0]) not in _COMPARE_OPS:
-                raise _Located("only single comparisons (<, <=, >, >=, ==, !=) are supported")
+                hint = ""
+                if any(isinstance(n, ast.BinOp) and type(n.op) in _LOGIC_OPS for n in ast.walk(node)):
+                    hint = " (& and | bind tighter than comparisons: parenthesize each, as in (x > 0) & (x < 1))"
+                raise _Located(f"only single comparisons (<, <=, >, >=, ==, !=) are supported{hint}")
             return Compare(
                 _COMPARE_OPS[type(node.ops[0])], self._value(node.left, d), self._value(node.comparators[0], d)
             )
@@ -241,8 +271,17 @@ class _Scope:
     def _value(self, node: ast.AST, depth: int) -> Expr:
         """A numeric operand: comparisons only make sense as where's condition."""
         expr = self._lower(node, depth)
-        if isinstance(expr, Compare):
+        if isinstance(expr, CONDITIONS):
             raise _Located("a comparison can only be the first argument of where(...)")
+        return expr
+
+    def _condition(self, node: ast.AST, depth: int) -> Expr:
+        """where's condition, or an operand of & | ~ in it: a comparison, or comparisons combined."""
+        expr = self._lower(node, depth)
+        if not isinstance(expr, CONDITIONS):
+            raise _Located(
+                f"& | ~ combine conditions, and {_snippet(node)} is not one: write a comparison, as in (x > 0) & (y < 1)"
+            )
         return expr
 
     def _resolve(self, name: str, depth: int) -> Expr:
@@ -262,6 +301,12 @@ class _Scope:
             let = self.lets[name]
             self._count(depth + let.depth, let.nodes - 1)  # its root is this name's node
             return let.expr
+        if name in LITERALS:
+            return Const(LITERALS[name])
+        if name == "col":
+            if not any(d and d[-1] != "1" for d in self.dims.values()):
+                raise _Located("'col' is the element's index along the last dim, and no input of this op has one")
+            return Col()
         if name in self.choices:
             raise _Located(f"'{name}' is a choice of function; call it, as in {name}(x)")
         if name in FUNCTIONS or name in BUILTINS:
@@ -286,7 +331,7 @@ class _Scope:
         if name == "where":
             self._check_arity(name, len(node.args), BUILTINS[name])
             cond = self._lower(node.args[0], depth)
-            if not isinstance(cond, Compare):
+            if not isinstance(cond, CONDITIONS):
                 raise _Located("where's first argument must be a comparison, as in where(x > 0, x, 0)")
             return Where(cond, self._value(node.args[1], depth), self._value(node.args[2], depth))
         if name == "dropout":
@@ -391,6 +436,8 @@ def _row_shape(expr: Expr, dims: dict[str, tuple[str, ...]], memo: dict) -> tupl
         if isinstance(expr, (InputRef, ChunkRef)):
             d = dims[expr.name]
             memo[key] = (bool(d) and d[-1] != "1", len(d) > 1 or (bool(d) and d[0] == "..."))
+        elif isinstance(expr, Col):  # as an [N] input
+            memo[key] = (True, False)
         elif isinstance(expr, Reduce):
             memo[key] = (False, _row_shape(expr.value, dims, memo)[1])
         else:
@@ -409,7 +456,7 @@ def _children(expr: Expr) -> tuple:
         return (expr.operand,)
     if isinstance(expr, (Binary, Compare)):
         return (expr.left, expr.right)
-    if isinstance(expr, (Call, ChoiceCall)):
+    if isinstance(expr, (Call, ChoiceCall, Logic)):
         return expr.args
     if isinstance(expr, Where):
         return (expr.cond, expr.if_true, expr.if_false)
@@ -455,11 +502,13 @@ def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, in
     if not top and id(e) in names:
         return names[id(e)], _ATOM
     if isinstance(e, Const):
-        return repr(e.value), _ATOM
+        return ("inf" if e.value == math.inf else repr(e.value)), _ATOM
     if isinstance(e, (InputRef, ParamRef)):
         return e.name, _ATOM
     if isinstance(e, ChunkRef):
         return f"chunk({e.name}, {e.index})", _ATOM
+    if isinstance(e, Col):
+        return "col", _ATOM
     if isinstance(e, Unary):
         text, strength = _unparse(e.operand, names)
         return "-" + (text if strength >= _UNARY else f"({text})"), _UNARY
@@ -473,6 +522,11 @@ def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, in
         left = left if left_ok else f"({left})"
         right = right if right_ok else f"({right})"
         return f"{left} {e.op} {right}", strength
+    if isinstance(e, Logic):
+        parts = [_unparse(a, names)[0] for a in e.args]
+        if e.op == "~":
+            return f"~({parts[0]})", _ATOM
+        return f" {e.op} ".join(f"({p})" for p in parts), 0
     if isinstance(e, (Call, ChoiceCall)):
         args = ", ".join(_unparse(a, names)[0] for a in e.args)
         return f"{e.func if isinstance(e, Call) else e.param}({args})", _ATOM

@@ -38,6 +38,9 @@ class Scalar:
     kind: str  # "float" or "int"
     low: float | int | None = None
     high: float | int | None = None
+    # Exclusive bounds (a spec's gt: / lt:): the value must differ from them too.
+    low_open: bool = False
+    high_open: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,18 @@ class Choice:
     choices: tuple[str, ...]
 
 
-def range_text(low, high) -> str:
-    """A scalar's range as errors and docstrings print it: `in [0.0, 1.0]`, `≥ 0.0`, `≤ 1.0` or ""."""
+def range_text(low, high, low_open: bool = False, high_open: bool = False) -> str:
+    """A scalar's range as errors and docstrings print it: `in [0.0, 1.0]`, `in (0.0, 1.0]`,
+    `≥ 0.0`, `> 0.0`, `≤ 1.0`, `< 1.0` or ""."""
     if low is not None and high is not None:
-        return f"in [{low!r}, {high!r}]"
+        return f"in {'(' if low_open else '['}{low!r}, {high!r}{')' if high_open else ']'}"
     if low is not None:
-        return f"≥ {low!r}"
-    return "" if high is None else f"≤ {high!r}"
+        return f"{'>' if low_open else '≥'} {low!r}"
+    return "" if high is None else f"{'<' if high_open else '≤'} {high!r}"
+
+
+def in_range(value, low, high, low_open: bool = False, high_open: bool = False) -> bool:
+    """Whether value lies within the bounds (inclusive, or exclusive where open)."""
+    if low is not None and (value <= low if low_open else value < low):
+        return False
+    return high is None or (value < high if high_open else value <= high)

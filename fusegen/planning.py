@@ -55,7 +55,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         if isinstance(p, ChoiceParam):
             declaration: Scalar | Choice = Choice(p.name, p.choices)
         else:
-            declaration = Scalar(p.name, p.type, p.min, p.max)
+            declaration = Scalar(p.name, p.type, p.min, p.max, p.min_open, p.max_open)
         params.append(ParamPlan(p.name, names[p.name], declaration, p.default, p.name in dropout_ps))
     by_name = {p.name: p for p in params}
     masks = []
@@ -195,7 +195,13 @@ def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
 def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
                  names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str]) -> tuple[str, ...]:
     """The eager function's body: the spec's IR printed as a PyTorch user writes it."""
-    printer = EagerPrinter(names, chunk_tuples, helpers, {id(expr): local for local, expr in lets})
+    # `col` counts along the last dim of an input that has it (one chunk's, for a chunked input).
+    along = next((i for i in inputs if i.layout.dims and i.layout.dims[-1] != "1"), None)
+    column = ""
+    if along is not None:
+        width = f"{along.local}.shape[-1]" + (f" // {along.layout.chunks}" if along.layout.chunks > 1 else "")
+        column = f"torch.arange({width}, device={along.local}.device)"
+    printer = EagerPrinter(names, chunk_tuples, helpers, {id(expr): local for local, expr in lets}, column)
     lines = [
         f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.layout.chunks > 1
     ]

@@ -6,9 +6,13 @@ anything without a spelling an error at build time instead of silent garbage.
 """
 from __future__ import annotations
 
+import math
+
 import sympy
 from sympy.printing.codeprinter import CodePrinter
 from sympy.printing.precedence import precedence
+
+from .functions import INF
 
 _SMALL_POWERS = (2, 3, 4)
 # Integers beyond this print as floats: a folded constant is within it (fusegen.constants),
@@ -17,7 +21,7 @@ _MAX_INTEGER_LITERAL = 2**53
 # Factors within [-1, 1] (or a normalising x**-0.5): a product takes them first, as torch's
 # (x * sigmoid(x)) * y and (x * rsqrt(var)) * w do, so that x * y cannot overflow before a
 # factor that would have brought it back (inf * 0 is NaN where torch's result is finite).
-_BOUNDED_FUNCTIONS = frozenset({"sigmoid", "tanh", "erf", "Heaviside", "sign"})
+_BOUNDED_FUNCTIONS = frozenset({"sigmoid", "tanh", "erf", "Heaviside", "sign", "sin", "cos"})
 
 
 class ElementwisePrinter(CodePrinter):
@@ -35,6 +39,7 @@ class ElementwisePrinter(CodePrinter):
     # A target's spellings: sympy function name → call, and the structural helpers.
     known_functions: dict[str, str] = {}
     where = sqrt = rsqrt = power = ""
+    column = ""  # the element's index along the row (the language's `col`)
 
     def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset()):
         super().__init__()
@@ -192,6 +197,18 @@ class ElementwisePrinter(CodePrinter):
         # & binds tighter than a comparison in Python and Triton: each operand parenthesized.
         return " & ".join(f"({self._print(a)})" for a in expr.args)
 
+    def _print_Or(self, expr):
+        return " | ".join(f"({self._print(a)})" for a in expr.args)
+
+    def _print_negated(self, expr):
+        return f"~({self._print(expr.args[0])})"
+
+    def _print_infinity(self, expr):
+        return 'float("inf")'
+
+    def _print_column(self, expr):
+        return self.column
+
     def _print_Piecewise(self, expr):
         *pieces, (last_value, last_cond) = expr.args
         if last_cond is not sympy.true:
@@ -209,7 +226,7 @@ class ElementwisePrinter(CodePrinter):
 
     def _fold(self, args, combine) -> str:
         # Numbers last, so a target may spell max(x, 0) as a clamp.
-        ordered = sorted(args, key=lambda a: a.is_Number)
+        ordered = sorted(args, key=lambda a: a.is_Number or a in (INF, -INF))
         text = self._print(ordered[0])
         for arg in ordered[1:]:
             text = combine(text, self._print(arg))
@@ -226,6 +243,11 @@ class ElementwisePrinter(CodePrinter):
     def _print_saturated(self, expr):
         x, bound = expr.args
         return self.maximum(self.minimum(self._print(x), self._print(bound)), self._print(-bound))
+
+    def _print_clamp(self, expr):
+        # As torch.clamp: the lower bound first, so that hi wins where lo > hi.
+        x, lo, hi = (self._print(a) for a in expr.args)
+        return self.minimum(self.maximum(x, lo), hi)
 
     def _print_sign(self, expr):
         x = self._print(expr.args[0])
@@ -278,11 +300,30 @@ class TorchPrinter(ElementwisePrinter):
         "Abs": "torch.abs",
         "sigmoid": "torch.sigmoid",
         "relu": "torch.relu",
+        "round_half_even": "torch.round",
+        "floor": "torch.floor",
+        "log1p": "torch.log1p",
+        "expm1": "torch.expm1",
+        "sin": "torch.sin",
+        "cos": "torch.cos",
     }
     where, sqrt, rsqrt, power = "torch.where", "torch.sqrt", "torch.rsqrt", "torch.pow"
+    column = "torch.arange(problem.n, dtype=problem.compute_dtype, device=problem.device)"
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"
+
+    def _print_clamp(self, expr):
+        # torch's own, whose derivative is 1 at the bounds (torch.maximum's is 1/2 at a tie).
+        # It takes both bounds as numbers or both as tensors.
+        x, lo, hi = (self._print(a) for a in expr.args)
+        if not (_is_number_text(lo) and _is_number_text(hi)):
+            lo, hi = (self.scalar(b) if _is_number_text(b) else b for b in (lo, hi))
+        return f"torch.clamp({x}, {lo}, {hi})"
+
+    def _print_sign(self, expr):
+        # torch's own: the same values (0 for NaN), and a reference autograd can differentiate.
+        return f"torch.sign({self._print(expr.args[0])})"
 
     def minimum(self, a, b):
         return f"torch.clamp_max({a}, {b})" if _is_number_text(b) else f"torch.minimum({a}, {b})"
@@ -292,6 +333,8 @@ class TorchPrinter(ElementwisePrinter):
 
 
 def _is_number_text(text: str) -> bool:
+    if text.lstrip("-") == 'float("inf")':
+        return True
     try:
         float(text)
     except ValueError:
@@ -305,11 +348,12 @@ class EagerPrinter:
     spelling (F.gelu, F.dropout), not fusegen's definitions."""
 
     def __init__(self, names: dict[str, str], chunks: dict[str, str], helpers: dict[str, str],
-                 lets: dict[int, str] | None = None):
+                 lets: dict[int, str] | None = None, column: str = ""):
         self.names = names  # spec name → the name the generated function uses
         self.chunks = chunks  # chunked input → the name of its tuple of chunks
         self.helpers = helpers  # choice param → its eager helper
         self.lets = lets or {}  # id(an intermediate's tree) → the local that holds it
+        self.column = column  # `col`: torch.arange over the last dim of an input that has it
         self._defining = None
 
     def doprint(self, expr, defining: bool = False) -> str:
@@ -325,11 +369,13 @@ class EagerPrinter:
         if id(e) in self.lets and id(e) != self._defining:
             return self.lets[id(e)]
         if isinstance(e, ir.Const):
-            return repr(e.value)
+            return 'float("inf")' if e.value == math.inf else repr(e.value)
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
             return self.names[e.name]
         if isinstance(e, ir.ChunkRef):
             return f"{self.chunks[e.name]}[{e.index}]"
+        if isinstance(e, ir.Col):
+            return self.column
         if isinstance(e, ir.Unary):
             return f"-{self._operand(e.operand)}"
         if isinstance(e, ir.Binary):
@@ -338,6 +384,10 @@ class EagerPrinter:
             numbers = _is_python_number(e.left) and _is_python_number(e.right)
             left = self._tensor(e.left) if numbers else self._operand(e.left)
             return f"{left} {e.op} {self._operand(e.right)}"
+        if isinstance(e, ir.Logic):
+            if e.op == "~":
+                return f"~({self._print(e.args[0])})"
+            return f" {e.op} ".join(f"({self._print(a)})" for a in e.args)
         if isinstance(e, ir.Where):
             return f"torch.where({self._print(e.cond)}, {self._print(e.if_true)}, {self._print(e.if_false)})"
         if isinstance(e, ir.Call):
@@ -377,7 +427,7 @@ class EagerPrinter:
     def _tensor(self, e) -> str:
         from . import ir
 
-        value = repr(float(e.value)) if isinstance(e, ir.Const) else f"float({self._print(e)})"
+        value = f"float({self._print(e)})" if not isinstance(e, ir.Const) or e.value == math.inf else repr(float(e.value))
         return f"torch.tensor({value})"
 
 

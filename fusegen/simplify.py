@@ -9,6 +9,7 @@ is a constant is folded to one literal as it is lowered, or refused (fusegen.con
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from dataclasses import dataclass, replace
 
@@ -18,9 +19,10 @@ from . import calculus, constants, ir, rows
 from .calculus import derivative
 from .rows import RowProgram
 from .errors import SpecError
-from .functions import FUNCTIONS
+from .functions import COL, FUNCTIONS, INF, negated
 
 _RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
+_LOGIC = {"&": sympy.And, "|": sympy.Or, "~": negated}
 _BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "**": operator.pow}
 HELPER_ARGS = ("x", "y", "z")  # a choice helper's argument names, by arity
 
@@ -196,7 +198,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
 def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunked: set) -> SimplifiedOp:
     spec = op.spec
     along = {inputs[n] for i in spec.inputs if i.dims and i.dims[-1] != "1" for n in value_names(i)}
-    reductions = rows.Reductions(along | set(masks))
+    reductions = rows.Reductions(along | set(masks) | {COL})
     outputs = _Lowering(op, {**inputs, **params}, masks, reductions).outputs()
     grad_outputs = tuple(sympy.Symbol(grad_output_name(name), real=True) for name, _ in op.outputs)
     lines = {b.name: b.line for b in spec.outputs}
@@ -216,7 +218,7 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
     definitions = {r.symbol: r.value for r in found} | dict(row_values)
     gradients = tuple(replace(g, reads=_reads((totals[g.input],), grad_outputs, definitions)) for g in gradients)
     results = [(g.input, totals[g.input]) for g in gradients if g.passthrough_of is None]
-    elements = set(inputs.values()) | set(masks)
+    elements = set(inputs.values()) | set(masks) | {COL}
     forward = rows.schedule(reductions.found, [], outputs, elements)
     backward = rows.schedule(found, row_values, results, elements | set(grad_outputs), forward_saved=forward.saved)
     used = forward.free_symbols() | backward.free_symbols()
@@ -291,7 +293,7 @@ class _Lowering:
             raise self._error(f"`{self._text(e)}` simplifies to a product whose constant factor {exc}") from None
         except constants.ConstantError as exc:  # 9 ** 9 ** 9, or act(0) for a choice of log
             raise self._error(f"{self._constant(e)} {exc}") from None
-        if isinstance(e, ir.Compare):
+        if isinstance(e, ir.CONDITIONS):
             return value
         try:
             if value.is_number:
@@ -307,11 +309,15 @@ class _Lowering:
 
     def _lower(self, e: ir.Expr) -> sympy.Basic:
         if isinstance(e, ir.Const):
+            if e.value == math.inf:
+                return INF
             return sympy.Integer(e.value) if isinstance(e.value, int) else sympy.Float(e.value)
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
             return self.symbols[e.name]
         if isinstance(e, ir.ChunkRef):
             return self.symbols[chunk_name(e.name, e.index)]
+        if isinstance(e, ir.Col):
+            return COL
         if isinstance(e, ir.Unary):
             return -self(e.operand)
         if isinstance(e, ir.Binary):
@@ -320,6 +326,8 @@ class _Lowering:
             return _BINARY[e.op](self(e.left), self(e.right))
         if isinstance(e, ir.Compare):
             return _RELATIONS[e.op](self(e.left), self(e.right))
+        if isinstance(e, ir.Logic):
+            return _LOGIC[e.op](*(self(a) for a in e.args))
         if isinstance(e, ir.Call):
             return FUNCTIONS[e.func].sympy_form(*(self(a) for a in e.args))
         if isinstance(e, ir.ChoiceCall):

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import SpecError
-from .functions import BUILTINS, FUNCTIONS, REDUCTIONS
+from .functions import BUILTIN_NAMES, BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS
 from .layout import Input
 
 ELLIPSIS = "..."
@@ -88,6 +88,9 @@ class ScalarParam:
     min: float | int | None
     max: float | int | None
     line: int
+    # min or max given as gt: or lt:, an exclusive bound (a divisor's `gt: 0.0`).
+    min_open: bool = False
+    max_open: bool = False
 
 
 @dataclass(frozen=True)
@@ -345,6 +348,10 @@ def _check_identifier(name: Any, line: int, what: str) -> str:
     # An op may share a function's name (op `gelu`): its module never calls that function.
     if what != "op" and (name in FUNCTIONS or name in BUILTINS or name in REDUCTIONS):
         raise _Located(line, f"{what} name '{name}' is the name of the function '{name}' of the expression language")
+    if what != "op" and name in LITERALS:
+        raise _Located(line, f"{what} name '{name}' is a literal of the expression language")
+    if what != "op" and name in BUILTIN_NAMES:
+        raise _Located(line, f"{what} name '{name}' is a built-in name of the expression language")
     if what == "op" and name in MODULE_NAMES:
         raise _Located(line, f"op name '{name}' is the name of the generated module's function {name}()")
     if what in ("input", "param") and name in SIGNATURE_NAMES:
@@ -566,7 +573,12 @@ def _parse_choice_param(name: str, body: _LineDict, line: int) -> ChoiceParam:
 
 
 def _parse_scalar_param(name: str, body: _LineDict, line: int) -> ScalarParam:
-    _check_keys(body, ["type", "default", "min", "max"], ["default"], f"param '{name}'", line)
+    _check_keys(body, ["type", "default", "min", "max", "gt", "lt"], ["default"], f"param '{name}'", line)
+    for inclusive, exclusive in (("min", "gt"), ("max", "lt")):
+        if inclusive in body and exclusive in body:
+            raise _Located(
+                body.key_lines[exclusive], f"param '{name}': give '{inclusive}' (inclusive) or '{exclusive}' (exclusive), not both"
+            )
     if "type" not in body:
         raise _Located(line, f"missing required key 'type' in param '{name}' (float or int; or 'choices' instead)")
     lines = body.value_lines
@@ -576,7 +588,7 @@ def _parse_scalar_param(name: str, body: _LineDict, line: int) -> ScalarParam:
     number = float if kind == "float" else int
     limit, limit_text = (MAX_FLOAT_MAGNITUDE, "1e30") if kind == "float" else (MAX_INT_MAGNITUDE, "2**53")
     values = {}
-    for key in ("default", "min", "max"):
+    for key in ("default", "min", "max", "gt", "lt"):
         if key not in body:
             values[key] = None
             continue
@@ -588,14 +600,21 @@ def _parse_scalar_param(name: str, body: _LineDict, line: int) -> ScalarParam:
             message = f"'{key}' {_describe(value)} is out of range (at most {limit_text} in magnitude)"
             raise _Located(lines[key], f"param '{name}': {message}")
         values[key] = float(value) if kind == "float" else value
-    low, high, default = values["min"], values["max"], values["default"]
-    if low is not None and high is not None and low > high:
-        raise _Located(lines["min"], f"param '{name}': min {low} is greater than max {high}")
-    if low is not None and default < low:
-        raise _Located(lines["default"], f"param '{name}': default {default} is less than min {low}")
-    if high is not None and default > high:
-        raise _Located(lines["default"], f"param '{name}': default {default} is greater than max {high}")
-    return ScalarParam(name, kind, default, low, high, line)
+    low_open, high_open = values["gt"] is not None, values["lt"] is not None
+    low_key, high_key = "gt" if low_open else "min", "lt" if high_open else "max"
+    low, high, default = values[low_key], values[high_key], values["default"]
+    if low is not None and high is not None:
+        if not (low_open or high_open) and low > high:
+            raise _Located(lines["min"], f"param '{name}': min {low} is greater than max {high}")
+        if (low_open or high_open) and low >= high:
+            raise _Located(lines[low_key], f"param '{name}': {low_key} {low} is not less than {high_key} {high}")
+    if low is not None and (default <= low if low_open else default < low):
+        message = f"is not greater than gt {low}" if low_open else f"is less than min {low}"
+        raise _Located(lines["default"], f"param '{name}': default {default} {message}")
+    if high is not None and (default >= high if high_open else default > high):
+        message = f"is not less than lt {high}" if high_open else f"is greater than max {high}"
+        raise _Located(lines["default"], f"param '{name}': default {default} {message}")
+    return ScalarParam(name, kind, default, low, high, line, low_open, high_open)
 
 
 def _parse_bindings(raw: Any, line: int, section: str, what: str, names: _Names, required: bool) -> tuple[Binding, ...]:

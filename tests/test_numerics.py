@@ -89,6 +89,15 @@ EAGER_FUNCTIONS = {
     "quick_gelu": lambda a: a * torch.sigmoid(1.702 * a),
     "min": torch.minimum,
     "max": torch.maximum,
+    "round": torch.round,
+    "floor": torch.floor,
+    "sign": torch.sign,
+    "clamp": torch.clamp,
+    "softplus": F.softplus,
+    "log1p": torch.log1p,
+    "expm1": torch.expm1,
+    "sin": torch.sin,
+    "cos": torch.cos,
 }
 
 
@@ -403,7 +412,8 @@ def test_activation_on_a_grid_within_twice_eager_error(op, choices, span, device
 # a one-function spec each, built into a temporary folder.
 
 LANGUAGE_CASES = {
-    # name: (expression over x (and y), domain of x: "any" or "positive")
+    # name: (expression over x (and y), domain of x: "any" (2 * randn), "positive" (|2 * randn| + 0.1),
+    # "wide" (20 * randn) or "small" (1e-4 * randn, where log1p and expm1 are more than log and exp))
     "identity": ("identity(x)", "any"),
     "abs": ("abs(x)", "any"),
     "exp": ("exp(x)", "any"),
@@ -422,6 +432,21 @@ LANGUAGE_CASES = {
     "gelu_tanh": ("gelu_tanh(x)", "any"),
     "silu": ("silu(x)", "any"),
     "quick_gelu": ("quick_gelu(x)", "any"),
+    "round": ("round(x)", "any"),
+    "floor": ("floor(x)", "any"),
+    "sign": ("sign(x)", "any"),
+    "clamp": ("clamp(x, -1.0, 1.5)", "any"),
+    "clamp_inputs": ("clamp(x, y, 1.5)", "any"),  # lo an input: its gradient where x < lo
+    "softplus": ("softplus(x)", "any"),
+    "softplus_wide": ("softplus(x)", "wide"),  # across torch's threshold, 20
+    "log1p": ("log1p(x)", "positive"),
+    "log1p_small": ("log1p(x)", "small"),
+    "expm1": ("expm1(x)", "any"),
+    "expm1_small": ("expm1(x)", "small"),
+    "sin": ("sin(x)", "any"),
+    "sin_wide": ("sin(x)", "wide"),
+    "cos": ("cos(x)", "any"),
+    "cos_wide": ("cos(x)", "wide"),
     "where": ("where(x > y, x * y, x - y)", "any"),
     "power": ("x ** 1.5", "positive"),
     "division": ("x / y", "positive"),
@@ -472,6 +497,10 @@ def test_every_function_within_twice_eager_error(language_ops, name, dtype, devi
         t = torch.randn(4, 256, generator=g, dtype=torch.float64) * 2
         if domain == "positive":
             t = t.abs() + 0.1
+        elif domain == "wide":
+            t = t * 10
+        elif domain == "small":
+            t = t * 5e-5
         t = t.to(dtype)
         tensors[input_name] = _break_ties(t, odd=index == 0) if dtype != torch.float32 else t
     grad_out = torch.randn(4, 256, generator=g, dtype=torch.float64).to(dtype)

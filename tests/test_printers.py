@@ -7,7 +7,7 @@ from fusegen.backends.triton.printer import TritonPrinter
 from fusegen.printers import TorchPrinter
 from fusegen.simplify import choice_function
 
-x, y = sympy.symbols("x y", real=True)
+x, y, z = sympy.symbols("x y z", real=True)
 ACT = choice_function("act", 1)
 # How the plan names a choice's helpers and selector: here as the generated code spells them.
 triton = TritonPrinter({("act", None): "_act"}, {"act": "ACT"})
@@ -35,6 +35,23 @@ torch_ = TorchPrinter({("act", None): "_act_torch"}, {"act": "act"})
         (x**1.5, "x * sqrt_rn(x)", "x * torch.sqrt(x)"),
         (x**-2.5, "rsqrt_rn(x) / (x * x)", "torch.rsqrt(x) / (x * x)"),  # no overflowing x*x*sqrt(x)
         (2**x, "libdevice.pow(tl.full((), 2, tl.float64 if COMPUTE_FP64 else tl.float32), x)", "torch.pow(2, x)"),
+        (FUNCTIONS["round"].sympy_form(x), "libdevice.rint(x)", "torch.round(x)"),
+        (FUNCTIONS["floor"].sympy_form(x), "libdevice.floor(x)", "torch.floor(x)"),
+        (FUNCTIONS["sign"].sympy_form(x), "tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))", "torch.sign(x)"),
+        (FUNCTIONS["log1p"].sympy_form(x), "libdevice.log1p(x)", "torch.log1p(x)"),
+        (FUNCTIONS["expm1"].sympy_form(x), "libdevice.expm1(x)", "torch.expm1(x)"),
+        (FUNCTIONS["sin"].sympy_form(x), "libdevice.sin(x)", "torch.sin(x)"),
+        (FUNCTIONS["cos"].sympy_form(x), "libdevice.cos(x)", "torch.cos(x)"),
+        (FUNCTIONS["softplus"].sympy_form(x), "tl.where(x > 20, x, libdevice.log1p(libdevice.exp(x)))",
+         "torch.where(x > 20, x, torch.log1p(torch.exp(x)))"),
+        (FUNCTIONS["clamp"].sympy_form(x, -1, y),
+         "tl.minimum(tl.maximum(x, -1, propagate_nan=tl.PropagateNan.ALL), y, propagate_nan=tl.PropagateNan.ALL)",
+         "torch.clamp(x, torch.tensor(-1, dtype=problem.compute_dtype, device=problem.device), y)"),
+        (FUNCTIONS["clamp"].sympy_form(x, -1, 1), "tl.minimum(tl.maximum(x, -1, propagate_nan=tl.PropagateNan.ALL), "
+         "1, propagate_nan=tl.PropagateNan.ALL)", "torch.clamp(x, -1, 1)"),
+        # clamp's derivative: 1 on [lo, hi] inclusive, with & between the comparisons.
+        (sympy.diff(FUNCTIONS["clamp"].sympy_form(x, -1, y), x), "tl.where((x >= -1) & (x <= y), 1, 0)",
+         "torch.where((x >= -1) & (x <= y), 1, 0)"),
     ],
 )
 def test_spellings(expr, triton_text, torch_text):
@@ -62,12 +79,15 @@ def test_printed_code_evaluates_like_sympy():
     import torch
 
     for name, function in FUNCTIONS.items():
-        args = (x, y)[: function.arity]
+        args = (x, y, z)[: function.arity]
         expr = function.sympy_form(*args)
         text = torch_.doprint(expr)
-        values = {"x": torch.tensor(0.7, dtype=torch.float64), "y": torch.tensor(0.3, dtype=torch.float64)}
+        values = {n: torch.tensor(v, dtype=torch.float64) for n, v in (("x", 0.7), ("y", 0.3), ("z", 0.9))}
         got = eval(text, {"torch": torch}, values)  # noqa: S307 - our own printer's output, in a test
-        want = float(expr.rewrite(sympy.exp).subs({x: 0.7, y: 0.3}).evalf())
+        # sin and cos rewritten as exponentials are complex, with a rounding-sized imaginary part.
+        value = expr.rewrite(sympy.exp).subs({x: 0.7, y: 0.3, z: 0.9}).evalf()
+        assert abs(float(sympy.im(value))) < 1e-15, name
+        want = float(sympy.re(value))
         assert math.isclose(float(got), want, rel_tol=1e-12, abs_tol=1e-15), name
 
 

@@ -21,7 +21,8 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str]) ->
     for p in plan.params:
         d = p.declaration
         if isinstance(d, Scalar):
-            params.append(f'runtime.Scalar("{d.name}", "{d.kind}", {d.low!r}, {d.high!r})')
+            opened = "".join(f", {key}=True" for key in ("low_open", "high_open") if getattr(d, key))
+            params.append(f'runtime.Scalar("{d.name}", "{d.kind}", {d.low!r}, {d.high!r}{opened})')
         else:
             params.append(f'runtime.Choice("{d.name}", {_strings(d.choices)})')
     if params:
@@ -96,7 +97,7 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
     for p in plan.params:
         d = p.declaration
         if isinstance(d, Scalar):
-            bounds = range_text(d.low, d.high)
+            bounds = range_text(d.low, d.high, d.low_open, d.high_open)
             bounds = f" {bounds}" if bounds else ""
             lines += wrap(f"Param {p.name}: {d.kind}{bounds}, default {p.default!r} (runtime: no recompilation).", "    ")
         elif isinstance(d, Choice):

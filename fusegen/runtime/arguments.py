@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
-from ..layout import Input, range_text
+from ..layout import Input, in_range, range_text
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FLOAT32_MAX = 3.4028234663852886e38
@@ -29,7 +29,7 @@ def check_choice(op: str, name: str, value, choices: tuple[str, ...]) -> str:
     return value
 
 
-def check_scalar(op: str, name: str, value, kind: str, low, high):
+def check_scalar(op: str, name: str, value, kind: str, low, high, low_open: bool = False, high_open: bool = False):
     """A runtime scalar param: right type, finite, inside the spec's range."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
         if value.device.type == "meta" or is_fake(value):
@@ -53,8 +53,8 @@ def check_scalar(op: str, name: str, value, kind: str, low, high):
         raise FusegenArgumentError(f"{op}(): {name}={value!r} is out of the int64 range")
     if value != value:
         raise FusegenArgumentError(f"{op}(): {name} must not be NaN")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise FusegenArgumentError(f"{op}(): {name} must be {range_text(low, high)}, got {value!r}")
+    if not in_range(value, low, high, low_open, high_open):
+        raise FusegenArgumentError(f"{op}(): {name} must be {range_text(low, high, low_open, high_open)}, got {value!r}")
     if kind == "float" and abs(value) > FLOAT32_MAX:
         raise FusegenArgumentError(f"{op}(): {name}={value!r} does not fit a float32")
     # The double as given: an fp64 kernel (and reference) computes with it, an fp32 one rounds it.

@@ -107,7 +107,8 @@ class FusedOp:
         self._n_inputs, self._n_params, self._n_outputs = len(inputs), len(params), len(outputs)
         self._choice_checks = tuple((i, p.name, p.choices) for i, p in enumerate(params) if isinstance(p, Choice))
         self._scalar_checks = tuple(
-            (i, p.name, p.kind, p.low, p.high) for i, p in enumerate(params) if isinstance(p, Scalar)
+            (i, p.name, p.kind, p.low, p.high, p.low_open, p.high_open) for i, p in enumerate(params)
+            if isinstance(p, Scalar)
         )
         self._problems: dict = {}  # checked problems by the tensors' shapes, dtypes and devices
         self._prepared: dict = {}  # PreparedCall by call_key
@@ -202,7 +203,8 @@ class FusedOp:
     def check_params(self, *values) -> tuple:
         """The params checked as a call checks them (the module class checks at construction)."""
         return tuple(
-            check_scalar(self.name, p.name, value, p.kind, p.low, p.high) if isinstance(p, Scalar)
+            check_scalar(self.name, p.name, value, p.kind, p.low, p.high, p.low_open, p.high_open)
+            if isinstance(p, Scalar)
             else check_choice(self.name, p.name, value, p.choices)
             for p, value in zip(self.params, values)
         )
@@ -236,8 +238,8 @@ class FusedOp:
             )
         if needs_kernel and problem.has_data and problem.device.type != "cuda":
             self.kernels.check_device(problem.device)
-        for i, param, kind, low, high in self._scalar_checks:
-            params[i] = check_scalar(name, param, params[i], kind, low, high)
+        for i, param, *declared in self._scalar_checks:
+            params[i] = check_scalar(name, param, params[i], *declared)
         if not self.has_dropout:
             return Call(problem, tuple(params), False, None, shard)
         training, seed = args[n + self._n_params:]

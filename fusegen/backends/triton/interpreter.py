@@ -99,8 +99,15 @@ _LIBDEVICE = {
     "exp": ("__nv_expf", "__nv_exp"),
     "tanh": ("__nv_tanhf", "__nv_tanh"),
     "pow": ("__nv_powf", "__nv_pow", "__nv_powif", "__nv_powi"),
+    "rint": ("__nv_rintf", "__nv_rint"),
+    "floor": ("__nv_floorf", "__nv_floor"),
+    "log1p": ("__nv_log1pf", "__nv_log1p"),
+    "expm1": ("__nv_expm1f", "__nv_expm1"),
+    "sin": ("__nv_sinf", "__nv_sin"),
+    "cos": ("__nv_cosf", "__nv_cos"),
 }
-_NUMPY = {"exp": np.exp, "tanh": np.tanh, "pow": np.power}
+_NUMPY = {"exp": np.exp, "tanh": np.tanh, "pow": np.power, "rint": np.rint, "floor": np.floor, "log1p": np.log1p,
+          "expm1": np.expm1, "sin": np.sin, "cos": np.cos}
 
 
 def patch_libdevice() -> None:

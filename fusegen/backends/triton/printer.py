@@ -19,8 +19,17 @@ class TritonPrinter(ElementwisePrinter):
         "erf": "tl.erf",
         "Abs": "tl.abs",
         "sigmoid": "tl.sigmoid",
+        # libdevice's, correctly rounded or within 2 ulp; tl.sin and tl.cos may lower to the
+        # approximate PTX instructions, whose error grows with |x|.
+        "round_half_even": "libdevice.rint",  # rounds halves to even, as torch.round
+        "floor": "libdevice.floor",
+        "log1p": "libdevice.log1p",
+        "expm1": "libdevice.expm1",
+        "sin": "libdevice.sin",
+        "cos": "libdevice.cos",
     }
     where, sqrt, rsqrt, power = "tl.where", "sqrt_rn", "rsqrt_rn", "libdevice.pow"
+    column = "cols[None, :]"  # every kind's kernels index a tile's columns by `cols` (naming.SHARED_NAMES)
 
     def maximum(self, a, b):
         return f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"

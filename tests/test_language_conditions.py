@@ -1,0 +1,119 @@
+"""Issue 31's conditions and literals: `&`, `|`, `~` in where's condition, the literal `inf`
+(and `-inf`), and params with exclusive bounds (`gt:` / `lt:`), through built ops: values and
+gradients against `reference`, the module's `eager` (PyTorch as a user writes it) and float64;
+the bounds checked at call time with one-line errors. Bad spellings: test_bad_specs.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusegen.runtime import FusegenArgumentError
+from tests.helpers import build_and_import
+
+POINTWISE = """\
+name: conditions
+doc: where with & | ~, inf, and an exclusive param bound
+inputs:
+  x: [..., N]
+  y: [..., N]
+params:
+  cap: {type: float, default: 2.0, gt: 0.0, lt: 100.0}
+outputs:
+  z: where((x > 0) & ~(y > 1) | (x < -1), x * y, -inf)
+  w: max(x, -inf) + where(x == inf, 0.0, y / cap)
+"""
+
+# A masked softmax with -inf where the mask is off, as torch users write it (masked_fill).
+ROWS = """\
+name: masked_softmax_inf
+doc: softmax of x where m > 0, -inf elsewhere
+inputs:
+  x: [..., N]
+  m: [..., N]
+let:
+  s: where((m > 0) | (x > 2), x, -inf)
+  e: exp(s - max(s))
+outputs:
+  y: e / sum(e)
+"""
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("conditions")
+    return {"pointwise": build_and_import(folder, POINTWISE), "rows": build_and_import(folder, ROWS)}
+
+
+def _run(fn, tensors, device, **kwargs):
+    leaves = [t.detach().clone().to(device).requires_grad_(True) for t in tensors]
+    outs = fn(*leaves, **kwargs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    g = torch.Generator().manual_seed(5)
+    grads_out = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype).to(device) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, grads_out, allow_unused=True)
+    grads = [torch.zeros_like(leaf) if gr is None else gr for gr, leaf in zip(grads, leaves)]
+    return [o.detach().cpu() for o in outs] + [gr.cpu() for gr in grads]
+
+
+def _same(got, want, what, rtol):
+    for label, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        assert torch.equal(test(got), test(want)), f"{what}: {label} at different places"
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite].to(got.dtype), rtol=rtol, atol=1e-6, msg=what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_conditions_and_inf_as_reference_and_eager(ops, dtype, device):
+    module = ops["pointwise"]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 32, generator=g, dtype=dtype) * 2
+    y = torch.randn(4, 32, generator=g, dtype=dtype) * 2
+    # ~(NaN > 1) is True, as in torch (sympy's Not would make it NaN <= 1, False); x = ±inf.
+    y[0, :4] = float("nan")
+    x[0, :4] = torch.tensor([0.5, -0.5, -2.0, 0.5])
+    x[1, 0], x[1, 1] = float("inf"), float("-inf")
+    got = _run(module.conditions, (x, y), device)
+    ref = _run(module.reference, (x, y), "cpu")
+    truth = _run(module.reference, (x.double(), y.double()), "cpu")
+    eager = module.eager(x, y)
+    for name, g_, e in zip(("z", "w"), got, eager):
+        _same(g_, e.detach(), f"{name} against eager", rtol=1e-6)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    for index, (g_, r, t) in enumerate(zip(got, ref, truth)):
+        # The op's gradients are 0 where a branch is not taken; autograd through torch.where
+        # multiplies that 0 by a NaN y: gradients are compared where y is a number.
+        if index >= 2:
+            g_, r, t = g_[:, 4:], r[:, 4:], t[:, 4:]
+        _same(g_, t, f"result {index} against float64", rtol)
+        _same(g_, r, f"result {index} against reference", rtol)
+    # x = 0.5, y = NaN: ~(y > 1) holds, so z is x * y, NaN (sympy's Not would have given -inf).
+    assert got[0][0, 0].isnan()
+    assert got[0][0, 1].item() == float("-inf")  # x = -0.5: neither branch of the condition
+
+
+def test_masked_softmax_with_minus_inf(ops, device):
+    module = ops["rows"]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 40, generator=g, dtype=torch.float64)
+    m = torch.randn(3, 40, generator=g, dtype=torch.float64)
+    m[:, 0] = 1.0  # every row keeps one element
+    got = _run(module.masked_softmax_inf, (x, m), device)
+    keep = (m > 0) | (x > 2)
+    want = _run(lambda a, b: torch.softmax(a.masked_fill(~keep, float("-inf")), dim=-1), (x, m), "cpu")
+    for index, (g_, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g_, w, rtol=1e-12, atol=1e-14, msg=f"result {index}")
+    assert (got[0][~keep] == 0).all()
+
+
+def test_exclusive_bounds_are_checked_at_call_time(ops, device):
+    module = ops["pointwise"]
+    x = torch.randn(2, 8, device=device)
+    for cap, shown in ((0.0, "0.0"), (-1.0, "-1.0"), (100.0, "100.0")):
+        with pytest.raises(FusegenArgumentError) as info:
+            module.conditions(x, x, cap=cap)
+        assert str(info.value) == f"conditions(): cap must be in (0.0, 100.0), got {shown}"
+        with pytest.raises(FusegenArgumentError):
+            module.Conditions(cap=cap)
+    module.conditions(x, x, cap=1e-30)  # just above the bound
+    assert "Param cap: float in (0.0, 100.0), default 2.0" in module.__doc__
