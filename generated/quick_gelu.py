@@ -29,17 +29,14 @@ import triton.language as tl
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton.kernel_lib import (
+    column_tile, indices, load_tile, store_column_sums, store_gradient, store_tile,
+)
 
 __all__ = ["quick_gelu", "QuickGelu", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.FORWARD_CONFIGS,
-    key=["M_BUCKET", "N"],
-    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def quick_gelu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
@@ -51,27 +48,15 @@ def quick_gelu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
-        cols = cols.to(tl.int64)
-    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-    x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    cols, in_bounds = column_tile(rows, tl.program_id(1) * BLOCK_N, M, N, BLOCK_N, INDEX_64)
+    x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
     y = tl.sigmoid(1.702 * x) * x
-    tl.store(
-        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-    )
+    store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.BACKWARD_CONFIGS,
-    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def quick_gelu_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
@@ -80,44 +65,30 @@ def quick_gelu_backward_kernel(
     M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    cols = indices(tl.program_id(1) * BLOCK_N, BLOCK_N, INDEX_64)
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
-        cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
-    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(
-            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-            mask=in_bounds,
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        grad_y = load_tile(
+            grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
         )
-        grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = 1.702 * x
         grad_x = tl.sigmoid(t0) * grad_y * (tl.sigmoid(-t0) * t0 + 1)
-        if NEEDS_GRAD_X:
-            if SUM_GRAD_X:
-                grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-            else:
-                tl.store(
-                    grad_x_ptr + rows[:, None] * N + cols[None, :],
-                    grad_x.to(grad_x_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-    if NEEDS_GRAD_X and SUM_GRAD_X:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+        grad_x_sum = store_gradient(
+            grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
         )
+    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
 
 
 def _reference(problem, x):
