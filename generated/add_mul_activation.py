@@ -15,18 +15,11 @@ Param activation: one of relu, sigmoid, silu, gelu, gelu_tanh, identity; default
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -226,11 +219,8 @@ _OP = runtime.FusedOp(
     ),
     outputs=("y",),
     kernels=launch.Kernels(
-        add_mul_activation_kernel,
-        add_mul_activation_backward_kernel,
-        scalars=("multiplier",),
-        backward_reads=("x", "inp", "bias"),
-        gradients=("x", "inp", "bias"),
+        add_mul_activation_kernel, add_mul_activation_backward_kernel, scalars=("multiplier",),
+        backward_reads=("x", "inp", "bias"), gradients=("x", "inp", "bias"),
     ),
     reference=_reference,
 )
@@ -241,9 +231,8 @@ def add_mul_activation(
 ):
     """y = activation(x + multiplier * inp + bias)
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::add_mul_activation.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::add_mul_activation.
     """
     return _OP(x, inp, bias, multiplier, activation, out=out, inplace_backward=inplace_backward)
 
@@ -270,10 +259,8 @@ class AddMulActivation(torch.nn.Module):
 
 
 def reference(x, inp, bias, multiplier=1.0, activation='relu', *, out=None):
-    """Eager PyTorch twin of add_mul_activation: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of add_mul_activation: same arguments, same values; differentiable, the
+    oracle for the generated backward."""
     return _OP.reference(x, inp, bias, multiplier, activation, out=out)
 
 
@@ -294,8 +281,6 @@ def _activation_eager(x, choice):
 
 
 def eager(x, inp, bias, multiplier=1.0, activation='relu'):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return _activation_eager((x + (multiplier * inp)) + bias, activation)

@@ -10,20 +10,13 @@ Outputs: y [..., N]
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 The gradient of other is that of x: where the two agree in shape and dtype, the kernel
 writes it once and both get the same tensor (as torch's add does).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -119,9 +112,7 @@ _OP = runtime.FusedOp(
     outputs=("y",),
     same_gradient={"other": "x"},  # one gradient, one tensor, where shapes and dtypes agree
     kernels=launch.Kernels(
-        add_relu_kernel,
-        add_relu_backward_kernel,
-        backward_reads=("x", "other"),
+        add_relu_kernel, add_relu_backward_kernel, backward_reads=("x", "other"),
         gradients=("x", "other"),
     ),
     reference=_reference,
@@ -131,9 +122,8 @@ _OP = runtime.FusedOp(
 def add_relu(x, other, *, out=None, inplace_backward=False):
     """y = relu(x + other)
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::add_relu.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::add_relu.
     """
     return _OP(x, other, out=out, inplace_backward=inplace_backward)
 
@@ -157,16 +147,12 @@ class AddRelu(torch.nn.Module):
 
 
 def reference(x, other, *, out=None):
-    """Eager PyTorch twin of add_relu: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of add_relu: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, other, out=out)
 
 
 def eager(x, other):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return F.relu(x + other)

@@ -11,21 +11,14 @@ Param eps: float ≥ 0.0, default 1e-06 (runtime: no recompilation).
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions and writes every input gradient in one pass; gradients of inputs
-broadcast along rows are summed per program in fp32 and then across programs, in a fixed
-order (no atomics). Memory: saved for backward are the inputs and each row's reductions
-(fp32, [..., reductions]), nothing else: no mask, no intermediates.
+per-row reductions and writes every input gradient in one pass. Saved for it: the inputs and
+each row's reductions (fp32, [..., reductions]), nothing else.
 The gradient of residual is that of x: where the two agree in shape and dtype, the kernel
 writes it once and both get the same tensor (as torch's add does).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import triton
@@ -276,11 +269,8 @@ _OP = runtime.FusedOp(
     # These inputs' gradients read only these outputs' gradients: without them, None.
     gradient_reads={"weight": ("y",)},
     kernels=launch.RowKernels(
-        add_rmsnorm_kernel,
-        add_rmsnorm_backward_kernel,
-        scalars=("eps",),
-        backward_reads=("x", "residual", "weight"),
-        gradients=("x", "residual", "weight"),
+        add_rmsnorm_kernel, add_rmsnorm_backward_kernel, scalars=("eps",),
+        backward_reads=("x", "residual", "weight"), gradients=("x", "residual", "weight"),
         statistics=1,
     ),
     reference=_reference,
@@ -290,9 +280,8 @@ _OP = runtime.FusedOp(
 def add_rmsnorm(x, residual, weight, eps=1e-06, *, out=None, inplace_backward=False):
     """h = x + residual; y = rmsnorm(h) * weight
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::add_rmsnorm.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::add_rmsnorm.
     """
     return _OP(x, residual, weight, eps, out=out, inplace_backward=inplace_backward)
 
@@ -317,17 +306,13 @@ class AddRmsnorm(torch.nn.Module):
 
 
 def reference(x, residual, weight, eps=1e-06, *, out=None):
-    """Eager PyTorch twin of add_rmsnorm: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of add_rmsnorm: same arguments, same values; differentiable, the oracle
+    for the generated backward."""
     return _OP.reference(x, residual, weight, eps, out=out)
 
 
 def eager(x, residual, weight, eps=1e-06):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     s = x + residual
     return s, (s * torch.rsqrt((s * s).mean(-1, keepdim=True) + eps)) * weight

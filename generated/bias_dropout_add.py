@@ -14,26 +14,14 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
-it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
-(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
-draws a new mask on each replay.
-
-Backward: one fused kernel recomputes the forward from the saved inputs, draws the same
-dropout masks again from the seed and writes every input gradient in one pass; gradients of
-inputs broadcast along rows are summed per program in fp32 and then across programs, in a
-fixed order (no atomics). Memory: saved for backward are the inputs and the seed tensor,
-nothing else: no mask, no intermediates.
+Backward: one fused kernel recomputes the forward from the saved inputs, draws the dropout
+masks again from the seed and writes every input gradient in one pass. Saved for it: the
+inputs and the seed tensor, nothing else.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -174,9 +162,7 @@ _OP = runtime.FusedOp(
     masks=("p",),  # each dropout's p, by Philox stream
     passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own
     kernels=launch.Kernels(
-        bias_dropout_add_kernel,
-        bias_dropout_add_backward_kernel,
-        backward_reads=(),
+        bias_dropout_add_kernel, bias_dropout_add_backward_kernel, backward_reads=(),
         gradients=("x", "bias"),
     ),
     reference=_reference,
@@ -188,9 +174,8 @@ def bias_dropout_add(
 ):
     """y = dropout(x + bias, p) + residual
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::bias_dropout_add.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::bias_dropout_add.
     """
     return _OP(x, bias, residual, p, training, seed, out=out, inplace_backward=inplace_backward)
 
@@ -218,17 +203,13 @@ class BiasDropoutAdd(torch.nn.Module):
 
 
 def reference(x, bias, residual, p=0.1, training=True, seed=None, *, out=None):
-    """Eager PyTorch twin of bias_dropout_add: same arguments, same values, same dropout mask.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of bias_dropout_add: same arguments, same values, same dropout mask;
+    differentiable, the oracle for the generated backward."""
     return _OP.reference(x, bias, residual, p, training, seed, out=out)
 
 
 def eager(x, bias, residual, p=0.1, training=True, seed=None):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
-    dropout (its own random mask: the same distribution, not the same values; seed is unused).
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own dropout
+    (its own random mask: the same distribution, not the same values; seed is unused): the
+    baseline that `fusegen bench` times, eagerly and under torch.compile."""
     return F.dropout(x + bias, p, training=training) + residual

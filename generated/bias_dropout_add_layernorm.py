@@ -18,25 +18,13 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
-it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
-(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
-draws a new mask on each replay.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions, draws the same dropout masks again from the seed and writes every input
-gradient in one pass; gradients of inputs broadcast along rows are summed per program in
-fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor and each row's reductions (fp32, [..., reductions]), nothing
-else: no mask, no intermediates.
+per-row reductions, draws the dropout masks again from the seed and writes every input
+gradient in one pass. Saved for it: the inputs, the seed tensor and each row's reductions
+(fp32, [..., reductions]), nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -436,12 +424,9 @@ _OP = runtime.FusedOp(
     # These inputs' gradients read only these outputs' gradients: without them, None.
     gradient_reads={"weight": ("y",), "norm_bias": ("y",)},
     kernels=launch.RowKernels(
-        bias_dropout_add_layernorm_kernel,
-        bias_dropout_add_layernorm_backward_kernel,
-        scalars=("eps",),
-        backward_reads=("x", "bias", "residual", "weight"),
-        gradients=("x", "bias", "residual", "weight", "norm_bias"),
-        statistics=2,
+        bias_dropout_add_layernorm_kernel, bias_dropout_add_layernorm_backward_kernel,
+        scalars=("eps",), backward_reads=("x", "bias", "residual", "weight"),
+        gradients=("x", "bias", "residual", "weight", "norm_bias"), statistics=2,
     ),
     reference=_reference,
 )
@@ -453,9 +438,8 @@ def bias_dropout_add_layernorm(
 ):
     """h = dropout(x + bias, p) + residual; y = layer_norm(h) * weight + norm_bias
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::bias_dropout_add_layernorm.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::bias_dropout_add_layernorm.
     """
     return _OP(
         x, bias, residual, weight, norm_bias, eps, p, training, seed, out=out,
@@ -490,19 +474,14 @@ def reference(
     x, bias, residual, weight, norm_bias, eps=1e-05, p=0.1, training=True, seed=None, *, out=None,
 ):
     """Eager PyTorch twin of bias_dropout_add_layernorm: same arguments, same values, same dropout
-    mask.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    mask; differentiable, the oracle for the generated backward."""
     return _OP.reference(x, bias, residual, weight, norm_bias, eps, p, training, seed, out=out)
 
 
 def eager(x, bias, residual, weight, norm_bias, eps=1e-05, p=0.1, training=True, seed=None):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
-    dropout (its own random mask: the same distribution, not the same values; seed is unused).
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own dropout
+    (its own random mask: the same distribution, not the same values; seed is unused): the
+    baseline that `fusegen bench` times, eagerly and under torch.compile."""
     s = F.dropout(x + bias, p, training=training) + residual
     sc = s - s.mean(-1, keepdim=True)
     return s, ((sc * torch.rsqrt((sc * sc).mean(-1, keepdim=True) + eps)) * weight) + norm_bias

@@ -11,18 +11,11 @@ Param activation: one of gelu, gelu_tanh; default 'gelu' (compile-time: one kern
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -172,9 +165,7 @@ _OP = runtime.FusedOp(
     params=(runtime.Choice("activation", ("gelu", "gelu_tanh")),),
     outputs=("y",),
     kernels=launch.Kernels(
-        bias_gelu_kernel,
-        bias_gelu_backward_kernel,
-        backward_reads=("x", "bias"),
+        bias_gelu_kernel, bias_gelu_backward_kernel, backward_reads=("x", "bias"),
         gradients=("x", "bias"),
     ),
     reference=_reference,
@@ -184,9 +175,8 @@ _OP = runtime.FusedOp(
 def bias_gelu(x, bias, activation='gelu', *, out=None, inplace_backward=False):
     """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::bias_gelu.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::bias_gelu.
     """
     return _OP(x, bias, activation, out=out, inplace_backward=inplace_backward)
 
@@ -211,10 +201,8 @@ class BiasGelu(torch.nn.Module):
 
 
 def reference(x, bias, activation='gelu', *, out=None):
-    """Eager PyTorch twin of bias_gelu: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of bias_gelu: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, bias, activation, out=out)
 
 
@@ -227,8 +215,6 @@ def _activation_eager(x, choice):
 
 
 def eager(x, bias, activation='gelu'):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return _activation_eager(x + bias, activation)

@@ -12,18 +12,11 @@ Param activation: one of gelu, gelu_tanh; default 'gelu_tanh' (compile-time: one
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -169,10 +162,7 @@ _OP = runtime.FusedOp(
     params=(runtime.Choice("activation", ("gelu", "gelu_tanh")),),
     outputs=("y",),
     kernels=launch.Kernels(
-        geglu_kernel,
-        geglu_backward_kernel,
-        backward_reads=("x",),
-        gradients=("x",),
+        geglu_kernel, geglu_backward_kernel, backward_reads=("x",), gradients=("x",),
     ),
     reference=_reference,
 )
@@ -181,9 +171,8 @@ _OP = runtime.FusedOp(
 def geglu(x, activation='gelu_tanh', *, out=None, inplace_backward=False):
     """y = activation(a) * b, where x = [a, b] along the last dim
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::geglu.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::geglu.
     """
     return _OP(x, activation, out=out, inplace_backward=inplace_backward)
 
@@ -208,10 +197,8 @@ class Geglu(torch.nn.Module):
 
 
 def reference(x, activation='gelu_tanh', *, out=None):
-    """Eager PyTorch twin of geglu: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of geglu: same arguments, same values; differentiable, the oracle for the
+    generated backward."""
     return _OP.reference(x, activation, out=out)
 
 
@@ -224,9 +211,7 @@ def _activation_eager(x, choice):
 
 
 def eager(x, activation='gelu_tanh'):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     x_chunks = x.chunk(2, dim=-1)
     return _activation_eager(x_chunks[0], activation) * x_chunks[1]

@@ -11,19 +11,12 @@ Param eps: float ≥ 0.0, default 1e-05 (runtime: no recompilation).
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions and writes every input gradient in one pass; gradients of inputs
-broadcast along rows are summed per program in fp32 and then across programs, in a fixed
-order (no atomics). Memory: saved for backward are the inputs and each row's reductions
-(fp32, [..., reductions]), nothing else: no mask, no intermediates.
+per-row reductions and writes every input gradient in one pass. Saved for it: the inputs and
+each row's reductions (fp32, [..., reductions]), nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import triton
@@ -255,12 +248,8 @@ _OP = runtime.FusedOp(
     params=(runtime.Scalar("eps", "float", 0.0, None),),
     outputs=("y",),
     kernels=launch.RowKernels(
-        layernorm_kernel,
-        layernorm_backward_kernel,
-        scalars=("eps",),
-        backward_reads=("x", "weight"),
-        gradients=("x", "weight", "bias"),
-        statistics=2,
+        layernorm_kernel, layernorm_backward_kernel, scalars=("eps",),
+        backward_reads=("x", "weight"), gradients=("x", "weight", "bias"), statistics=2,
     ),
     reference=_reference,
 )
@@ -269,9 +258,8 @@ _OP = runtime.FusedOp(
 def layernorm(x, weight, bias, eps=1e-05, *, out=None, inplace_backward=False):
     """y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias, over the last dim
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::layernorm.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::layernorm.
     """
     return _OP(x, weight, bias, eps, out=out, inplace_backward=inplace_backward)
 
@@ -296,17 +284,13 @@ class Layernorm(torch.nn.Module):
 
 
 def reference(x, weight, bias, eps=1e-05, *, out=None):
-    """Eager PyTorch twin of layernorm: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of layernorm: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, weight, bias, eps, out=out)
 
 
 def eager(x, weight, bias, eps=1e-05):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     xc = x - x.mean(-1, keepdim=True)
     return ((xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)) * weight) + bias

@@ -17,27 +17,15 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
-it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
-(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
-draws a new mask on each replay.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions, draws the same dropout masks again from the seed and writes every input
-gradient in one pass; gradients of inputs broadcast along rows are summed per program in
-fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor and each row's reductions (fp32, [..., reductions]), nothing
-else: no mask, no intermediates.
+per-row reductions, draws the dropout masks again from the seed and writes every input
+gradient in one pass. Saved for it: the inputs, the seed tensor and each row's reductions
+(fp32, [..., reductions]), nothing else.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -356,11 +344,8 @@ _OP = runtime.FusedOp(
     masks=("p",),  # each dropout's p, by Philox stream
     passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own
     kernels=launch.RowKernels(
-        layernorm_dropout_add_kernel,
-        layernorm_dropout_add_backward_kernel,
-        scalars=("eps",),
-        backward_reads=("x", "bias", "gamma"),
-        gradients=("x", "bias", "gamma", "beta"),
+        layernorm_dropout_add_kernel, layernorm_dropout_add_backward_kernel, scalars=("eps",),
+        backward_reads=("x", "bias", "gamma"), gradients=("x", "bias", "gamma", "beta"),
         statistics=2,
     ),
     reference=_reference,
@@ -373,9 +358,8 @@ def layernorm_dropout_add(
 ):
     """y = dropout(layer_norm(x + bias) * gamma + beta, p) + residual
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::layernorm_dropout_add.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::layernorm_dropout_add.
     """
     return _OP(
         x, bias, gamma, beta, residual, eps, p, training, seed, out=out,
@@ -409,19 +393,15 @@ class LayernormDropoutAdd(torch.nn.Module):
 def reference(
     x, bias, gamma, beta, residual, eps=1e-05, p=0.1, training=True, seed=None, *, out=None,
 ):
-    """Eager PyTorch twin of layernorm_dropout_add: same arguments, same values, same dropout mask.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of layernorm_dropout_add: same arguments, same values, same dropout mask;
+    differentiable, the oracle for the generated backward."""
     return _OP.reference(x, bias, gamma, beta, residual, eps, p, training, seed, out=out)
 
 
 def eager(x, bias, gamma, beta, residual, eps=1e-05, p=0.1, training=True, seed=None):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
-    dropout (its own random mask: the same distribution, not the same values; seed is unused).
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own dropout
+    (its own random mask: the same distribution, not the same values; seed is unused): the
+    baseline that `fusegen bench` times, eagerly and under torch.compile."""
     h = x + bias
     hc = h - h.mean(-1, keepdim=True)
     return (

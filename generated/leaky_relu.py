@@ -11,18 +11,11 @@ Param slope: float, default 0.01 (runtime: no recompilation).
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -110,11 +103,8 @@ _OP = runtime.FusedOp(
     params=(runtime.Scalar("slope", "float", None, None),),
     outputs=("y",),
     kernels=launch.Kernels(
-        leaky_relu_kernel,
-        leaky_relu_backward_kernel,
-        scalars=("slope",),
-        backward_reads=("x",),
-        gradients=("x",),
+        leaky_relu_kernel, leaky_relu_backward_kernel, scalars=("slope",),
+        backward_reads=("x",), gradients=("x",),
     ),
     reference=_reference,
 )
@@ -123,9 +113,8 @@ _OP = runtime.FusedOp(
 def leaky_relu(x, slope=0.01, *, out=None, inplace_backward=False):
     """y = x if x > 0 else slope * x
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::leaky_relu.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::leaky_relu.
     """
     return _OP(x, slope, out=out, inplace_backward=inplace_backward)
 
@@ -150,16 +139,12 @@ class LeakyRelu(torch.nn.Module):
 
 
 def reference(x, slope=0.01, *, out=None):
-    """Eager PyTorch twin of leaky_relu: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of leaky_relu: same arguments, same values; differentiable, the oracle
+    for the generated backward."""
     return _OP.reference(x, slope, out=out)
 
 
 def eager(x, slope=0.01):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return F.leaky_relu(x, slope)

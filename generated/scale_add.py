@@ -10,20 +10,13 @@ Outputs: y [..., N]
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import triton
@@ -140,9 +133,7 @@ _OP = runtime.FusedOp(
     outputs=("y",),
     passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own
     kernels=launch.Kernels(
-        scale_add_kernel,
-        scale_add_backward_kernel,
-        backward_reads=("x", "scale"),
+        scale_add_kernel, scale_add_backward_kernel, backward_reads=("x", "scale"),
         gradients=("x", "scale"),
     ),
     reference=_reference,
@@ -152,9 +143,8 @@ _OP = runtime.FusedOp(
 def scale_add(x, scale, residual, *, out=None, inplace_backward=False):
     """y = x * scale + residual, with one scale per row
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::scale_add.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::scale_add.
     """
     return _OP(x, scale, residual, out=out, inplace_backward=inplace_backward)
 
@@ -178,16 +168,12 @@ class ScaleAdd(torch.nn.Module):
 
 
 def reference(x, scale, residual, *, out=None):
-    """Eager PyTorch twin of scale_add: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of scale_add: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, scale, residual, out=out)
 
 
 def eager(x, scale, residual):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return (x * scale) + residual

@@ -16,25 +16,13 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
-it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
-(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
-draws a new mask on each replay.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions, draws the same dropout masks again from the seed and writes every input
-gradient in one pass; gradients of inputs broadcast along rows are summed per program in
-fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor and each row's reductions (fp32, [..., reductions]), nothing
-else: no mask, no intermediates.
+per-row reductions, draws the dropout masks again from the seed and writes every input
+gradient in one pass. Saved for it: the inputs, the seed tensor and each row's reductions
+(fp32, [..., reductions]), nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -279,12 +267,8 @@ _OP = runtime.FusedOp(
     outputs=("y",),
     masks=("p",),  # each dropout's p, by Philox stream
     kernels=launch.RowKernels(
-        scaled_masked_softmax_dropout_kernel,
-        scaled_masked_softmax_dropout_backward_kernel,
-        scalars=("scale",),
-        backward_reads=("x", "mask"),
-        gradients=("x", "mask"),
-        statistics=2,
+        scaled_masked_softmax_dropout_kernel, scaled_masked_softmax_dropout_backward_kernel,
+        scalars=("scale",), backward_reads=("x", "mask"), gradients=("x", "mask"), statistics=2,
     ),
     reference=_reference,
 )
@@ -295,9 +279,8 @@ def scaled_masked_softmax_dropout(
 ):
     """y = dropout(softmax(x * scale + mask), p), softmax over the last dim
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::scaled_masked_softmax_dropout.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::scaled_masked_softmax_dropout.
     """
     return _OP(x, mask, scale, p, training, seed, out=out, inplace_backward=inplace_backward)
 
@@ -326,19 +309,14 @@ class ScaledMaskedSoftmaxDropout(torch.nn.Module):
 
 def reference(x, mask, scale=1.0, p=0.1, training=True, seed=None, *, out=None):
     """Eager PyTorch twin of scaled_masked_softmax_dropout: same arguments, same values, same
-    dropout mask.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    dropout mask; differentiable, the oracle for the generated backward."""
     return _OP.reference(x, mask, scale, p, training, seed, out=out)
 
 
 def eager(x, mask, scale=1.0, p=0.1, training=True, seed=None):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
-    dropout (its own random mask: the same distribution, not the same values; seed is unused).
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own dropout
+    (its own random mask: the same distribution, not the same values; seed is unused): the
+    baseline that `fusegen bench` times, eagerly and under torch.compile."""
     s = (x * scale) + mask
     e = torch.exp(s - s.amax(-1, keepdim=True))
     return F.dropout(e / e.sum(-1, keepdim=True), p, training=training)

@@ -10,19 +10,12 @@ Outputs: y [..., N]
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions and writes every input gradient in one pass; gradients of inputs
-broadcast along rows are summed per program in fp32 and then across programs, in a fixed
-order (no atomics). Memory: saved for backward are the inputs and each row's reductions
-(fp32, [..., reductions]), nothing else: no mask, no intermediates.
+per-row reductions and writes every input gradient in one pass. Saved for it: the inputs and
+each row's reductions (fp32, [..., reductions]), nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import triton
@@ -178,10 +171,7 @@ _OP = runtime.FusedOp(
     inputs=(runtime.Input("x", ("...", "N")),),
     outputs=("y",),
     kernels=launch.RowKernels(
-        softmax_kernel,
-        softmax_backward_kernel,
-        backward_reads=("x",),
-        gradients=("x",),
+        softmax_kernel, softmax_backward_kernel, backward_reads=("x",), gradients=("x",),
         statistics=2,
     ),
     reference=_reference,
@@ -191,9 +181,8 @@ _OP = runtime.FusedOp(
 def softmax(x, *, out=None, inplace_backward=False):
     """y = exp(x - max(x)) / sum(exp(x - max(x))), over the last dim
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::softmax.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::softmax.
     """
     return _OP(x, out=out, inplace_backward=inplace_backward)
 
@@ -217,17 +206,13 @@ class Softmax(torch.nn.Module):
 
 
 def reference(x, *, out=None):
-    """Eager PyTorch twin of softmax: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of softmax: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, out=out)
 
 
 def eager(x):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     e = torch.exp(x - x.amax(-1, keepdim=True))
     return e / e.sum(-1, keepdim=True)

@@ -10,18 +10,11 @@ Outputs: y [..., N]
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -113,10 +106,7 @@ _OP = runtime.FusedOp(
     inputs=(runtime.Input("x", ("...", "N"), chunks=2),),
     outputs=("y",),
     kernels=launch.Kernels(
-        swiglu_kernel,
-        swiglu_backward_kernel,
-        backward_reads=("x",),
-        gradients=("x",),
+        swiglu_kernel, swiglu_backward_kernel, backward_reads=("x",), gradients=("x",),
     ),
     reference=_reference,
 )
@@ -125,9 +115,8 @@ _OP = runtime.FusedOp(
 def swiglu(x, *, out=None, inplace_backward=False):
     """y = silu(a) * b, where x = [a, b] along the last dim
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::swiglu.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::swiglu.
     """
     return _OP(x, out=out, inplace_backward=inplace_backward)
 
@@ -151,17 +140,13 @@ class Swiglu(torch.nn.Module):
 
 
 def reference(x, *, out=None):
-    """Eager PyTorch twin of swiglu: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of swiglu: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, out=out)
 
 
 def eager(x):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     x_chunks = x.chunk(2, dim=-1)
     return F.silu(x_chunks[0]) * x_chunks[1]
