@@ -111,7 +111,7 @@ def bias_swiglu_backward_kernel(
             NEEDS_GRAD_X, SUM_GRAD_X,
         )
         grad_x_chunk1_sum = store_gradient(
-            grad_x_ptr + N, grad_x_chunk1, grad_x_chunk1_sum, rows, cols, 2 * N, in_bounds,
+            grad_x_ptr, grad_x_chunk1, grad_x_chunk1_sum, rows, cols + N, 2 * N, in_bounds,
             NEEDS_GRAD_X, SUM_GRAD_X,
         )
         grad_bias_chunk0_sum = store_gradient(
@@ -119,16 +119,18 @@ def bias_swiglu_backward_kernel(
             NEEDS_GRAD_BIAS, SUM_GRAD_BIAS,
         )
         grad_bias_chunk1_sum = store_gradient(
-            grad_bias_ptr + N, grad_bias_chunk1, grad_bias_chunk1_sum, rows, cols, 2 * N, in_bounds,
+            grad_bias_ptr, grad_bias_chunk1, grad_bias_chunk1_sum, rows, cols + N, 2 * N, in_bounds,
             NEEDS_GRAD_BIAS, SUM_GRAD_BIAS,
         )
     store_column_sums(grad_x_ptr, grad_x_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X)
-    store_column_sums(grad_x_ptr + N, grad_x_chunk1_sum, cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X)
+    store_column_sums(
+        grad_x_ptr, grad_x_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X
+    )
     store_column_sums(
         grad_bias_ptr, grad_bias_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
     )
     store_column_sums(
-        grad_bias_ptr + N, grad_bias_chunk1_sum, cols, N, 2 * N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
+        grad_bias_ptr, grad_bias_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
     )
 
 

@@ -88,11 +88,13 @@ def swiglu_backward_kernel(
             NEEDS_GRAD_X, SUM_GRAD_X,
         )
         grad_x_chunk1_sum = store_gradient(
-            grad_x_ptr + N, grad_x_chunk1, grad_x_chunk1_sum, rows, cols, 2 * N, in_bounds,
+            grad_x_ptr, grad_x_chunk1, grad_x_chunk1_sum, rows, cols + N, 2 * N, in_bounds,
             NEEDS_GRAD_X, SUM_GRAD_X,
         )
     store_column_sums(grad_x_ptr, grad_x_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X)
-    store_column_sums(grad_x_ptr + N, grad_x_chunk1_sum, cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X)
+    store_column_sums(
+        grad_x_ptr, grad_x_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X
+    )
 
 
 def _reference(problem, x_chunk0, x_chunk1):

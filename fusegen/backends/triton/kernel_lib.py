@@ -58,28 +58,29 @@ def store_gradient(ptr, value, sums, rows, cols, width, in_bounds, NEEDS: tl.con
 
 
 @triton.jit
-def store_column_sums(ptr, sums, cols, N, width, NEEDS: tl.constexpr, SUM: tl.constexpr):
+def store_column_sums(ptr, sums, cols, end, width, NEEDS: tl.constexpr, SUM: tl.constexpr):
     """With NEEDS and SUM, the program's sums reduced across rows into its row of a
     [programs, width] buffer of partial sums (summed across programs after the kernel, in a
-    fixed order: no atomics)."""
+    fixed order: no atomics); the columns before `end` (N, or chunk k's (k + 1) * N)."""
     if NEEDS and SUM:
-        tl.store(ptr + tl.program_id(0) * width + cols, tl.sum(sums, axis=0), mask=cols < N)
+        tl.store(ptr + tl.program_id(0) * width + cols, tl.sum(sums, axis=0), mask=cols < end)
 
 
 @triton.jit
-def add_gradient_partials(ptr, value, rows, cols, N, width, in_bounds, first, NEEDS: tl.constexpr,
+def add_gradient_partials(ptr, value, rows, cols, end, width, in_bounds, first, NEEDS: tl.constexpr,
                           SUM: tl.constexpr):
     """store_gradient for a row swept in column steps, where the program's sums cannot stay in
     registers: with SUM, the tile's column sums are added to the program's row of the partial
-    sums in memory (written by its `first` row block, read back and added to by the others)."""
+    sums in memory (written by its `first` row block, read back and added to by the others);
+    `end` as in store_column_sums."""
     if NEEDS:
         if SUM:
             partial = ptr + tl.program_id(0) * width + cols
             tile_sum = tl.sum(tl.where(in_bounds, value, 0.0), axis=0)
             if first:
-                tl.store(partial, tile_sum, mask=cols < N)
+                tl.store(partial, tile_sum, mask=cols < end)
             else:
-                tl.store(partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N)
+                tl.store(partial, tl.load(partial, mask=cols < end) + tile_sum, mask=cols < end)
         else:
             store_tile(ptr, value, rows, cols, width, in_bounds)
 

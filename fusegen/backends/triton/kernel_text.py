@@ -136,10 +136,11 @@ def chunk_columns(chunk: int) -> str:
     return f"cols + {'' if chunk == 1 else f'{chunk} * '}N"
 
 
-def chunk_pointer(pointer: str, chunk: int) -> str:
-    """Where chunk k of a contiguous gradient buffer's rows starts: k * N elements in, as the
-    gradient helpers take it (they mask with the chunk's own columns, cols < N)."""
-    return pointer if chunk == 0 else f"{pointer} + {'' if chunk == 1 else f'{chunk} * '}N"
+def chunk_end(chunk: int) -> str:
+    """Where chunk k's columns end, (k + 1) * N: the gradient helpers store the columns before
+    it, of the shifted cols (a pointer offset instead would be computed even for a gradient not
+    asked for, whose pointer is None)."""
+    return "N" if chunk == 0 else f"{chunk + 1} * N"
 
 
 def load_line(target: str, n: InputNames, columns: str = "cols") -> str:
@@ -165,7 +166,7 @@ def gradient_stores(gradient: GradientPlan, names: TritonNames) -> list[str]:
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
     if not gradient.one_per_row:
         return [
-            f"{names.accumulator[v]} = store_gradient({chunk_pointer(pointer, k)}, {v}, {names.accumulator[v]}, rows, cols, "
+            f"{names.accumulator[v]} = store_gradient({pointer}, {v}, {names.accumulator[v]}, rows, {chunk_columns(k)}, "
             f"{width}, in_bounds, {names.needs[name]}, {names.sums[name]})"
             for k, v in enumerate(gradient.values)
         ]
@@ -188,7 +189,7 @@ def gradient_sums(gradient: GradientPlan, names: TritonNames) -> list[str]:
     name = gradient.input.name
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
     return [
-        f"store_column_sums({chunk_pointer(pointer, k)}, {names.accumulator[v]}, cols, N, {width}, "
+        f"store_column_sums({pointer}, {names.accumulator[v]}, {chunk_columns(k)}, {chunk_end(k)}, {width}, "
         f"{names.needs[name]}, {names.sums[name]})"
         for k, v in enumerate(gradient.values)
     ]

@@ -23,7 +23,8 @@ from .kernel_text import (
     backward_arguments,
     TritonKind,
     indent as _indent,
-    chunk_pointer,
+    chunk_columns,
+    chunk_end,
     gradient_stores,
     gradient_sums,
     input_argument,
@@ -323,7 +324,8 @@ def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
     if not gradient.one_per_row:
         return [
-            f"add_gradient_partials({chunk_pointer(pointer, k)}, {v}, rows, cols, N, {width}, in_bounds, row_offset == 0, "
+            f"add_gradient_partials({pointer}, {v}, rows, {chunk_columns(k)}, {chunk_end(k)}, {width}, in_bounds, "
+            f"row_offset == 0, "
             f"{names.needs[name]}, {names.sums[name]})"
             for k, v in enumerate(gradient.values)
         ]
