@@ -1,6 +1,8 @@
 """Generated Python within 100 columns: long statements broken inside brackets, as a person
-(or black) would break them. Only code lines are touched: comments, docstrings and lines
-that fit stay as they are, and a line that cannot be broken is left whole."""
+would break them: a call's or a definition's arguments on the lines after it, as many to a
+line as fit, and a long expression at its outermost operators. Only code lines are touched:
+comments, docstrings and lines that fit stay as they are, and a line that cannot be broken
+is left whole."""
 from __future__ import annotations
 
 import ast
@@ -37,12 +39,10 @@ def _format(text: str) -> str:
 
 def _statement(code: str, indent: str) -> list[str]:
     definition = re.match(r"^(def [A-Za-z_][A-Za-z0-9_]*\()(.*)(\):)$", code)
-    if definition:  # def f(a, b, ...): one parameter a line
+    if definition:  # def f(a, b, ...): the parameters on the lines after, as many to a line as fit
         opening, parameters, closing = definition.groups()
-        lines = [indent + opening]
-        for parameter in _split(parameters, (", ",)):
-            lines.append(indent + "    " + parameter.strip() + ",")
-        return lines + [indent + closing]
+        parameters = [p.strip() for p in _split(parameters, (", ",))]
+        return [indent + opening] + _packed(parameters, indent + "    ") + [indent + closing]
     assignment = _ASSIGNMENT.match(code) or re.match(r"^(return )(.+)$", code)
     if assignment:
         target, value = assignment.groups()
@@ -95,11 +95,25 @@ def _broken_call(opening: str, arguments: str, closing: str, indent: str) -> lis
     single = inner + arguments
     if len(single) <= LIMIT:
         return [opening, single, indent + closing]
+    parts = [argument.strip().removeprefix(", ") for argument in _split(arguments, (", ",))]
+    if all(len(inner) + len(part) < LIMIT for part in parts):  # whole arguments, as many to a line as fit
+        return [opening] + _packed(parts, inner) + [indent + closing]
     lines = [opening]
     for argument in _split(arguments, (", ",)):
         argument = argument.strip().removeprefix(", ")
         lines.extend(_with_comma(_expression(argument, inner, reserve=1)))
     return lines + [indent + closing]
+
+
+def _packed(parts: list[str], indent: str) -> list[str]:
+    """`parts` each followed by a comma, as many to a line as fit."""
+    lines = [indent + parts[0] + ","]
+    for part in parts[1:]:
+        if len(lines[-1]) + 1 + len(part) + 1 <= LIMIT:
+            lines[-1] += " " + part + ","
+        else:
+            lines.append(indent + part + ",")
+    return lines
 
 
 def _with_comma(lines: list[str]) -> list[str]:

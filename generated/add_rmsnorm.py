@@ -11,23 +11,14 @@ Param eps: float ≥ 0.0, default 1e-06 (runtime: no recompilation).
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-They compute in fp32 (fp64 for fp64 inputs) and write every output once, in the dtype
-torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions and writes every input gradient in one pass; gradients of inputs
-broadcast along rows are summed per program in fp32 and then across programs, in a fixed
-order (no atomics). Memory: saved for backward are the inputs and each row's reductions
-(fp32, [..., reductions]), nothing else: no mask, no intermediates.
+per-row reductions and writes every input gradient in one pass. Saved for it: the inputs and
+each row's reductions (fp32, [..., reductions]), nothing else.
 The gradient of residual is that of x: where the two agree in shape and dtype, the kernel
 writes it once and both get the same tensor (as torch's add does).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import triton
@@ -35,18 +26,15 @@ import triton.language as tl
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
-from fusegen.backends.triton.kernel_lib import rsqrt_rn, sqrt_rn
+from fusegen.backends.triton.kernel_lib import (
+    add_gradient_partials, column_tile, indices, load_tile, rsqrt_rn, store_column_sums,
+    store_gradient, store_tile,
+)
 
 __all__ = ["add_rmsnorm", "AddRmsnorm", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def add_rmsnorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -64,102 +52,55 @@ def add_rmsnorm_kernel(
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
+    eps = tl.full((), eps, compute)
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        residual = tl.load(
-            residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n,
-            mask=in_bounds,
+        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        residual = load_tile(
+            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
         )
-        residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        weight = tl.load(
-            weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-            mask=in_bounds,
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
         )
-        weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = residual + x
         mean0 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 1 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 1, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         h = t0
         y = rsqrt_rn(eps + mean0) * t0 * weight
-        tl.store(
-            h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=in_bounds
-        )
-        tl.store(
-            y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-        )
+        store_tile(h_ptr, h, rows, cols, N, in_bounds)
+        store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
-        mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
+        mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            residual = tl.load(
-                residual_ptr + rows[:, None] * residual_stride_m
-                + cols[None, :] * residual_stride_n,
-                mask=in_bounds,
-            )
-            residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = residual + x
-            mean0_tile = mean0_tile + tl.where(in_bounds, t0 * t0, 0.0)
+            mean0_tile += tl.where(in_bounds, t0 * t0, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 1 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 1, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            residual = tl.load(
-                residual_ptr + rows[:, None] * residual_stride_m
-                + cols[None, :] * residual_stride_n,
-                mask=in_bounds,
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
-            residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            weight = tl.load(
-                weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                mask=in_bounds,
-            )
-            weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = residual + x
             h = t0
             y = rsqrt_rn(eps + mean0) * t0 * weight
-            tl.store(
-                h_ptr + rows[:, None] * N + cols[None, :],
-                h.to(h_ptr.dtype.element_ty),
-                mask=in_bounds,
-            )
-            tl.store(
-                y_ptr + rows[:, None] * N + cols[None, :],
-                y.to(y_ptr.dtype.element_ty),
-                mask=in_bounds,
-            )
+            store_tile(h_ptr, h, rows, cols, N, in_bounds)
+            store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def add_rmsnorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -176,244 +117,134 @@ def add_rmsnorm_backward_kernel(
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_RESIDUAL: tl.constexpr,
-    SUM_GRAD_RESIDUAL: tl.constexpr,  # residual is broadcast along rows
-    NEEDS_GRAD_WEIGHT: tl.constexpr,
-    SUM_GRAD_WEIGHT: tl.constexpr,  # weight is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    # residual is broadcast along rows
+    NEEDS_GRAD_RESIDUAL: tl.constexpr, SUM_GRAD_RESIDUAL: tl.constexpr,
+    # weight is broadcast along rows
+    NEEDS_GRAD_WEIGHT: tl.constexpr, SUM_GRAD_WEIGHT: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
-    row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
+    eps = tl.full((), eps, compute)
+    row_width = tl.full((), N, compute)
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_residual_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+        cols = indices(0, BLOCK_N, INDEX_64)
+        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_residual_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + rows * 1 + 0, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean0
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            residual = tl.load(
-                residual_ptr + rows[:, None] * residual_stride_m
-                + cols[None, :] * residual_stride_n,
-                mask=in_bounds,
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
-            residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            weight = tl.load(
-                weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                mask=in_bounds,
+            grad_h = load_tile(
+                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
             )
-            weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            grad_h = tl.load(
-                grad_h_ptr + rows[:, None] * grad_h_stride_m + cols[None, :] * grad_h_stride_n,
-                mask=in_bounds,
+            grad_y = load_tile(
+                grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
-            grad_h = grad_h.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            grad_y = tl.load(
-                grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                mask=in_bounds,
-            )
-            grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             t0 = residual + x
-            row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0),
-                axis=1,
+            grad_mean0 = tl.sum(
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0), axis=1,
                 keep_dims=True,
             )
-            grad_mean0 = row_sum0
             t2 = rsqrt_rn(t1) * grad_y
             t3 = grad_h + grad_mean0 * (2 * residual + 2 * x) / row_width + t2 * weight
             grad_x = t3
             grad_residual = t3
             grad_weight = t0 * t2
-            if NEEDS_GRAD_X:
-                if SUM_GRAD_X:
-                    grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-                else:
-                    tl.store(
-                        grad_x_ptr + rows[:, None] * N + cols[None, :],
-                        grad_x.to(grad_x_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_RESIDUAL:
-                if SUM_GRAD_RESIDUAL:
-                    grad_residual_sum += tl.where(in_bounds, grad_residual, 0.0)
-                else:
-                    tl.store(
-                        grad_residual_ptr + rows[:, None] * N + cols[None, :],
-                        grad_residual.to(grad_residual_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_WEIGHT:
-                if SUM_GRAD_WEIGHT:
-                    grad_weight_sum += tl.where(in_bounds, grad_weight, 0.0)
-                else:
-                    tl.store(
-                        grad_weight_ptr + rows[:, None] * N + cols[None, :],
-                        grad_weight.to(grad_weight_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-        if NEEDS_GRAD_X and SUM_GRAD_X:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+            grad_x_sum = store_gradient(
+                grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
             )
-        if NEEDS_GRAD_RESIDUAL and SUM_GRAD_RESIDUAL:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_residual_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_residual_sum, axis=0),
-                mask=cols < N,
+            grad_residual_sum = store_gradient(
+                grad_residual_ptr, grad_residual, grad_residual_sum, rows, cols, N, in_bounds,
+                NEEDS_GRAD_RESIDUAL, SUM_GRAD_RESIDUAL,
             )
-        if NEEDS_GRAD_WEIGHT and SUM_GRAD_WEIGHT:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_weight_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_weight_sum, axis=0),
-                mask=cols < N,
+            grad_weight_sum = store_gradient(
+                grad_weight_ptr, grad_weight, grad_weight_sum, rows, cols, N, in_bounds,
+                NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT,
             )
+        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(
+            grad_residual_ptr, grad_residual_sum, cols, N, N, NEEDS_GRAD_RESIDUAL, SUM_GRAD_RESIDUAL
+        )
+        store_column_sums(
+            grad_weight_ptr, grad_weight_sum, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
+        )
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + rows * 1 + 0, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean0
-            row_sum0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
+            grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                residual = load_tile(
+                    residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds,
+                    compute,
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                residual = tl.load(
-                    residual_ptr + rows[:, None] * residual_stride_m
-                    + cols[None, :] * residual_stride_n,
-                    mask=in_bounds,
+                weight = load_tile(
+                    weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
                 )
-                residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                weight = tl.load(
-                    weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
-                )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = residual + x
-                row_sum0_tile = (
-                    row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0)
+                grad_mean0_tile += tl.where(
+                    in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0
                 )
-            row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
-            grad_mean0 = row_sum0
+            grad_mean0 = tl.sum(grad_mean0_tile, axis=1, keep_dims=True)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                residual = load_tile(
+                    residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds,
+                    compute,
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                residual = tl.load(
-                    residual_ptr + rows[:, None] * residual_stride_m
-                    + cols[None, :] * residual_stride_n,
-                    mask=in_bounds,
+                weight = load_tile(
+                    weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
                 )
-                residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                weight = tl.load(
-                    weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                    mask=in_bounds,
+                grad_h = load_tile(
+                    grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
                 )
-                weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_h = tl.load(
-                    grad_h_ptr + rows[:, None] * grad_h_stride_m + cols[None, :] * grad_h_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                grad_h = grad_h.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
-                )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t0 = residual + x
                 t2 = rsqrt_rn(t1) * grad_y
                 t3 = grad_h + grad_mean0 * (2 * residual + 2 * x) / row_width + t2 * weight
                 grad_x = t3
                 grad_residual = t3
                 grad_weight = t0 * t2
-                if NEEDS_GRAD_X:
-                    if SUM_GRAD_X:
-                        partial = grad_x_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_x, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_x_ptr + rows[:, None] * N + cols[None, :],
-                            grad_x.to(grad_x_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_RESIDUAL:
-                    if SUM_GRAD_RESIDUAL:
-                        partial = grad_residual_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_residual, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_residual_ptr + rows[:, None] * N + cols[None, :],
-                            grad_residual.to(grad_residual_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_WEIGHT:
-                    if SUM_GRAD_WEIGHT:
-                        partial = grad_weight_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_weight, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_weight_ptr + rows[:, None] * N + cols[None, :],
-                            grad_weight.to(grad_weight_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
+                add_gradient_partials(
+                    grad_x_ptr, grad_x, rows, cols, N, N, in_bounds, row_offset == 0, NEEDS_GRAD_X,
+                    SUM_GRAD_X,
+                )
+                add_gradient_partials(
+                    grad_residual_ptr, grad_residual, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_RESIDUAL, SUM_GRAD_RESIDUAL,
+                )
+                add_gradient_partials(
+                    grad_weight_ptr, grad_weight, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT,
+                )
 
 
 def _reference(problem, x, residual, weight, eps):
@@ -438,11 +269,8 @@ _OP = runtime.FusedOp(
     # These inputs' gradients read only these outputs' gradients: without them, None.
     gradient_reads={"weight": ("y",)},
     kernels=launch.RowKernels(
-        add_rmsnorm_kernel,
-        add_rmsnorm_backward_kernel,
-        scalars=("eps",),
-        backward_reads=("x", "residual", "weight"),
-        gradients=("x", "residual", "weight"),
+        add_rmsnorm_kernel, add_rmsnorm_backward_kernel, scalars=("eps",),
+        backward_reads=("x", "residual", "weight"), gradients=("x", "residual", "weight"),
         statistics=1,
     ),
     reference=_reference,
@@ -452,9 +280,8 @@ _OP = runtime.FusedOp(
 def add_rmsnorm(x, residual, weight, eps=1e-06, *, out=None, inplace_backward=False):
     """h = x + residual; y = rmsnorm(h) * weight
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::add_rmsnorm.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::add_rmsnorm.
     """
     return _OP(x, residual, weight, eps, out=out, inplace_backward=inplace_backward)
 
@@ -479,17 +306,13 @@ class AddRmsnorm(torch.nn.Module):
 
 
 def reference(x, residual, weight, eps=1e-06, *, out=None):
-    """Eager PyTorch twin of add_rmsnorm: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of add_rmsnorm: same arguments, same values; differentiable, the oracle
+    for the generated backward."""
     return _OP.reference(x, residual, weight, eps, out=out)
 
 
 def eager(x, residual, weight, eps=1e-06):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     s = x + residual
     return s, (s * torch.rsqrt((s * s).mean(-1, keepdim=True) + eps)) * weight

@@ -18,27 +18,13 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-They compute in fp32 (fp64 for fp64 inputs) and write every output once, in the dtype
-torch's type promotion gives.
-Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
-it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
-(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
-draws a new mask on each replay.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions, draws the same dropout masks again from the seed and writes every input
-gradient in one pass; gradients of inputs broadcast along rows are summed per program in
-fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor and each row's reductions (fp32, [..., reductions]), nothing
-else: no mask, no intermediates.
+per-row reductions, draws the dropout masks again from the seed and writes every input
+gradient in one pass. Saved for it: the inputs, the seed tensor and each row's reductions
+(fp32, [..., reductions]), nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -47,18 +33,15 @@ import triton.language as tl
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
-from fusegen.backends.triton.kernel_lib import dropout_mask, rsqrt_rn, sqrt_rn
+from fusegen.backends.triton.kernel_lib import (
+    add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, rsqrt_rn,
+    store_column_sums, store_gradient, store_tile,
+)
 
 __all__ = ["bias_dropout_add_layernorm", "BiasDropoutAddLayernorm", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
 @triton.jit
 def bias_dropout_add_layernorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -85,232 +68,100 @@ def bias_dropout_add_layernorm_kernel(
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
-    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
-    if HAS_DROPOUT:
-        seed = tl.load(seed_ptr)
+    eps = tl.full((), eps, compute)
+    dropout_scale_p = tl.full((), dropout_scale_p, compute)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        bias = tl.load(
-            bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+        residual = load_tile(
+            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
         )
-        bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        residual = tl.load(
-            residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n,
-            mask=in_bounds,
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
         )
-        residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        weight = tl.load(
-            weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-            mask=in_bounds,
+        norm_bias = load_tile(
+            norm_bias_ptr, norm_bias_stride_m, norm_bias_stride_n, rows, cols, in_bounds, compute
         )
-        weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        norm_bias = tl.load(
-            norm_bias_ptr + rows[:, None] * norm_bias_stride_m + cols[None, :] * norm_bias_stride_n,
-            mask=in_bounds,
+        dropout_mask0 = dropout_or_ones(
+            seed, rows, 0, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, HAS_DROPOUT,
+            DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
         )
-        norm_bias = norm_bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        if HAS_DROPOUT:
-            dropout_mask0 = dropout_mask(
-                seed,
-                rows,
-                0,
-                N,
-                BLOCK_N,
-                0,
-                dropout_threshold_p,
-                dropout_scale_p,
-                DROPOUT_WHOLE_GROUPS,
-                shard_ptr,
-                SHARDED,
-            )
-        else:
-            dropout_mask0 = tl.full(
-                (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
         t0 = dropout_mask0 * (bias + x) + residual
         mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = t0 - mean0
         mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         h = t0
         y = norm_bias + rsqrt_rn(eps + mean1) * t1 * weight
-        tl.store(
-            h_ptr + rows[:, None] * N + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=in_bounds
-        )
-        tl.store(
-            y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-        )
+        store_tile(h_ptr, h, rows, cols, N, in_bounds)
+        store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
-        mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
+        mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            bias = tl.load(
-                bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                mask=in_bounds,
+            dropout_mask0 = dropout_or_ones(
+                seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
-            bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            residual = tl.load(
-                residual_ptr + rows[:, None] * residual_stride_m
-                + cols[None, :] * residual_stride_n,
-                mask=in_bounds,
-            )
-            residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            if HAS_DROPOUT:
-                dropout_mask0 = dropout_mask(
-                    seed,
-                    rows,
-                    first_col,
-                    N,
-                    BLOCK_N,
-                    0,
-                    dropout_threshold_p,
-                    dropout_scale_p,
-                    DROPOUT_WHOLE_GROUPS,
-                    shard_ptr,
-                    SHARDED,
-                )
-            else:
-                dropout_mask0 = tl.full(
-                    (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                )
             t0 = dropout_mask0 * (bias + x) + residual
-            mean0_tile = mean0_tile + tl.where(in_bounds, t0, 0.0)
+            mean0_tile += tl.where(in_bounds, t0, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
-        mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
+        tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            bias = tl.load(
-                bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                mask=in_bounds,
+            dropout_mask0 = dropout_or_ones(
+                seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
-            bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            residual = tl.load(
-                residual_ptr + rows[:, None] * residual_stride_m
-                + cols[None, :] * residual_stride_n,
-                mask=in_bounds,
-            )
-            residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            if HAS_DROPOUT:
-                dropout_mask0 = dropout_mask(
-                    seed,
-                    rows,
-                    first_col,
-                    N,
-                    BLOCK_N,
-                    0,
-                    dropout_threshold_p,
-                    dropout_scale_p,
-                    DROPOUT_WHOLE_GROUPS,
-                    shard_ptr,
-                    SHARDED,
-                )
-            else:
-                dropout_mask0 = tl.full(
-                    (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                )
             t0 = dropout_mask0 * (bias + x) + residual
             t1 = t0 - mean0
-            mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
+            mean1_tile += tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            bias = tl.load(
-                bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                mask=in_bounds,
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
-            bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            residual = tl.load(
-                residual_ptr + rows[:, None] * residual_stride_m
-                + cols[None, :] * residual_stride_n,
-                mask=in_bounds,
+            norm_bias = load_tile(
+                norm_bias_ptr, norm_bias_stride_m, norm_bias_stride_n, rows, cols, in_bounds,
+                compute,
             )
-            residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            weight = tl.load(
-                weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                mask=in_bounds,
+            dropout_mask0 = dropout_or_ones(
+                seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
-            weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            norm_bias = tl.load(
-                norm_bias_ptr + rows[:, None] * norm_bias_stride_m
-                + cols[None, :] * norm_bias_stride_n,
-                mask=in_bounds,
-            )
-            norm_bias = norm_bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            if HAS_DROPOUT:
-                dropout_mask0 = dropout_mask(
-                    seed,
-                    rows,
-                    first_col,
-                    N,
-                    BLOCK_N,
-                    0,
-                    dropout_threshold_p,
-                    dropout_scale_p,
-                    DROPOUT_WHOLE_GROUPS,
-                    shard_ptr,
-                    SHARDED,
-                )
-            else:
-                dropout_mask0 = tl.full(
-                    (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                )
             t0 = dropout_mask0 * (bias + x) + residual
             t1 = t0 - mean0
             h = t0
             y = norm_bias + rsqrt_rn(eps + mean1) * t1 * weight
-            tl.store(
-                h_ptr + rows[:, None] * N + cols[None, :],
-                h.to(h_ptr.dtype.element_ty),
-                mask=in_bounds,
-            )
-            tl.store(
-                y_ptr + rows[:, None] * N + cols[None, :],
-                y.to(y_ptr.dtype.element_ty),
-                mask=in_bounds,
-            )
+            store_tile(h_ptr, h, rows, cols, N, in_bounds)
+            store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def bias_dropout_add_layernorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -337,109 +188,70 @@ def bias_dropout_add_layernorm_backward_kernel(
     SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_BIAS: tl.constexpr,
-    SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
-    NEEDS_GRAD_RESIDUAL: tl.constexpr,
-    SUM_GRAD_RESIDUAL: tl.constexpr,  # residual is broadcast along rows
-    NEEDS_GRAD_WEIGHT: tl.constexpr,
-    SUM_GRAD_WEIGHT: tl.constexpr,  # weight is broadcast along rows
-    NEEDS_GRAD_NORM_BIAS: tl.constexpr,
-    SUM_GRAD_NORM_BIAS: tl.constexpr,  # norm_bias is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
+    # residual is broadcast along rows
+    NEEDS_GRAD_RESIDUAL: tl.constexpr, SUM_GRAD_RESIDUAL: tl.constexpr,
+    # weight is broadcast along rows
+    NEEDS_GRAD_WEIGHT: tl.constexpr, SUM_GRAD_WEIGHT: tl.constexpr,
+    # norm_bias is broadcast along rows
+    NEEDS_GRAD_NORM_BIAS: tl.constexpr, SUM_GRAD_NORM_BIAS: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
-    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
-    row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
-    if HAS_DROPOUT:
-        seed = tl.load(seed_ptr)
+    eps = tl.full((), eps, compute)
+    dropout_scale_p = tl.full((), dropout_scale_p, compute)
+    row_width = tl.full((), N, compute)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_residual_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_norm_bias_sum = tl.zeros(
-            (BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32
-        )
+        cols = indices(0, BLOCK_N, INDEX_64)
+        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_residual_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_norm_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
             mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean1
             t5 = 1.0 / row_width
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            bias = tl.load(
-                bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                mask=in_bounds,
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
-            bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            residual = tl.load(
-                residual_ptr + rows[:, None] * residual_stride_m
-                + cols[None, :] * residual_stride_n,
-                mask=in_bounds,
+            grad_h = load_tile(
+                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
             )
-            residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            weight = tl.load(
-                weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                mask=in_bounds,
+            grad_y = load_tile(
+                grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
-            weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            grad_h = tl.load(
-                grad_h_ptr + rows[:, None] * grad_h_stride_m + cols[None, :] * grad_h_stride_n,
-                mask=in_bounds,
+            dropout_mask0 = dropout_or_ones(
+                seed, rows, 0, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, HAS_DROPOUT,
+                DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
-            grad_h = grad_h.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            grad_y = tl.load(
-                grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                mask=in_bounds,
-            )
-            grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            if HAS_DROPOUT:
-                dropout_mask0 = dropout_mask(
-                    seed,
-                    rows,
-                    0,
-                    N,
-                    BLOCK_N,
-                    0,
-                    dropout_threshold_p,
-                    dropout_scale_p,
-                    DROPOUT_WHOLE_GROUPS,
-                    shard_ptr,
-                    SHARDED,
-                )
-            else:
-                dropout_mask0 = tl.full(
-                    (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                )
             t1 = dropout_mask0 * (bias + x)
             t2 = residual + t1 - mean0
             t3 = rsqrt_rn(t0) * grad_y
             t4 = t3 * weight
-            row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0),
-                axis=1,
+            grad_mean1 = tl.sum(
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0), axis=1,
                 keep_dims=True,
             )
-            row_sum1 = tl.sum(tl.where(in_bounds, -t4, 0.0), axis=1, keep_dims=True)
-            grad_mean1 = row_sum0
+            grad_mean0 = tl.sum(tl.where(in_bounds, -t4, 0.0), axis=1, keep_dims=True)
             t7 = grad_mean1 * t5
-            grad_mean0 = row_sum1
             t6 = grad_mean0 * t5
             t8 = (
                 dropout_mask0 * grad_h + 2 * dropout_mask0 * t2 * t7 + dropout_mask0 * t4
@@ -450,215 +262,103 @@ def bias_dropout_add_layernorm_backward_kernel(
             grad_residual = grad_h + t4 + t6 + t7 * (2 * residual + 2 * t1 - 2 * mean0)
             grad_weight = t2 * t3
             grad_norm_bias = grad_y
-            if NEEDS_GRAD_X:
-                if SUM_GRAD_X:
-                    grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-                else:
-                    tl.store(
-                        grad_x_ptr + rows[:, None] * N + cols[None, :],
-                        grad_x.to(grad_x_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_BIAS:
-                if SUM_GRAD_BIAS:
-                    grad_bias_sum += tl.where(in_bounds, grad_bias, 0.0)
-                else:
-                    tl.store(
-                        grad_bias_ptr + rows[:, None] * N + cols[None, :],
-                        grad_bias.to(grad_bias_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_RESIDUAL:
-                if SUM_GRAD_RESIDUAL:
-                    grad_residual_sum += tl.where(in_bounds, grad_residual, 0.0)
-                else:
-                    tl.store(
-                        grad_residual_ptr + rows[:, None] * N + cols[None, :],
-                        grad_residual.to(grad_residual_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_WEIGHT:
-                if SUM_GRAD_WEIGHT:
-                    grad_weight_sum += tl.where(in_bounds, grad_weight, 0.0)
-                else:
-                    tl.store(
-                        grad_weight_ptr + rows[:, None] * N + cols[None, :],
-                        grad_weight.to(grad_weight_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_NORM_BIAS:
-                if SUM_GRAD_NORM_BIAS:
-                    grad_norm_bias_sum += tl.where(in_bounds, grad_norm_bias, 0.0)
-                else:
-                    tl.store(
-                        grad_norm_bias_ptr + rows[:, None] * N + cols[None, :],
-                        grad_norm_bias.to(grad_norm_bias_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-        if NEEDS_GRAD_X and SUM_GRAD_X:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+            grad_x_sum = store_gradient(
+                grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
             )
-        if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_bias_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_bias_sum, axis=0),
-                mask=cols < N,
+            grad_bias_sum = store_gradient(
+                grad_bias_ptr, grad_bias, grad_bias_sum, rows, cols, N, in_bounds, NEEDS_GRAD_BIAS,
+                SUM_GRAD_BIAS,
             )
-        if NEEDS_GRAD_RESIDUAL and SUM_GRAD_RESIDUAL:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_residual_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_residual_sum, axis=0),
-                mask=cols < N,
+            grad_residual_sum = store_gradient(
+                grad_residual_ptr, grad_residual, grad_residual_sum, rows, cols, N, in_bounds,
+                NEEDS_GRAD_RESIDUAL, SUM_GRAD_RESIDUAL,
             )
-        if NEEDS_GRAD_WEIGHT and SUM_GRAD_WEIGHT:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_weight_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_weight_sum, axis=0),
-                mask=cols < N,
+            grad_weight_sum = store_gradient(
+                grad_weight_ptr, grad_weight, grad_weight_sum, rows, cols, N, in_bounds,
+                NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT,
             )
-        if NEEDS_GRAD_NORM_BIAS and SUM_GRAD_NORM_BIAS:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_norm_bias_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_norm_bias_sum, axis=0),
-                mask=cols < N,
+            grad_norm_bias_sum = store_gradient(
+                grad_norm_bias_ptr, grad_norm_bias, grad_norm_bias_sum, rows, cols, N, in_bounds,
+                NEEDS_GRAD_NORM_BIAS, SUM_GRAD_NORM_BIAS,
             )
+        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(grad_bias_ptr, grad_bias_sum, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS)
+        store_column_sums(
+            grad_residual_ptr, grad_residual_sum, cols, N, N, NEEDS_GRAD_RESIDUAL, SUM_GRAD_RESIDUAL
+        )
+        store_column_sums(
+            grad_weight_ptr, grad_weight_sum, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
+        )
+        store_column_sums(
+            grad_norm_bias_ptr, grad_norm_bias_sum, cols, N, N, NEEDS_GRAD_NORM_BIAS,
+            SUM_GRAD_NORM_BIAS,
+        )
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
             mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean1
             t5 = 1.0 / row_width
-            row_sum0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            row_sum1_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
+            grad_mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
+            grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                bias = load_tile(
+                    bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                bias = tl.load(
-                    bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                    mask=in_bounds,
+                residual = load_tile(
+                    residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds,
+                    compute,
                 )
-                bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                residual = tl.load(
-                    residual_ptr + rows[:, None] * residual_stride_m
-                    + cols[None, :] * residual_stride_n,
-                    mask=in_bounds,
+                weight = load_tile(
+                    weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
                 )
-                residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                weight = tl.load(
-                    weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
+                dropout_mask0 = dropout_or_ones(
+                    seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                    HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
                 )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                if HAS_DROPOUT:
-                    dropout_mask0 = dropout_mask(
-                        seed,
-                        rows,
-                        first_col,
-                        N,
-                        BLOCK_N,
-                        0,
-                        dropout_threshold_p,
-                        dropout_scale_p,
-                        DROPOUT_WHOLE_GROUPS,
-                        shard_ptr,
-                        SHARDED,
-                    )
-                else:
-                    dropout_mask0 = tl.full(
-                        (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                    )
                 t1 = dropout_mask0 * (bias + x)
                 t2 = residual + t1 - mean0
                 t3 = rsqrt_rn(t0) * grad_y
                 t4 = t3 * weight
-                row_sum0_tile = (
-                    row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0)
+                grad_mean1_tile += tl.where(
+                    in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0
                 )
-                row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t4, 0.0)
-            row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
-            row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
-            grad_mean1 = row_sum0
+                grad_mean0_tile += tl.where(in_bounds, -t4, 0.0)
+            grad_mean1 = tl.sum(grad_mean1_tile, axis=1, keep_dims=True)
+            grad_mean0 = tl.sum(grad_mean0_tile, axis=1, keep_dims=True)
             t7 = grad_mean1 * t5
-            grad_mean0 = row_sum1
             t6 = grad_mean0 * t5
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                bias = load_tile(
+                    bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                bias = tl.load(
-                    bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                    mask=in_bounds,
+                residual = load_tile(
+                    residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds,
+                    compute,
                 )
-                bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                residual = tl.load(
-                    residual_ptr + rows[:, None] * residual_stride_m
-                    + cols[None, :] * residual_stride_n,
-                    mask=in_bounds,
+                weight = load_tile(
+                    weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
                 )
-                residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                weight = tl.load(
-                    weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                    mask=in_bounds,
+                grad_h = load_tile(
+                    grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
                 )
-                weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_h = tl.load(
-                    grad_h_ptr + rows[:, None] * grad_h_stride_m + cols[None, :] * grad_h_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                grad_h = grad_h.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
+                dropout_mask0 = dropout_or_ones(
+                    seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                    HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
                 )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                if HAS_DROPOUT:
-                    dropout_mask0 = dropout_mask(
-                        seed,
-                        rows,
-                        first_col,
-                        N,
-                        BLOCK_N,
-                        0,
-                        dropout_threshold_p,
-                        dropout_scale_p,
-                        DROPOUT_WHOLE_GROUPS,
-                        shard_ptr,
-                        SHARDED,
-                    )
-                else:
-                    dropout_mask0 = tl.full(
-                        (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                    )
                 t1 = dropout_mask0 * (bias + x)
                 t2 = residual + t1 - mean0
                 t3 = rsqrt_rn(t0) * grad_y
@@ -672,86 +372,26 @@ def bias_dropout_add_layernorm_backward_kernel(
                 grad_residual = grad_h + t4 + t6 + t7 * (2 * residual + 2 * t1 - 2 * mean0)
                 grad_weight = t2 * t3
                 grad_norm_bias = grad_y
-                if NEEDS_GRAD_X:
-                    if SUM_GRAD_X:
-                        partial = grad_x_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_x, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_x_ptr + rows[:, None] * N + cols[None, :],
-                            grad_x.to(grad_x_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_BIAS:
-                    if SUM_GRAD_BIAS:
-                        partial = grad_bias_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_bias, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_bias_ptr + rows[:, None] * N + cols[None, :],
-                            grad_bias.to(grad_bias_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_RESIDUAL:
-                    if SUM_GRAD_RESIDUAL:
-                        partial = grad_residual_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_residual, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_residual_ptr + rows[:, None] * N + cols[None, :],
-                            grad_residual.to(grad_residual_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_WEIGHT:
-                    if SUM_GRAD_WEIGHT:
-                        partial = grad_weight_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_weight, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_weight_ptr + rows[:, None] * N + cols[None, :],
-                            grad_weight.to(grad_weight_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_NORM_BIAS:
-                    if SUM_GRAD_NORM_BIAS:
-                        partial = grad_norm_bias_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_norm_bias, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_norm_bias_ptr + rows[:, None] * N + cols[None, :],
-                            grad_norm_bias.to(grad_norm_bias_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
+                add_gradient_partials(
+                    grad_x_ptr, grad_x, rows, cols, N, N, in_bounds, row_offset == 0, NEEDS_GRAD_X,
+                    SUM_GRAD_X,
+                )
+                add_gradient_partials(
+                    grad_bias_ptr, grad_bias, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_BIAS, SUM_GRAD_BIAS,
+                )
+                add_gradient_partials(
+                    grad_residual_ptr, grad_residual, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_RESIDUAL, SUM_GRAD_RESIDUAL,
+                )
+                add_gradient_partials(
+                    grad_weight_ptr, grad_weight, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT,
+                )
+                add_gradient_partials(
+                    grad_norm_bias_ptr, grad_norm_bias, rows, cols, N, N, in_bounds,
+                    row_offset == 0, NEEDS_GRAD_NORM_BIAS, SUM_GRAD_NORM_BIAS,
+                )
 
 
 def _reference(problem, x, bias, residual, weight, norm_bias, eps, p, masks):
@@ -784,48 +424,25 @@ _OP = runtime.FusedOp(
     # These inputs' gradients read only these outputs' gradients: without them, None.
     gradient_reads={"weight": ("y",), "norm_bias": ("y",)},
     kernels=launch.RowKernels(
-        bias_dropout_add_layernorm_kernel,
-        bias_dropout_add_layernorm_backward_kernel,
-        scalars=("eps",),
-        backward_reads=("x", "bias", "residual", "weight"),
-        gradients=("x", "bias", "residual", "weight", "norm_bias"),
-        statistics=2,
+        bias_dropout_add_layernorm_kernel, bias_dropout_add_layernorm_backward_kernel,
+        scalars=("eps",), backward_reads=("x", "bias", "residual", "weight"),
+        gradients=("x", "bias", "residual", "weight", "norm_bias"), statistics=2,
     ),
     reference=_reference,
 )
 
 
 def bias_dropout_add_layernorm(
-    x,
-    bias,
-    residual,
-    weight,
-    norm_bias,
-    eps=1e-05,
-    p=0.1,
-    training=True,
-    seed=None,
-    *,
-    out=None,
+    x, bias, residual, weight, norm_bias, eps=1e-05, p=0.1, training=True, seed=None, *, out=None,
     inplace_backward=False,
 ):
     """h = dropout(x + bias, p) + residual; y = layer_norm(h) * weight + norm_bias
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::bias_dropout_add_layernorm.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::bias_dropout_add_layernorm.
     """
     return _OP(
-        x,
-        bias,
-        residual,
-        weight,
-        norm_bias,
-        eps,
-        p,
-        training,
-        seed,
-        out=out,
+        x, bias, residual, weight, norm_bias, eps, p, training, seed, out=out,
         inplace_backward=inplace_backward,
     )
 
@@ -845,15 +462,7 @@ class BiasDropoutAddLayernorm(torch.nn.Module):
 
     def forward(self, x, bias, residual, weight, norm_bias):
         return _OP(
-            x,
-            bias,
-            residual,
-            weight,
-            norm_bias,
-            self.eps,
-            self.p,
-            self.training,
-            None,
+            x, bias, residual, weight, norm_bias, self.eps, self.p, self.training, None,
             inplace_backward=self.inplace_backward,
         )
 
@@ -862,32 +471,17 @@ class BiasDropoutAddLayernorm(torch.nn.Module):
 
 
 def reference(
-    x,
-    bias,
-    residual,
-    weight,
-    norm_bias,
-    eps=1e-05,
-    p=0.1,
-    training=True,
-    seed=None,
-    *,
-    out=None,
+    x, bias, residual, weight, norm_bias, eps=1e-05, p=0.1, training=True, seed=None, *, out=None,
 ):
     """Eager PyTorch twin of bias_dropout_add_layernorm: same arguments, same values, same dropout
-    mask.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    mask; differentiable, the oracle for the generated backward."""
     return _OP.reference(x, bias, residual, weight, norm_bias, eps, p, training, seed, out=out)
 
 
 def eager(x, bias, residual, weight, norm_bias, eps=1e-05, p=0.1, training=True, seed=None):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
-    dropout (its own random mask: the same distribution, not the same values; seed is unused).
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own dropout
+    (its own random mask: the same distribution, not the same values; seed is unused): the
+    baseline that `fusegen bench` times, eagerly and under torch.compile."""
     s = F.dropout(x + bias, p, training=training) + residual
     sc = s - s.mean(-1, keepdim=True)
     return s, ((sc * torch.rsqrt((sc * sc).mean(-1, keepdim=True) + eps)) * weight) + norm_bias

@@ -11,18 +11,11 @@ Param activation: one of gelu, gelu_tanh; default 'gelu' (compile-time: one kern
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -32,6 +25,10 @@ from triton.language.extra import libdevice
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton.kernel_lib import (
+    column_tile, indices, load_tile, maximum, minimum, store_column_sums, store_gradient,
+    store_tile,
+)
 
 __all__ = ["bias_gelu", "BiasGelu", "reference", "eager"]
 
@@ -43,11 +40,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
         # 1.4142135623730951 = sqrt(2)
         out = t0 * (tl.erf(1.4142135623730951 * t0) + 1)
     elif ACTIVATION == 'gelu_tanh':
-        t0 = tl.maximum(
-            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
-            -24,
-            propagate_nan=tl.PropagateNan.ALL,
-        )
+        t0 = maximum(minimum(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
     else:
@@ -63,11 +56,7 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         # 0.5641895835477563 = 1/sqrt(π)
         out = 0.5641895835477563 * t0 * libdevice.exp(-0.5 * x * x) + 0.5 * tl.erf(t0) + 0.5
     elif ACTIVATION == 'gelu_tanh':
-        t0 = tl.maximum(
-            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
-            -24,
-            propagate_nan=tl.PropagateNan.ALL,
-        )
+        t0 = maximum(minimum(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
@@ -80,13 +69,7 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
     return out
 
 
-@triton.autotune(
-    configs=tuning.FORWARD_CONFIGS,
-    key=["M_BUCKET", "N"],
-    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def bias_gelu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -100,31 +83,16 @@ def bias_gelu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
-        cols = cols.to(tl.int64)
-    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-    x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    bias = tl.load(
-        bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
-    )
-    bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    cols, in_bounds = column_tile(rows, tl.program_id(1) * BLOCK_N, M, N, BLOCK_N, INDEX_64)
+    x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+    bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
     y = _activation(bias + x, ACTIVATION)
-    tl.store(
-        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-    )
+    store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.BACKWARD_CONFIGS,
-    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def bias_gelu_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -136,68 +104,39 @@ def bias_gelu_backward_kernel(
     ACTIVATION: tl.constexpr,  # activation
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_BIAS: tl.constexpr,
-    SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    cols = indices(tl.program_id(1) * BLOCK_N, BLOCK_N, INDEX_64)
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
-        cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
-    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+    grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        bias = tl.load(
-            bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+        grad_y = load_tile(
+            grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
         )
-        bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(
-            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-            mask=in_bounds,
-        )
-        grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = grad_y * _activation_grad(bias + x, ACTIVATION)
         grad_x = t0
         grad_bias = t0
-        if NEEDS_GRAD_X:
-            if SUM_GRAD_X:
-                grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-            else:
-                tl.store(
-                    grad_x_ptr + rows[:, None] * N + cols[None, :],
-                    grad_x.to(grad_x_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-        if NEEDS_GRAD_BIAS:
-            if SUM_GRAD_BIAS:
-                grad_bias_sum += tl.where(in_bounds, grad_bias, 0.0)
-            else:
-                tl.store(
-                    grad_bias_ptr + rows[:, None] * N + cols[None, :],
-                    grad_bias.to(grad_bias_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-    if NEEDS_GRAD_X and SUM_GRAD_X:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+        grad_x_sum = store_gradient(
+            grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
         )
-    if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_bias_ptr + tl.program_id(0) * N + cols,
-            tl.sum(grad_bias_sum, axis=0),
-            mask=cols < N,
+        grad_bias_sum = store_gradient(
+            grad_bias_ptr, grad_bias, grad_bias_sum, rows, cols, N, in_bounds, NEEDS_GRAD_BIAS,
+            SUM_GRAD_BIAS,
         )
+    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+    store_column_sums(grad_bias_ptr, grad_bias_sum, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS)
 
 
 def _activation_torch(x, choice):
@@ -226,9 +165,7 @@ _OP = runtime.FusedOp(
     params=(runtime.Choice("activation", ("gelu", "gelu_tanh")),),
     outputs=("y",),
     kernels=launch.Kernels(
-        bias_gelu_kernel,
-        bias_gelu_backward_kernel,
-        backward_reads=("x", "bias"),
+        bias_gelu_kernel, bias_gelu_backward_kernel, backward_reads=("x", "bias"),
         gradients=("x", "bias"),
     ),
     reference=_reference,
@@ -238,9 +175,8 @@ _OP = runtime.FusedOp(
 def bias_gelu(x, bias, activation='gelu', *, out=None, inplace_backward=False):
     """y = activation(x + bias) with activation gelu (exact) or gelu_tanh
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::bias_gelu.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::bias_gelu.
     """
     return _OP(x, bias, activation, out=out, inplace_backward=inplace_backward)
 
@@ -265,10 +201,8 @@ class BiasGelu(torch.nn.Module):
 
 
 def reference(x, bias, activation='gelu', *, out=None):
-    """Eager PyTorch twin of bias_gelu: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of bias_gelu: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, bias, activation, out=out)
 
 
@@ -281,8 +215,6 @@ def _activation_eager(x, choice):
 
 
 def eager(x, bias, activation='gelu'):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return _activation_eager(x + bias, activation)

@@ -17,26 +17,14 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
-it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
-(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
-draws a new mask on each replay.
-
-Backward: one fused kernel recomputes the forward from the saved inputs, draws the same
-dropout masks again from the seed and writes every input gradient in one pass; gradients of
-inputs broadcast along rows are summed per program in fp32 and then across programs, in a
-fixed order (no atomics). Memory: saved for backward are the inputs and the seed tensor,
-nothing else: no mask, no intermediates.
+Backward: one fused kernel recomputes the forward from the saved inputs, draws the dropout
+masks again from the seed and writes every input gradient in one pass. Saved for it: the
+inputs and the seed tensor, nothing else.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -46,7 +34,10 @@ from triton.language.extra import libdevice
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
-from fusegen.backends.triton.kernel_lib import dropout_mask
+from fusegen.backends.triton.kernel_lib import (
+    column_tile, dropout_mask, indices, load_tile, maximum, minimum, store_column_sums,
+    store_gradient, store_tile,
+)
 
 __all__ = ["bias_gelu_dropout_add", "BiasGeluDropoutAdd", "reference", "eager"]
 
@@ -54,11 +45,7 @@ __all__ = ["bias_gelu_dropout_add", "BiasGeluDropoutAdd", "reference", "eager"]
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu_tanh':
-        t0 = tl.maximum(
-            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
-            -24,
-            propagate_nan=tl.PropagateNan.ALL,
-        )
+        t0 = maximum(minimum(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         out = tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
     elif ACTIVATION == 'gelu':
@@ -66,7 +53,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
         # 1.4142135623730951 = sqrt(2)
         out = t0 * (tl.erf(1.4142135623730951 * t0) + 1)
     elif ACTIVATION == 'relu':
-        out = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        out = maximum(x, 0.0)
     elif ACTIVATION == 'silu':
         out = tl.sigmoid(x) * x
     elif ACTIVATION == 'sigmoid':
@@ -81,11 +68,7 @@ def _activation(x, ACTIVATION: tl.constexpr):
 @triton.jit
 def _activation_grad(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 'gelu_tanh':
-        t0 = tl.maximum(
-            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
-            -24,
-            propagate_nan=tl.PropagateNan.ALL,
-        )
+        t0 = maximum(minimum(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
@@ -111,13 +94,7 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
     return out
 
 
-@triton.autotune(
-    configs=tuning.FORWARD_CONFIGS,
-    key=["M_BUCKET", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
 @triton.jit
 def bias_gelu_dropout_add_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -139,55 +116,29 @@ def bias_gelu_dropout_add_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
-        cols = cols.to(tl.int64)
-    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    cols, in_bounds = column_tile(rows, tl.program_id(1) * BLOCK_N, M, N, BLOCK_N, INDEX_64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
-    x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-    x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    bias = tl.load(
-        bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+    dropout_scale_p = tl.full((), dropout_scale_p, compute)
+    x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+    bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+    residual = load_tile(
+        residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
     )
-    bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    residual = tl.load(
-        residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n,
-        mask=in_bounds,
-    )
-    residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
         dropout_mask0 = dropout_mask(
-            seed,
-            rows,
-            tl.program_id(1) * BLOCK_N,
-            N,
-            BLOCK_N,
-            0,
-            dropout_threshold_p,
-            dropout_scale_p,
-            DROPOUT_WHOLE_GROUPS,
-            shard_ptr,
-            SHARDED,
+            seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p,
+            dropout_scale_p, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
         )
         y = dropout_mask0 * _activation(bias + x, ACTIVATION) + residual
     else:
         y = residual + _activation(bias + x, ACTIVATION)
-    tl.store(
-        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-    )
+    store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.BACKWARD_CONFIGS,
-    key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def bias_gelu_dropout_add_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -205,52 +156,35 @@ def bias_gelu_dropout_add_backward_kernel(
     SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_BIAS: tl.constexpr,
-    SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    cols = indices(tl.program_id(1) * BLOCK_N, BLOCK_N, INDEX_64)
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
-        cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
-    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+    grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
+    dropout_scale_p = tl.full((), dropout_scale_p, compute)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        bias = tl.load(
-            bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+        grad_y = load_tile(
+            grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
         )
-        bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(
-            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-            mask=in_bounds,
-        )
-        grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         if HAS_DROPOUT:
             dropout_mask0 = dropout_mask(
-                seed,
-                rows,
-                tl.program_id(1) * BLOCK_N,
-                N,
-                BLOCK_N,
-                0,
-                dropout_threshold_p,
-                dropout_scale_p,
-                DROPOUT_WHOLE_GROUPS,
-                shard_ptr,
-                SHARDED,
+                seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p,
+                dropout_scale_p, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
             t0 = dropout_mask0 * grad_y * _activation_grad(bias + x, ACTIVATION)
             grad_x = t0
@@ -259,36 +193,15 @@ def bias_gelu_dropout_add_backward_kernel(
             t0 = grad_y * _activation_grad(bias + x, ACTIVATION)
             grad_x = t0
             grad_bias = t0
-        if NEEDS_GRAD_X:
-            if SUM_GRAD_X:
-                grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-            else:
-                tl.store(
-                    grad_x_ptr + rows[:, None] * N + cols[None, :],
-                    grad_x.to(grad_x_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-        if NEEDS_GRAD_BIAS:
-            if SUM_GRAD_BIAS:
-                grad_bias_sum += tl.where(in_bounds, grad_bias, 0.0)
-            else:
-                tl.store(
-                    grad_bias_ptr + rows[:, None] * N + cols[None, :],
-                    grad_bias.to(grad_bias_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-    if NEEDS_GRAD_X and SUM_GRAD_X:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+        grad_x_sum = store_gradient(
+            grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
         )
-    if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_bias_ptr + tl.program_id(0) * N + cols,
-            tl.sum(grad_bias_sum, axis=0),
-            mask=cols < N,
+        grad_bias_sum = store_gradient(
+            grad_bias_ptr, grad_bias, grad_bias_sum, rows, cols, N, in_bounds, NEEDS_GRAD_BIAS,
+            SUM_GRAD_BIAS,
         )
+    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+    store_column_sums(grad_bias_ptr, grad_bias_sum, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS)
 
 
 def _activation_torch(x, choice):
@@ -338,32 +251,21 @@ _OP = runtime.FusedOp(
     masks=("p",),  # each dropout's p, by Philox stream
     passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own
     kernels=launch.Kernels(
-        bias_gelu_dropout_add_kernel,
-        bias_gelu_dropout_add_backward_kernel,
-        backward_reads=("x", "bias"),
-        gradients=("x", "bias"),
+        bias_gelu_dropout_add_kernel, bias_gelu_dropout_add_backward_kernel,
+        backward_reads=("x", "bias"), gradients=("x", "bias"),
     ),
     reference=_reference,
 )
 
 
 def bias_gelu_dropout_add(
-    x,
-    bias,
-    residual,
-    p=0.1,
-    activation='gelu_tanh',
-    training=True,
-    seed=None,
-    *,
-    out=None,
+    x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None, *, out=None,
     inplace_backward=False,
 ):
     """y = dropout(activation(x + bias), p) + residual
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::bias_gelu_dropout_add.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::bias_gelu_dropout_add.
     """
     return _OP(
         x, bias, residual, p, activation, training, seed, out=out, inplace_backward=inplace_backward
@@ -385,13 +287,7 @@ class BiasGeluDropoutAdd(torch.nn.Module):
 
     def forward(self, x, bias, residual):
         return _OP(
-            x,
-            bias,
-            residual,
-            self.p,
-            self.activation,
-            self.training,
-            None,
+            x, bias, residual, self.p, self.activation, self.training, None,
             inplace_backward=self.inplace_backward,
         )
 
@@ -400,20 +296,10 @@ class BiasGeluDropoutAdd(torch.nn.Module):
 
 
 def reference(
-    x,
-    bias,
-    residual,
-    p=0.1,
-    activation='gelu_tanh',
-    training=True,
-    seed=None,
-    *,
-    out=None,
+    x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None, *, out=None,
 ):
-    """Eager PyTorch twin of bias_gelu_dropout_add: same arguments, same values, same dropout mask.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of bias_gelu_dropout_add: same arguments, same values, same dropout mask;
+    differentiable, the oracle for the generated backward."""
     return _OP.reference(x, bias, residual, p, activation, training, seed, out=out)
 
 
@@ -434,9 +320,7 @@ def _activation_eager(x, choice):
 
 
 def eager(x, bias, residual, p=0.1, activation='gelu_tanh', training=True, seed=None):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
-    dropout (its own random mask: the same distribution, not the same values; seed is unused).
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own dropout
+    (its own random mask: the same distribution, not the same values; seed is unused): the
+    baseline that `fusegen bench` times, eagerly and under torch.compile."""
     return F.dropout(_activation_eager(x + bias, activation), p, training=training) + residual

@@ -10,18 +10,11 @@ Outputs: y [..., N]
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -30,17 +23,14 @@ import triton.language as tl
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton.kernel_lib import (
+    column_tile, indices, load_tile, store_column_sums, store_gradient, store_tile,
+)
 
 __all__ = ["bias_swiglu", "BiasSwiglu", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.FORWARD_CONFIGS,
-    key=["M_BUCKET", "N"],
-    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def bias_swiglu_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., 2N], as [M, 2 * N]
@@ -53,43 +43,21 @@ def bias_swiglu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
-        cols = cols.to(tl.int64)
-    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    x_chunk0 = tl.load(
-        x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    cols, in_bounds = column_tile(rows, tl.program_id(1) * BLOCK_N, M, N, BLOCK_N, INDEX_64)
+    x_chunk0 = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+    x_chunk1 = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols + N, in_bounds, compute)
+    bias_chunk0 = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+    bias_chunk1 = load_tile(
+        bias_ptr, bias_stride_m, bias_stride_n, rows, cols + N, in_bounds, compute
     )
-    x_chunk0 = x_chunk0.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    x_chunk1 = tl.load(
-        x_ptr + rows[:, None] * x_stride_m + (cols[None, :] + N) * x_stride_n, mask=in_bounds
-    )
-    x_chunk1 = x_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    bias_chunk0 = tl.load(
-        bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
-    )
-    bias_chunk0 = bias_chunk0.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    bias_chunk1 = tl.load(
-        bias_ptr + rows[:, None] * bias_stride_m + (cols[None, :] + N) * bias_stride_n,
-        mask=in_bounds,
-    )
-    bias_chunk1 = bias_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     t0 = bias_chunk0 + x_chunk0
     y = tl.sigmoid(t0) * t0 * (bias_chunk1 + x_chunk1)
-    tl.store(
-        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-    )
+    store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.BACKWARD_CONFIGS,
-    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def bias_swiglu_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., 2N], as [M, 2 * N]
@@ -101,48 +69,35 @@ def bias_swiglu_backward_kernel(
     M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_BIAS: tl.constexpr,
-    SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    cols = indices(tl.program_id(1) * BLOCK_N, BLOCK_N, INDEX_64)
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
-        cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
-    grad_x_chunk0_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    grad_x_chunk1_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    grad_bias_chunk0_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    grad_bias_chunk1_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_x_chunk0_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+    grad_x_chunk1_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+    grad_bias_chunk0_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+    grad_bias_chunk1_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x_chunk0 = tl.load(
-            x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+        x_chunk0 = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        x_chunk1 = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols + N, in_bounds, compute)
+        bias_chunk0 = load_tile(
+            bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute
         )
-        x_chunk0 = x_chunk0.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        x_chunk1 = tl.load(
-            x_ptr + rows[:, None] * x_stride_m + (cols[None, :] + N) * x_stride_n, mask=in_bounds
+        bias_chunk1 = load_tile(
+            bias_ptr, bias_stride_m, bias_stride_n, rows, cols + N, in_bounds, compute
         )
-        x_chunk1 = x_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        bias_chunk0 = tl.load(
-            bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+        grad_y = load_tile(
+            grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
         )
-        bias_chunk0 = bias_chunk0.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        bias_chunk1 = tl.load(
-            bias_ptr + rows[:, None] * bias_stride_m + (cols[None, :] + N) * bias_stride_n,
-            mask=in_bounds,
-        )
-        bias_chunk1 = bias_chunk1.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(
-            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-            mask=in_bounds,
-        )
-        grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         t0 = bias_chunk0 + x_chunk0
         t1 = tl.sigmoid(t0) * grad_y
         t2 = t1 * (bias_chunk1 + x_chunk1) * (tl.sigmoid(-t0) * t0 + 1)
@@ -151,60 +106,32 @@ def bias_swiglu_backward_kernel(
         grad_x_chunk1 = t3
         grad_bias_chunk0 = t2
         grad_bias_chunk1 = t3
-        if NEEDS_GRAD_X:
-            if SUM_GRAD_X:
-                grad_x_chunk0_sum += tl.where(in_bounds, grad_x_chunk0, 0.0)
-                grad_x_chunk1_sum += tl.where(in_bounds, grad_x_chunk1, 0.0)
-            else:
-                tl.store(
-                    grad_x_ptr + rows[:, None] * 2 * N + cols[None, :],
-                    grad_x_chunk0.to(grad_x_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-                tl.store(
-                    grad_x_ptr + rows[:, None] * 2 * N + (cols[None, :] + N),
-                    grad_x_chunk1.to(grad_x_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-        if NEEDS_GRAD_BIAS:
-            if SUM_GRAD_BIAS:
-                grad_bias_chunk0_sum += tl.where(in_bounds, grad_bias_chunk0, 0.0)
-                grad_bias_chunk1_sum += tl.where(in_bounds, grad_bias_chunk1, 0.0)
-            else:
-                tl.store(
-                    grad_bias_ptr + rows[:, None] * 2 * N + cols[None, :],
-                    grad_bias_chunk0.to(grad_bias_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-                tl.store(
-                    grad_bias_ptr + rows[:, None] * 2 * N + (cols[None, :] + N),
-                    grad_bias_chunk1.to(grad_bias_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-    if NEEDS_GRAD_X and SUM_GRAD_X:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_x_ptr + tl.program_id(0) * 2 * N + cols,
-            tl.sum(grad_x_chunk0_sum, axis=0),
-            mask=cols < N,
+        grad_x_chunk0_sum = store_gradient(
+            grad_x_ptr, grad_x_chunk0, grad_x_chunk0_sum, rows, cols, 2 * N, in_bounds,
+            NEEDS_GRAD_X, SUM_GRAD_X,
         )
-        tl.store(
-            grad_x_ptr + tl.program_id(0) * 2 * N + cols + N,
-            tl.sum(grad_x_chunk1_sum, axis=0),
-            mask=cols < N,
+        grad_x_chunk1_sum = store_gradient(
+            grad_x_ptr, grad_x_chunk1, grad_x_chunk1_sum, rows, cols + N, 2 * N, in_bounds,
+            NEEDS_GRAD_X, SUM_GRAD_X,
         )
-    if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_bias_ptr + tl.program_id(0) * 2 * N + cols,
-            tl.sum(grad_bias_chunk0_sum, axis=0),
-            mask=cols < N,
+        grad_bias_chunk0_sum = store_gradient(
+            grad_bias_ptr, grad_bias_chunk0, grad_bias_chunk0_sum, rows, cols, 2 * N, in_bounds,
+            NEEDS_GRAD_BIAS, SUM_GRAD_BIAS,
         )
-        tl.store(
-            grad_bias_ptr + tl.program_id(0) * 2 * N + cols + N,
-            tl.sum(grad_bias_chunk1_sum, axis=0),
-            mask=cols < N,
+        grad_bias_chunk1_sum = store_gradient(
+            grad_bias_ptr, grad_bias_chunk1, grad_bias_chunk1_sum, rows, cols + N, 2 * N, in_bounds,
+            NEEDS_GRAD_BIAS, SUM_GRAD_BIAS,
         )
+    store_column_sums(grad_x_ptr, grad_x_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X)
+    store_column_sums(
+        grad_x_ptr, grad_x_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X
+    )
+    store_column_sums(
+        grad_bias_ptr, grad_bias_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
+    )
+    store_column_sums(
+        grad_bias_ptr, grad_bias_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
+    )
 
 
 def _reference(problem, x_chunk0, x_chunk1, bias_chunk0, bias_chunk1):
@@ -222,9 +149,7 @@ _OP = runtime.FusedOp(
     ),
     outputs=("y",),
     kernels=launch.Kernels(
-        bias_swiglu_kernel,
-        bias_swiglu_backward_kernel,
-        backward_reads=("x", "bias"),
+        bias_swiglu_kernel, bias_swiglu_backward_kernel, backward_reads=("x", "bias"),
         gradients=("x", "bias"),
     ),
     reference=_reference,
@@ -234,9 +159,8 @@ _OP = runtime.FusedOp(
 def bias_swiglu(x, bias, *, out=None, inplace_backward=False):
     """y = silu(a) * b, where x + bias = [a, b] along the last dim
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::bias_swiglu.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::bias_swiglu.
     """
     return _OP(x, bias, out=out, inplace_backward=inplace_backward)
 
@@ -260,18 +184,14 @@ class BiasSwiglu(torch.nn.Module):
 
 
 def reference(x, bias, *, out=None):
-    """Eager PyTorch twin of bias_swiglu: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of bias_swiglu: same arguments, same values; differentiable, the oracle
+    for the generated backward."""
     return _OP.reference(x, bias, out=out)
 
 
 def eager(x, bias):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     x_chunks = x.chunk(2, dim=-1)
     bias_chunks = bias.chunk(2, dim=-1)
     return F.silu(x_chunks[0] + bias_chunks[0]) * (x_chunks[1] + bias_chunks[1])

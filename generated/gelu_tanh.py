@@ -10,18 +10,11 @@ Outputs: y [...]
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -30,17 +23,15 @@ import triton.language as tl
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton.kernel_lib import (
+    column_tile, indices, load_tile, maximum, minimum, store_column_sums, store_gradient,
+    store_tile,
+)
 
 __all__ = ["gelu_tanh", "GeluTanh", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.FORWARD_CONFIGS,
-    key=["M_BUCKET", "N"],
-    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def gelu_tanh_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
@@ -52,31 +43,17 @@ def gelu_tanh_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
-        cols = cols.to(tl.int64)
-    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-    x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    t0 = tl.maximum(
-        tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL), -24, propagate_nan=tl.PropagateNan.ALL
-    )
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    cols, in_bounds = column_tile(rows, tl.program_id(1) * BLOCK_N, M, N, BLOCK_N, INDEX_64)
+    x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+    t0 = maximum(minimum(x, 24), -24)
     # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
     y = tl.sigmoid(1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)) * x
-    tl.store(
-        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-    )
+    store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.BACKWARD_CONFIGS,
-    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def gelu_tanh_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [...], as [M, N]
@@ -85,33 +62,25 @@ def gelu_tanh_backward_kernel(
     M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    cols = indices(tl.program_id(1) * BLOCK_N, BLOCK_N, INDEX_64)
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
-        cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
-    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(
-            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-            mask=in_bounds,
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        grad_y = load_tile(
+            grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
         )
-        grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        t0 = tl.maximum(
-            tl.minimum(x, 24, propagate_nan=tl.PropagateNan.ALL),
-            -24,
-            propagate_nan=tl.PropagateNan.ALL,
-        )
+        t0 = maximum(minimum(x, 24), -24)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
         t2 = 1.5957691216057308 * (0.044715 * t0 * t0 * t0 + t0)
         # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
@@ -119,20 +88,10 @@ def gelu_tanh_backward_kernel(
             tl.sigmoid(t2) * grad_y
             * (1.5957691216057308 * tl.sigmoid(-t2) * x * (0.134145 * t0 * t0 + 1) + 1)
         )
-        if NEEDS_GRAD_X:
-            if SUM_GRAD_X:
-                grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-            else:
-                tl.store(
-                    grad_x_ptr + rows[:, None] * N + cols[None, :],
-                    grad_x.to(grad_x_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-    if NEEDS_GRAD_X and SUM_GRAD_X:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+        grad_x_sum = store_gradient(
+            grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
         )
+    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
 
 
 def _reference(problem, x):
@@ -148,10 +107,7 @@ _OP = runtime.FusedOp(
     inputs=(runtime.Input("x", ("...",)),),
     outputs=("y",),
     kernels=launch.Kernels(
-        gelu_tanh_kernel,
-        gelu_tanh_backward_kernel,
-        backward_reads=("x",),
-        gradients=("x",),
+        gelu_tanh_kernel, gelu_tanh_backward_kernel, backward_reads=("x",), gradients=("x",),
     ),
     reference=_reference,
 )
@@ -160,9 +116,8 @@ _OP = runtime.FusedOp(
 def gelu_tanh(x, *, out=None, inplace_backward=False):
     """y = gelu_tanh(x), the tanh approximation of GELU
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::gelu_tanh.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::gelu_tanh.
     """
     return _OP(x, out=out, inplace_backward=inplace_backward)
 
@@ -186,16 +141,12 @@ class GeluTanh(torch.nn.Module):
 
 
 def reference(x, *, out=None):
-    """Eager PyTorch twin of gelu_tanh: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of gelu_tanh: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, out=out)
 
 
 def eager(x):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return F.gelu(x, approximate="tanh")

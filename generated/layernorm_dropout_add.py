@@ -17,29 +17,15 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-They compute in fp32 (fp64 for fp64 inputs) and write every output once, in the dtype
-torch's type promotion gives.
-Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
-it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
-(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
-draws a new mask on each replay.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions, draws the same dropout masks again from the seed and writes every input
-gradient in one pass; gradients of inputs broadcast along rows are summed per program in
-fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor and each row's reductions (fp32, [..., reductions]), nothing
-else: no mask, no intermediates.
+per-row reductions, draws the dropout masks again from the seed and writes every input
+gradient in one pass. Saved for it: the inputs, the seed tensor and each row's reductions
+(fp32, [..., reductions]), nothing else.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -48,18 +34,15 @@ import triton.language as tl
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
-from fusegen.backends.triton.kernel_lib import dropout_mask, rsqrt_rn, sqrt_rn
+from fusegen.backends.triton.kernel_lib import (
+    add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, rsqrt_rn,
+    store_column_sums, store_gradient, store_tile,
+)
 
 __all__ = ["layernorm_dropout_add", "LayernormDropoutAdd", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
 @triton.jit
 def layernorm_dropout_add_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -85,172 +68,75 @@ def layernorm_dropout_add_kernel(
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
-    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
-    if HAS_DROPOUT:
-        seed = tl.load(seed_ptr)
+    eps = tl.full((), eps, compute)
+    dropout_scale_p = tl.full((), dropout_scale_p, compute)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        bias = tl.load(
-            bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n, mask=in_bounds
+        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+        gamma = load_tile(gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute)
+        beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
+        residual = load_tile(
+            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
         )
-        bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        gamma = tl.load(
-            gamma_ptr + rows[:, None] * gamma_stride_m + cols[None, :] * gamma_stride_n,
-            mask=in_bounds,
+        dropout_mask0 = dropout_or_ones(
+            seed, rows, 0, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, HAS_DROPOUT,
+            DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
         )
-        gamma = gamma.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        beta = tl.load(
-            beta_ptr + rows[:, None] * beta_stride_m + cols[None, :] * beta_stride_n, mask=in_bounds
-        )
-        beta = beta.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        residual = tl.load(
-            residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n,
-            mask=in_bounds,
-        )
-        residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        if HAS_DROPOUT:
-            dropout_mask0 = dropout_mask(
-                seed,
-                rows,
-                0,
-                N,
-                BLOCK_N,
-                0,
-                dropout_threshold_p,
-                dropout_scale_p,
-                DROPOUT_WHOLE_GROUPS,
-                shard_ptr,
-                SHARDED,
-            )
-        else:
-            dropout_mask0 = tl.full(
-                (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
         t0 = bias + x
         mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = t0 - mean0
         mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         y = dropout_mask0 * (beta + rsqrt_rn(eps + mean1) * gamma * t1) + residual
-        tl.store(
-            y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-        )
+        store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
-        mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
+        mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-            )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            bias = tl.load(
-                bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                mask=in_bounds,
-            )
-            bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             t0 = bias + x
-            mean0_tile = mean0_tile + tl.where(in_bounds, t0, 0.0)
+            mean0_tile += tl.where(in_bounds, t0, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
-        mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
+        tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-            )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            bias = tl.load(
-                bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                mask=in_bounds,
-            )
-            bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             t0 = bias + x
             t1 = t0 - mean0
-            mean1_tile = mean1_tile + tl.where(in_bounds, t1 * t1, 0.0)
+            mean1_tile += tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            gamma = load_tile(
+                gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            bias = tl.load(
-                bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                mask=in_bounds,
+            beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            gamma = tl.load(
-                gamma_ptr + rows[:, None] * gamma_stride_m + cols[None, :] * gamma_stride_n,
-                mask=in_bounds,
+            dropout_mask0 = dropout_or_ones(
+                seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
-            gamma = gamma.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            beta = tl.load(
-                beta_ptr + rows[:, None] * beta_stride_m + cols[None, :] * beta_stride_n,
-                mask=in_bounds,
-            )
-            beta = beta.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            residual = tl.load(
-                residual_ptr + rows[:, None] * residual_stride_m
-                + cols[None, :] * residual_stride_n,
-                mask=in_bounds,
-            )
-            residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            if HAS_DROPOUT:
-                dropout_mask0 = dropout_mask(
-                    seed,
-                    rows,
-                    first_col,
-                    N,
-                    BLOCK_N,
-                    0,
-                    dropout_threshold_p,
-                    dropout_scale_p,
-                    DROPOUT_WHOLE_GROUPS,
-                    shard_ptr,
-                    SHARDED,
-                )
-            else:
-                dropout_mask0 = tl.full(
-                    (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                )
             t0 = bias + x
             t1 = t0 - mean0
             y = dropout_mask0 * (beta + rsqrt_rn(eps + mean1) * gamma * t1) + residual
-            tl.store(
-                y_ptr + rows[:, None] * N + cols[None, :],
-                y.to(y_ptr.dtype.element_ty),
-                mask=in_bounds,
-            )
+            store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def layernorm_dropout_add_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -272,271 +158,137 @@ def layernorm_dropout_add_backward_kernel(
     SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_BIAS: tl.constexpr,
-    SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
-    NEEDS_GRAD_GAMMA: tl.constexpr,
-    SUM_GRAD_GAMMA: tl.constexpr,  # gamma is broadcast along rows
-    NEEDS_GRAD_BETA: tl.constexpr,
-    SUM_GRAD_BETA: tl.constexpr,  # beta is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
+    NEEDS_GRAD_GAMMA: tl.constexpr, SUM_GRAD_GAMMA: tl.constexpr,  # gamma is broadcast along rows
+    NEEDS_GRAD_BETA: tl.constexpr, SUM_GRAD_BETA: tl.constexpr,  # beta is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
-    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
-    row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
-    if HAS_DROPOUT:
-        seed = tl.load(seed_ptr)
+    eps = tl.full((), eps, compute)
+    dropout_scale_p = tl.full((), dropout_scale_p, compute)
+    row_width = tl.full((), N, compute)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_gamma_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_beta_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+        cols = indices(0, BLOCK_N, INDEX_64)
+        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_gamma_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_beta_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
             mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t5 = 1.0 / row_width
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            gamma = load_tile(
+                gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            bias = tl.load(
-                bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                mask=in_bounds,
+            grad_y = load_tile(
+                grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
-            bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            gamma = tl.load(
-                gamma_ptr + rows[:, None] * gamma_stride_m + cols[None, :] * gamma_stride_n,
-                mask=in_bounds,
+            dropout_mask0 = dropout_or_ones(
+                seed, rows, 0, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, HAS_DROPOUT,
+                DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
-            gamma = gamma.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            grad_y = tl.load(
-                grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                mask=in_bounds,
-            )
-            grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            if HAS_DROPOUT:
-                dropout_mask0 = dropout_mask(
-                    seed,
-                    rows,
-                    0,
-                    N,
-                    BLOCK_N,
-                    0,
-                    dropout_threshold_p,
-                    dropout_scale_p,
-                    DROPOUT_WHOLE_GROUPS,
-                    shard_ptr,
-                    SHARDED,
-                )
-            else:
-                dropout_mask0 = tl.full(
-                    (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                )
             t0 = bias + x - mean0
             t2 = dropout_mask0 * grad_y
             t3 = rsqrt_rn(t1) * t2
             t4 = gamma * t3
-            row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * gamma * t0 * t2 / t1, 0.0),
-                axis=1,
+            grad_mean1 = tl.sum(
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * gamma * t0 * t2 / t1, 0.0), axis=1,
                 keep_dims=True,
             )
-            row_sum1 = tl.sum(tl.where(in_bounds, -t4, 0.0), axis=1, keep_dims=True)
-            grad_mean1 = row_sum0
-            grad_mean0 = row_sum1
+            grad_mean0 = tl.sum(tl.where(in_bounds, -t4, 0.0), axis=1, keep_dims=True)
             t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias + 2 * x - 2 * mean0) + t4
             grad_x = t6
             grad_bias = t6
             grad_gamma = t0 * t3
             grad_beta = t2
-            if NEEDS_GRAD_X:
-                if SUM_GRAD_X:
-                    grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-                else:
-                    tl.store(
-                        grad_x_ptr + rows[:, None] * N + cols[None, :],
-                        grad_x.to(grad_x_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_BIAS:
-                if SUM_GRAD_BIAS:
-                    grad_bias_sum += tl.where(in_bounds, grad_bias, 0.0)
-                else:
-                    tl.store(
-                        grad_bias_ptr + rows[:, None] * N + cols[None, :],
-                        grad_bias.to(grad_bias_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_GAMMA:
-                if SUM_GRAD_GAMMA:
-                    grad_gamma_sum += tl.where(in_bounds, grad_gamma, 0.0)
-                else:
-                    tl.store(
-                        grad_gamma_ptr + rows[:, None] * N + cols[None, :],
-                        grad_gamma.to(grad_gamma_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_BETA:
-                if SUM_GRAD_BETA:
-                    grad_beta_sum += tl.where(in_bounds, grad_beta, 0.0)
-                else:
-                    tl.store(
-                        grad_beta_ptr + rows[:, None] * N + cols[None, :],
-                        grad_beta.to(grad_beta_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-        if NEEDS_GRAD_X and SUM_GRAD_X:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+            grad_x_sum = store_gradient(
+                grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
             )
-        if NEEDS_GRAD_BIAS and SUM_GRAD_BIAS:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_bias_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_bias_sum, axis=0),
-                mask=cols < N,
+            grad_bias_sum = store_gradient(
+                grad_bias_ptr, grad_bias, grad_bias_sum, rows, cols, N, in_bounds, NEEDS_GRAD_BIAS,
+                SUM_GRAD_BIAS,
             )
-        if NEEDS_GRAD_GAMMA and SUM_GRAD_GAMMA:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_gamma_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_gamma_sum, axis=0),
-                mask=cols < N,
+            grad_gamma_sum = store_gradient(
+                grad_gamma_ptr, grad_gamma, grad_gamma_sum, rows, cols, N, in_bounds,
+                NEEDS_GRAD_GAMMA, SUM_GRAD_GAMMA,
             )
-        if NEEDS_GRAD_BETA and SUM_GRAD_BETA:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_beta_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_beta_sum, axis=0),
-                mask=cols < N,
+            grad_beta_sum = store_gradient(
+                grad_beta_ptr, grad_beta, grad_beta_sum, rows, cols, N, in_bounds, NEEDS_GRAD_BETA,
+                SUM_GRAD_BETA,
             )
+        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(grad_bias_ptr, grad_bias_sum, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS)
+        store_column_sums(
+            grad_gamma_ptr, grad_gamma_sum, cols, N, N, NEEDS_GRAD_GAMMA, SUM_GRAD_GAMMA
+        )
+        store_column_sums(grad_beta_ptr, grad_beta_sum, cols, N, N, NEEDS_GRAD_BETA, SUM_GRAD_BETA)
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
             mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t5 = 1.0 / row_width
-            row_sum0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
-            row_sum1_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
+            grad_mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
+            grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                bias = load_tile(
+                    bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                bias = tl.load(
-                    bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                    mask=in_bounds,
+                gamma = load_tile(
+                    gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute
                 )
-                bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                gamma = tl.load(
-                    gamma_ptr + rows[:, None] * gamma_stride_m + cols[None, :] * gamma_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                gamma = gamma.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
+                dropout_mask0 = dropout_or_ones(
+                    seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                    HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
                 )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                if HAS_DROPOUT:
-                    dropout_mask0 = dropout_mask(
-                        seed,
-                        rows,
-                        first_col,
-                        N,
-                        BLOCK_N,
-                        0,
-                        dropout_threshold_p,
-                        dropout_scale_p,
-                        DROPOUT_WHOLE_GROUPS,
-                        shard_ptr,
-                        SHARDED,
-                    )
-                else:
-                    dropout_mask0 = tl.full(
-                        (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                    )
                 t0 = bias + x - mean0
                 t2 = dropout_mask0 * grad_y
                 t3 = rsqrt_rn(t1) * t2
                 t4 = gamma * t3
-                row_sum0_tile = (
-                    row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * gamma * t0 * t2 / t1, 0.0)
+                grad_mean1_tile += tl.where(
+                    in_bounds, -0.5 * rsqrt_rn(t1) * gamma * t0 * t2 / t1, 0.0
                 )
-                row_sum1_tile = row_sum1_tile + tl.where(in_bounds, -t4, 0.0)
-            row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
-            row_sum1 = tl.sum(row_sum1_tile, axis=1, keep_dims=True)
-            grad_mean1 = row_sum0
-            grad_mean0 = row_sum1
+                grad_mean0_tile += tl.where(in_bounds, -t4, 0.0)
+            grad_mean1 = tl.sum(grad_mean1_tile, axis=1, keep_dims=True)
+            grad_mean0 = tl.sum(grad_mean0_tile, axis=1, keep_dims=True)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                bias = load_tile(
+                    bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                bias = tl.load(
-                    bias_ptr + rows[:, None] * bias_stride_m + cols[None, :] * bias_stride_n,
-                    mask=in_bounds,
+                gamma = load_tile(
+                    gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute
                 )
-                bias = bias.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                gamma = tl.load(
-                    gamma_ptr + rows[:, None] * gamma_stride_m + cols[None, :] * gamma_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                gamma = gamma.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
+                dropout_mask0 = dropout_or_ones(
+                    seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                    HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
                 )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                if HAS_DROPOUT:
-                    dropout_mask0 = dropout_mask(
-                        seed,
-                        rows,
-                        first_col,
-                        N,
-                        BLOCK_N,
-                        0,
-                        dropout_threshold_p,
-                        dropout_scale_p,
-                        DROPOUT_WHOLE_GROUPS,
-                        shard_ptr,
-                        SHARDED,
-                    )
-                else:
-                    dropout_mask0 = tl.full(
-                        (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                    )
                 t0 = bias + x - mean0
                 t2 = dropout_mask0 * grad_y
                 t3 = rsqrt_rn(t1) * t2
@@ -546,70 +298,22 @@ def layernorm_dropout_add_backward_kernel(
                 grad_bias = t6
                 grad_gamma = t0 * t3
                 grad_beta = t2
-                if NEEDS_GRAD_X:
-                    if SUM_GRAD_X:
-                        partial = grad_x_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_x, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_x_ptr + rows[:, None] * N + cols[None, :],
-                            grad_x.to(grad_x_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_BIAS:
-                    if SUM_GRAD_BIAS:
-                        partial = grad_bias_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_bias, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_bias_ptr + rows[:, None] * N + cols[None, :],
-                            grad_bias.to(grad_bias_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_GAMMA:
-                    if SUM_GRAD_GAMMA:
-                        partial = grad_gamma_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_gamma, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_gamma_ptr + rows[:, None] * N + cols[None, :],
-                            grad_gamma.to(grad_gamma_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_BETA:
-                    if SUM_GRAD_BETA:
-                        partial = grad_beta_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_beta, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_beta_ptr + rows[:, None] * N + cols[None, :],
-                            grad_beta.to(grad_beta_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
+                add_gradient_partials(
+                    grad_x_ptr, grad_x, rows, cols, N, N, in_bounds, row_offset == 0, NEEDS_GRAD_X,
+                    SUM_GRAD_X,
+                )
+                add_gradient_partials(
+                    grad_bias_ptr, grad_bias, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_BIAS, SUM_GRAD_BIAS,
+                )
+                add_gradient_partials(
+                    grad_gamma_ptr, grad_gamma, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_GAMMA, SUM_GRAD_GAMMA,
+                )
+                add_gradient_partials(
+                    grad_beta_ptr, grad_beta, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_BETA, SUM_GRAD_BETA,
+                )
 
 
 def _reference(problem, x, bias, gamma, beta, residual, eps, p, masks):
@@ -640,11 +344,8 @@ _OP = runtime.FusedOp(
     masks=("p",),  # each dropout's p, by Philox stream
     passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own
     kernels=launch.RowKernels(
-        layernorm_dropout_add_kernel,
-        layernorm_dropout_add_backward_kernel,
-        scalars=("eps",),
-        backward_reads=("x", "bias", "gamma"),
-        gradients=("x", "bias", "gamma", "beta"),
+        layernorm_dropout_add_kernel, layernorm_dropout_add_backward_kernel, scalars=("eps",),
+        backward_reads=("x", "bias", "gamma"), gradients=("x", "bias", "gamma", "beta"),
         statistics=2,
     ),
     reference=_reference,
@@ -652,36 +353,16 @@ _OP = runtime.FusedOp(
 
 
 def layernorm_dropout_add(
-    x,
-    bias,
-    gamma,
-    beta,
-    residual,
-    eps=1e-05,
-    p=0.1,
-    training=True,
-    seed=None,
-    *,
-    out=None,
+    x, bias, gamma, beta, residual, eps=1e-05, p=0.1, training=True, seed=None, *, out=None,
     inplace_backward=False,
 ):
     """y = dropout(layer_norm(x + bias) * gamma + beta, p) + residual
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::layernorm_dropout_add.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::layernorm_dropout_add.
     """
     return _OP(
-        x,
-        bias,
-        gamma,
-        beta,
-        residual,
-        eps,
-        p,
-        training,
-        seed,
-        out=out,
+        x, bias, gamma, beta, residual, eps, p, training, seed, out=out,
         inplace_backward=inplace_backward,
     )
 
@@ -701,15 +382,7 @@ class LayernormDropoutAdd(torch.nn.Module):
 
     def forward(self, x, bias, gamma, beta, residual):
         return _OP(
-            x,
-            bias,
-            gamma,
-            beta,
-            residual,
-            self.eps,
-            self.p,
-            self.training,
-            None,
+            x, bias, gamma, beta, residual, self.eps, self.p, self.training, None,
             inplace_backward=self.inplace_backward,
         )
 
@@ -718,37 +391,22 @@ class LayernormDropoutAdd(torch.nn.Module):
 
 
 def reference(
-    x,
-    bias,
-    gamma,
-    beta,
-    residual,
-    eps=1e-05,
-    p=0.1,
-    training=True,
-    seed=None,
-    *,
-    out=None,
+    x, bias, gamma, beta, residual, eps=1e-05, p=0.1, training=True, seed=None, *, out=None,
 ):
-    """Eager PyTorch twin of layernorm_dropout_add: same arguments, same values, same dropout mask.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of layernorm_dropout_add: same arguments, same values, same dropout mask;
+    differentiable, the oracle for the generated backward."""
     return _OP.reference(x, bias, gamma, beta, residual, eps, p, training, seed, out=out)
 
 
 def eager(x, bias, gamma, beta, residual, eps=1e-05, p=0.1, training=True, seed=None):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
-    dropout (its own random mask: the same distribution, not the same values; seed is unused).
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own dropout
+    (its own random mask: the same distribution, not the same values; seed is unused): the
+    baseline that `fusegen bench` times, eagerly and under torch.compile."""
     h = x + bias
     hc = h - h.mean(-1, keepdim=True)
     return (
         F.dropout(
-            ((hc * torch.rsqrt((hc * hc).mean(-1, keepdim=True) + eps)) * gamma) + beta,
-            p,
+            ((hc * torch.rsqrt((hc * hc).mean(-1, keepdim=True) + eps)) * gamma) + beta, p,
             training=training,
         ) + residual
     )

@@ -11,21 +11,12 @@ Param eps: float ≥ 0.0, default 1e-06 (runtime: no recompilation).
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-They compute in fp32 (fp64 for fp64 inputs) and write every output once, in the dtype
-torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions and writes every input gradient in one pass; gradients of inputs
-broadcast along rows are summed per program in fp32 and then across programs, in a fixed
-order (no atomics). Memory: saved for backward are the inputs and each row's reductions
-(fp32, [..., reductions]), nothing else: no mask, no intermediates.
+per-row reductions and writes every input gradient in one pass. Saved for it: the inputs and
+each row's reductions (fp32, [..., reductions]), nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import triton
@@ -33,18 +24,15 @@ import triton.language as tl
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
-from fusegen.backends.triton.kernel_lib import rsqrt_rn, sqrt_rn
+from fusegen.backends.triton.kernel_lib import (
+    add_gradient_partials, column_tile, indices, load_tile, rsqrt_rn, store_column_sums,
+    store_gradient, store_tile,
+)
 
 __all__ = ["rmsnorm", "Rmsnorm", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def rmsnorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -60,72 +48,39 @@ def rmsnorm_kernel(
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
+    eps = tl.full((), eps, compute)
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        weight = tl.load(
-            weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-            mask=in_bounds,
+        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
         )
-        weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         mean0 = tl.sum(tl.where(in_bounds, x * x, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 1 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 1, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         y = rsqrt_rn(eps + mean0) * weight * x
-        tl.store(
-            y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-        )
+        store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
-        mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
+        mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-            )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            mean0_tile = mean0_tile + tl.where(in_bounds, x * x, 0.0)
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            mean0_tile += tl.where(in_bounds, x * x, 0.0)
         mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 1 + 0, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 1, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            weight = tl.load(
-                weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                mask=in_bounds,
-            )
-            weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
             y = rsqrt_rn(eps + mean0) * weight * x
-            tl.store(
-                y_ptr + rows[:, None] * N + cols[None, :],
-                y.to(y_ptr.dtype.element_ty),
-                mask=in_bounds,
-            )
+            store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def rmsnorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -138,174 +93,96 @@ def rmsnorm_backward_kernel(
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_WEIGHT: tl.constexpr,
-    SUM_GRAD_WEIGHT: tl.constexpr,  # weight is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    # weight is broadcast along rows
+    NEEDS_GRAD_WEIGHT: tl.constexpr, SUM_GRAD_WEIGHT: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, tl.float64 if COMPUTE_FP64 else tl.float32)
-    row_width = tl.full((), N, tl.float64 if COMPUTE_FP64 else tl.float32)
+    eps = tl.full((), eps, compute)
+    row_width = tl.full((), N, compute)
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+        cols = indices(0, BLOCK_N, INDEX_64)
+        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + rows * 1 + 0, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            weight = tl.load(
-                weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                mask=in_bounds,
+            grad_y = load_tile(
+                grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
-            weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            grad_y = tl.load(
-                grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                mask=in_bounds,
-            )
-            grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            row_sum0 = tl.sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0),
-                axis=1,
+            grad_mean0 = tl.sum(
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0), axis=1,
                 keep_dims=True,
             )
-            grad_mean0 = row_sum0
             t1 = rsqrt_rn(t0) * grad_y
             grad_x = 2 * grad_mean0 * x / row_width + t1 * weight
             grad_weight = t1 * x
-            if NEEDS_GRAD_X:
-                if SUM_GRAD_X:
-                    grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-                else:
-                    tl.store(
-                        grad_x_ptr + rows[:, None] * N + cols[None, :],
-                        grad_x.to(grad_x_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_WEIGHT:
-                if SUM_GRAD_WEIGHT:
-                    grad_weight_sum += tl.where(in_bounds, grad_weight, 0.0)
-                else:
-                    tl.store(
-                        grad_weight_ptr + rows[:, None] * N + cols[None, :],
-                        grad_weight.to(grad_weight_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-        if NEEDS_GRAD_X and SUM_GRAD_X:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+            grad_x_sum = store_gradient(
+                grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
             )
-        if NEEDS_GRAD_WEIGHT and SUM_GRAD_WEIGHT:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_weight_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_weight_sum, axis=0),
-                mask=cols < N,
+            grad_weight_sum = store_gradient(
+                grad_weight_ptr, grad_weight, grad_weight_sum, rows, cols, N, in_bounds,
+                NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT,
             )
+        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(
+            grad_weight_ptr, grad_weight_sum, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
+        )
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + rows * 1 + 0, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows * 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
-            row_sum0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
+            grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                weight = load_tile(
+                    weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                weight = tl.load(
-                    weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
+                grad_mean0_tile += tl.where(
+                    in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0
                 )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                row_sum0_tile = (
-                    row_sum0_tile
-                    + tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0)
-                )
-            row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
-            grad_mean0 = row_sum0
+            grad_mean0 = tl.sum(grad_mean0_tile, axis=1, keep_dims=True)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                weight = load_tile(
+                    weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                weight = tl.load(
-                    weight_ptr + rows[:, None] * weight_stride_m + cols[None, :] * weight_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                weight = weight.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
-                )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
                 t1 = rsqrt_rn(t0) * grad_y
                 grad_x = 2 * grad_mean0 * x / row_width + t1 * weight
                 grad_weight = t1 * x
-                if NEEDS_GRAD_X:
-                    if SUM_GRAD_X:
-                        partial = grad_x_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_x, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_x_ptr + rows[:, None] * N + cols[None, :],
-                            grad_x.to(grad_x_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_WEIGHT:
-                    if SUM_GRAD_WEIGHT:
-                        partial = grad_weight_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_weight, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_weight_ptr + rows[:, None] * N + cols[None, :],
-                            grad_weight.to(grad_weight_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
+                add_gradient_partials(
+                    grad_x_ptr, grad_x, rows, cols, N, N, in_bounds, row_offset == 0, NEEDS_GRAD_X,
+                    SUM_GRAD_X,
+                )
+                add_gradient_partials(
+                    grad_weight_ptr, grad_weight, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT,
+                )
 
 
 def _reference(problem, x, weight, eps):
@@ -321,12 +198,8 @@ _OP = runtime.FusedOp(
     params=(runtime.Scalar("eps", "float", 0.0, None),),
     outputs=("y",),
     kernels=launch.RowKernels(
-        rmsnorm_kernel,
-        rmsnorm_backward_kernel,
-        scalars=("eps",),
-        backward_reads=("x", "weight"),
-        gradients=("x", "weight"),
-        statistics=1,
+        rmsnorm_kernel, rmsnorm_backward_kernel, scalars=("eps",),
+        backward_reads=("x", "weight"), gradients=("x", "weight"), statistics=1,
     ),
     reference=_reference,
 )
@@ -335,9 +208,8 @@ _OP = runtime.FusedOp(
 def rmsnorm(x, weight, eps=1e-06, *, out=None, inplace_backward=False):
     """y = x * rsqrt(mean(x**2) + eps) * weight, over the last dim
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::rmsnorm.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::rmsnorm.
     """
     return _OP(x, weight, eps, out=out, inplace_backward=inplace_backward)
 
@@ -362,16 +234,12 @@ class Rmsnorm(torch.nn.Module):
 
 
 def reference(x, weight, eps=1e-06, *, out=None):
-    """Eager PyTorch twin of rmsnorm: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of rmsnorm: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, weight, eps, out=out)
 
 
 def eager(x, weight, eps=1e-06):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)) * weight

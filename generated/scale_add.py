@@ -10,20 +10,13 @@ Outputs: y [..., N]
 
 The Triton kernels load every input once, compute in fp32 (fp64 for fp64 inputs) and write
 every output once, in the dtype torch's type promotion gives.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass; gradients of inputs broadcast along rows are summed per program
-in fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward
-are the inputs, nothing else: no mask, no intermediates.
+input gradient in one pass. Saved for it: the inputs, nothing else.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import triton
@@ -31,17 +24,14 @@ import triton.language as tl
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton.kernel_lib import (
+    column_tile, indices, load_tile, store_column_sums, store_gradient, store_tile,
+)
 
 __all__ = ["scale_add", "ScaleAdd", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.FORWARD_CONFIGS,
-    key=["M_BUCKET", "N"],
-    prune_configs_by={"early_config_prune": tuning.prune_forward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def scale_add_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -55,38 +45,23 @@ def scale_add_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
-        cols = cols.to(tl.int64)
-    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-    x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    scale = tl.load(
-        scale_ptr + rows[:, None] * scale_stride_m + cols[None, :] * scale_stride_n, mask=in_bounds
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    cols, in_bounds = column_tile(rows, tl.program_id(1) * BLOCK_N, M, N, BLOCK_N, INDEX_64)
+    x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+    scale = load_tile(scale_ptr, scale_stride_m, scale_stride_n, rows, cols, in_bounds, compute)
+    residual = load_tile(
+        residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
     )
-    scale = scale.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-    residual = tl.load(
-        residual_ptr + rows[:, None] * residual_stride_m + cols[None, :] * residual_stride_n,
-        mask=in_bounds,
-    )
-    residual = residual.to(tl.float64 if COMPUTE_FP64 else tl.float32)
     y = residual + scale * x
-    tl.store(
-        y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-    )
+    store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.BACKWARD_CONFIGS,
-    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_backward_configs},
+@tuning.autotune(
+    tuning.BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
     # Row sums land one row per column tile, and tile widths differ between configs: every
     # trial, and the launch after tuning, starts from zeros.
     pre_hook=tuning.zero_before_trials("grad_scale_ptr"),
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
 )
 @triton.jit
 def scale_add_backward_kernel(
@@ -100,48 +75,33 @@ def scale_add_backward_kernel(
     M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_SCALE: tl.constexpr,
-    SUM_GRAD_SCALE: tl.constexpr,  # scale is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_SCALE: tl.constexpr, SUM_GRAD_SCALE: tl.constexpr,  # scale is broadcast along rows
     SUM_COLS_GRAD_SCALE: tl.constexpr,  # scale is broadcast along columns
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    cols = indices(tl.program_id(1) * BLOCK_N, BLOCK_N, INDEX_64)
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
-        cols = cols.to(tl.int64)
         first_row = first_row.to(tl.int64)
-    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-    grad_scale_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+    grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+    grad_scale_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
     for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        scale = tl.load(
-            scale_ptr + rows[:, None] * scale_stride_m + cols[None, :] * scale_stride_n,
-            mask=in_bounds,
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        scale = load_tile(scale_ptr, scale_stride_m, scale_stride_n, rows, cols, in_bounds, compute)
+        grad_y = load_tile(
+            grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
         )
-        scale = scale.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_y = tl.load(
-            grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-            mask=in_bounds,
-        )
-        grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
         grad_x = grad_y * scale
         grad_scale = grad_y * x
-        if NEEDS_GRAD_X:
-            if SUM_GRAD_X:
-                grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-            else:
-                tl.store(
-                    grad_x_ptr + rows[:, None] * N + cols[None, :],
-                    grad_x.to(grad_x_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
+        grad_x_sum = store_gradient(
+            grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
+        )
         if NEEDS_GRAD_SCALE:
             if SUM_GRAD_SCALE:
                 grad_scale_sum += tl.where(in_bounds, grad_scale, 0.0)
@@ -149,27 +109,12 @@ def scale_add_backward_kernel(
                 # This column tile's part of each row's sum: [column tiles, M], summed after.
                 tl.store(
                     grad_scale_ptr + tl.program_id(1) * M + rows,
-                    tl.sum(tl.where(in_bounds, grad_scale, 0.0), axis=1),
-                    mask=rows < M,
+                    tl.sum(tl.where(in_bounds, grad_scale, 0.0), axis=1), mask=rows < M,
                 )
             else:
-                tl.store(
-                    grad_scale_ptr + rows[:, None] * N + cols[None, :],
-                    grad_scale.to(grad_scale_ptr.dtype.element_ty),
-                    mask=in_bounds,
-                )
-    if NEEDS_GRAD_X and SUM_GRAD_X:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
-        )
-    if NEEDS_GRAD_SCALE and SUM_GRAD_SCALE:
-        # One reduction across rows per program, after the loop.
-        tl.store(
-            grad_scale_ptr + tl.program_id(0) * N + cols,
-            tl.sum(grad_scale_sum, axis=0),
-            mask=cols < N,
-        )
+                store_tile(grad_scale_ptr, grad_scale, rows, cols, N, in_bounds)
+    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+    store_column_sums(grad_scale_ptr, grad_scale_sum, cols, N, N, NEEDS_GRAD_SCALE, SUM_GRAD_SCALE)
 
 
 def _reference(problem, x, scale, residual):
@@ -188,9 +133,7 @@ _OP = runtime.FusedOp(
     outputs=("y",),
     passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own
     kernels=launch.Kernels(
-        scale_add_kernel,
-        scale_add_backward_kernel,
-        backward_reads=("x", "scale"),
+        scale_add_kernel, scale_add_backward_kernel, backward_reads=("x", "scale"),
         gradients=("x", "scale"),
     ),
     reference=_reference,
@@ -200,9 +143,8 @@ _OP = runtime.FusedOp(
 def scale_add(x, scale, residual, *, out=None, inplace_backward=False):
     """y = x * scale + residual, with one scale per row
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::scale_add.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::scale_add.
     """
     return _OP(x, scale, residual, out=out, inplace_backward=inplace_backward)
 
@@ -226,16 +168,12 @@ class ScaleAdd(torch.nn.Module):
 
 
 def reference(x, scale, residual, *, out=None):
-    """Eager PyTorch twin of scale_add: same arguments, same values.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    """Eager PyTorch twin of scale_add: same arguments, same values; differentiable, the oracle for
+    the generated backward."""
     return _OP.reference(x, scale, residual, out=out)
 
 
 def eager(x, scale, residual):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops.
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
+    bench` times, eagerly and under torch.compile."""
     return (x * scale) + residual

@@ -16,27 +16,13 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
-They compute in fp32 (fp64 for fp64 inputs) and write every output once, in the dtype
-torch's type promotion gives.
-Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does
-not depend on the input's 2-D layout or the kernel's block shape, and `reference` reproduces
-it. The seed is a one-element int64 tensor on the inputs' device, drawn there by torch
-(seed=None) or filled in (seed=int): no host sync, and a CUDA graph that captured a call
-draws a new mask on each replay.
-
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions, draws the same dropout masks again from the seed and writes every input
-gradient in one pass; gradients of inputs broadcast along rows are summed per program in
-fp32 and then across programs, in a fixed order (no atomics). Memory: saved for backward are
-the inputs and the seed tensor and each row's reductions (fp32, [..., reductions]), nothing
-else: no mask, no intermediates.
+per-row reductions, draws the dropout masks again from the seed and writes every input
+gradient in one pass. Saved for it: the inputs, the seed tensor and each row's reductions
+(fp32, [..., reductions]), nothing else.
 
-inplace_backward=True lets the eager backward write an input's gradient into that input's
-memory, never a parameter's or a view's; only for an input nothing reads afterwards (README,
-"The generated op").
-
-`reference` is the same computation in eager PyTorch, generated from the same spec; `eager`
-is the op as a PyTorch user writes it (torch.nn.functional), the benchmarks' baseline.
+As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
+gradient sums, inplace_backward, `reference` and `eager`.
 """
 import torch
 import torch.nn.functional as F
@@ -46,18 +32,15 @@ from triton.language.extra import libdevice
 
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
-from fusegen.backends.triton.kernel_lib import dropout_mask, row_max
+from fusegen.backends.triton.kernel_lib import (
+    add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, maximum, row_max,
+    store_column_sums, store_gradient, store_tile,
+)
 
 __all__ = ["scaled_masked_softmax_dropout", "ScaledMaskedSoftmaxDropout", "reference", "eager"]
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
 @triton.jit
 def scaled_masked_softmax_dropout_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -80,146 +63,63 @@ def scaled_masked_softmax_dropout_kernel(
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if INDEX_64:
-        rows = rows.to(tl.int64)
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
+    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    scale = tl.full((), scale, tl.float64 if COMPUTE_FP64 else tl.float32)
-    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
-    if HAS_DROPOUT:
-        seed = tl.load(seed_ptr)
+    scale = tl.full((), scale, compute)
+    dropout_scale_p = tl.full((), dropout_scale_p, compute)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds)
-        x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        mask = tl.load(
-            mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n, mask=in_bounds
+        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
+        dropout_mask0 = dropout_or_ones(
+            seed, rows, 0, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, HAS_DROPOUT,
+            DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
         )
-        mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-        if HAS_DROPOUT:
-            dropout_mask0 = dropout_mask(
-                seed,
-                rows,
-                0,
-                N,
-                BLOCK_N,
-                0,
-                dropout_threshold_p,
-                dropout_scale_p,
-                DROPOUT_WHOLE_GROUPS,
-                shard_ptr,
-                SHARDED,
-            )
-        else:
-            dropout_mask0 = tl.full(
-                (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
         t0 = mask + scale * x
         max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
-        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         t1 = libdevice.exp(t0 - max0)
         sum1 = tl.sum(tl.where(in_bounds, t1, 0.0), axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         y = dropout_mask0 * t1 / sum1
-        tl.store(
-            y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_bounds
-        )
+        store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
-        max0_tile = tl.full(
-            (BLOCK_M, BLOCK_N), -float("inf"), tl.float64 if COMPUTE_FP64 else tl.float32
-        )
+        max0_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-            )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            mask = tl.load(
-                mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n,
-                mask=in_bounds,
-            )
-            mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
             t0 = mask + scale * x
-            max0_tile = tl.maximum(
-                max0_tile, tl.where(in_bounds, t0, -float("inf")), propagate_nan=tl.PropagateNan.ALL
-            )
+            max0_tile = maximum(max0_tile, tl.where(in_bounds, t0, -float("inf")))
         max0 = row_max(max0_tile)
-        tl.store(saved_ptr + rows * 2 + 0, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32)
+        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
-            )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            mask = tl.load(
-                mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n,
-                mask=in_bounds,
-            )
-            mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
             t0 = mask + scale * x
             t1 = libdevice.exp(t0 - max0)
-            sum1_tile = sum1_tile + tl.where(in_bounds, t1, 0.0)
+            sum1_tile += tl.where(in_bounds, t1, 0.0)
         sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            if INDEX_64:
-                cols = cols.to(tl.int64)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
+            dropout_mask0 = dropout_or_ones(
+                seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            mask = tl.load(
-                mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n,
-                mask=in_bounds,
-            )
-            mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            if HAS_DROPOUT:
-                dropout_mask0 = dropout_mask(
-                    seed,
-                    rows,
-                    first_col,
-                    N,
-                    BLOCK_N,
-                    0,
-                    dropout_threshold_p,
-                    dropout_scale_p,
-                    DROPOUT_WHOLE_GROUPS,
-                    shard_ptr,
-                    SHARDED,
-                )
-            else:
-                dropout_mask0 = tl.full(
-                    (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                )
             t0 = mask + scale * x
             t1 = libdevice.exp(t0 - max0)
             y = dropout_mask0 * t1 / sum1
-            tl.store(
-                y_ptr + rows[:, None] * N + cols[None, :],
-                y.to(y_ptr.dtype.element_ty),
-                mask=in_bounds,
-            )
+            store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@triton.autotune(
-    configs=tuning.ROW_CONFIGS,
-    key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
-    prune_configs_by={"early_config_prune": tuning.prune_row_backward_configs},
-    do_bench=tuning.autotune_do_bench(),
-    cache_results=tuning.persist_results(),
-)
+@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def scaled_masked_softmax_dropout_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -238,231 +138,109 @@ def scaled_masked_softmax_dropout_backward_kernel(
     SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr,
-    SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_MASK: tl.constexpr,
-    SUM_GRAD_MASK: tl.constexpr,  # mask is broadcast along rows
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    NEEDS_GRAD_MASK: tl.constexpr, SUM_GRAD_MASK: tl.constexpr,  # mask is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
 ):
+    compute = tl.float64 if COMPUTE_FP64 else tl.float32
     first_row = tl.program_id(0) * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    scale = tl.full((), scale, tl.float64 if COMPUTE_FP64 else tl.float32)
-    dropout_scale_p = tl.full((), dropout_scale_p, tl.float64 if COMPUTE_FP64 else tl.float32)
-    if HAS_DROPOUT:
-        seed = tl.load(seed_ptr)
+    scale = tl.full((), scale, compute)
+    dropout_scale_p = tl.full((), dropout_scale_p, compute)
+    seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read
     if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
-        grad_mask_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float64 if COMPUTE_FP64 else tl.float32)
+        cols = indices(0, BLOCK_N, INDEX_64)
+        grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
+        grad_mask_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            max0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            max0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
             sum1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
+            grad_y = load_tile(
+                grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
-            x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            mask = tl.load(
-                mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n,
-                mask=in_bounds,
+            dropout_mask0 = dropout_or_ones(
+                seed, rows, 0, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, HAS_DROPOUT,
+                DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
-            mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            grad_y = tl.load(
-                grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                mask=in_bounds,
-            )
-            grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-            if HAS_DROPOUT:
-                dropout_mask0 = dropout_mask(
-                    seed,
-                    rows,
-                    0,
-                    N,
-                    BLOCK_N,
-                    0,
-                    dropout_threshold_p,
-                    dropout_scale_p,
-                    DROPOUT_WHOLE_GROUPS,
-                    shard_ptr,
-                    SHARDED,
-                )
-            else:
-                dropout_mask0 = tl.full(
-                    (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                )
             t0 = libdevice.exp(mask + scale * x - max0)
             t1 = dropout_mask0 * grad_y * t0
-            row_sum0 = tl.sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0), axis=1, keep_dims=True)
-            grad_sum1 = row_sum0
+            grad_sum1 = tl.sum(
+                tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0), axis=1, keep_dims=True
+            )
             t2 = grad_sum1 * t0
             t3 = t1 / sum1
             grad_x = scale * t2 + scale * t3
             grad_mask = t2 + t3
-            if NEEDS_GRAD_X:
-                if SUM_GRAD_X:
-                    grad_x_sum += tl.where(in_bounds, grad_x, 0.0)
-                else:
-                    tl.store(
-                        grad_x_ptr + rows[:, None] * N + cols[None, :],
-                        grad_x.to(grad_x_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-            if NEEDS_GRAD_MASK:
-                if SUM_GRAD_MASK:
-                    grad_mask_sum += tl.where(in_bounds, grad_mask, 0.0)
-                else:
-                    tl.store(
-                        grad_mask_ptr + rows[:, None] * N + cols[None, :],
-                        grad_mask.to(grad_mask_ptr.dtype.element_ty),
-                        mask=in_bounds,
-                    )
-        if NEEDS_GRAD_X and SUM_GRAD_X:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_x_ptr + tl.program_id(0) * N + cols, tl.sum(grad_x_sum, axis=0), mask=cols < N
+            grad_x_sum = store_gradient(
+                grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
             )
-        if NEEDS_GRAD_MASK and SUM_GRAD_MASK:
-            # One reduction across rows per program, after the loop.
-            tl.store(
-                grad_mask_ptr + tl.program_id(0) * N + cols,
-                tl.sum(grad_mask_sum, axis=0),
-                mask=cols < N,
+            grad_mask_sum = store_gradient(
+                grad_mask_ptr, grad_mask, grad_mask_sum, rows, cols, N, in_bounds, NEEDS_GRAD_MASK,
+                SUM_GRAD_MASK,
             )
+        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(grad_mask_ptr, grad_mask_sum, cols, N, N, NEEDS_GRAD_MASK, SUM_GRAD_MASK)
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            max0 = tl.load(saved_ptr + rows * 2 + 0, mask=rows < M, other=0.0)[:, None]
+            max0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
             sum1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
-            row_sum0_tile = tl.full(
-                (BLOCK_M, BLOCK_N), 0.0, tl.float64 if COMPUTE_FP64 else tl.float32
-            )
+            grad_sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                mask = load_tile(
+                    mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                mask = tl.load(
-                    mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
+                dropout_mask0 = dropout_or_ones(
+                    seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                    HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
                 )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                if HAS_DROPOUT:
-                    dropout_mask0 = dropout_mask(
-                        seed,
-                        rows,
-                        first_col,
-                        N,
-                        BLOCK_N,
-                        0,
-                        dropout_threshold_p,
-                        dropout_scale_p,
-                        DROPOUT_WHOLE_GROUPS,
-                        shard_ptr,
-                        SHARDED,
-                    )
-                else:
-                    dropout_mask0 = tl.full(
-                        (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                    )
                 t0 = libdevice.exp(mask + scale * x - max0)
                 t1 = dropout_mask0 * grad_y * t0
-                row_sum0_tile = row_sum0_tile + tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0)
-            row_sum0 = tl.sum(row_sum0_tile, axis=1, keep_dims=True)
-            grad_sum1 = row_sum0
+                grad_sum1_tile += tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0)
+            grad_sum1 = tl.sum(grad_sum1_tile, axis=1, keep_dims=True)
             for first_col in range(0, N, BLOCK_N):
-                cols = first_col + tl.arange(0, BLOCK_N)
-                if INDEX_64:
-                    cols = cols.to(tl.int64)
-                in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-                x = tl.load(
-                    x_ptr + rows[:, None] * x_stride_m + cols[None, :] * x_stride_n, mask=in_bounds
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                mask = load_tile(
+                    mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute
                 )
-                x = x.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                mask = tl.load(
-                    mask_ptr + rows[:, None] * mask_stride_m + cols[None, :] * mask_stride_n,
-                    mask=in_bounds,
+                grad_y = load_tile(
+                    grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                mask = mask.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                grad_y = tl.load(
-                    grad_y_ptr + rows[:, None] * grad_y_stride_m + cols[None, :] * grad_y_stride_n,
-                    mask=in_bounds,
+                dropout_mask0 = dropout_or_ones(
+                    seed, rows, first_col, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                    HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
                 )
-                grad_y = grad_y.to(tl.float64 if COMPUTE_FP64 else tl.float32)
-                if HAS_DROPOUT:
-                    dropout_mask0 = dropout_mask(
-                        seed,
-                        rows,
-                        first_col,
-                        N,
-                        BLOCK_N,
-                        0,
-                        dropout_threshold_p,
-                        dropout_scale_p,
-                        DROPOUT_WHOLE_GROUPS,
-                        shard_ptr,
-                        SHARDED,
-                    )
-                else:
-                    dropout_mask0 = tl.full(
-                        (BLOCK_M, BLOCK_N), 1.0, tl.float64 if COMPUTE_FP64 else tl.float32
-                    )
                 t0 = libdevice.exp(mask + scale * x - max0)
                 t1 = dropout_mask0 * grad_y * t0
                 t2 = grad_sum1 * t0
                 t3 = t1 / sum1
                 grad_x = scale * t2 + scale * t3
                 grad_mask = t2 + t3
-                if NEEDS_GRAD_X:
-                    if SUM_GRAD_X:
-                        partial = grad_x_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_x, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_x_ptr + rows[:, None] * N + cols[None, :],
-                            grad_x.to(grad_x_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
-                if NEEDS_GRAD_MASK:
-                    if SUM_GRAD_MASK:
-                        partial = grad_mask_ptr + tl.program_id(0) * N + cols
-                        tile_sum = tl.sum(tl.where(in_bounds, grad_mask, 0.0), axis=0)
-                        if row_offset == 0:
-                            tl.store(partial, tile_sum, mask=cols < N)
-                        else:
-                            tl.store(
-                                partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N
-                            )
-                    else:
-                        tl.store(
-                            grad_mask_ptr + rows[:, None] * N + cols[None, :],
-                            grad_mask.to(grad_mask_ptr.dtype.element_ty),
-                            mask=in_bounds,
-                        )
+                add_gradient_partials(
+                    grad_x_ptr, grad_x, rows, cols, N, N, in_bounds, row_offset == 0, NEEDS_GRAD_X,
+                    SUM_GRAD_X,
+                )
+                add_gradient_partials(
+                    grad_mask_ptr, grad_mask, rows, cols, N, N, in_bounds, row_offset == 0,
+                    NEEDS_GRAD_MASK, SUM_GRAD_MASK,
+                )
 
 
 def _reference(problem, x, mask, scale, p, masks):
@@ -489,33 +267,20 @@ _OP = runtime.FusedOp(
     outputs=("y",),
     masks=("p",),  # each dropout's p, by Philox stream
     kernels=launch.RowKernels(
-        scaled_masked_softmax_dropout_kernel,
-        scaled_masked_softmax_dropout_backward_kernel,
-        scalars=("scale",),
-        backward_reads=("x", "mask"),
-        gradients=("x", "mask"),
-        statistics=2,
+        scaled_masked_softmax_dropout_kernel, scaled_masked_softmax_dropout_backward_kernel,
+        scalars=("scale",), backward_reads=("x", "mask"), gradients=("x", "mask"), statistics=2,
     ),
     reference=_reference,
 )
 
 
 def scaled_masked_softmax_dropout(
-    x,
-    mask,
-    scale=1.0,
-    p=0.1,
-    training=True,
-    seed=None,
-    *,
-    out=None,
-    inplace_backward=False,
+    x, mask, scale=1.0, p=0.1, training=True, seed=None, *, out=None, inplace_backward=False,
 ):
     """y = dropout(softmax(x * scale + mask), p), softmax over the last dim
 
-    Runs the fused Triton kernel; see the module docstring for shapes, dtypes and the
-    backward. Differentiable; under torch.compile, the torch.library op
-    fusegen::scaled_masked_softmax_dropout.
+    The fused Triton kernels (module docstring), differentiable; under torch.compile, the
+    torch.library op fusegen::scaled_masked_softmax_dropout.
     """
     return _OP(x, mask, scale, p, training, seed, out=out, inplace_backward=inplace_backward)
 
@@ -544,19 +309,14 @@ class ScaledMaskedSoftmaxDropout(torch.nn.Module):
 
 def reference(x, mask, scale=1.0, p=0.1, training=True, seed=None, *, out=None):
     """Eager PyTorch twin of scaled_masked_softmax_dropout: same arguments, same values, same
-    dropout mask.
-
-    Differentiable through autograd: the oracle for the generated backward.
-    """
+    dropout mask; differentiable, the oracle for the generated backward."""
     return _OP.reference(x, mask, scale, p, training, seed, out=out)
 
 
 def eager(x, mask, scale=1.0, p=0.1, training=True, seed=None):
-    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own
-    dropout (its own random mask: the same distribution, not the same values; seed is unused).
-
-    The baseline that `fusegen bench` times, eagerly and under torch.compile.
-    """
+    """The op as a PyTorch user writes it, with torch.nn.functional ops and torch's own dropout
+    (its own random mask: the same distribution, not the same values; seed is unused): the
+    baseline that `fusegen bench` times, eagerly and under torch.compile."""
     s = (x * scale) + mask
     e = torch.exp(s - s.amax(-1, keepdim=True))
     return F.dropout(e / e.sum(-1, keepdim=True), p, training=training)

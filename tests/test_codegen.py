@@ -184,8 +184,7 @@ def test_each_kind_is_registered_once_and_rendered_by_the_backend():
         for kernel in ast.parse(text).body:
             if isinstance(kernel, ast.FunctionDef) and kernel.name.endswith("kernel") and kernel.decorator_list:
                 autotune = kernel.decorator_list[0]
-                for keyword in autotune.keywords:
-                    for node in ast.walk(keyword.value):
-                        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "tuning":
-                            assert hasattr(tuning, node.attr), node.attr
+                for node in ast.walk(autotune):
+                    if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "tuning":
+                        assert hasattr(tuning, node.attr), node.attr
     assert seen == set(KINDS)  # every registered kind has a shipped spec to stand for it

@@ -334,7 +334,10 @@ HEADER_IMPORTS = {
     "from fusegen.backends.triton import launch, tuning",
 }
 KERNEL_LIB = "from fusegen.backends.triton.kernel_lib import "
-KERNEL_LIB_NAMES = {"dropout_mask", "rsqrt_rn", "sqrt_rn"}
+KERNEL_LIB_NAMES = {
+    "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_tile", "maximum",
+    "minimum", "row_max", "row_min", "rsqrt_rn", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile",
+}
 LIBRARIES = {"tl", "torch", "triton", "runtime", "libdevice", "F", "launch", "tuning"}
 BUILTIN_CALLEES = {
     "zip", "range", "len", "any", "all", "int", "float", "bool", "iter", "next", "tuple", "list", "dict", "isinstance",

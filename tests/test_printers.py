@@ -25,16 +25,16 @@ torch_ = TorchPrinter({("act", None): "_act_torch"}, {"act": "act"})
         (1 / sympy.sqrt(x), "rsqrt_rn(x)", "torch.rsqrt(x)"),
         (sigmoid(x), "tl.sigmoid(x)", "torch.sigmoid(x)"),
         (sympy.tanh(x), "libdevice.tanh(x)", "torch.tanh(x)"),
-        (sympy.Max(x, 0), "tl.maximum(x, 0, propagate_nan=tl.PropagateNan.ALL)", "torch.clamp_min(x, 0)"),
+        (sympy.Max(x, 0), "maximum(x, 0)", "torch.clamp_min(x, 0)"),
         (sympy.Piecewise((x, x > 0), (0.5 * x, True)), "tl.where(x > 0, x, 0.5 * x)", "torch.where(x > 0, x, 0.5 * x)"),
         (x / 2, "0.5 * x", "0.5 * x"),
         (-x, "-x", "-x"),
         (x**y, "libdevice.pow(x, y)", "torch.pow(x, y)"),
         # libdevice.pow picks its overload by argument types: numbers come in the compute type.
-        (x**1.7, "libdevice.pow(x, tl.full((), 1.7, tl.float64 if COMPUTE_FP64 else tl.float32))", "torch.pow(x, 1.7)"),
+        (x**1.7, "libdevice.pow(x, tl.full((), 1.7, compute))", "torch.pow(x, 1.7)"),
         (x**1.5, "x * sqrt_rn(x)", "x * torch.sqrt(x)"),
         (x**-2.5, "rsqrt_rn(x) / (x * x)", "torch.rsqrt(x) / (x * x)"),  # no overflowing x*x*sqrt(x)
-        (2**x, "libdevice.pow(tl.full((), 2, tl.float64 if COMPUTE_FP64 else tl.float32), x)", "torch.pow(2, x)"),
+        (2**x, "libdevice.pow(tl.full((), 2, compute), x)", "torch.pow(2, x)"),
         (FUNCTIONS["round"].sympy_form(x), "libdevice.rint(x)", "torch.round(x)"),
         (FUNCTIONS["floor"].sympy_form(x), "libdevice.floor(x)", "torch.floor(x)"),
         (FUNCTIONS["sign"].sympy_form(x), "tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))", "torch.sign(x)"),
@@ -99,7 +99,7 @@ def test_integers_past_2_53_print_as_floats():
 
 def test_a_choice_of_a_number_gets_a_tensor():
     act = ACT
-    assert triton.doprint(act(1) * x) == "x * _act(tl.full((), 1, tl.float64 if COMPUTE_FP64 else tl.float32), ACT)"
+    assert triton.doprint(act(1) * x) == "x * _act(tl.full((), 1, compute), ACT)"
     assert torch_.doprint(act(x)) == "_act_torch(x, act)"
     assert torch_.doprint(act(sympy.Float(0.5))) == (
         "_act_torch(torch.tensor(0.5, dtype=problem.compute_dtype, device=problem.device), act)"

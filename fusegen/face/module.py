@@ -59,12 +59,16 @@ def face(plan: OpPlan, *, backend: str, class_name: str, binding: str, kernel_na
     torch_helpers = [_torch_helper(helper, printer) for helper in plan.helpers]
     eager_helpers = [_eager_helper(helper) for helper in plan.helpers]
     public = [i.name for i in plan.inputs] + [p.name for p in params] + (["training", "seed"] if plan.has_dropout else [])
-    twin = f"Eager PyTorch twin of {op}: same arguments, same values" + (", same dropout mask." if plan.has_dropout else ".")
+    twin = (f"Eager PyTorch twin of {op}: same arguments, same values" + (", same dropout mask" if plan.has_dropout else "")
+            + "; differentiable, the oracle for the generated backward.")
     context = dict(
         backend=backend,
         op=op,
         doc=plan.doc,
         reference_doc=textwrap.wrap(twin, width=92),
+        runs_doc=textwrap.wrap(
+            f"The fused {backend} kernels (module docstring), differentiable; under torch.compile, the "
+            f"torch.library op fusegen::{op}.", width=92),
         torch_helpers=torch_helpers,
         reference=KINDS[plan.kind].reference(plan, printer),
         op_declaration=op_declaration(plan, binding, kernel_names),
@@ -84,7 +88,11 @@ def face(plan: OpPlan, *, backend: str, class_name: str, binding: str, kernel_na
             + (["self.training", "None"] if plan.has_dropout else [])
             + ["inplace_backward=self.inplace_backward"]
         ),
-        has_dropout=plan.has_dropout,
+        eager_doc=textwrap.wrap(
+            "The op as a PyTorch user writes it, with torch.nn.functional ops"
+            + (" and torch's own dropout (its own random mask: the same distribution, not the same values; seed "
+               "is unused)" if plan.has_dropout else "")
+            + ": the baseline that `fusegen bench` times, eagerly and under torch.compile.", width=92),
         eager_helpers=eager_helpers,
         eager_signature=", ".join(
             [i.local for i in plan.inputs] + [f"{p.local}={p.default!r}" for p in params]

@@ -58,12 +58,21 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str]) ->
 
 
 def _argument(name: str, items: list[str], tuple_: bool = False, call: str = "") -> list[str]:
-    """`name=(a, b),` or `name=call(a, b),` on one line where it fits, else an item a line."""
+    """`name=(a, b),` or `name=call(a, b),` on one line where it fits, else the items on the
+    lines after, as many to a line as fit (a tuple's an item a line: each is a declaration)."""
     opening = f"{name}={call}("
     one_line = opening + ", ".join(items) + ("," if tuple_ and len(items) == 1 else "") + "),"
     if len(one_line) <= 92:  # inside FusedOp(...), indented 4
         return [one_line]
-    return [opening, *(f"    {item}," for item in items), "),"]
+    if tuple_:
+        return [opening, *(f"    {item}," for item in items), "),"]
+    lines = [f"    {items[0]},"]
+    for item in items[1:]:
+        if len(lines[-1]) + len(item) + 2 <= 92:
+            lines[-1] += f" {item},"
+        else:
+            lines.append(f"    {item},")
+    return [opening, *lines, "),"]
 
 
 def _strings(items) -> str:
@@ -107,22 +116,13 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
         lines += wrap("training=False, or every dropout p == 0, takes a kernel with no random numbers.", "    ")
         lines += wrap("seed=None draws the dropout seed from torch's default generator (torch.manual_seed).", "    ")
     lines += [""] + wrap(kernels_doc)
-    if plan.has_dropout:
-        lines += wrap(
-            "Dropout draws Philox4x32-10 keyed by the seed at each element's flat index: the mask does not depend on "
-            "the input's 2-D layout or the kernel's block shape, and `reference` reproduces it. The seed is a "
-            "one-element int64 tensor on the inputs' device, drawn there by torch (seed=None) or filled in "
-            "(seed=int): no host sync, and a CUDA graph that captured a call draws a new mask on each replay."
-        )
-    redraw = ", draws the same dropout masks again from the seed" if plan.has_dropout else ""
-    saved = " and the seed tensor" if plan.has_dropout else ""
     kind = KINDS[plan.kind]
-    redraw, saved = kind.recomputes + redraw, saved + kind.keeps
-    lines += [""] + wrap(
-        f"Backward: one fused kernel recomputes the forward from the saved inputs{redraw} and writes every input "
-        "gradient in one pass; gradients of inputs broadcast along rows are summed per program in fp32 and then "
-        f"across programs, in a fixed order (no atomics). Memory: saved for backward are the inputs{saved}, "
-        "nothing else: no mask, no intermediates."
+    redraw = ", draws the dropout masks again from the seed" if plan.has_dropout else ""
+    saved = ["the inputs"] + ["the seed tensor"] * plan.has_dropout + [kind.keeps.removeprefix(" and ")] * bool(kind.keeps)
+    saved_text = saved[0] if len(saved) == 1 else f"{', '.join(saved[:-1])} and {saved[-1]}"
+    lines += wrap(
+        f"Backward: one fused kernel recomputes the forward from the saved inputs{kind.recomputes}{redraw} and "
+        f"writes every input gradient in one pass. Saved for it: {saved_text}, nothing else."
     )
     lines += wrap(
         " ".join(
@@ -137,12 +137,9 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
             for i, o in plan.same_gradient
         )
     )
+    # What every generated module would say alike is said once, in the README.
     lines += [""] + wrap(
-        "inplace_backward=True lets the eager backward write an input's gradient into that input's memory, "
-        "never a parameter's or a view's; only for an input nothing reads afterwards (README, \"The generated op\")."
-    )
-    lines += [""] + wrap(
-        "`reference` is the same computation in eager PyTorch, generated from the same spec; `eager` is the op as a "
-        "PyTorch user writes it (torch.nn.functional), the benchmarks' baseline."
+        "As every generated op (README, \"The generated op\"): dtypes, dropout's masks and seeds, gradient sums, "
+        "inplace_backward, `reference` and `eager`."
     )
     return lines

@@ -7,6 +7,8 @@ of lines, and the template holds layout only.
 """
 from __future__ import annotations
 
+import re
+import textwrap
 from importlib import resources
 
 import jinja2
@@ -18,7 +20,7 @@ from fusegen.pyformat import format_module
 
 from .kernel_text import with_argument_comments
 from .kinds import RESERVED_NAMES, TRITON_KINDS
-from .naming import MODULE_IMPORTS, TritonNames, module_class_name
+from .naming import KERNEL_LIB_NAMES, MODULE_IMPORTS, TritonNames, module_class_name
 from .printer import TritonPrinter
 
 __all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "module_class_name", "render"]
@@ -41,13 +43,23 @@ def render(plan: OpPlan) -> str:
         face=face.face(plan, backend="Triton", class_name=module_class_name(plan.op), binding=kind.binding,
                        kernel_names=(forward.name, backward.name), kernels_doc=kind.doc),
         uses_libdevice="libdevice." in kernel_code,
-        kernel_lib_names=", ".join(
-            n for n in ("dropout_mask", "row_max", "row_min", "rsqrt_rn", "sqrt_rn") if f"{n}(" in kernel_code
-        ),
+        kernel_lib_import=_kernel_lib_import([n for n in KERNEL_LIB_NAMES if re.search(rf"(?<![\w.]){n}\(", kernel_code)]),
         triton_helpers=triton_helpers,
         kernels=[forward, backward],
     )
     return format_module(_environment().get_template("op.py.jinja").render(**context))
+
+
+def _kernel_lib_import(names: list[str]) -> list[str]:
+    """The kernel_lib helpers the kernels call, imported on one line where they fit."""
+    if not names:
+        return []
+    line = f"from fusegen.backends.triton.kernel_lib import {', '.join(names)}"
+    if len(line) <= 100:
+        return [line]
+    return ["from fusegen.backends.triton.kernel_lib import ("] + [
+        "    " + line.lstrip() for line in textwrap.wrap(", ".join(names) + ",", width=96)
+    ] + [")"]
 
 
 def _triton_helpers(helper: HelperPlan, names: TritonNames, printer: TritonPrinter) -> list[face.Helper]:

@@ -1,10 +1,88 @@
 """`@triton.jit` helpers that generated kernels call.
 
 Kept in a real module (not generated text) because every generated kernel shares them,
-and `dropout.py` must reproduce them exactly on the host.
+and `dropout.py` must reproduce them exactly on the host. Triton inlines a jit function
+into its caller, so a helper costs nothing: the kernel does the same operations it would
+spelled out in place.
+
+The tile helpers take a tile as its `rows` and `cols` (index vectors) and `in_bounds` (the
+[rows, cols] mask of the elements inside the problem); `width` is a contiguous buffer's row
+length (N, or k * N for an input of k chunks).
 """
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def indices(start, SIZE: tl.constexpr, INDEX_64: tl.constexpr):
+    """start, start + 1, ..., start + SIZE - 1: a tile's rows or columns; int64 when some
+    offset reaches 2**31 (INDEX_64), which is rare and costs registers."""
+    index = start + tl.arange(0, SIZE)
+    if INDEX_64:
+        index = index.to(tl.int64)
+    return index
+
+
+@triton.jit
+def column_tile(rows, first_col, M, N, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+    """The columns [first_col, first_col + BLOCK_N), and which elements of rows x cols lie
+    inside the [M, N] problem."""
+    cols = indices(first_col, BLOCK_N, INDEX_64)
+    return cols, (rows[:, None] < M) & (cols[None, :] < N)
+
+
+@triton.jit
+def load_tile(ptr, stride_m, stride_n, rows, cols, in_bounds, dtype):
+    """The tile rows x cols of a strided [M, N] view, in `dtype` (the kernel's compute type;
+    masked-out elements are undefined: every use masks them again)."""
+    return tl.load(ptr + rows[:, None] * stride_m + cols[None, :] * stride_n, mask=in_bounds).to(dtype)
+
+
+@triton.jit
+def store_tile(ptr, value, rows, cols, width, in_bounds):
+    """`value` into the tile rows x cols of a contiguous [M, width] buffer, in its element type."""
+    tl.store(ptr + rows[:, None] * width + cols[None, :], value.to(ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def store_gradient(ptr, value, sums, rows, cols, width, in_bounds, NEEDS: tl.constexpr, SUM: tl.constexpr):
+    """An input's gradient on one tile, when it is wanted (NEEDS): stored, or, where the input
+    is broadcast along rows (SUM), added to the program's [BLOCK_M, BLOCK_N] sums, which are
+    returned (and reduced once, by store_column_sums)."""
+    if NEEDS:
+        if SUM:
+            sums += tl.where(in_bounds, value, 0.0)
+        else:
+            store_tile(ptr, value, rows, cols, width, in_bounds)
+    return sums
+
+
+@triton.jit
+def store_column_sums(ptr, sums, cols, end, width, NEEDS: tl.constexpr, SUM: tl.constexpr):
+    """With NEEDS and SUM, the program's sums reduced across rows into its row of a
+    [programs, width] buffer of partial sums (summed across programs after the kernel, in a
+    fixed order: no atomics); the columns before `end` (N, or chunk k's (k + 1) * N)."""
+    if NEEDS and SUM:
+        tl.store(ptr + tl.program_id(0) * width + cols, tl.sum(sums, axis=0), mask=cols < end)
+
+
+@triton.jit
+def add_gradient_partials(ptr, value, rows, cols, end, width, in_bounds, first, NEEDS: tl.constexpr,
+                          SUM: tl.constexpr):
+    """store_gradient for a row swept in column steps, where the program's sums cannot stay in
+    registers: with SUM, the tile's column sums are added to the program's row of the partial
+    sums in memory (written by its `first` row block, read back and added to by the others);
+    `end` as in store_column_sums."""
+    if NEEDS:
+        if SUM:
+            partial = ptr + tl.program_id(0) * width + cols
+            tile_sum = tl.sum(tl.where(in_bounds, value, 0.0), axis=0)
+            if first:
+                tl.store(partial, tile_sum, mask=cols < end)
+            else:
+                tl.store(partial, tl.load(partial, mask=cols < end) + tile_sum, mask=cols < end)
+        else:
+            store_tile(ptr, value, rows, cols, width, in_bounds)
 
 
 @triton.jit
@@ -46,6 +124,17 @@ def dropout_mask(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.con
         words = _words_of_each_element(seed, rows[:, None], first_col, N, BLOCK_N, stream)
     keep = (words >> 8).to(tl.int32) >= threshold
     return tl.where(keep, scale, 0.0)
+
+
+@triton.jit
+def dropout_or_ones(seed, rows, first_col, N, BLOCK_N: tl.constexpr, stream: tl.constexpr, threshold, scale,
+                    HAS_DROPOUT: tl.constexpr, WHOLE_GROUPS: tl.constexpr, shard_ptr, SHARDED: tl.constexpr):
+    """dropout_mask's multiplier for the tile with HAS_DROPOUT; without, ones in the compute
+    type (scale's), which the compiler folds away: a row kernel's body is one either way."""
+    if HAS_DROPOUT:
+        return dropout_mask(seed, rows, first_col, N, BLOCK_N, stream, threshold, scale, WHOLE_GROUPS, shard_ptr, SHARDED)
+    else:
+        return tl.full((rows.shape[0], BLOCK_N), 1.0, scale.dtype)
 
 
 @triton.jit
@@ -98,12 +187,14 @@ def rsqrt_rn(x):
 
 
 @triton.jit
-def _maximum(a, b):
+def maximum(a, b):
+    """The larger of a and b, NaN if either is (tl.maximum's default drops NaN), as torch."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _minimum(a, b):
+def minimum(a, b):
+    """The smaller of a and b, NaN as in maximum."""
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -111,13 +202,13 @@ def _minimum(a, b):
 def row_max(tile):
     """The largest element of each row of a tile, as [rows, 1]; NaN if the row holds one, as
     torch.amax (tl.max's maximum drops NaN)."""
-    return tl.reduce(tile, 1, _maximum, keep_dims=True)
+    return tl.reduce(tile, 1, maximum, keep_dims=True)
 
 
 @triton.jit
 def row_min(tile):
     """The smallest element of each row of a tile, as [rows, 1]; NaN as in row_max."""
-    return tl.reduce(tile, 1, _minimum, keep_dims=True)
+    return tl.reduce(tile, 1, minimum, keep_dims=True)
 
 
 # One config (nothing to tune: a few microseconds' work); autotuned only so that the

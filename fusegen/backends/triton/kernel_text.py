@@ -13,20 +13,20 @@ from fusegen.plan import GradientPlan, InputPlan, KernelPlan, OpPlan
 from .naming import InputNames, TritonNames
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
-_TO_COMPUTE = f".to({COMPUTE_DTYPE})"
+# A kernel's first line: the type it computes in, named once.
+COMPUTE_LINE = f"{COMPUTE_DTYPE} = tl.float64 if COMPUTE_FP64 else tl.float32"
 
 
 @dataclass
 class KernelText:
-    """One kernel as the template lays it out: its autotuner (the kind's tuning space:
-    `configs`, `prune` and a `pre_hook` where a kind needs one), signature and body."""
+    """One kernel as the template lays it out: its autotuner (the kind's tuning space, and a
+    `pre_hook` where a kind needs one), signature and body."""
 
     name: str
     key: str
     arguments: list[str]
     lines: list[str]
-    configs: str  # the tuning module's configs and pruner, as the module names them
-    prune: str
+    space: str  # the kernel's tuning.Space, as the module names it
     pre_hook: list[str] = field(default_factory=list)  # the autotuner's pre_hook argument, with its comment
 
 
@@ -110,7 +110,8 @@ def backward_arguments(plan: OpPlan, names: TritonNames, row_sums: str, saved: l
     arguments += shared_arguments(plan, kernel, names, forward=False)
     for gradient in kernel.gradients:
         name = gradient.input.name
-        arguments += [f"{names.needs[name]}: tl.constexpr,", f"{names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows"]
+        # An input's two flags on one line: its gradient is wanted; it is broadcast along rows.
+        arguments.append(f"{names.needs[name]}: tl.constexpr, {names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows")
         if gradient.one_per_row:
             arguments.append(f"{names.column_sums[name]}: tl.constexpr,  # {name} is broadcast along columns")
     return arguments
@@ -126,22 +127,28 @@ def width_text(i: InputPlan) -> str:
     return "N" if chunks == 1 else f"{chunks} * N"
 
 
-def column_offset(chunk: int) -> str:
-    """Where chunk k of an input's row starts: chunk k of x [..., kN] is at cols + k * N."""
+def chunk_columns(chunk: int) -> str:
+    """The columns of chunk k of a strided input's row: chunk k of x [..., kN] is at cols + k * N
+    (an offset of the columns, not of the pointer: those are multiplied by the stride in int64
+    where INDEX_64 needs it)."""
     if chunk == 0:
-        return "cols[None, :]"
-    return f"(cols[None, :] + {'' if chunk == 1 else f'{chunk} * '}N)"
+        return "cols"
+    return f"cols + {'' if chunk == 1 else f'{chunk} * '}N"
+
+
+def chunk_end(chunk: int) -> str:
+    """Where chunk k's columns end, (k + 1) * N: the gradient helpers store the columns before
+    it, of the shifted cols (a pointer offset instead would be computed even for a gradient not
+    asked for, whose pointer is None)."""
+    return "N" if chunk == 0 else f"{chunk + 1} * N"
+
+
+def load_line(target: str, n: InputNames, columns: str = "cols") -> str:
+    return f"{target} = load_tile({n.pointer}, {n.stride_m}, {n.stride_n}, rows, {columns}, in_bounds, {COMPUTE_DTYPE})"
 
 
 def input_loads(i: InputPlan, n: InputNames) -> list[str]:
-    lines = []
-    for value in i.values:
-        lines += [
-            f"{value.local} = tl.load({n.pointer} + rows[:, None] * {n.stride_m} + {column_offset(value.chunk)} * {n.stride_n}, "
-            "mask=in_bounds)",
-            f"{value.local} = {value.local}{_TO_COMPUTE}",
-        ]
-    return lines
+    return [load_line(value.local, n, chunk_columns(value.chunk)) for value in i.values]
 
 
 def scalars_in_compute_type(plan: OpPlan, kernel: KernelPlan, names: TritonNames) -> list[str]:
@@ -154,37 +161,38 @@ def scalars_in_compute_type(plan: OpPlan, kernel: KernelPlan, names: TritonNames
 
 
 def gradient_stores(gradient: GradientPlan, names: TritonNames) -> list[str]:
+    """One tile's gradient of an input: stored, or added to the program's sums (store_gradient)."""
     name = gradient.input.name
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
-    lines = [f"if {names.needs[name]}:", f"    if {names.sums[name]}:"]
-    lines += [f"        {names.accumulator[v]} += tl.where(in_bounds, {v}, 0.0)" for v in gradient.values]
-    if gradient.one_per_row:
-        lines += [
-            f"    elif {names.column_sums[name]}:",
-            "        # This column tile's part of each row's sum: [column tiles, M], summed after.",
-            f"        tl.store({pointer} + tl.program_id(1) * M + rows, "
-            f"tl.sum(tl.where(in_bounds, {gradient.values[0]}, 0.0), axis=1), mask=rows < M)",
+    if not gradient.one_per_row:
+        return [
+            f"{names.accumulator[v]} = store_gradient({pointer}, {v}, {names.accumulator[v]}, rows, {chunk_columns(k)}, "
+            f"{width}, in_bounds, {names.needs[name]}, {names.sums[name]})"
+            for k, v in enumerate(gradient.values)
         ]
-    lines.append("    else:")
-    lines += [
-        f"        tl.store({pointer} + rows[:, None] * {width} + {column_offset(k)}, {v}.to({pointer}.dtype.element_ty), "
-        "mask=in_bounds)"
-        for k, v in enumerate(gradient.values)
+    value, accumulator = gradient.values[0], names.accumulator[gradient.values[0]]
+    return [
+        f"if {names.needs[name]}:",
+        f"    if {names.sums[name]}:",
+        f"        {accumulator} += tl.where(in_bounds, {value}, 0.0)",
+        f"    elif {names.column_sums[name]}:",
+        "        # This column tile's part of each row's sum: [column tiles, M], summed after.",
+        f"        tl.store({pointer} + tl.program_id(1) * M + rows, tl.sum(tl.where(in_bounds, {value}, 0.0), axis=1), "
+        "mask=rows < M)",
+        "    else:",
+        f"        store_tile({pointer}, {value}, rows, cols, {width}, in_bounds)",
     ]
-    return lines
 
 
 def gradient_sums(gradient: GradientPlan, names: TritonNames) -> list[str]:
+    """After the program's rows: its sums of a row-broadcast input's gradient, reduced and stored."""
     name = gradient.input.name
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
-    lines = [f"if {names.needs[name]} and {names.sums[name]}:", "    # One reduction across rows per program, after the loop."]
-    for k, v in enumerate(gradient.values):
-        column = "cols" if k == 0 else f"cols + {'' if k == 1 else f'{k} * '}N"
-        lines.append(
-            f"    tl.store({pointer} + tl.program_id(0) * {width} + {column}, tl.sum({names.accumulator[v]}, axis=0), "
-            "mask=cols < N)"
-        )
-    return lines
+    return [
+        f"store_column_sums({pointer}, {names.accumulator[v]}, {chunk_columns(k)}, {chunk_end(k)}, {width}, "
+        f"{names.needs[name]}, {names.sums[name]})"
+        for k, v in enumerate(gradient.values)
+    ]
 
 
 def indent(lines: list[str]) -> list[str]:

@@ -7,17 +7,21 @@ from dataclasses import dataclass
 from fusegen.names import PYTHON_BUILTINS, Namer
 from fusegen.plan import OpPlan
 
-# What a generated module imports; an op named so would hide one.
-MODULE_IMPORTS = frozenset(
-    {"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", "dropout_mask", "sqrt_rn", "rsqrt_rn",
-     "row_max", "row_min"}
+# The kernel_lib helpers a generated module may import (each module imports those it calls).
+KERNEL_LIB_NAMES = (
+    "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_tile", "maximum",
+    "minimum", "row_max", "row_min", "rsqrt_rn", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile",
 )
+
+# What a generated module imports; an op named so would hide one.
+MODULE_IMPORTS = frozenset({"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", *KERNEL_LIB_NAMES})
 # Names every Triton module's code uses for itself (each kind adds its kernels' own: kinds.py).
 SHARED_NAMES = (
     MODULE_IMPORTS
     | {"reference", "eager", "_OP", "_reference"}
     # the kernels' own arguments and locals
-    | {"rows", "cols", "in_bounds", "M", "N", "M_BUCKET", "seed", "seed_ptr", "shard_ptr", "first_row", "row_offset"}
+    | {"compute", "rows", "cols", "in_bounds", "M", "N", "M_BUCKET", "seed", "seed_ptr", "shard_ptr", "first_row",
+       "row_offset"}
     | {"HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "SHARDED", "INDEX_64", "COMPUTE_FP64", "BLOCK_M", "BLOCK_N", "ROWS_PER_PROGRAM"}
     # the reference body's and the module class's
     | {"problem", "masks", "self", "training"}

@@ -9,6 +9,7 @@ from fusegen.body_text import statements
 from fusegen.plan import OpPlan
 
 from .kernel_text import (
+    COMPUTE_LINE,
     KernelText,
     backward_arguments,
     TritonKind,
@@ -18,14 +19,13 @@ from .kernel_text import (
     input_argument,
     input_loads,
     kernel_key,
+    load_line,
     scalars_in_compute_type,
     shared_arguments,
     triton_constant,
 )
 from .naming import TritonNames
 from .printer import COMPUTE_DTYPE, TritonPrinter
-
-_TO_COMPUTE = f".to({COMPUTE_DTYPE})"
 
 
 def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
@@ -38,12 +38,9 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     arguments += ["BLOCK_M: tl.constexpr,", "BLOCK_N: tl.constexpr,"]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     lines = [
-        "rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)",
-        "cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)",
-        "if INDEX_64:",
-        "    rows = rows.to(tl.int64)",
-        "    cols = cols.to(tl.int64)",
-        "in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
+        COMPUTE_LINE,
+        "rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)",
+        "cols, in_bounds = column_tile(rows, tl.program_id(1) * BLOCK_N, M, N, BLOCK_N, INDEX_64)",
         *scalars_in_compute_type(plan, kernel, names),
         *[line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])],
     ]
@@ -54,12 +51,9 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         )
     else:
         lines += statements(kernel.body, printer, triton_constant, tensors)
-    lines += [
-        f"tl.store({out}_ptr + rows[:, None] * N + cols[None, :], {out}.to({out}_ptr.dtype.element_ty), mask=in_bounds)"
-        for out in kernel.outputs
-    ]
+    lines += [f"store_tile({out}_ptr, {out}, rows, cols, N, in_bounds)" for out in kernel.outputs]
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
-                      "tuning.FORWARD_CONFIGS", "tuning.prune_forward_configs")
+                      "tuning.FORWARD")
 
 
 def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
@@ -73,10 +67,10 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     tensors |= set(kernel.incoming)
     lines = [
-        "cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)",
+        COMPUTE_LINE,
+        "cols = indices(tl.program_id(1) * BLOCK_N, BLOCK_N, INDEX_64)",
         "first_row = tl.program_id(0) * ROWS_PER_PROGRAM",
         "if INDEX_64:",
-        "    cols = cols.to(tl.int64)",
         "    first_row = first_row.to(tl.int64)",
         *[f"{names.accumulator[v]} = tl.zeros((BLOCK_M, BLOCK_N), {COMPUTE_DTYPE})" for g in kernel.gradients for v in g.values],
         *scalars_in_compute_type(plan, kernel, names),
@@ -84,12 +78,7 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
     if kernel.body_no_dropout is not None:
         lines += ["if HAS_DROPOUT:", "    seed = tl.load(seed_ptr)"]
     row = [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
-    for incoming in kernel.incoming:
-        n = names.incoming[incoming]
-        row += [
-            f"{incoming} = tl.load({n.pointer} + rows[:, None] * {n.stride_m} + cols[None, :] * {n.stride_n}, mask=in_bounds)",
-            f"{incoming} = {incoming}{_TO_COMPUTE}",
-        ]
+    row += [load_line(incoming, names.incoming[incoming]) for incoming in kernel.incoming]
     if kernel.body_no_dropout is not None:
         row += _branches(
             _mask_lines(plan, names) + statements(kernel.body, printer, triton_constant, tensors),
@@ -112,7 +101,7 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
         f"pre_hook=tuning.zero_before_trials({buffers}),",
     ] if buffers else []
     return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True), arguments, lines,
-                      "tuning.BACKWARD_CONFIGS", "tuning.prune_backward_configs", pre_hook)
+                      "tuning.BACKWARD", pre_hook)
 
 
 def _branches(dropout: list[str], plain: list[str]) -> list[str]:

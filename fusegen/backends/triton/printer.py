@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from fusegen.printers import ElementwisePrinter
 
-# The type a kernel computes in: a compile-time choice between float32 and float64.
-COMPUTE_DTYPE = "tl.float64 if COMPUTE_FP64 else tl.float32"
+# The type a kernel computes in (a compile-time choice between float32 and float64): a
+# local every kernel sets first (kernel_text.COMPUTE_LINE).
+COMPUTE_DTYPE = "compute"
 
 
 class TritonPrinter(ElementwisePrinter):
@@ -31,14 +32,14 @@ class TritonPrinter(ElementwisePrinter):
     where, sqrt, rsqrt, power = "tl.where", "sqrt_rn", "rsqrt_rn", "libdevice.pow"
     column = "cols[None, :]"  # every kind's kernels index a tile's columns by `cols` (naming.SHARED_NAMES)
 
-    def maximum(self, a, b):
-        return f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+    def maximum(self, a, b):  # kernel_lib's: NaN propagates, as in torch
+        return f"maximum({a}, {b})"
 
     def _print_relu(self, expr):
         return self.maximum(self._print(expr.args[0]), "0.0")
 
     def minimum(self, a, b):
-        return f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+        return f"minimum({a}, {b})"
 
     def scalar(self, number):
         return f"tl.full((), {number}, {COMPUTE_DTYPE})"

@@ -15,22 +15,25 @@ backward) draws the same ones; with dropout off they are 1.
 from __future__ import annotations
 
 from fusegen.body_text import depends_on
-from fusegen.plan import KernelPlan, OpPlan, RowBody, RowReduction
+from fusegen.plan import KernelPlan, OpPlan, RowBody, RowPass, RowReduction
 
 from .kernel_text import (
+    COMPUTE_LINE,
     KernelText,
     backward_arguments,
     TritonKind,
     indent as _indent,
+    chunk_columns,
+    chunk_end,
     gradient_stores,
     gradient_sums,
     input_argument,
     kernel_key,
     input_loads,
+    load_line,
     width_text,
     scalars_in_compute_type,
     shared_arguments,
-    column_offset,
     triton_constant,
 )
 from .naming import TritonNames
@@ -65,14 +68,10 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
                 "mask=in_bounds & (cols[None, :] == 0))"
             )
         else:
-            stores.append(
-                f"tl.store({out}_ptr + rows[:, None] * N + cols[None, :], {out}.to({out}_ptr.dtype.element_ty), "
-                "mask=in_bounds)"
-            )
+            stores.append(f"store_tile({out}_ptr, {out}, rows, cols, N, in_bounds)")
     lines = [
-        "rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)",
-        "if INDEX_64:",
-        "    rows = rows.to(tl.int64)",
+        COMPUTE_LINE,
+        "rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)",
         *program.prologue(),
         "if ONE_TILE:",
         *_indent(program.one_tile(stores)),
@@ -80,7 +79,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         *_indent(program.looped(stores, [], [])),
     ]
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
-                      "tuning.ROW_CONFIGS", "tuning.prune_row_configs")
+                      "tuning.ROW_FORWARD")
 
 
 def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
@@ -90,7 +89,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
     # One tile: [N]-like gradients summed in registers over the program's rows, stored after.
-    one_tile = ["cols = tl.arange(0, BLOCK_N)", "if INDEX_64:", "    cols = cols.to(tl.int64)"]
+    one_tile = ["cols = indices(0, BLOCK_N, INDEX_64)"]
     one_tile += [
         f"{names.accumulator[v]} = tl.zeros((BLOCK_M, BLOCK_N), {COMPUTE_DTYPE})" for g in kernel.gradients for v in g.values
     ]
@@ -98,6 +97,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
     one_tile += [
         "for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):",
         "    rows = first_row + row_offset + tl.arange(0, BLOCK_M)",
+        "    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
         *_indent(program.one_tile(stores, columns_set=True)),
         *[line for g in kernel.gradients for line in gradient_sums(g, names)],
     ]
@@ -121,6 +121,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         *_indent(program.looped(looped_stores, before, after)),
     ]
     lines = [
+        COMPUTE_LINE,
         "first_row = tl.program_id(0) * ROWS_PER_PROGRAM",
         "if INDEX_64:",
         "    first_row = first_row.to(tl.int64)",
@@ -131,7 +132,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         *_indent(looped),
     ]
     return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True), arguments, lines,
-                      "tuning.ROW_CONFIGS", "tuning.prune_row_backward_configs")
+                      "tuning.ROW_BACKWARD")
 
 
 class _Program:
@@ -139,7 +140,7 @@ class _Program:
 
     def __init__(self, plan: OpPlan, kernel: KernelPlan, names: TritonNames, printer: TritonPrinter):
         self.plan, self.kernel, self.names, self.printer = plan, kernel, names, printer
-        self.body: RowBody = kernel.body
+        self.body: RowBody = _named_reductions(kernel.body)
         self.tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
         self.tensors |= set(kernel.incoming)
         # Row values are [BLOCK_M, 1] tensors too: an expression of them needs no broadcast.
@@ -153,7 +154,7 @@ class _Program:
         if self.kernel.row_width is not None:
             lines.append(f"{self.kernel.row_width} = tl.full((), N, {COMPUTE_DTYPE})")
         if self.plan.has_dropout:
-            lines += ["if HAS_DROPOUT:", "    seed = tl.load(seed_ptr)"]
+            lines.append("seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read")
         return lines
 
     def _assignments(self, items, constant=None) -> list[str]:
@@ -186,20 +187,12 @@ class _Program:
     def _loads(self, inputs, masks, incoming, first_col: str) -> list[str]:
         names = self.names
         lines = [line for i in inputs for line in input_loads(i, names.inputs[i.name])]
-        for g in incoming:
-            n = names.incoming[g]
-            lines += [
-                f"{g} = tl.load({n.pointer} + rows[:, None] * {n.stride_m} + cols[None, :] * {n.stride_n}, mask=in_bounds)",
-                f"{g} = {g}.to({COMPUTE_DTYPE})",
-            ]
-        for m in masks:
-            lines += [
-                "if HAS_DROPOUT:",
-                f"    {m.local} = dropout_mask(seed, rows, {first_col}, N, BLOCK_N, {m.stream}, "
-                f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)",
-                "else:",
-                f"    {m.local} = tl.full((BLOCK_M, BLOCK_N), 1.0, {COMPUTE_DTYPE})",
-            ]
+        lines += [load_line(g, names.incoming[g]) for g in incoming]
+        lines += [
+            f"{m.local} = dropout_or_ones(seed, rows, {first_col}, N, BLOCK_N, {m.stream}, {names.threshold[m.p.name]}, "
+            f"{names.scale[m.p.name]}, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)"
+            for m in masks
+        ]
         return lines
 
     def _saved_stores(self, reductions) -> list[str]:
@@ -207,8 +200,7 @@ class _Program:
         places = {s.name: k for k, s in enumerate(self.body.saved)}
         count = len(self.body.saved)
         return [
-            f"tl.store(saved_ptr + rows * {count} + {places[r.symbol.name]}, tl.reshape({r.symbol.name}, (BLOCK_M,)), "
-            "mask=rows < M)"
+            f"tl.store({_saved_row(count, places[r.symbol.name])}, tl.reshape({r.symbol.name}, (BLOCK_M,)), mask=rows < M)"
             for r in reductions if r.symbol.name in places
         ]
 
@@ -216,7 +208,7 @@ class _Program:
         """The backward's reductions of the forward, as the forward computed them."""
         count = len(self.plan.forward.body.saved)
         return [
-            f"{symbol.name} = tl.load(saved_ptr + rows * {count} + {k}, mask=rows < M, other=0.0)[:, None]"
+            f"{symbol.name} = tl.load({_saved_row(count, k)}, mask=rows < M, other=0.0)[:, None]"
             for symbol, k in self.body.loaded
         ]
 
@@ -235,8 +227,7 @@ class _Program:
 
     def one_tile(self, stores: list[str], columns_set: bool = False) -> list[str]:
         body = self.body
-        lines = [] if columns_set else ["cols = tl.arange(0, BLOCK_N)", "if INDEX_64:", "    cols = cols.to(tl.int64)"]
-        lines.append("in_bounds = (rows[:, None] < M) & (cols[None, :] < N)")
+        lines = [] if columns_set else ["cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)"]
         lines += self._saved_loads() + self._assignments(body.row_values)
         every = [r.value for r in body.reductions] + [e for _, e in body.results]
         lines += self._loads(*self._reads(every), first_col="0")
@@ -255,10 +246,7 @@ class _Program:
     def _loop(self, exprs) -> list[str]:
         return [
             "for first_col in range(0, N, BLOCK_N):",
-            "    cols = first_col + tl.arange(0, BLOCK_N)",
-            "    if INDEX_64:",
-            "        cols = cols.to(tl.int64)",
-            "    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
+            "    cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)",
             *_indent(self._loads(*self._reads(exprs), first_col="first_col")),
         ]
 
@@ -272,7 +260,7 @@ class _Program:
             lines += _indent(self._assignments(p.temps))
             for r in p.reductions:
                 tile = self._tile(r)
-                lines.append(f"    {tile} = {_accumulate(r.kind, tile, self._value(r))}")
+                lines.append(f"    {_accumulate(r.kind, tile, self._value(r))}")
             for r in p.reductions:
                 lines.append(f"{r.symbol.name} = {_reduce(r.kind, self._tile(r))}")
             lines += self._saved_stores(p.reductions)
@@ -283,6 +271,27 @@ class _Program:
         lines += _indent(self._assignments(body.results, triton_constant))
         lines += _indent(stores)
         return lines + after
+
+
+def _named_reductions(body: RowBody) -> RowBody:
+    """The body with each reduction that a row value only renames (grad_mean1 = row_sum0, its
+    one use) called by that name, and the renaming gone: one name for one value."""
+    expressions = [e for _, e in body.definitions] + [r.value for r in body.reductions] + [e for _, e in body.results]
+    uses = lambda symbol: sum(symbol in e.free_symbols for e in expressions)  # noqa: E731
+    aliases = {
+        value: target
+        for p in body.passes
+        for target, value in p.row_values
+        if value in {r.symbol for r in p.reductions} and uses(value) == 1
+    }
+    if not aliases:
+        return body
+    body = body.renamed(aliases, {name: name for name, _ in body.results})
+    return RowBody(
+        body.row_values,
+        tuple(RowPass(p.temps, p.reductions, tuple((t, e) for t, e in p.row_values if t != e)) for p in body.passes),
+        body.final_temps, body.results, body.saved, body.loaded,
+    )
 
 
 def _reduce(kind: str, tile: str) -> str:
@@ -297,10 +306,15 @@ def _reduce(kind: str, tile: str) -> str:
 
 def _accumulate(kind: str, tile: str, value: str) -> str:
     if kind == "max":
-        return f"tl.maximum({tile}, {value}, propagate_nan=tl.PropagateNan.ALL)"
+        return f"{tile} = maximum({tile}, {value})"
     if kind == "min":
-        return f"tl.minimum({tile}, {value}, propagate_nan=tl.PropagateNan.ALL)"
-    return f"{tile} + {value}"
+        return f"{tile} = minimum({tile}, {value})"
+    return f"{tile} += {value}"
+
+
+def _saved_row(count: int, k: int) -> str:
+    """Reduction k of each row in the [M, count] buffer of saved reductions."""
+    return f"saved_ptr + rows * {count}" + (f" + {k}" if k else "")
 
 
 def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
@@ -308,30 +322,21 @@ def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
     (the first row block writes it), or added to the row sums' tile."""
     name = gradient.input.name
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
-    lines = [f"if {names.needs[name]}:", f"    if {names.sums[name]}:"]
-    for k, v in enumerate(gradient.values):
-        column = "cols" if k == 0 else f"cols + {'' if k == 1 else f'{k} * '}N"
-        lines += [
-            f"        partial = {pointer} + tl.program_id(0) * {width} + {column}",
-            f"        tile_sum = tl.sum(tl.where(in_bounds, {v}, 0.0), axis=0)",
-            "        if row_offset == 0:",
-            "            tl.store(partial, tile_sum, mask=cols < N)",
-            "        else:",
-            "            tl.store(partial, tl.load(partial, mask=cols < N) + tile_sum, mask=cols < N)",
+    if not gradient.one_per_row:
+        return [
+            f"add_gradient_partials({pointer}, {v}, rows, {chunk_columns(k)}, {chunk_end(k)}, {width}, in_bounds, "
+            f"row_offset == 0, "
+            f"{names.needs[name]}, {names.sums[name]})"
+            for k, v in enumerate(gradient.values)
         ]
-    if gradient.one_per_row:
-        accumulator = names.accumulator[gradient.values[0]]
-        lines += [
-            f"    elif {names.column_sums[name]}:",
-            f"        {accumulator} += tl.where(in_bounds, {gradient.values[0]}, 0.0)",
-        ]
-    lines.append("    else:")
-    lines += [
-        f"        tl.store({pointer} + rows[:, None] * {width} + {column_offset(k)}, {v}.to({pointer}.dtype.element_ty), "
-        "mask=in_bounds)"
-        for k, v in enumerate(gradient.values)
+    value, accumulator = gradient.values[0], names.accumulator[gradient.values[0]]
+    return [
+        f"if {names.needs[name]} and {names.column_sums[name]} and not {names.sums[name]}:",
+        f"    {accumulator} += tl.where(in_bounds, {value}, 0.0)",
+        "else:",
+        f"    add_gradient_partials({pointer}, {value}, rows, cols, N, {width}, in_bounds, row_offset == 0, "
+        f"{names.needs[name]}, {names.sums[name]})",
     ]
-    return lines
 
 
 KIND = TritonKind(
@@ -340,7 +345,6 @@ KIND = TritonKind(
     backward=row_backward_kernel,
     binding="launch.RowKernels",
     doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
-        "reduced in registers, a wider one is swept once per level of nested reductions. They compute in fp32 "
-        "(fp64 for fp64 inputs) and write every output once, in the dtype torch's type promotion gives.",
-    reserved=frozenset({"first_col", "partial", "tile_sum", "ONE_TILE", "saved_ptr"}),
+        "reduced in registers, a wider one is swept once per level of nested reductions.",
+    reserved=frozenset({"first_col", "ONE_TILE", "saved_ptr"}),
 )

@@ -1,6 +1,10 @@
 """The Triton kernels' tile shapes: the autotuner's configurations, the pruners that keep
-those that fit a problem, and the backward's rows per program."""
+those that fit a problem (each pair a kernel's tuning space), and the backward's rows per
+program."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -188,6 +192,20 @@ def prune_row_backward_configs(configs, named_args, **kwargs):
     return _row_configs(configs, named_args["M_BUCKET"], named_args["BLOCK_N"], named_args["ROWS_PER_PROGRAM"])
 
 
+@dataclass(frozen=True)
+class Space:
+    """A kernel's tuning space: its configs, and the pruner that keeps those fitting a problem."""
+
+    configs: list
+    prune: Callable
+
+
+FORWARD = Space(FORWARD_CONFIGS, prune_forward_configs)
+BACKWARD = Space(BACKWARD_CONFIGS, prune_backward_configs)
+ROW_FORWARD = Space(ROW_CONFIGS, prune_row_configs)
+ROW_BACKWARD = Space(ROW_CONFIGS, prune_row_backward_configs)
+
+
 def row_backward_rows_per_program(m: int, summed: bool = True) -> int:
     """Rows each row-backward program walks: where some gradient is summed over rows, about
     ROW_BACKWARD_PROGRAMS programs, each writing one row of partial column sums per [N]-like
@@ -223,6 +241,14 @@ def size_hint(size):
 
 
 _UNKNOWN_SIZE = 4096  # a size without an example value (data-dependent): tiles for a mid-sized problem
+
+
+def autotune(space: Space, key: list[str], pre_hook=None):
+    """Triton's autotuner as every generated kernel takes it: the space's configs, pruned to
+    those that fit each problem, timed by autotune_do_bench(), the results kept across
+    processes where persist_results() allows; `key` and `pre_hook` as Triton's."""
+    return triton.autotune(configs=space.configs, key=key, prune_configs_by={"early_config_prune": space.prune},
+                           pre_hook=pre_hook, do_bench=autotune_do_bench(), cache_results=persist_results())
 
 
 def persist_results() -> bool:
