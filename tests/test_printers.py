@@ -45,10 +45,9 @@ torch_ = TorchPrinter({("act", None): "_act_torch"}, {"act": "act"})
         (FUNCTIONS["softplus"].sympy_form(x), "tl.where(x > 20, x, libdevice.log1p(libdevice.exp(x)))",
          "torch.where(x > 20, x, torch.log1p(torch.exp(x)))"),
         (FUNCTIONS["clamp"].sympy_form(x, -1, y),
-         "tl.minimum(tl.maximum(x, -1, propagate_nan=tl.PropagateNan.ALL), y, propagate_nan=tl.PropagateNan.ALL)",
+         "minimum(maximum(x, -1), y)",  # kernel_lib's NaN-propagating maximum and minimum
          "torch.clamp(x, torch.tensor(-1, dtype=problem.compute_dtype, device=problem.device), y)"),
-        (FUNCTIONS["clamp"].sympy_form(x, -1, 1), "tl.minimum(tl.maximum(x, -1, propagate_nan=tl.PropagateNan.ALL), "
-         "1, propagate_nan=tl.PropagateNan.ALL)", "torch.clamp(x, -1, 1)"),
+        (FUNCTIONS["clamp"].sympy_form(x, -1, 1), "minimum(maximum(x, -1), 1)", "torch.clamp(x, -1, 1)"),
         # clamp's derivative: 1 on [lo, hi] inclusive, with & between the comparisons.
         (sympy.diff(FUNCTIONS["clamp"].sympy_form(x, -1, y), x), "tl.where((x >= -1) & (x <= y), 1, 0)",
          "torch.where((x >= -1) & (x <= y), 1, 0)"),
