@@ -155,9 +155,10 @@ def run_2d(rank: int, world: int, init_file: str) -> None:
         # (the kernels place a shard by one: the second is gathered first).
         cases = (((Shard(0), Shard(2)), (Shard(0), Shard(2))), ((Shard(1), Shard(1)), (Shard(1), Shard(1))),
                  ((Shard(0), Shard(1)), (Shard(0), Replicate())), ((Replicate(), Shard(2)), (Replicate(), Shard(2))))
-        for placements, expected in cases:
+        for i, (placements, expected) in enumerate(cases):
+            # Compiled for the first and third (each is a compilation; CI has two cores).
             for name, fn in (("bias_gelu_dropout_add 2-D", lambda **t: seed_op(**t, p=0.3, seed=13)),
-                             ("compiled bias_gelu_dropout_add 2-D", compiled_seed_op)):
+                             ("compiled bias_gelu_dropout_add 2-D", compiled_seed_op))[:1 if i % 2 else 2]:
                 got = _check(name, fn, tensors, {"x": placements, "residual": placements}, mesh, exact=True,
                              grad_seed=34)
                 assert got.placements == expected, (name, placements, got.placements)
