@@ -64,8 +64,9 @@ def tensor_parallel(net, mesh) -> None:
             "out": RowwiseParallel(input_layouts=Shard(2), output_layouts=Shard(1), use_local_output=False),
         })
         block.fc_bias = nn.Parameter(distribute_tensor(block.fc_bias.data, mesh, [Shard(0)]))
+    whole = {m for block in net.blocks for m in block.attention.modules()}  # plain: attention's own
     for module in net.modules():
-        if module is net or any(module is b.attention or module in b.attention.modules() for b in net.blocks):
+        if module is net or module in whole:
             continue
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):

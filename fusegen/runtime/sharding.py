@@ -130,7 +130,7 @@ class _ShardedCall:
     placements: tuple  # P: the output's, one per mesh dim
     inputs: tuple  # each input's target placements
     shape: torch.Size  # the global output shape
-    shard: Shard | None  # None when not sharded; symbolic sizes while traced
+    shard: Shard | None  # None when not sharded or without dropout; symbolic sizes while traced
     traced: bool  # torch.compile traces the call: its local tensors are fake ones
 
 
@@ -193,7 +193,10 @@ def _new_sharded_call(op, tensors, traced: bool = False) -> _ShardedCall:
                 elif placement.dim != leading:
                     placements[i] = Replicate()
     targets = tuple(tuple(_input_placement(p, t, shape) for p in placements) for t in tensors)
-    return _ShardedCall(mesh, tuple(placements), targets, shape, _shard(placements, shape, mesh), traced)
+    # Only dropout reads the shard's place: without it the local call is a whole problem's
+    # (and takes the prepared path of plain calls).
+    shard = _shard(placements, shape, mesh) if op.has_dropout else None
+    return _ShardedCall(mesh, tuple(placements), targets, shape, shard, traced)
 
 
 def _input_placement(placement, tensor, shape):
