@@ -239,7 +239,8 @@ FUNCTIONS: dict[str, Function] = {
 class infinity(sympy.Symbol):
     """The literal inf. A symbol, not sympy's oo, which would absorb what it meets (x + oo is oo,
     where x = -inf gives NaN) and which a constant may not be (fusegen.constants); printers spell
-    it as the float. Like any symbol it cancels itself (inf - inf is 0 here, NaN in torch)."""
+    it as the float. Like any symbol it would cancel itself (inf - inf is 0 to sympy, NaN in
+    torch), so the parser refuses arithmetic on it (ir._is_inf)."""
 
 
 INF = infinity("%inf", real=True)  # a name no spec name can have

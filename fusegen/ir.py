@@ -240,7 +240,13 @@ class _Scope:
             operand = self._value(node.operand, d)
             return operand if isinstance(node.op, ast.UAdd) else Unary("-", operand)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
-            return Binary(_BINARY_OPS[type(node.op)], self._value(node.left, d), self._value(node.right, d))
+            left, right = self._value(node.left, d), self._value(node.right, d)
+            if _is_inf(left) or _is_inf(right):
+                # inf is a symbol to sympy, which would cancel it (inf - inf is 0, 0 * inf is 0;
+                # torch gives NaN): refused rather than silently wrong.
+                raise _Located(f"'{_snippet(node)}': inf takes no arithmetic; use it in comparisons, where's "
+                               "branches, max, min and clamp")
+            return Binary(_BINARY_OPS[type(node.op)], left, right)
         if isinstance(node, ast.BinOp) and type(node.op) in _LOGIC_OPS:
             return Logic(_LOGIC_OPS[type(node.op)], (self._condition(node.left, d), self._condition(node.right, d)))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
@@ -463,6 +469,13 @@ def _children(expr: Expr) -> tuple:
     if isinstance(expr, (Dropout, Reduce)):
         return (expr.value,)
     return ()
+
+
+def _is_inf(expr: Expr) -> bool:
+    """The literal inf or -inf."""
+    if isinstance(expr, Unary):
+        expr = expr.operand
+    return isinstance(expr, Const) and expr.value in (math.inf, -math.inf)
 
 
 def _check_all_used(spec: OpSpec, scope: _Scope) -> None:

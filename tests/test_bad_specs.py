@@ -159,6 +159,8 @@ CASES = [
      "specs/x.yaml:6: param 's': gt 1.0 is not less than max 1.0"),
     ("param_gt_not_a_number", H + "inputs:\n  x: [N]\nparams:\n  s: {type: float, default: 1.0, gt: zero}\noutputs:\n  y: x / s\n",
      "specs/x.yaml:6: param 's': 'gt' must be a number, got 'zero'"),
+    ("inf_in_arithmetic", H + "inputs:\n  x: [N]\noutputs:\n  y: x + (inf - inf)\n",
+     "specs/x.yaml:6: 'inf - inf': inf takes no arithmetic; use it in comparisons, where's branches, max, min and clamp"),
     ("input_named_inf", H + "inputs:\n  inf: [N]\noutputs:\n  y: inf\n",
      "specs/x.yaml:4: input name 'inf' is a literal of the expression language"),
     ("logic_unparenthesized", H + "inputs:\n  x: [N]\noutputs:\n  y: where(x > 0 & x < 1, x, 0.0)\n",
