@@ -176,12 +176,26 @@ def test_integer_seeds_of_other_types(device):
                                seed_op.reference(x, x[0], x, p=P, seed=2**63 - 1), rtol=1e-6, atol=1e-6)
 
 
-def test_library_op_is_tagged_random():
+def test_library_op_is_tagged_random(device):
     """torch.compile's partitioner may recompute a cheap op in the backward unless it is
-    tagged random: recomputing a dropout op would draw another mask."""
-    assert torch.Tag.nondeterministic_seeded in torch.ops.fusegen.bias_gelu_dropout_add.default.tags
-    assert torch.Tag.nondeterministic_seeded in torch.ops.fusegen.bias_dropout_add.default.tags
-    assert torch.Tag.nondeterministic_seeded not in torch.ops.fusegen.gelu.default.tags
+    tagged random: recomputing the seed's draw would draw another mask. The interpreter's
+    form is a custom op and carries the tag itself; the GPU's form is a triton_op, which
+    compile decomposes, so the draw (torch.randint) carries it there: what shows it is a
+    compiled backward that keeps the forward's mask."""
+    if not bias_dropout_add._OP.kernels.traceable:
+        assert torch.Tag.nondeterministic_seeded in torch.ops.fusegen.bias_gelu_dropout_add.default.tags
+        assert torch.Tag.nondeterministic_seeded in torch.ops.fusegen.bias_dropout_add.default.tags
+        assert torch.Tag.nondeterministic_seeded not in torch.ops.fusegen.gelu.default.tags
+        return
+    x = _randn(8, 36, device=device).abs().add_(1).requires_grad_(True)  # x + bias > 0: no zero is kept
+    bias, residual = _randn(36, device=device, seed=1).abs(), _randn(8, 36, device=device, seed=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: bias_dropout_add.bias_dropout_add(*a, p=P), fullgraph=True)
+    y = compiled(x, bias, residual)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    kept = (y - residual) != 0
+    assert 0 < kept.float().mean() < 1
+    torch.testing.assert_close(grad, kept.float() / (1 - P), rtol=0, atol=0)
 
 
 def test_compiled_calls_draw_new_masks_and_manual_seed_replays_them(device):
@@ -192,8 +206,15 @@ def test_compiled_calls_draw_new_masks_and_manual_seed_replays_them(device):
     assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
     torch.manual_seed(5)
     assert all(torch.equal(a, compiled(x, bias, residual)) for a in first)
+    # Eager draws its seeds with torch's RNG; Inductor lowers a graph's draw to its own RNG,
+    # as it does torch's dropout, unless fallback_random asks for eager's.
+    with torch._inductor.config.patch(fallback_random=True):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda *a: OPS["bias_gelu_dropout_add"](*a, p=P), fullgraph=True)
+        torch.manual_seed(5)
+        first = compiled(x, bias, residual)
     torch.manual_seed(5)
-    assert torch.equal(OPS["bias_gelu_dropout_add"](x, bias, residual, p=P), first[0])
+    assert torch.equal(OPS["bias_gelu_dropout_add"](x, bias, residual, p=P), first)
 
 
 # ---------------------------------------------------------------------------
