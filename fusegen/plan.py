@@ -22,7 +22,7 @@ from .layout import Choice, Input, Scalar
 # A row kernel's body is simplify's frozen RowProgram with every name final (renamed by
 # plan building): the backend reads it as the plan's, under these names, and imports
 # nothing of fusegen.rows.
-from .rows import Reduction as RowReduction, RowPass, RowProgram as RowBody  # noqa: F401  (the plan's API)
+from .rows import SHIFT_NEW, SHIFT_OLD, Reduction as RowReduction, RowPass, RowProgram as RowBody  # noqa: F401  (the plan's API)
 
 
 @dataclass(frozen=True)

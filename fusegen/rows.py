@@ -37,6 +37,10 @@ TIES_PREFIX = "%c"  # the backward's count of maximal (minimal) elements per max
 ADJOINT_SUM_PREFIX = "%s"  # the backward's row sums
 ADJOINT_PREFIX = "%a"  # the backward's adjoint of each forward reduction
 WIDTH = sympy.Symbol("%N", real=True)  # the row's length, in the compute type
+# An online sum's rescale factor is an expression of these two: the running extreme's new
+# and old values (as shifts: see Reduction.running).
+SHIFT_NEW = sympy.Symbol("%new", real=True)
+SHIFT_OLD = sympy.Symbol("%old", real=True)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ class Reduction:
     symbol: sympy.Symbol
     kind: str  # sum, mean, max or min
     value: sympy.Expr  # the element expression reduced along the row
+    # An online sum (softmax's Σ exp(x - max)): it reads the max (min) `running` of the same
+    # pass, and is summed at the running value as it grows, each partial sum multiplied by
+    # `rescale` (SHIFT_NEW, SHIFT_OLD) when the running value moves: one pass for both.
+    running: sympy.Symbol | None = None
+    rescale: sympy.Expr | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,11 @@ class RowProgram:
             tuple(
                 RowPass(
                     pairs(p.temps),
-                    tuple(Reduction(r.symbol.xreplace(rename), r.kind, r.value.xreplace(rename)) for r in p.reductions),
+                    tuple(
+                        Reduction(r.symbol.xreplace(rename), r.kind, r.value.xreplace(rename),
+                                  None if r.running is None else r.running.xreplace(rename), r.rescale)
+                        for r in p.reductions
+                    ),
                     pairs(p.row_values),
                 )
                 for p in self.passes
@@ -112,7 +125,8 @@ class RowProgram:
         for number, p in enumerate(self.passes, 1):
             out.append(f"# pass {number} along the row")
             out += [f"{s} = {e}" for s, e in p.temps]
-            out += [f"{r.symbol} = {r.kind}({r.value})" for r in p.reductions]
+            out += [f"{r.symbol} = {r.kind}({r.value})" + (f"  # online, with {r.running}" if r.running is not None else "")
+                    for r in p.reductions]
             out += [f"{s} = {e}" for s, e in p.row_values]
         out.append("# results, element by element")
         out += [f"{s} = {e}" for s, e in (*self.final_temps, *self.results)]
@@ -292,6 +306,8 @@ def schedule(
     results = [(n, e) for (n, _), e in zip(results, reduced[n_red + n_row:])]
 
     definitions = dict(temps)
+    reductions = _online(reductions, definitions, row_values)
+    online = {r.symbol: r.running for r in reductions if r.running is not None}
     level: dict[sympy.Symbol, int] = {}
     per_element: dict[sympy.Symbol, bool] = {}
 
@@ -317,6 +333,8 @@ def schedule(
             per_element[t] = varies(e)
         for r in reductions:
             new = depth(r.value) + 1
+            if r.symbol in online:  # in its max's pass, unless it reads something later anyway
+                new = max(depth(r.value.subs(r.running, 0)) + 1, level[r.running])
             if level[r.symbol] != new:
                 level[r.symbol], changed = new, True
         for s, e in row_values:
@@ -342,9 +360,14 @@ def schedule(
         by_level.setdefault(level[s], []).append((s, e))
     for at in by_level:
         by_level[at] = _dependency_order(by_level[at])
+    # An online candidate that did not share its max's pass is an ordinary sum after it.
+    reductions = [r if r.running is None or level[r.symbol] == level[r.running]
+                  else Reduction(r.symbol, r.kind, r.value) for r in reductions]
     passes = []
     for p in range(1, passes_count + 1):
-        mine = [r for r in reductions if level[r.symbol] == p]
+        # Online sums after the pass's other reductions: where the row is one tile, they are
+        # taken once at the final max.
+        mine = sorted((r for r in reductions if level[r.symbol] == p), key=lambda r: r.running is not None)
         passes.append(RowPass(tuple(needed([r.value for r in mine])), tuple(mine), tuple(by_level.get(p, ()))))
     program = RowProgram(
         row_values=tuple(by_level.get(0, ())),
@@ -358,6 +381,56 @@ def schedule(
     used = program.free_symbols()
     return RowProgram(*[getattr(program, f) for f in ("row_values", "passes", "final_temps", "results")],
                       loaded=tuple((symbol, k) for k, symbol in enumerate(forward_saved) if symbol in used))
+
+
+def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[Reduction]:
+    """Each sum (mean) whose element expression reads one max (min) m of the program and
+    nothing else of the row, in a way that moving m multiplies every element by the same
+    factor (exp(x - m): by exp(old - new)), made online: its value written out in full (the
+    CSE temporaries read m, which the pass it joins does not have yet) and its rescale."""
+    extremes = {r.symbol for r in reductions if r.kind in ("max", "min")}
+    symbols = {r.symbol for r in reductions} | {s for s, _ in row_values}
+    reading: dict[sympy.Symbol, bool] = {}  # whether a temp reads a reduction or row value, through others
+
+    def reads(t: sympy.Symbol) -> bool:
+        if t not in reading:
+            free = definitions[t].free_symbols
+            reading[t] = bool(free & symbols) or any(reads(u) for u in free & definitions.keys())
+        return reading[t]
+
+    for t in definitions:
+        reads(t)
+    found = []
+    for r in reductions:
+        found.append(r)
+        if r.kind not in ("sum", "mean"):
+            continue
+        full = r.value
+        for _ in range(len(definitions) + 1):  # temps read temps: substitute until none reads a row symbol
+            inline = {t: definitions[t] for t in full.free_symbols & reading.keys() if reading[t]}
+            if not inline:
+                break
+            full = full.xreplace(inline)
+        read = full.free_symbols & symbols
+        if len(read) != 1 or not read <= extremes:
+            continue
+        (m,) = read
+        rescale = sympy.simplify(full.subs(m, SHIFT_NEW) / full.subs(m, SHIFT_OLD))
+        # exp(k·(old - new)), k > 0 for a max (< 0 for a min): a factor ≤ 1 as the extreme
+        # grows (shrinks), finite wherever the two are.
+        if not isinstance(rescale, sympy.exp):
+            continue
+        k = sympy.expand(rescale.args[0]).diff(SHIFT_OLD)
+        if not k.is_number or sympy.expand(rescale.args[0] - k * (SHIFT_OLD - SHIFT_NEW)) != 0:
+            continue
+        if not ((k > 0) if _kind_of(reductions, m) == "max" else (k < 0)):
+            continue
+        found[-1] = Reduction(r.symbol, r.kind, full, m, rescale)
+    return found
+
+
+def _kind_of(reductions: list[Reduction], symbol: sympy.Symbol) -> str:
+    return next(r.kind for r in reductions if r.symbol == symbol)
 
 
 def _dependency_order(items: list[tuple[sympy.Symbol, sympy.Expr]]) -> list:

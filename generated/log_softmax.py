@@ -25,8 +25,8 @@ from triton.language.extra import libdevice
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, indices, load_tile, maximum, row_max, store_column_sums,
-    store_gradient, store_tile,
+    add_gradient_partials, column_tile, indices, load_tile, max_shifts, maximum, row_max,
+    store_column_sums, store_gradient, store_tile,
 )
 
 __all__ = ["log_softmax", "LogSoftmax", "reference", "eager"]
@@ -52,27 +52,31 @@ def log_softmax_kernel(
         cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         max0 = row_max(tl.where(in_bounds, x, -float("inf")))
+        sum1 = tl.sum(tl.where(in_bounds, libdevice.exp(x - max0), 0.0), axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        t0 = max0 - x
-        sum1 = tl.sum(tl.where(in_bounds, libdevice.exp(-t0), 0.0), axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        t0 = max0 - x
         y = -t0 - tl.log(sum1)
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
         max0_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
-        for first_col in range(0, N, BLOCK_N):
-            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
-            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            max0_tile = maximum(max0_tile, tl.where(in_bounds, x, -float("inf")))
-        max0 = row_max(max0_tile)
-        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            t0 = max0 - x
-            sum1_tile += tl.where(in_bounds, libdevice.exp(-t0), 0.0)
-        sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+            max0_before = max0_tile
+            max0_tile = maximum(max0_tile, tl.where(in_bounds, x, -float("inf")))
+            max0_shift, max0_shift_before = max_shifts(max0_before, max0_tile)
+            sum1_tile = (
+                sum1_tile * libdevice.exp(-max0_shift + max0_shift_before)
+                + tl.where(in_bounds, libdevice.exp(-max0_shift + x), 0.0)
+            )
+        max0 = row_max(max0_tile)
+        max0_shift, max0_shift_before = max_shifts(max0_tile, max0)
+        sum1 = tl.sum(
+            sum1_tile * libdevice.exp(-max0_shift + max0_shift_before), axis=1, keep_dims=True
+        )
+        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -151,8 +155,8 @@ def log_softmax_backward_kernel(
 def _reference(problem, x):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     max0 = torch.amax(x, dim=-1, keepdim=True)
+    sum1 = torch.sum(torch.exp(x - max0), dim=-1, keepdim=True)
     t0 = max0 - x
-    sum1 = torch.sum(torch.exp(-t0), dim=-1, keepdim=True)
     y = -t0 - torch.log(sum1)
     return (y,)
 

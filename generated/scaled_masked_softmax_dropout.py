@@ -33,8 +33,8 @@ from triton.language.extra import libdevice
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, maximum, row_max,
-    store_column_sums, store_gradient, store_tile,
+    add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, max_shifts, maximum,
+    row_max, store_column_sums, store_gradient, store_tile,
 )
 
 __all__ = ["scaled_masked_softmax_dropout", "ScaledMaskedSoftmaxDropout", "reference", "eager"]
@@ -79,31 +79,33 @@ def scaled_masked_softmax_dropout_kernel(
         )
         t0 = mask + scale * x
         max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
+        sum1 = tl.sum(tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0), axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        t1 = libdevice.exp(t0 - max0)
-        sum1 = tl.sum(tl.where(in_bounds, t1, 0.0), axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        t1 = libdevice.exp(t0 - max0)
         y = dropout_mask0 * t1 / sum1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
         max0_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
-        for first_col in range(0, N, BLOCK_N):
-            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
-            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
-            t0 = mask + scale * x
-            max0_tile = maximum(max0_tile, tl.where(in_bounds, t0, -float("inf")))
-        max0 = row_max(max0_tile)
-        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
             t0 = mask + scale * x
-            t1 = libdevice.exp(t0 - max0)
-            sum1_tile += tl.where(in_bounds, t1, 0.0)
-        sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+            max0_before = max0_tile
+            max0_tile = maximum(max0_tile, tl.where(in_bounds, t0, -float("inf")))
+            max0_shift, max0_shift_before = max_shifts(max0_before, max0_tile)
+            sum1_tile = (
+                sum1_tile * libdevice.exp(-max0_shift + max0_shift_before)
+                + tl.where(in_bounds, libdevice.exp(-max0_shift + t0), 0.0)
+            )
+        max0 = row_max(max0_tile)
+        max0_shift, max0_shift_before = max_shifts(max0_tile, max0)
+        sum1 = tl.sum(
+            sum1_tile * libdevice.exp(-max0_shift + max0_shift_before), axis=1, keep_dims=True
+        )
+        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -251,8 +253,8 @@ def _reference(problem, x, mask, scale, p, masks):
         dropout_mask0 = 1.0
     t0 = mask + scale * x
     max0 = torch.amax(t0, dim=-1, keepdim=True)
+    sum1 = torch.sum(torch.exp(t0 - max0), dim=-1, keepdim=True)
     t1 = torch.exp(t0 - max0)
-    sum1 = torch.sum(t1, dim=-1, keepdim=True)
     y = dropout_mask0 * t1 / sum1
     return (y,)
 

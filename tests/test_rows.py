@@ -31,16 +31,35 @@ def _program(text: str, tmp_path):
 
 @pytest.mark.parametrize(
     "name,forward_passes,backward_passes",
-    [("layernorm", 2, 1), ("rmsnorm", 1, 1), ("softmax", 2, 1), ("log_softmax", 2, 1), ("add_rmsnorm", 1, 1)],
+    [("layernorm", 2, 1), ("rmsnorm", 1, 1), ("softmax", 1, 1), ("log_softmax", 1, 1), ("add_rmsnorm", 1, 1)],
 )
 def test_passes_follow_the_nesting_of_reductions(name, forward_passes, backward_passes):
-    """A pass per level of nesting in the forward, which keeps each reduction per row; the
-    backward reads those and needs one pass for all its adjoints' row sums, however deep the
-    forward nests (the adjoints are linear in each other)."""
+    """A pass per level of nesting in the forward, which keeps each reduction per row, but
+    for online sums (softmax's: one pass); the backward reads those and needs one pass for
+    all its adjoints' row sums, however deep the forward nests (the adjoints are linear in
+    each other)."""
     op = simplify(build_ir(load_spec(ROOT / "specs" / f"{name}.yaml")))
     assert len(op.forward.passes) == forward_passes
     assert len(op.backward.passes) == backward_passes
     assert [s for s, _ in op.backward.loaded] == [r.symbol for r in op.forward.reductions]
+
+
+@pytest.mark.parametrize("output,online", [
+    ("exp(x - max(x)) / sum(exp(x - max(x)))", True),
+    ("x - max(x) - log(sum(exp(x - max(x))))", True),
+    ("exp(2 * x - max(2 * x)) / sum(exp(2 * x - max(2 * x)))", True),
+    ("exp(min(x) - x) / sum(exp(min(x) - x))", True),  # a min, its sum rescaled the other way
+    ("x * exp(x - max(x)) / sum(x * exp(x - max(x)))", True),  # the factor needs not be exp alone
+    ("x / sum(exp(max(x) - x))", False),  # the factor would grow past 1 as the max grows
+    ("x / sum(x - max(x))", False),  # not a rescale: a shift
+    ("x / sum(x * max(x))", False),  # a rescale by new / old: 0 / 0 before the first element
+    ("exp(x - max(x)) / sum(exp(x - max(x)) + max(x))", False),
+])
+def test_sums_of_exp_of_a_max_are_online(output, online, tmp_path):
+    """A sum that reads a max only through exp(c·(x - max)) joins the max's pass."""
+    op = _program(f"name: op\ndoc: d\ninputs: {{x: [..., N]}}\noutputs:\n  y: {output}\n", tmp_path)
+    assert len(op.forward.passes) == (1 if online else 2)
+    assert any(r.running is not None for r in op.forward.reductions) == online
 
 
 def test_a_reduction_written_twice_is_computed_once(tmp_path):
@@ -126,6 +145,30 @@ def _oracle_case(name, m, n, dtype):
                 lambda x, bias, residual, weight, norm_bias: (
                     x + bias + residual, F.layer_norm(x + bias + residual, (n,), weight, norm_bias, 1e-5)))
     raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_online_sums_in_the_loop_match_torch_where_the_max_moves(name, device):
+    """The looped layout's online max-and-sum (2-column tiles over 37 columns): a max that
+    grows tile after tile by far more than exp's range, lanes that see only -inf at first,
+    a row all -inf, a +inf, a NaN: as torch, fp32 against fp64."""
+    op = op_by_name(name)
+    oracle = torch.softmax if name == "softmax" else torch.log_softmax
+    n = 37
+    x = torch.randn(8, n, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x[0] = torch.arange(n) * 300.0  # the max moves by 300 each column: exp(-300) underflows fp32
+    x[1] = -torch.arange(n) * 300.0
+    x[2, :20] = float("-inf")  # lanes with nothing but -inf for the first tiles
+    x[3] = float("-inf")  # torch: NaN across the row
+    x[4, 30] = float("inf")
+    x[5, 11] = float("nan")
+    x[6] *= 1e4
+    x[7] *= 1e-30
+    want = oracle(x, -1)
+    call = op.module._OP.check((x.float().to(device),), needs_kernel=True)
+    got = torch.empty_like(x, dtype=torch.float32, device=device)
+    op.module._OP.kernels.forward(call, (x.float().to(device),), [got], None, tile=(2, 2))
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-6, atol=1e-30, equal_nan=True)
 
 
 ORACLE_OPS = ["layernorm", "bias_layernorm", "rmsnorm", "add_rmsnorm", "softmax", "log_softmax",

@@ -199,6 +199,23 @@ def minimum(a, b):
 
 
 @triton.jit
+def max_shifts(before, after):
+    """A running max before and after it takes in more elements, as the shifts its online
+    sums are taken at (Σ exp(x - shift)), the new one first: while a max is still -inf (no
+    element yet), its shift is 0, and the old shift is the new one (its sum is still 0, and
+    exp(old - new) could overflow to inf: 0 · inf is NaN)."""
+    new = tl.where(after == -float("inf"), 0.0, after)
+    return new, tl.where(before == -float("inf"), new, before)
+
+
+@triton.jit
+def min_shifts(before, after):
+    """A running min's shifts, as max_shifts' with inf for -inf."""
+    new = tl.where(after == float("inf"), 0.0, after)
+    return new, tl.where(before == float("inf"), new, before)
+
+
+@triton.jit
 def row_max(tile):
     """The largest element of each row of a tile, as [rows, 1]; NaN if the row holds one, as
     torch.amax (tl.max's maximum drops NaN)."""

@@ -14,8 +14,10 @@ backward) draws the same ones; with dropout off they are 1.
 """
 from __future__ import annotations
 
+import sympy
+
 from fusegen.body_text import depends_on
-from fusegen.plan import KernelPlan, OpPlan, RowBody, RowPass, RowReduction
+from fusegen.plan import SHIFT_NEW, SHIFT_OLD, KernelPlan, OpPlan, RowBody, RowPass, RowReduction
 
 from .kernel_text import (
     COMPUTE_LINE,
@@ -146,6 +148,8 @@ class _Program:
         # Row values are [BLOCK_M, 1] tensors too: an expression of them needs no broadcast.
         self.tensors |= {r.symbol.name for r in self.body.reductions} | {s.name for s, _ in self.body.loaded}
         self.temps = {t.name: e for t, e in self.body.definitions}
+        self._kinds = {r.symbol.name: r.kind for r in self.body.reductions}
+        self._tile_of = _TileNames(self)
 
     # -- pieces ------------------------------------------------------------------
 
@@ -250,19 +254,49 @@ class _Program:
             *_indent(self._loads(*self._reads(exprs), first_col="first_col")),
         ]
 
+    def _shifts(self, extreme: str, before: str, after: str) -> str:
+        """A running max (min) before and after, as its online sums' shifts (kernel_lib.max_shifts)."""
+        return f"{'max' if self._kinds[extreme] == 'max' else 'min'}_shifts({before}, {after})"
+
+    def _online_terms(self, r: RowReduction, new: str, old: str) -> tuple[str, str]:
+        """An online sum's rescale factor and value, at the shifts named `new` and `old`."""
+        at = {SHIFT_NEW: sympy.Symbol(new), SHIFT_OLD: sympy.Symbol(old)}
+        rescale = self.printer.doprint(r.rescale.xreplace(at))
+        value = self.printer.doprint(r.value.xreplace({r.running: at[SHIFT_NEW]}))
+        return rescale, f"tl.where(in_bounds, {value}, 0.0)"
+
     def looped(self, stores: list[str], before: list[str], after: list[str]) -> list[str]:
         body = self.body
         lines = self._saved_loads() + self._assignments(body.row_values)
         for p in body.passes:
+            plain = [r for r in p.reductions if r.running is None]
+            online = [r for r in p.reductions if r.running is not None]
+            running = list(dict.fromkeys(r.running.name for r in online))
+            names = {m: [self.names.claim_once(f"{m}_{what}", f"{m}_{what}") for what in ("before", "shift", "shift_before")]
+                     for m in running}
             for r in p.reductions:
                 lines.append(f"{self._tile(r)} = tl.full((BLOCK_M, BLOCK_N), {_NEUTRAL[r.kind]}, {COMPUTE_DTYPE})")
             lines += self._loop([r.value for r in p.reductions])
             lines += _indent(self._assignments(p.temps))
-            for r in p.reductions:
+            for m in running:  # each lane's extreme before this tile moves it
+                lines.append(f"    {names[m][0]} = {self._tile_of[m]}")
+            for r in plain:
+                lines.append(f"    {_accumulate(r.kind, self._tile(r), self._value(r))}")
+            for m in running:
+                before_name, shift, shift_before = names[m]
+                lines.append(f"    {shift}, {shift_before} = {self._shifts(m, before_name, self._tile_of[m])}")
+            for r in online:
+                rescale, value = self._online_terms(r, *names[r.running.name][1:])
                 tile = self._tile(r)
-                lines.append(f"    {_accumulate(r.kind, tile, self._value(r))}")
-            for r in p.reductions:
+                lines.append(f"    {tile} = {tile} * {rescale} + {value}")
+            for r in plain:
                 lines.append(f"{r.symbol.name} = {_reduce(r.kind, self._tile(r))}")
+            for m in running:  # each lane's sums, taken at the lane's own shift, brought to the row's
+                _, shift, shift_before = names[m]
+                lines.append(f"{shift}, {shift_before} = {self._shifts(m, self._tile_of[m], m)}")
+            for r in online:
+                rescale, _ = self._online_terms(r, *names[r.running.name][1:])
+                lines.append(f"{r.symbol.name} = {_reduce(r.kind, f'{self._tile(r)} * {rescale}')}")
             lines += self._saved_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += before
@@ -271,6 +305,17 @@ class _Program:
         lines += _indent(self._assignments(body.results, triton_constant))
         lines += _indent(stores)
         return lines + after
+
+
+class _TileNames:
+    """A reduction's looped tile by the reduction's name."""
+
+    def __init__(self, program: "_Program"):
+        self._program = program
+        self._by_name = {r.symbol.name: r for r in program.body.reductions}
+
+    def __getitem__(self, name: str) -> str:
+        return self._program._tile(self._by_name[name])
 
 
 def _named_reductions(body: RowBody) -> RowBody:
