@@ -40,7 +40,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["scaled_masked_softmax_dropout", "ScaledMaskedSoftmaxDropout", "reference", "eager"]
 
 
-@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
+@tuning.autotune(tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "HAS_DROPOUT"])
 @triton.jit
 def scaled_masked_softmax_dropout_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -62,6 +62,7 @@ def scaled_masked_softmax_dropout_kernel(
     BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
     ONE_TILE: tl.constexpr,  # BLOCK_N >= N
     BLOCK_M: tl.constexpr,
+    ONLINE: tl.constexpr = True,  # looped: online sums in their max's pass, not one pass after
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
@@ -86,25 +87,48 @@ def scaled_masked_softmax_dropout_kernel(
         y = dropout_mask0 * t1 / sum1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
-        max0_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
-        sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
-        for first_col in range(0, N, BLOCK_N):
-            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
-            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
-            t0 = mask + scale * x
-            max0_before = max0_tile
-            max0_tile = maximum(max0_tile, tl.where(in_bounds, t0, -float("inf")))
-            max0_shift, max0_shift_before = max_shifts(max0_before, max0_tile)
-            sum1_tile = (
-                sum1_tile * libdevice.exp(-max0_shift + max0_shift_before)
-                + tl.where(in_bounds, libdevice.exp(-max0_shift + t0), 0.0)
-            )
-        max0 = row_max(max0_tile)
-        max0_shift, max0_shift_before = max_shifts(max0_tile, max0)
-        sum1 = tl.sum(
-            sum1_tile * libdevice.exp(-max0_shift + max0_shift_before), axis=1, keep_dims=True
-        )
+        if ONLINE:
+            max0_running = tl.full((BLOCK_M, 1), -float("inf"), compute)
+            sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
+            for first_col in range(0, N, BLOCK_N):
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                mask = load_tile(
+                    mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute
+                )
+                t0 = mask + scale * x
+                max0_before = max0_running
+                max0_running = maximum(
+                    max0_running, row_max(tl.where(in_bounds, t0, -float("inf")))
+                )
+                max0_shift, max0_shift_before = max_shifts(max0_before, max0_running)
+                sum1_tile = (
+                    sum1_tile * libdevice.exp(-max0_shift + max0_shift_before)
+                    + tl.where(in_bounds, libdevice.exp(-max0_shift + t0), 0.0)
+                )
+            max0 = max0_running
+            sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+        else:
+            max0_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
+            for first_col in range(0, N, BLOCK_N):
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                mask = load_tile(
+                    mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute
+                )
+                t0 = mask + scale * x
+                max0_tile = maximum(max0_tile, tl.where(in_bounds, t0, -float("inf")))
+            max0 = row_max(max0_tile)
+            sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
+            for first_col in range(0, N, BLOCK_N):
+                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
+                x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+                mask = load_tile(
+                    mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute
+                )
+                t0 = mask + scale * x
+                sum1_tile += tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0)
+            sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
         tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):

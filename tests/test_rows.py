@@ -171,6 +171,25 @@ def test_online_sums_in_the_loop_match_torch_where_the_max_moves(name, device):
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-6, atol=1e-30, equal_nan=True)
 
 
+@pytest.mark.parametrize("online", [True, False], ids=["online", "two-loops"])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "scaled_masked_softmax_dropout"])
+def test_both_looped_forms_of_online_sums(name, online, device, monkeypatch):
+    """A forward with online sums loops along the row two ways, the autotuner's choice: its
+    online sums in their max's pass, or in a loop after it. Both as torch (fp64); on the CPU
+    the interpreter's one config takes each in turn (a width of its own: tuned configs are
+    kept per width)."""
+    from fusegen.backends.triton import tuning
+
+    monkeypatch.setattr(tuning, "INTERPRETER_ONLINE", online)
+    op = op_by_name(name)
+    n = (1500 if online else 1700) if device == "cpu" else 40000
+    tensors, params, oracle = _oracle_case(name, 3, n, torch.float64)
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+    outs, _ = _forward_backward(op, tensors, params, (torch.ones(3, n, dtype=torch.float64, device=device),),
+                                "autotuned")
+    check_against_truth(outs[0], oracle(*tensors.values()), what=f"{name} N={n} online={online}")
+
+
 ORACLE_OPS = ["layernorm", "bias_layernorm", "rmsnorm", "add_rmsnorm", "softmax", "log_softmax",
               "scaled_masked_softmax_dropout", "layernorm_dropout_add", "bias_dropout_add_layernorm"]
 

@@ -62,6 +62,9 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
     arguments += shared_arguments(plan, kernel, names, forward=True)
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
+    if program.online:
+        # The autotuner's choice; a tile given by hand (tests) takes the default.
+        arguments.append("ONLINE: tl.constexpr = True,  # looped: online sums in their max's pass, not one pass after")
     stores = []
     for (name, _), out in zip(plan.outputs, kernel.outputs):
         if name in plan.row_outputs:  # one value a row, stored from the row's first column
@@ -81,7 +84,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         *_indent(program.looped(stores, [], [])),
     ]
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
-                      "tuning.ROW_FORWARD")
+                      "tuning.ROW_FORWARD_ONLINE" if program.online else "tuning.ROW_FORWARD")
 
 
 def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
@@ -149,7 +152,8 @@ class _Program:
         self.tensors |= {r.symbol.name for r in self.body.reductions} | {s.name for s, _ in self.body.loaded}
         self.temps = {t.name: e for t, e in self.body.definitions}
         self._kinds = {r.symbol.name: r.kind for r in self.body.reductions}
-        self._tile_of = _TileNames(self)
+        self._running = {r.running.name for r in self.body.reductions if r.running is not None}
+        self.online = bool(self._running)
 
     # -- pieces ------------------------------------------------------------------
 
@@ -216,9 +220,12 @@ class _Program:
             for symbol, k in self.body.loaded
         ]
 
-    def _tile(self, reduction: RowReduction) -> str:
-        """A looped reduction's [BLOCK_M, BLOCK_N] tile, reduced after the loop."""
+    def _tile(self, reduction: RowReduction, running: bool = False) -> str:
+        """A looped reduction's [BLOCK_M, BLOCK_N] tile, reduced after the loop; a running
+        extreme's [BLOCK_M, 1] value, reduced tile by tile."""
         name = reduction.symbol.name
+        if running:
+            return self.names.claim_once(f"{name} running", f"{name}_running")
         return self.names.claim_once(name, f"{name}_tile")
 
     def _value(self, reduction: RowReduction) -> str:
@@ -265,38 +272,23 @@ class _Program:
         value = self.printer.doprint(r.value.xreplace({r.running: at[SHIFT_NEW]}))
         return rescale, f"tl.where(in_bounds, {value}, 0.0)"
 
+    def _two_loops(self, p: RowPass) -> list[str]:
+        """A pass with online sums as two loops: its other reductions, then the sums at the
+        final extreme (fewer operations per element, one more read of the row)."""
+        online = [r for r in p.reductions if r.running is not None]
+        first = RowPass(p.temps, tuple(r for r in p.reductions if r.running is None), ())
+        second = RowPass(_temps_read(p.temps, [r.value for r in online]),
+                         tuple(RowReduction(r.symbol, r.kind, r.value) for r in online), ())
+        return self._pass_loop(first) + self._pass_loop(second)
+
     def looped(self, stores: list[str], before: list[str], after: list[str]) -> list[str]:
         body = self.body
         lines = self._saved_loads() + self._assignments(body.row_values)
         for p in body.passes:
-            plain = [r for r in p.reductions if r.running is None]
-            online = [r for r in p.reductions if r.running is not None]
-            running = list(dict.fromkeys(r.running.name for r in online))
-            names = {m: [self.names.claim_once(f"{m}_{what}", f"{m}_{what}") for what in ("before", "shift", "shift_before")]
-                     for m in running}
-            for r in p.reductions:
-                lines.append(f"{self._tile(r)} = tl.full((BLOCK_M, BLOCK_N), {_NEUTRAL[r.kind]}, {COMPUTE_DTYPE})")
-            lines += self._loop([r.value for r in p.reductions])
-            lines += _indent(self._assignments(p.temps))
-            for m in running:  # each lane's extreme before this tile moves it
-                lines.append(f"    {names[m][0]} = {self._tile_of[m]}")
-            for r in plain:
-                lines.append(f"    {_accumulate(r.kind, self._tile(r), self._value(r))}")
-            for m in running:
-                before_name, shift, shift_before = names[m]
-                lines.append(f"    {shift}, {shift_before} = {self._shifts(m, before_name, self._tile_of[m])}")
-            for r in online:
-                rescale, value = self._online_terms(r, *names[r.running.name][1:])
-                tile = self._tile(r)
-                lines.append(f"    {tile} = {tile} * {rescale} + {value}")
-            for r in plain:
-                lines.append(f"{r.symbol.name} = {_reduce(r.kind, self._tile(r))}")
-            for m in running:  # each lane's sums, taken at the lane's own shift, brought to the row's
-                _, shift, shift_before = names[m]
-                lines.append(f"{shift}, {shift_before} = {self._shifts(m, self._tile_of[m], m)}")
-            for r in online:
-                rescale, _ = self._online_terms(r, *names[r.running.name][1:])
-                lines.append(f"{r.symbol.name} = {_reduce(r.kind, f'{self._tile(r)} * {rescale}')}")
+            if any(r.running is not None for r in p.reductions):
+                lines += ["if ONLINE:", *_indent(self._pass_loop(p)), "else:", *_indent(self._two_loops(p))]
+            else:
+                lines += self._pass_loop(p)
             lines += self._saved_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += before
@@ -306,16 +298,53 @@ class _Program:
         lines += _indent(stores)
         return lines + after
 
+    def _pass_loop(self, p: RowPass) -> list[str]:
+        """One loop along the row for a pass's reductions (its online sums rescaled as their
+        extreme grows), and the reductions after it."""
+        lines = []
+        plain = [r for r in p.reductions if r.running is None]
+        online = [r for r in p.reductions if r.running is not None]
+        running = list(dict.fromkeys(r.running.name for r in online))
+        names = {m: [self.names.claim_once(f"{m}_{what}", f"{m}_{what}") for what in ("before", "shift", "shift_before")]
+                 for m in running}
+        tiles = {r.symbol.name: self._tile(r, r.symbol.name in running) for r in p.reductions}
+        for r in p.reductions:  # a running extreme is one per row: its sums' lanes share it
+            shape = "(BLOCK_M, 1)" if r.symbol.name in running else "(BLOCK_M, BLOCK_N)"
+            lines.append(f"{tiles[r.symbol.name]} = tl.full({shape}, {_NEUTRAL[r.kind]}, {COMPUTE_DTYPE})")
+        lines += self._loop([r.value for r in p.reductions])
+        lines += _indent(self._assignments(p.temps))
+        for m in running:  # each row's extreme before this tile moves it
+            lines.append(f"    {names[m][0]} = {tiles[m]}")
+        for r in plain:
+            value = self._value(r)
+            if r.symbol.name in running:
+                value = _reduce(r.kind, value)
+            lines.append(f"    {_accumulate(r.kind, tiles[r.symbol.name], value)}")
+        for m in running:
+            before_name, shift, shift_before = names[m]
+            lines.append(f"    {shift}, {shift_before} = {self._shifts(m, before_name, tiles[m])}")
+        for r in online:
+            rescale, value = self._online_terms(r, *names[r.running.name][1:])
+            tile = tiles[r.symbol.name]
+            lines.append(f"    {tile} = {tile} * {rescale} + {value}")
+        for r in plain:
+            tile = tiles[r.symbol.name]
+            lines.append(f"{r.symbol.name} = {tile if r.symbol.name in running else _reduce(r.kind, tile)}")
+        for r in online:  # every lane's sum is at the row's final extreme already
+            lines.append(f"{r.symbol.name} = {_reduce(r.kind, tiles[r.symbol.name])}")
+        return lines
 
-class _TileNames:
-    """A reduction's looped tile by the reduction's name."""
 
-    def __init__(self, program: "_Program"):
-        self._program = program
-        self._by_name = {r.symbol.name: r for r in program.body.reductions}
-
-    def __getitem__(self, name: str) -> str:
-        return self._program._tile(self._by_name[name])
+def _temps_read(temps, exprs) -> tuple:
+    """The temporaries these expressions read, directly or through others, in order."""
+    wanted, pending = set(), [s for e in exprs for s in e.free_symbols]
+    definitions = dict(temps)
+    while pending:
+        symbol = pending.pop()
+        if symbol in definitions and symbol not in wanted:
+            wanted.add(symbol)
+            pending.extend(definitions[symbol].free_symbols)
+    return tuple((t, e) for t, e in temps if t in wanted)
 
 
 def _named_reductions(body: RowBody) -> RowBody:
