@@ -331,15 +331,19 @@ class _Bound:
         self._choice_names = [names("choice", params[i]) for i in self._choices]
         self._gradient_names = [(names("gradient", name), names("needs", name), names("sums", name),
                                  names("column_sums", name)) for name in kernels.gradients]
-        # Two values of one name would leave one out, unseen by the signature's check.
-        named = [M, N, M_BUCKET, SEED, SHARD, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED, INDEX_64, COMPUTE_FP64,
-                 ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, SAVED, *self._output_names, *self._scalar_names,
-                 *self._choice_names]
-        for group in (self._input_names, self._incoming_names, self._dropout_names, self._gradient_names):
-            named += [name for names_ in group for name in names_]
-        twice = sorted({name for name in named if named.count(name) > 1})
-        if twice:
-            raise KernelSignatureError(f"{op.name}: the kernels' values {', '.join(map(repr, twice))} share a name")
+        # Two values of one name in a kernel would leave one out, unseen by the signature's check.
+        common = [M, N, M_BUCKET, SEED, SHARD, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED, INDEX_64, COMPUTE_FP64,
+                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, SAVED, *self._scalar_names, *self._choice_names,
+                  *(name for pair in self._dropout_names for name in pair)]
+        forward = [*common, *self._output_names, *(name for triple in self._input_names for name in triple)]
+        backward = [*common, *(name for i in self._reads for name in self._input_names[i]),
+                    *(name for triple in self._incoming_names for name in triple)]
+        for names_, one in zip(self._gradient_names, self._one_per_row):
+            backward += names_ if one else names_[:3]
+        for signature, named in zip(self._signatures, (forward, backward)):
+            twice = sorted({name for name in named if named.count(name) > 1})
+            if twice:
+                raise KernelSignatureError(f"{signature.kernel}: values {', '.join(map(repr, twice))} share a name")
 
     def check_device(self, device: torch.device) -> None:
         check_runs_off_cuda(self.op.name, device, self.forward_kernel)
