@@ -2,6 +2,7 @@
 cached binary may be launched without Triton's dispatch (cached_launcher.CachedLauncher)."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import triton
 
 from fusegen import runtime
-from fusegen.backends.triton import cached_launcher, tuning
+from fusegen.backends.triton import cached_launcher, launch, tuning
 from helpers import op_by_name
 
 
@@ -203,3 +204,78 @@ def test_kernels_key_their_tuning_on_the_bucket():
     module = op_by_name("swiglu").module
     for kernel in (module.swiglu_kernel, module.swiglu_backward_kernel):
         assert "M_BUCKET" in kernel.keys and "M" not in kernel.keys
+
+
+# ---------------------------------------------------------------------------
+# Argument lists by name, from the kernel's own signature (launch._Signature)
+
+
+def _with_signature_edited(tmp_path, edit):
+    """generated/scale_add.py with its kernels' signatures edited (as its own op, named
+    scale_add_edited), imported."""
+    import importlib.util
+
+    text = (Path(__file__).resolve().parents[1] / "generated" / "scale_add.py").read_text(encoding="utf-8")
+    text = edit(text).replace("scale_add", "scale_add_edited")
+    path = tmp_path / "scale_add_edited.py"
+    path.write_text(text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("scale_add_edited", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _swapped(text: str, a: str, b: str) -> str:
+    """The first line starting `a` and the first after it starting `b`, swapped."""
+    lines = text.split("\n")
+    i = next(k for k, line in enumerate(lines) if line.startswith(a))
+    j = next(k for k in range(i, len(lines)) if lines[k].startswith(b))
+    lines[i], lines[j] = lines[j], lines[i]
+    return "\n".join(lines)
+
+
+def test_a_kernel_with_its_parameters_reordered_gets_each_value_by_name(tmp_path, device):
+    """The kernels' inputs, and M, N moved ahead of them: each value still goes to the
+    parameter of its name (a positional list would hand x's pointer to M)."""
+    def edit(text):
+        forward, backward = text.split("def scale_add_backward_kernel(")
+        forward = _swapped(_swapped(forward, "    x_ptr,", "    residual_ptr,"), "    residual_ptr,", "    M, N,")
+        return forward + "def scale_add_backward_kernel(" + _swapped(backward, "    x_ptr,", "    grad_y_ptr,")
+
+    module = _with_signature_edited(tmp_path, edit)
+    original = op_by_name("scale_add").module
+    for edited, kernel in ((module.scale_add_edited_kernel, original.scale_add_kernel),
+                           (module.scale_add_edited_backward_kernel, original.scale_add_backward_kernel)):
+        assert sorted(edited.arg_names) == sorted(kernel.arg_names) and edited.arg_names != kernel.arg_names
+    assert module.scale_add_edited_kernel.arg_names[:2] == ["M", "N"]
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+               for shape in ((4, 8), (4, 1), (4, 8))]
+    got = module.scale_add_edited(*tensors)
+    got_grads = torch.autograd.grad((got * got).sum(), tensors)
+    want = module.reference(*tensors)
+    want_grads = torch.autograd.grad((want * want).sum(), tensors)
+    for g, w in zip((got, *got_grads), (want, *want_grads)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_a_parameter_with_no_value_is_a_one_line_error_naming_both(tmp_path, device):
+    module = _with_signature_edited(tmp_path, lambda text: text.replace("    M_BUCKET,", "    M_ROWS,", 1))
+    tensors = [torch.randn(shape, dtype=torch.float64, device=device) for shape in ((4, 8), (4, 1), (4, 8))]
+    with pytest.raises(launch.KernelSignatureError) as error:
+        module.scale_add_edited(*tensors)
+    assert str(error.value) == (
+        "scale_add_edited_kernel: parameter 'M_ROWS' has no value; value 'M_BUCKET' is for no parameter"
+    )
+
+
+def test_signature_orders_values_by_name_and_leaves_the_tile_to_the_autotuner():
+    kernel = SimpleNamespace(fn=SimpleNamespace(__name__="k"), arg_names=["b", "a", "FLAG", "BLOCK_M", "BLOCK_N"],
+                             configs=[triton.Config({"BLOCK_M": 1, "BLOCK_N": 8})])
+    signature = launch._Signature(kernel)
+    assert signature.ordered({"a": 1, "FLAG": True, "b": 2}) == [2, 1, True]
+    # A tile parameter is the autotuner's only where the ones after it are too.
+    with pytest.raises(launch.KernelSignatureError, match=r"^k: parameter 'BLOCK_M' has no value$"):
+        signature.ordered({"a": 1, "FLAG": True, "b": 2, "BLOCK_N": 8})
+    with pytest.raises(launch.KernelSignatureError, match=r"^k: value 'c' is for no parameter$"):
+        signature.ordered({"a": 1, "FLAG": True, "b": 2, "c": 3})

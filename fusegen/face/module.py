@@ -47,10 +47,11 @@ def branches(choices: tuple[tuple[str, Body], ...], printer: ElementwisePrinter)
 
 
 def face(plan: OpPlan, *, backend: str, class_name: str, binding: str, kernel_names: tuple[str, str],
-         kernels_doc: str) -> Face:
+         kernels_doc: str, kernel_keywords: tuple[str, ...] = ()) -> Face:
     """The face of `plan`'s module. `backend`: its name as the op's docstring says it;
     `class_name`: the module class's (the backend knows the names it imports);
-    `binding(kernel_names..., ...)`: how the module declares its kernels to FusedOp;
+    `binding(kernel_names..., ...)`: how the module declares its kernels to FusedOp, with
+    `kernel_keywords` ("name=value") last;
     `kernels_doc`: the module docstring's words on what the kernels do."""
     op, params = plan.op, plan.params
     row_values = KINDS[plan.kind].row_values(plan)
@@ -71,7 +72,7 @@ def face(plan: OpPlan, *, backend: str, class_name: str, binding: str, kernel_na
             f"torch.library op fusegen::{op}.", width=92),
         torch_helpers=torch_helpers,
         reference=KINDS[plan.kind].reference(plan, printer),
-        op_declaration=op_declaration(plan, binding, kernel_names),
+        op_declaration=op_declaration(plan, binding, kernel_names, kernel_keywords),
         public_signature=plan.public_signature,
         op_signature=plan.op_signature,
         public_arguments=", ".join(public),

@@ -9,9 +9,11 @@ from fusegen.layout import Choice, Scalar, range_text
 from fusegen.plan import OpPlan
 
 
-def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str]) -> list[str]:
+def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
+                   kernel_keywords: tuple[str, ...] = ()) -> list[str]:
     """The arguments of `_OP = runtime.FusedOp(...)`, one a line (a long one over several):
-    the kernels as `binding(forward, backward, ...)` (the backend's class for the plan's kind)."""
+    the kernels as `binding(forward, backward, ...)` (the backend's class for the plan's kind),
+    with the backend's own `kernel_keywords` ("name=value") last."""
     inputs = []
     for i in plan.inputs:
         chunks = f", chunks={i.layout.chunks}" if i.layout.chunks > 1 else ""
@@ -54,6 +56,7 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str]) ->
     statistics = KINDS[plan.kind].statistics(plan)
     if statistics:
         kernels.append(f"statistics={statistics}")
+    kernels += kernel_keywords
     return lines + _argument("kernels", kernels, call=binding) + ["reference=_reference,"]
 
 

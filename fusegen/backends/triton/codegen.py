@@ -41,13 +41,25 @@ def render(plan: OpPlan) -> str:
         header=outdir.header_lines(plan.op, plan.spec_path),  # as outdir reads it back
         spec_sha256=plan.spec_sha256,
         face=face.face(plan, backend="Triton", class_name=module_class_name(plan.op), binding=kind.binding,
-                       kernel_names=(forward.name, backward.name), kernels_doc=kind.doc),
+                       kernel_names=(forward.name, backward.name), kernels_doc=kind.doc,
+                       kernel_keywords=_renamed(names)),
         uses_libdevice="libdevice." in kernel_code,
         kernel_lib_import=_kernel_lib_import([n for n in KERNEL_LIB_NAMES if re.search(rf"(?<![\w.]){n}\(", kernel_code)]),
         triton_helpers=triton_helpers,
         kernels=[forward, backward],
     )
     return format_module(_environment().get_template("op.py.jinja").render(**context))
+
+
+def _renamed(names: TritonNames) -> tuple[str, ...]:
+    """`renamed=...` for launch.Kernels, where a kernel parameter is not named as WANTED makes
+    it from the spec's names (launch.py passes values by name: naming.ParameterNames)."""
+    renamed = names.renamed()
+    if not renamed:
+        return ()
+    # One entry a line, indented as inside `kernels=...(` in `_OP = runtime.FusedOp(`.
+    items = "".join(f'            ("{what}", "{name}"): "{parameter}",\n' for (what, name), parameter in renamed.items())
+    return (f"renamed={{\n{items}        }}",)
 
 
 def _kernel_lib_import(names: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
-"""What every kind's Triton kernels are made of: the kernels' arguments in the order
-fusegen.backends.triton.launch passes them, their loads, stores and gradient reductions, as
+"""What every kind's Triton kernels are made of: the kernels' arguments (named as naming.py
+names them, which is how fusegen.backends.triton.launch passes them), their loads, stores and gradient reductions, as
 lists of lines; `KernelText`, one kernel as the template takes it, and `TritonKind`, what a
 kind registers (kinds.py)."""
 from __future__ import annotations
@@ -10,7 +10,20 @@ from typing import Callable
 
 from fusegen.plan import GradientPlan, InputPlan, KernelPlan, OpPlan
 
-from .naming import InputNames, TritonNames
+from .naming import (
+    COMPUTE_FP64,
+    DROPOUT_WHOLE_GROUPS,
+    HAS_DROPOUT,
+    INDEX_64,
+    M,
+    M_BUCKET,
+    N,
+    SEED,
+    SHARD,
+    SHARDED,
+    InputNames,
+    TritonNames,
+)
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
 # A kernel's first line: the type it computes in, named once.
@@ -66,7 +79,7 @@ def kernel_key(plan: OpPlan, backward: bool) -> str:
 
 
 def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forward: bool) -> list[str]:
-    """Params, dropout and the flags: in the order fusegen.backends.triton.launch passes them."""
+    """Params, dropout and the flags (launch.py passes them by name, in the kernel's order)."""
     # A float param as fp64 (Triton would pass a Python float as fp32): an fp64 kernel keeps
     # every bit, an fp32 one rounds it on entry as the launch did.
     arguments = [f"{p.local}: tl.float64," if p.declaration.kind == "float" else f"{p.local}," for p in kernel.scalars]
@@ -76,18 +89,18 @@ def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forwa
             arguments.append(f"{names.threshold[p.name]}, {names.scale[p.name]}: tl.float64,{comment}")
     if plan.has_dropout:
         arguments.append(
-            "seed_ptr,  # one int64 on the device: the Philox key of the dropout masks" if forward
-            else "seed_ptr,  # the forward's seed: its dropout masks are drawn again, bit for bit"
+            f"{SEED},  # one int64 on the device: the Philox key of the dropout masks" if forward
+            else f"{SEED},  # the forward's seed: its dropout masks are drawn again, bit for bit"
         )
-        arguments.append("shard_ptr,  # with SHARDED: where this shard sits in the global problem")
+        arguments.append(f"{SHARD},  # with SHARDED: where this shard sits in the global problem")
     arguments += [f"{names.constexprs[p.name]}: tl.constexpr,  # {p.name}" for p in kernel.choices]
     if plan.has_dropout:
         arguments += [
-            "HAS_DROPOUT: tl.constexpr,  # training and p > 0; otherwise no random numbers at all",
-            "DROPOUT_WHOLE_GROUPS: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words",
-            "SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index",
+            f"{HAS_DROPOUT}: tl.constexpr,  # training and p > 0; otherwise no random numbers at all",
+            f"{DROPOUT_WHOLE_GROUPS}: tl.constexpr,  # N % 4 == 0: rows hold whole groups of four dropout words",
+            f"{SHARDED}: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index",
         ]
-    arguments += ["INDEX_64: tl.constexpr,  # some offset reaches 2**31", "COMPUTE_FP64: tl.constexpr,"]
+    arguments += [f"{INDEX_64}: tl.constexpr,  # some offset reaches 2**31", f"{COMPUTE_FP64}: tl.constexpr,"]
     return arguments
 
 
@@ -106,7 +119,7 @@ def backward_arguments(plan: OpPlan, names: TritonNames, row_sums: str, saved: l
         more = f"; or row sums [{row_sums}]" if gradient.one_per_row else ""
         arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
     arguments += saved
-    arguments.append("M, N, M_BUCKET,")
+    arguments.append(f"{M}, {N}, {M_BUCKET},")
     arguments += shared_arguments(plan, kernel, names, forward=False)
     for gradient in kernel.gradients:
         name = gradient.input.name

@@ -1,17 +1,14 @@
 """An op's two Triton kernels, and their argument lists made from a call's checked arguments.
 
-The generated kernels take their arguments in one order, which the template writes and
-`_Bound` follows (both from the same plan):
-
-forward: for each input its pointer, row stride and column stride; each output's pointer;
-    M, N, M_BUCKET (tuning's view of M); each scalar param the body reads; each dropout p's threshold and scale; the
-    seed and shard pointers; each choice (constexpr); HAS_DROPOUT, DROPOUT_WHOLE_GROUPS and
-    SHARDED (ops with dropout); INDEX_64; COMPUTE_FP64; then the autotuner's BLOCK_M, BLOCK_N.
-backward: for each input it reads its pointer and strides; for each output its incoming
-    gradient's pointer and strides; each computed gradient's buffer; M, N, M_BUCKET; scalars,
-    dropout, seed, choices and the flags as above; for each computed gradient NEEDS_GRAD,
-    SUM_GRAD (summed over rows) and, for inputs declared [..., 1], SUM_COLS_GRAD;
-    ROWS_PER_PROGRAM; BLOCK_M, BLOCK_N.
+`_Bound` names each value it passes (an input's pointer and strides, an output's pointer,
+M, N, the params, the seed, the flags...) by the kernel parameter it is for, and orders
+them by name, from the kernel's own signature (`arg_names`), once per kind of call: the
+order has one owner, the kernel text. The names come from naming.py, as the kernel text
+writes them: its constants (M, SEED, HAS_DROPOUT...) and, for what a spec names,
+ParameterNames (WANTED, and the generated module's `renamed` where a clash made the namer
+choose another name). A parameter with no value, or a value for no parameter, is a
+KernelSignatureError. The trailing parameters no value names are the autotuner's tile
+(BLOCK_M, BLOCK_N), which its configs or a given tile supply.
 """
 from __future__ import annotations
 
@@ -34,6 +31,24 @@ from .interpreter import (
 from .cached_launcher import CachedLauncher, hooks_active
 from .graph_launcher import GraphLauncher, traceable
 from .kernel_lib import sum_partials_kernel
+from .naming import (
+    BLOCK_M,
+    BLOCK_N,
+    COMPUTE_FP64,
+    DROPOUT_WHOLE_GROUPS,
+    HAS_DROPOUT,
+    INDEX_64,
+    M,
+    M_BUCKET,
+    N,
+    ONE_TILE,
+    ROWS_PER_PROGRAM,
+    SAVED,
+    SEED,
+    SHARD,
+    SHARDED,
+    ParameterNames,
+)
 
 if is_interpreting():  # every generated module imports this one before its kernels run
     patch_bfloat16_rounding()
@@ -44,13 +59,15 @@ if is_interpreting():  # every generated module imports this one before its kern
 class Kernels:
     """What a generated module hands its FusedOp (a runtime.backend.BackendKernels): the
     kernels, and which params and inputs they take beyond the ones every kernel takes (by
-    spec name). Pointwise kernels; row kernels take RowKernels."""
+    spec name), and the parameters the namer named otherwise than naming.WANTED (`renamed`,
+    for ParameterNames). Pointwise kernels; row kernels take RowKernels."""
 
     def __init__(self, forward, backward, *, scalars: tuple[str, ...] = (), backward_reads: tuple[str, ...],
-                 gradients: tuple[str, ...], statistics: int = 0):
+                 gradients: tuple[str, ...], statistics: int = 0, renamed: dict | None = None):
         self.forward, self.backward = forward, backward
         self.scalars, self.backward_reads, self.gradients = scalars, backward_reads, gradients
         self.statistics = statistics  # values per row the forward keeps for the backward
+        self.names = ParameterNames(renamed)  # the kernels' parameters by what they are for
 
     def bind(self, op) -> "_Bound":
         return _Bound(self, op)
@@ -63,6 +80,38 @@ class RowKernels(Kernels):
 
     def bind(self, op) -> "_BoundRows":
         return _BoundRows(self, op)
+
+
+class KernelSignatureError(Exception):
+    """The values launch.py names and a kernel's parameters disagree: the kernel text and
+    the names here drifted apart (a fusegen bug, never the caller's)."""
+
+
+class _Signature:
+    """A kernel's parameters in its signature's order (the @triton.jit function's
+    `arg_names`): what orders the values a launch names."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel.fn.__name__
+        self.parameters = tuple(kernel.arg_names)
+        # The autotuner's tile: trailing parameters its configs give (or a given tile, `_Tile`).
+        self.tile = frozenset(name for config in getattr(kernel, "configs", ()) for name in config.kwargs)
+
+    def ordered(self, values: dict) -> list:
+        """The values, by parameter name, as the kernel takes them positionally."""
+        parameters = self.parameters
+        end = len(parameters)
+        while end and parameters[end - 1] in self.tile and parameters[end - 1] not in values:
+            end -= 1
+        try:
+            ordered = [values[name] for name in parameters[:end]]
+        except KeyError:
+            ordered = None
+        if ordered is None or len(ordered) != len(values):
+            missing = [f"parameter {name!r} has no value" for name in parameters[:end] if name not in values]
+            extra = [f"value {name!r} is for no parameter" for name in values if name not in parameters[:end]]
+            raise KernelSignatureError(f"{self.kernel}: {'; '.join(missing + extra)}")
+        return ordered
 
 
 class Slot:
@@ -147,6 +196,7 @@ class _Tile:
 
 
 _SUM_PARTIALS = CachedLauncher(sum_partials_kernel)
+_SUM_PARTIALS_SIGNATURE = _Signature(sum_partials_kernel)
 SUM_PARTIALS_LIMIT = 2**18  # partial sums summed by sum_partials_kernel at most (fp32: 1 MiB)
 
 
@@ -159,7 +209,8 @@ def _sum_partials(target: GradTarget) -> Launch | None:
     r, n = target.buffer_shape
     if r * n > SUM_PARTIALS_LIMIT:
         return None  # large: torch's sum runs at bandwidth (this kernel is a few programs), and host time no longer shows
-    return Launch(_SUM_PARTIALS, lambda meta: (tuning.cdiv(n, meta["BLOCK_N"]),), [Slot(0), Slot(1), r, n])
+    args = _SUM_PARTIALS_SIGNATURE.ordered({"partials_ptr": Slot(0), "out_ptr": Slot(1), "R": r, N: n})
+    return Launch(_SUM_PARTIALS, lambda meta: (tuning.cdiv(n, meta[BLOCK_N]),), args)
 
 
 class PreparedBackward:
@@ -250,6 +301,7 @@ class _Bound:
     def __init__(self, kernels: Kernels, op):
         inputs = [i.name for i in op.inputs]
         params = [p.name for p in op.params]
+        names = kernels.names
         self.op = op
         self.forward_kernel, self.backward_kernel = kernels.forward, kernels.backward
         # Triton tunes and compiles on the first call per specialization; later calls go
@@ -268,6 +320,30 @@ class _Bound:
         self._reads = [inputs.index(name) for name in kernels.backward_reads]
         self._gradients = [inputs.index(name) for name in kernels.gradients]
         self._one_per_row = [op.inputs[i].one_per_row for i in self._gradients]
+        # Each value's parameter name (naming.py), and the kernels' order of them.
+        self._signatures = (_Signature(kernels.forward), _Signature(kernels.backward))
+        self._input_names = [(names("pointer", i), names("stride_m", i), names("stride_n", i)) for i in inputs]
+        self._incoming_names = [(names("incoming", o), names("incoming_stride_m", o), names("incoming_stride_n", o))
+                                for o in op.outputs]
+        self._output_names = [names("output", o) for o in op.outputs]
+        self._scalar_names = [names("scalar", name) for name in kernels.scalars]
+        self._dropout_names = [(names("threshold", params[i]), names("scale", params[i])) for i in self._dropout]
+        self._choice_names = [names("choice", params[i]) for i in self._choices]
+        self._gradient_names = [(names("gradient", name), names("needs", name), names("sums", name),
+                                 names("column_sums", name)) for name in kernels.gradients]
+        # Two values of one name in a kernel would leave one out, unseen by the signature's check.
+        common = [M, N, M_BUCKET, SEED, SHARD, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED, INDEX_64, COMPUTE_FP64,
+                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, SAVED, *self._scalar_names, *self._choice_names,
+                  *(name for pair in self._dropout_names for name in pair)]
+        forward = [*common, *self._output_names, *(name for triple in self._input_names for name in triple)]
+        backward = [*common, *(name for i in self._reads for name in self._input_names[i]),
+                    *(name for triple in self._incoming_names for name in triple)]
+        for names_, one in zip(self._gradient_names, self._one_per_row):
+            backward += names_ if one else names_[:3]
+        for signature, named in zip(self._signatures, (forward, backward)):
+            twice = sorted({name for name in named if named.count(name) > 1})
+            if twice:
+                raise KernelSignatureError(f"{signature.kernel}: values {', '.join(map(repr, twice))} share a name")
 
     def check_device(self, device: torch.device) -> None:
         check_runs_off_cuda(self.op.name, device, self.forward_kernel)
@@ -293,54 +369,61 @@ class _Bound:
     # -- preparing: once per kind of call ------------------------------------------------
 
     @staticmethod
-    def _views(problem, tensors, chunks, values, traced: bool = False):
-        """The [M, N] views' argument triples (a slot for values[k], then the strides) of
-        tensors[k], the copies among them (a broadcast whose view is a copy, made per call),
-        and the views themselves (for INDEX_64). Traced: the [M, N] tensors themselves, in
-        place of slots (a launch in a traced graph is prepared for that one launch)."""
-        args, copies, views = [], [], []
-        for tensor, chunk, value in zip(tensors, chunks, values):
+    def _views(problem, tensors, chunks, values, names, traced: bool = False):
+        """The [M, N] views' arguments (a slot for values[k], then the strides) of tensors[k],
+        by names[k] (pointer, stride_m, stride_n), the copies among them (a broadcast whose
+        view is a copy, made per call), and the views themselves (for INDEX_64). Traced: the
+        [M, N] tensors themselves, in place of slots (a launch in a traced graph is prepared
+        for that one launch)."""
+        args, copies, views = {}, [], []
+        for tensor, chunk, value, (pointer, stride_m, stride_n) in zip(tensors, chunks, values, names):
             if traced:
                 view = traced_view_2d(tensor, problem, chunk)
-                args += view
+                args[pointer], args[stride_m], args[stride_n] = view
                 views.append(view)
                 continue
             view = view_2d(tensor, problem, chunk)
             if view[0] is not tensor:
                 copies.append((value, problem, chunk))
             views.append(view)
-            args += [Slot(value), view[1], view[2]]
+            args[pointer], args[stride_m], args[stride_n] = Slot(value), view[1], view[2]
         return args, copies, views
 
-    def _common(self, call, seed, traced: bool = False) -> list:
+    def _common(self, call, seed, traced: bool = False) -> dict:
         """M, N, M_BUCKET, the params, the seed and the dropout flags: what both kernels take."""
         problem, params = call.problem, call.params
-        args = [problem.m, problem.n, tuning.m_bucket(problem.m), *(params[i] for i in self._scalars)]
-        for i in self._dropout:
-            args += [dropout_threshold(params[i]), dropout_scale(params[i])]
+        args = {M: problem.m, N: problem.n, M_BUCKET: tuning.m_bucket(problem.m)}
+        for name, i in zip(self._scalar_names, self._scalars):
+            args[name] = params[i]
+        for (threshold, scale), i in zip(self._dropout_names, self._dropout):
+            args[threshold], args[scale] = dropout_threshold(params[i]), dropout_scale(params[i])
         shard = call.shard
         if self.op.has_dropout:
-            args += [seed, None if shard is None else shard.buffer(problem.device, traced)]  # seed_ptr, shard_ptr
-        args += [params[i] for i in self._choices]
+            args[SEED], args[SHARD] = seed, None if shard is None else shard.buffer(problem.device, traced)
+        for name, i in zip(self._choice_names, self._choices):
+            args[name] = params[i]
         if self.op.has_dropout:
-            whole_groups = problem.n % 4 == 0 and (shard is None or shard.whole_groups)
-            args += [call.has_dropout, whole_groups, shard is not None]  # HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED
+            args[HAS_DROPOUT] = call.has_dropout
+            args[DROPOUT_WHOLE_GROUPS] = problem.n % 4 == 0 and (shard is None or shard.whole_groups)
+            args[SHARDED] = shard is not None
         return args
 
-    def _forward_args(self, call, tensors, traced: bool = False) -> tuple[list, tuple]:
-        """The forward's arguments up to COMPUTE_FP64, with slots for the values
+    def _forward_args(self, call, tensors, traced: bool = False) -> tuple[dict, tuple]:
+        """The forward's arguments up to COMPUTE_FP64, by name, with slots for the values
         (*tensors, *outputs, saved, seed), and the copies among the views."""
         problem = call.problem
         count, outputs = len(tensors), len(self.op.outputs)
-        args, copies, views = self._views(problem, tensors, self._chunks, range(count), traced)
-        args += [Slot(count + j) for j in range(outputs)]
-        args += self._extra_forward_args(count + outputs)
-        args += self._common(call, Slot(count + outputs + 1), traced)
-        args += [self._index_64(problem, views), problem.compute_dtype == torch.float64]
+        args, copies, views = self._views(problem, tensors, self._chunks, range(count), self._input_names, traced)
+        for j, name in enumerate(self._output_names):
+            args[name] = Slot(count + j)
+        args.update(self._extra_args(count + outputs))
+        args.update(self._common(call, Slot(count + outputs + 1), traced))
+        args[INDEX_64] = self._index_64(problem, views)
+        args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         return args, tuple(copies)
 
-    def _extra_forward_args(self, saved: int) -> list:
-        return []  # pointwise kernels keep nothing for the backward
+    def _extra_args(self, saved: int) -> dict:
+        return {}  # pointwise kernels keep nothing for the backward
 
     def _index_64(self, problem, views) -> bool:
         return needs_int64(problem, views)
@@ -350,36 +433,36 @@ class _Bound:
         problem = call.problem
         m, n = problem.m, problem.n
         args, copies = self._forward_args(call, tensors, traced)
+        args = self._signatures[0].ordered(args)
         if tile is not None:
             grid = (tuning.cdiv(m, tile[0]), tuning.cdiv(n, tile[1]))
-            return Launch(_Tile(self.forward_kernel), grid, args, copies, {"BLOCK_M": tile[0], "BLOCK_N": tile[1]})
+            return Launch(_Tile(self.forward_kernel), grid, args, copies, {BLOCK_M: tile[0], BLOCK_N: tile[1]})
         return Launch(self._graph_forward if traced else self._forward,
-                      lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]), tuning.cdiv(n, meta["BLOCK_N"])), args, copies)
+                      lambda meta: (tuning.cdiv(m, meta[BLOCK_M]), tuning.cdiv(n, meta[BLOCK_N])), args, copies)
 
-    def _backward_args(self, call, tensors, grads, targets, traced: bool = False) -> tuple[list, tuple]:
-        """The backward's arguments up to its gradient flags, with slots for the values
+    def _backward_args(self, call, tensors, grads, targets, traced: bool = False) -> tuple[dict, tuple]:
+        """The backward's arguments but its tile, by name, with slots for the values
         (*tensors, *grads, *gradient buffers, saved, seed)."""
         problem = call.problem
         count = len(tensors)
         reads = self._reads
         args, copies, views = self._views(problem, [tensors[i] for i in reads], [self._chunks[i] for i in reads], reads,
-                                          traced)
+                                          [self._input_names[i] for i in reads], traced)
         grad_args, grad_copies, grad_views = self._views(
-            problem, grads, [1] * len(grads), range(count, count + len(grads)), traced
+            problem, grads, [1] * len(grads), range(count, count + len(grads)), self._incoming_names, traced
         )
-        args += grad_args
-        args += [Slot(count + len(grads) + k) for k in range(len(targets))]
-        args += self._extra_backward_args(count + len(grads) + len(targets))
-        args += self._common(call, Slot(count + len(grads) + len(targets) + 1), traced)
-        args += [self._index_64(problem, views + grad_views), problem.compute_dtype == torch.float64]
-        for target, one in zip(targets, self._one_per_row):
-            args += [target is not None, target is not None and target.kind == "rows"]
+        args.update(grad_args)
+        for k, names in enumerate(self._gradient_names):
+            args[names[0]] = Slot(count + len(grads) + k)
+        args.update(self._extra_args(count + len(grads) + len(targets)))
+        args.update(self._common(call, Slot(count + len(grads) + len(targets) + 1), traced))
+        args[INDEX_64] = self._index_64(problem, views + grad_views)
+        args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
+        for target, one, (_, needs, sums, column_sums) in zip(targets, self._one_per_row, self._gradient_names):
+            args[needs], args[sums] = target is not None, target is not None and target.kind == "rows"
             if one:
-                args.append(target is not None and target.kind == "columns")
+                args[column_sums] = target is not None and target.kind == "columns"
         return args, (*copies, *grad_copies)
-
-    def _extra_backward_args(self, saved: int) -> list:
-        return []
 
     def _sums_over_rows(self, problem, tensors, needs) -> bool:
         """Whether some needed gradient is summed over rows (a bias's): then the backward's
@@ -407,13 +490,14 @@ class _Bound:
         if not _launches(problem, traced):
             return PreparedBackward(None, targets, self._gradients)
         args, copies = self._backward_args(call, tensors, grads, targets, traced)
-        args.append(rows)
+        args[ROWS_PER_PROGRAM] = rows
+        args = self._signatures[1].ordered(args)
         if tile is not None:
             grid = (tuning.cdiv(m, rows), tuning.cdiv(n, tile[1]))
-            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {"BLOCK_M": tile[0], "BLOCK_N": tile[1]})
+            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {BLOCK_M: tile[0], BLOCK_N: tile[1]})
         else:
             launch = Launch(self._graph_backward if traced else self._backward,
-                            lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta["BLOCK_N"])), args, copies)
+                            lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta[BLOCK_N])), args, copies)
         return PreparedBackward(launch, targets, self._gradients, traced)
 
 
@@ -431,10 +515,8 @@ class _BoundRows(_Bound):
     def _saved_buffer(self, problem) -> torch.Tensor:
         return torch.empty(self.op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
 
-    def _extra_forward_args(self, saved: int) -> list:
-        return [Slot(saved)]  # each row's reductions, [M, statistics]
-
-    _extra_backward_args = _extra_forward_args
+    def _extra_args(self, saved: int) -> dict:
+        return {SAVED: Slot(saved)}  # each row's reductions, [M, statistics]
 
     def _index_64(self, problem, views) -> bool:
         """Some offset reaches 2**31: in a tensor, or in the [M, statistics] buffer."""
@@ -446,11 +528,12 @@ class _BoundRows(_Bound):
         args, copies = self._forward_args(call, tensors, traced)
         block_n = tile[1] if tile is not None else tuning.row_block_n(n)
         # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
-        args += [block_n, bool(block_n >= n)]  # BLOCK_N, ONE_TILE
+        args[BLOCK_N], args[ONE_TILE] = block_n, bool(block_n >= n)
+        args = self._signatures[0].ordered(args)
         if tile is not None:
-            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]),), args, copies, {"BLOCK_M": tile[0]})
+            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]),), args, copies, {BLOCK_M: tile[0]})
         return Launch(self._graph_forward if traced else self._forward,
-                      lambda meta: (tuning.cdiv(m, meta["BLOCK_M"]),), args, copies)
+                      lambda meta: (tuning.cdiv(m, meta[BLOCK_M]),), args, copies)
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
                  rows_per_program: int | None = None, saved=None, traced: bool = False) -> list[torch.Tensor]:
@@ -479,10 +562,11 @@ class _BoundRows(_Bound):
             return PreparedBackward(None, targets, self._gradients)
         args, copies = self._backward_args(call, tensors, grads, targets, traced)
         block_n = tile[1] if tile is not None else tuning.row_block_n(n, backward=True)
-        args += [rows, block_n, bool(block_n >= n)]  # ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE
+        args[ROWS_PER_PROGRAM], args[BLOCK_N], args[ONE_TILE] = rows, block_n, bool(block_n >= n)
+        args = self._signatures[1].ordered(args)
         grid = (tuning.cdiv(m, rows),)
         if tile is not None:
-            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {"BLOCK_M": tile[0]})
+            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {BLOCK_M: tile[0]})
         else:
             launch = Launch(self._graph_backward if traced else self._backward, grid, args, copies)
         return PreparedBackward(launch, targets, self._gradients, traced)

@@ -29,6 +29,54 @@ SHARED_NAMES = (
 )
 
 
+# The kernels' parameters that every op's kernels name alike: the kernel text writes its
+# signatures with these, and launch.py passes each its value by these names.
+M, N, M_BUCKET = "M", "N", "M_BUCKET"
+SEED, SHARD = "seed_ptr", "shard_ptr"
+HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED = "HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "SHARDED"
+INDEX_64, COMPUTE_FP64 = "INDEX_64", "COMPUTE_FP64"
+ROWS_PER_PROGRAM, BLOCK_M, BLOCK_N = "ROWS_PER_PROGRAM", "BLOCK_M", "BLOCK_N"
+SAVED, ONE_TILE = "saved_ptr", "ONE_TILE"  # the row kernels' (row_kernel_text.py)
+
+
+# The parameters named for a spec's input, output or param: what each is wanted as, from
+# the name it derives from (TritonNames claims them from the plan's locals; launch.py asks
+# for them by spec name, through ParameterNames).
+def pointer(base: str) -> str:
+    return f"{base}_ptr"
+
+
+WANTED = {
+    "pointer": pointer,  # an input's, and its strides
+    "stride_m": lambda base: f"{base}_stride_m",
+    "stride_n": lambda base: f"{base}_stride_n",
+    "output": pointer,  # an output's pointer
+    "incoming": lambda output: pointer(f"grad_{output}"),  # an output's incoming gradient, and its strides
+    "incoming_stride_m": lambda output: f"grad_{output}_stride_m",
+    "incoming_stride_n": lambda output: f"grad_{output}_stride_n",
+    "gradient": lambda base: pointer(f"grad_{base}"),  # an input's gradient buffer, and its flags
+    "needs": lambda base: f"NEEDS_GRAD_{base.upper()}",
+    "sums": lambda base: f"SUM_GRAD_{base.upper()}",
+    "column_sums": lambda base: f"SUM_COLS_GRAD_{base.upper()}",
+    "scalar": lambda base: base,
+    "threshold": lambda base: f"dropout_threshold_{base}",  # a dropout p's
+    "scale": lambda base: f"dropout_scale_{base}",
+    "choice": lambda base: base.upper(),  # a choice's constexpr
+}
+
+
+class ParameterNames:
+    """A kernel parameter's name by what it is and the spec name it is for (("pointer",
+    "x") → "x_ptr"): as WANTED makes it, except those the generated module lists as
+    `renamed` (the namer gave another, past a clash)."""
+
+    def __init__(self, renamed: dict[tuple[str, str], str] | None = None):
+        self._renamed = renamed or {}
+
+    def __call__(self, what: str, name: str) -> str:
+        return self._renamed.get((what, name)) or WANTED[what](name)
+
+
 def module_class_name(op_name: str) -> str:
     """The op's torch.nn.Module class: its name in CamelCase (bias_gelu_dropout_add →
     BiasGeluDropoutAdd), with "Module" added where that is the op's own name or a name the
@@ -53,28 +101,30 @@ class TritonNames:
     def __init__(self, plan: OpPlan):
         namer = Namer(plan.taken)
         self.inputs = {
-            i.name: InputNames(namer.claim(f"{i.local}_ptr"), namer.claim(f"{i.local}_stride_m"),
-                                namer.claim(f"{i.local}_stride_n"))
+            i.name: InputNames(namer.claim(pointer(i.local)), namer.claim(WANTED["stride_m"](i.local)),
+                                namer.claim(WANTED["stride_n"](i.local)))
             for i in plan.inputs
         }
         self.incoming = {
-            g: InputNames(namer.claim(f"{g}_ptr"), namer.claim(f"{g}_stride_m"), namer.claim(f"{g}_stride_n"))
+            g: InputNames(namer.claim(pointer(g)), namer.claim(WANTED["stride_m"](g)), namer.claim(WANTED["stride_n"](g)))
             for g in plan.backward.incoming
         }
         self.gradient_pointer = {}
         self.needs, self.sums, self.column_sums, self.accumulator = {}, {}, {}, {}
         for gradient in plan.backward.gradients:
             name, local = gradient.input.name, gradient.input.local
-            self.gradient_pointer[name] = namer.claim(f"grad_{local}_ptr")
-            self.needs[name] = namer.claim(f"NEEDS_GRAD_{local.upper()}")
-            self.sums[name] = namer.claim(f"SUM_GRAD_{local.upper()}")
+            self.gradient_pointer[name] = namer.claim(WANTED["gradient"](local))
+            self.needs[name] = namer.claim(WANTED["needs"](local))
+            self.sums[name] = namer.claim(WANTED["sums"](local))
             if gradient.one_per_row:
-                self.column_sums[name] = namer.claim(f"SUM_COLS_GRAD_{local.upper()}")
+                self.column_sums[name] = namer.claim(WANTED["column_sums"](local))
             for value in gradient.values:
                 self.accumulator[value] = namer.claim(f"{value}_sum")
-        self.threshold = {p.name: namer.claim(f"dropout_threshold_{p.local}") for p in plan.params if p.dropout_p}
-        self.scale = {p.name: namer.claim(f"dropout_scale_{p.local}") for p in plan.params if p.dropout_p}
-        self.constexprs = {p.name: namer.claim(p.local.upper()) for p in plan.forward.choices}
+        self.threshold = {p.name: namer.claim(WANTED["threshold"](p.local)) for p in plan.params if p.dropout_p}
+        self.scale = {p.name: namer.claim(WANTED["scale"](p.local)) for p in plan.params if p.dropout_p}
+        self.constexprs = {p.name: namer.claim(WANTED["choice"](p.local)) for p in plan.forward.choices}
+        # As the kinds' kernel text has always written them (unclaimed: each output's local is).
+        self.output_pointer = {name: pointer(local) for (name, _), local in zip(plan.outputs, plan.forward.outputs)}
         # Module-level helpers start with '_', as spec names never do: they only need to
         # differ from each other.
         self.triton_helpers = {}
@@ -85,6 +135,29 @@ class TritonNames:
                 suffix = "_grad" if arity == 1 else f"_grad{k}"
                 self.triton_helpers[(param.name, k)] = namer.claim(f"_{param.local}{suffix}")
         self._namer, self._own = namer, {}
+        self._plan = plan
+
+    def parameters(self) -> dict[tuple[str, str], str]:
+        """Every spec-named kernel parameter, keyed as ParameterNames asks for it."""
+        plan, named = self._plan, {}
+        for name, n in self.inputs.items():
+            named.update({("pointer", name): n.pointer, ("stride_m", name): n.stride_m, ("stride_n", name): n.stride_n})
+        for (output, _), incoming in zip(plan.outputs, plan.backward.incoming):
+            n = self.incoming[incoming]
+            named.update({("incoming", output): n.pointer, ("incoming_stride_m", output): n.stride_m,
+                          ("incoming_stride_n", output): n.stride_n})
+        named.update({("output", name): pointer for name, pointer in self.output_pointer.items()})
+        for what, table in (("gradient", self.gradient_pointer), ("needs", self.needs), ("sums", self.sums),
+                            ("column_sums", self.column_sums), ("threshold", self.threshold),
+                            ("scale", self.scale), ("choice", self.constexprs)):
+            named.update({(what, name): parameter for name, parameter in table.items()})
+        named.update({("scalar", p.name): p.local for k in (plan.forward, plan.backward) for p in k.scalars})
+        return named
+
+    def renamed(self) -> dict[tuple[str, str], str]:
+        """The parameters not named as WANTED makes them from the spec's names (a clash):
+        what the generated module lists for launch.py's ParameterNames."""
+        return {key: name for key, name in self.parameters().items() if name != WANTED[key[0]](key[1])}
 
     def claim_once(self, key: str, wanted: str) -> str:
         """A name a kind's kernels derive for themselves (a row reduction's tile), claimed

@@ -24,18 +24,18 @@ from .kernel_text import (
     shared_arguments,
     triton_constant,
 )
-from .naming import TritonNames
+from .naming import BLOCK_M, BLOCK_N, M, M_BUCKET, N, ROWS_PER_PROGRAM, TritonNames
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
 
 def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.forward
     arguments = [input_argument(i, names) for i in kernel.inputs]
-    arguments += [f"{out}_ptr,  # {name}, contiguous [M, N]" for (name, _), out in zip(plan.outputs, kernel.outputs)]
-    arguments.append("M, N,  # rows (all leading dims) and columns (the last dim)")
-    arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
+    arguments += [f"{names.output_pointer[name]},  # {name}, contiguous [M, N]" for name, _ in plan.outputs]
+    arguments.append(f"{M}, {N},  # rows (all leading dims) and columns (the last dim)")
+    arguments.append(f"{M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
-    arguments += ["BLOCK_M: tl.constexpr,", "BLOCK_N: tl.constexpr,"]
+    arguments += [f"{BLOCK_M}: tl.constexpr,", f"{BLOCK_N}: tl.constexpr,"]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     lines = [
         COMPUTE_LINE,
@@ -60,9 +60,9 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
     kernel = plan.backward
     arguments = backward_arguments(plan, names, "column tiles, M", [])
     arguments += [
-        "ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums",
-        "BLOCK_M: tl.constexpr,",
-        "BLOCK_N: tl.constexpr,",
+        f"{ROWS_PER_PROGRAM}: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums",
+        f"{BLOCK_M}: tl.constexpr,",
+        f"{BLOCK_N}: tl.constexpr,",
     ]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
     tensors |= set(kernel.incoming)
