@@ -1,11 +1,12 @@
-"""`fusegen bench`: time each generated op against eager PyTorch and torch.compile.
+"""`fusegen bench`: time each generated op against eager PyTorch, torch.compile and peers.
 
 The modules, in the order data flows through them:
 
 - arguments: the command line (shapes, dtypes, dropout probabilities, timer),
 - cases: the op to benchmark (spec and generated module), shapes, the bytes model, the cases,
 - timing: timers (do_bench, device), peak memory, first-call time limits,
-- running: the providers (fusegen, eager, compile) and each case run on each,
+- peers: other libraries timed beside them (Liger-Kernel), one registry entry each,
+- running: the providers (fusegen, eager, compile, peers) and each case run on each,
 - reporting: rows, tables, JSON, CSV and the plot,
 - command: `fusegen bench` itself (run_bench).
 

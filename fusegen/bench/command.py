@@ -18,6 +18,7 @@ from .reporting import (
     write_json,
     write_plot,
 )
+from .peers import peer_statuses
 from .running import PROVIDERS, TimeoutMemo, measure_host_overhead, run_case
 from .timing import TIMERS, copy_bandwidth_gbs
 
@@ -66,9 +67,14 @@ def run_bench(args) -> int:
     by_name = {bench_op.name: bench_op for bench_op in ops}
     timer = TIMERS[args.timer]
     copy_gbs = copy_bandwidth_gbs(timer=timer)
-    metadata = run_metadata(copy_gbs, args.timer)
+    statuses = peer_statuses([bench_op.name for bench_op in ops])
+    peers = [status.peer for status in statuses if status.available and status.ops]
+    metadata = run_metadata(copy_gbs, args.timer, statuses)
     console.print(f"{metadata.get('device')} · torch {metadata['torch']} · triton {metadata['triton']} · "
-                  f"copy {copy_gbs:.0f} GB/s · timer {args.timer} · {len(cases)} cases × {len(PROVIDERS)} providers")
+                  f"copy {copy_gbs:.0f} GB/s · timer {args.timer} · {len(cases)} cases × "
+                  f"{len(PROVIDERS) + len(peers)} providers")
+    for status in statuses:  # one line each: its version and ops, or why it is skipped
+        console.print(status.line(), markup=False, highlight=False)
 
     rows: list[dict] = []
     memo = TimeoutMemo()
@@ -80,7 +86,7 @@ def run_bench(args) -> int:
             progress.update(task, description=case.label)
             bench_op = by_name[case.op]
             results = run_case(bench_op, case, args.backward, timer=timer,
-                               first_call_timeout_s=args.first_call_timeout, memo=memo)
+                               first_call_timeout_s=args.first_call_timeout, memo=memo, peers=peers)
             rows += case_rows(case, bytes_model(bench_op.spec, case.bsh, case.dtype), results, copy_gbs)
             progress.advance(task)
 
@@ -89,7 +95,8 @@ def run_bench(args) -> int:
     for bench_op in ops:
         for p in (args.ps if bench_op.has_dropout else [None]):
             host_rows += measure_host_overhead(bench_op, args.dtypes[0], p,
-                                               first_call_timeout_s=args.first_call_timeout, memo=memo)
+                                               first_call_timeout_s=args.first_call_timeout, memo=memo,
+                                               peers=peers)
 
     table, notes = results_table(rows, args.backward, copy_gbs)
     console.print(table)

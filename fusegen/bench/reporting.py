@@ -13,6 +13,7 @@ import torch
 
 from .arguments import DTYPE_NAMES
 from .cases import DROPOUT_SEED, BytesModel, Case
+from .peers import PeerStatus
 from .running import HOST_OVERHEAD_SHAPE, ProviderResult
 from .timing import COPY_BANDWIDTH_BYTES, DEFAULT_TIMER, TRITON_FLUSH_BYTES, Measurement
 
@@ -155,7 +156,8 @@ def host_overhead_table(rows: Sequence[dict]):
     return table
 
 
-def run_metadata(copy_gbs: float | None, timer: str = DEFAULT_TIMER) -> dict[str, Any]:
+def run_metadata(copy_gbs: float | None, timer: str = DEFAULT_TIMER,
+                 peers: Sequence[PeerStatus] = ()) -> dict[str, Any]:
     import triton
 
     from ..runtime import native
@@ -178,6 +180,8 @@ def run_metadata(copy_gbs: float | None, timer: str = DEFAULT_TIMER) -> dict[str
         "copy_bandwidth_gbs": copy_gbs,
         "copy_bandwidth_method": f"dst.copy_(src), {COPY_BANDWIDTH_BYTES >> 20} MiB fp32, read + write bytes",
         "autograd_node": native.status(),  # the C++ node or the Python Function (fusegen.runtime.native)
+        # Each peer's name, installed version (None: skipped), the ops it ran and any note.
+        "peers": [status.metadata() for status in peers],
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())

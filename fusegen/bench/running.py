@@ -9,6 +9,9 @@ For every case (op × dtype × shape × p) three providers run the same computat
 
 With dropout the baselines draw torch's own masks (the same distribution, other values),
 so they do the work a user's code does.
+
+Peers (fusegen.bench.peers: Liger-Kernel) run after them, timed the same way, for the ops
+they have a counterpart of; each peer's first call is checked against fusegen's outputs.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 
 from .arguments import DTYPE_NAMES
 from .cases import BenchOp, Case, make_inputs, op_kwargs, output_shape
+from .peers import Peer, check_first_call, fusegen_outputs, peer_providers
 from .timing import (
     Measurement,
     describe_error,
@@ -98,16 +102,41 @@ def forward_backward_fn(provider: Callable, inputs: Sequence[torch.Tensor], kwar
     return step
 
 
+def check_peers(bench_op: BenchOp, peers: dict[str, Callable], inputs: Sequence[torch.Tensor], kwargs: dict,
+                first_call_timeout_s: float = 0.0) -> dict[str, Measurement]:
+    """The peers whose first call fails or disagrees with fusegen's outputs, with the error
+    that stands in for their timings. fusegen's outputs are held only while checking."""
+    if not peers:
+        return {}
+    expected = fusegen_outputs(bench_op, inputs, kwargs)
+    output_names = [binding.name for binding in bench_op.spec.outputs]
+    failed = {}
+    for name, fn in peers.items():
+        failure = check_first_call(forward_fn(fn, inputs, kwargs), expected, output_names, first_call_timeout_s)
+        if failure is not None:
+            failed[name] = failure
+    del expected
+    return failed
+
+
 def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
              timer: Callable = time_fn_device, peak: Callable = peak_memory_bytes,
-             first_call_timeout_s: float = 0.0, memo: TimeoutMemo | None = None) -> list[ProviderResult]:
-    """All providers on one case: forward for each, then (with backward) forward+backward for each."""
+             first_call_timeout_s: float = 0.0, memo: TimeoutMemo | None = None,
+             peers: Sequence[Peer] = ()) -> list[ProviderResult]:
+    """All providers on one case: forward for each, then (with backward) forward+backward for each.
+
+    Peers come after the three; one that fails its first-call check gets that error as both
+    its forward and its forward+backward result, and is not timed.
+    """
     memo = memo if memo is not None else TimeoutMemo()
     inputs = make_inputs(bench_op.spec, case.bsh, case.dtype, device)
     kwargs = op_kwargs(bench_op, case.p)
     providers = make_providers(bench_op)
+    failed: dict[str, Measurement] = {}  # peers that failed their first-call check
 
     def run(name: str, phase: str, fn: Callable, grad_to_none=None) -> Measurement:
+        if name in failed:
+            return failed[name]
         reason = memo.skip_reason(case.op, case.p, name, phase)
         if reason:
             return Measurement(error=reason)
@@ -119,6 +148,16 @@ def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
         name: ProviderResult(name, run(name, "forward", forward_fn(fn, inputs, kwargs)))
         for name, fn in providers.items()
     }
+    peer_fns = peer_providers(bench_op, peers)
+    if peer_fns:  # checked after the three, so that fusegen's first call ran under its time limit
+        failed.update(check_peers(bench_op, {name: fn for name, fn in peer_fns.items()
+                                             if not memo.skip_reason(case.op, case.p, name, "forward")},
+                                  inputs, kwargs, first_call_timeout_s))
+        for name, failure in failed.items():
+            memo.record(case.op, case.p, name, "forward", failure)
+        for name, fn in peer_fns.items():
+            results[name] = ProviderResult(name, run(name, "forward", forward_fn(fn, inputs, kwargs)))
+        providers = {**providers, **peer_fns}
     if backward:
         for tensor in inputs:
             tensor.requires_grad_(True)
@@ -135,17 +174,21 @@ def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
 
 def measure_host_overhead(bench_op: BenchOp, dtype: torch.dtype, p: float | None, device="cuda",
                           synchronize: Callable[[], None] = torch.cuda.synchronize,
-                          first_call_timeout_s: float = 0.0, memo: TimeoutMemo | None = None) -> list[dict[str, Any]]:
-    """One row per provider: µs per call on a tiny input, or why there is none."""
+                          first_call_timeout_s: float = 0.0, memo: TimeoutMemo | None = None,
+                          peers: Sequence[Peer] = ()) -> list[dict[str, Any]]:
+    """One row per provider (peers included): µs per call on a tiny input, or why there is none."""
     memo = memo if memo is not None else TimeoutMemo()
     inputs = make_inputs(bench_op.spec, HOST_OVERHEAD_SHAPE, dtype, device)
     kwargs = op_kwargs(bench_op, p)
+    peer_fns = {name: fn for name, fn in peer_providers(bench_op, peers).items()
+                if not memo.skip_reason(bench_op.name, p, name, "forward")}
+    failed = check_peers(bench_op, peer_fns, inputs, kwargs, first_call_timeout_s)
     rows = []
-    for name, provider in make_providers(bench_op).items():
+    for name, provider in {**make_providers(bench_op), **peer_providers(bench_op, peers)}.items():
         row: dict[str, Any] = {"op": bench_op.name, "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "p": p,
                                "provider": name, "us_per_call": None, "error": None}
         fn = forward_fn(provider, inputs, kwargs)
-        row["error"] = memo.skip_reason(bench_op.name, p, name, "forward")
+        row["error"] = failed[name].error if name in failed else memo.skip_reason(bench_op.name, p, name, "forward")
         if row["error"] is None:
             try:
                 with time_limit(first_call_timeout_s, "the first call"):
