@@ -38,13 +38,15 @@ from .kernel_text import (
     shared_arguments,
     triton_constant,
 )
+from . import naming
 from .naming import TritonNames
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
+# The signature's names are naming.py's, which launch.py passes the values by.
 _TAIL_ARGUMENTS = [
-    "BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it",
-    "ONE_TILE: tl.constexpr,  # BLOCK_N >= N",
-    "BLOCK_M: tl.constexpr,",
+    f"{naming.BLOCK_N}: tl.constexpr,  # the row's tile: all of it ({naming.ONE_TILE}), or one step along it",
+    f"{naming.ONE_TILE}: tl.constexpr,  # {naming.BLOCK_N} >= {naming.N}",
+    f"{naming.BLOCK_M}: tl.constexpr,",
 ]
 _NEUTRAL = {"sum": "0.0", "mean": "0.0", "max": '-float("inf")', "min": 'float("inf")'}
 
@@ -53,12 +55,12 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
     kernel = plan.forward
     arguments = [input_argument(i, names) for i in kernel.inputs]
     arguments += [
-        f"{out}_ptr,  # {name}, contiguous [M, {'1' if name in plan.row_outputs else 'N'}]"
-        for (name, _), out in zip(plan.outputs, kernel.outputs)
+        f"{names.output_pointer[name]},  # {name}, contiguous [M, {'1' if name in plan.row_outputs else 'N'}]"
+        for name, _ in plan.outputs
     ]
-    arguments.append("saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward")
-    arguments.append("M, N,  # rows (all leading dims) and columns (the last dim, reduced along)")
-    arguments.append("M_BUCKET,  # M rounded up to a power of two: what tuning keys on")
+    arguments.append(f"{naming.SAVED},  # [M, reductions]: each row's reductions, kept for the backward")
+    arguments.append(f"{naming.M}, {naming.N},  # rows (all leading dims) and columns (the last dim, reduced along)")
+    arguments.append(f"{naming.M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
@@ -89,8 +91,8 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
 
 def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.backward
-    arguments = backward_arguments(plan, names, "1, M", ["saved_ptr,  # the forward's reductions, [M, reductions]"])
-    arguments.append("ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums")
+    arguments = backward_arguments(plan, names, "1, M", [f"{naming.SAVED},  # the forward's reductions, [M, reductions]"])
+    arguments.append(f"{naming.ROWS_PER_PROGRAM}: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums")
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
     # One tile: [N]-like gradients summed in registers over the program's rows, stored after.
@@ -420,5 +422,5 @@ KIND = TritonKind(
     binding="launch.RowKernels",
     doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
         "reduced in registers, a wider one is swept once per level of nested reductions.",
-    reserved=frozenset({"first_col", "ONE_TILE", "saved_ptr"}),
+    reserved=frozenset({"first_col", naming.ONE_TILE, naming.SAVED, "ONLINE"}),
 )
