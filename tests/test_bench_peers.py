@@ -109,7 +109,7 @@ def run_softmax_case(monkeypatch, peer_list, backward=True):
     monkeypatch.setattr(running, "make_providers", lambda op: {"fusegen": op.op, "eager": op.eager})
     case = cases.Case("softmax", torch.float32, (1, 2, 8), None)
     return {result.provider: result for result in running.run_case(
-        bench_op("softmax"), case, backward, device="cpu", timer=fake_timer, peak=lambda fn: 0, peers=peer_list)}
+        bench_op("softmax"), case, backward, device=DEVICE, timer=fake_timer, peak=lambda fn: 0, peers=peer_list)}
 
 
 def test_a_peer_that_disagrees_is_an_error_row_not_a_time(monkeypatch):
@@ -126,7 +126,7 @@ def test_a_peer_that_disagrees_is_an_error_row_not_a_time(monkeypatch):
     assert results["broken"].forward_backward.error == results["broken"].forward.error
 
     monkeypatch.setattr(running, "host_overhead_us", lambda fn, synchronize: 1.0)
-    host = running.measure_host_overhead(bench_op("softmax"), torch.float32, None, device="cpu",
+    host = running.measure_host_overhead(bench_op("softmax"), torch.float32, None, device=DEVICE,
                                          synchronize=lambda: None, peers=[right, wrong])
     by_provider = {row["provider"]: row for row in host}
     assert by_provider["right"]["us_per_call"] == 1.0 and by_provider["right"]["error"] is None

@@ -270,7 +270,10 @@ def test_a_parameter_with_no_value_is_a_one_line_error_naming_both(tmp_path, dev
 
 
 def test_signature_orders_values_by_name_and_leaves_the_tile_to_the_autotuner():
-    kernel = SimpleNamespace(fn=SimpleNamespace(__name__="k"), arg_names=["b", "a", "FLAG", "BLOCK_M", "BLOCK_N"],
+    def k(b, a, FLAG, BLOCK_M, BLOCK_N, ONLINE=True):  # ONLINE: set by a pruner, else its default
+        pass
+
+    kernel = SimpleNamespace(fn=k, arg_names=["b", "a", "FLAG", "BLOCK_M", "BLOCK_N", "ONLINE"],
                              configs=[triton.Config({"BLOCK_M": 1, "BLOCK_N": 8})])
     signature = launch._Signature(kernel)
     assert signature.ordered({"a": 1, "FLAG": True, "b": 2}) == [2, 1, True]

@@ -12,6 +12,8 @@ KernelSignatureError. The trailing parameters no value names are the autotuner's
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from fusegen.layout import Choice
@@ -87,6 +89,13 @@ class KernelSignatureError(Exception):
     the names here drifted apart (a fusegen bug, never the caller's)."""
 
 
+def _python_function(kernel):
+    """The Python function under a kernel's wrappers (autotuner, jit, interpreter)."""
+    while not inspect.isfunction(kernel):
+        kernel = kernel.fn
+    return kernel
+
+
 class _Signature:
     """A kernel's parameters in its signature's order (the @triton.jit function's
     `arg_names`): what orders the values a launch names."""
@@ -94,8 +103,11 @@ class _Signature:
     def __init__(self, kernel):
         self.kernel = kernel.fn.__name__
         self.parameters = tuple(kernel.arg_names)
-        # The autotuner's tile: trailing parameters its configs give (or a given tile, `_Tile`).
-        self.tile = frozenset(name for config in getattr(kernel, "configs", ()) for name in config.kwargs)
+        # The autotuner's tile: trailing parameters its configs give (or a given tile, `_Tile`),
+        # and those with a default, which its pruner may set (row kernels' ONLINE).
+        self.tile = frozenset(name for config in getattr(kernel, "configs", ()) for name in config.kwargs) | {
+            name for name, p in inspect.signature(_python_function(kernel)).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
     def ordered(self, values: dict) -> list:
         """The values, by parameter name, as the kernel takes them positionally."""
