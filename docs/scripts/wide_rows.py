@@ -1,0 +1,77 @@
+"""Wide rows (issue 30): fusegen's row ops against a copy of the same bytes, torch.compile and
+Liger-Kernel (where installed and where it runs), forward and forward+backward, ms by
+triton.testing.do_bench; with `--old DIR`, also a folder of generated modules from another
+commit (an A/B in one process). `python docs/scripts/wide_rows.py [--ops softmax,...] [--old DIR] [--json FILE]`."""
+import json, os, sys
+from pathlib import Path
+import torch, triton
+import torch.nn.functional as F
+from fusegen.bench.cases import load_bench_op
+
+CASES = [("softmax", torch.float32, 1024, 65536), ("log_softmax", torch.float32, 1024, 65536),
+         ("softmax", torch.bfloat16, 4096, 32768), ("rmsnorm", torch.bfloat16, 4096, 32768),
+         ("layernorm", torch.bfloat16, 4096, 32768), ("softmax", torch.float32, 256, 262144),
+         ("rmsnorm", torch.float32, 256, 262144), ("softmax", torch.bfloat16, 1024, 131072)]
+import argparse
+parser = argparse.ArgumentParser()
+parser.add_argument("--ops", default=None)
+parser.add_argument("--old", default=None, help="a folder of generated modules to A/B against")
+parser.add_argument("--json", default=None)
+options = parser.parse_args()
+only = options.ops.split(",") if options.ops else None
+try:
+    from liger_kernel.ops.softmax import LigerSoftmaxFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    LIGER = {"softmax": lambda x, *w: LigerSoftmaxFunction.apply(x),
+             "rmsnorm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "gemma", False),
+             "layernorm": lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5)}
+except Exception as e:
+    print("no liger", e); LIGER = {}
+EAGER = {"softmax": lambda x: torch.softmax(x, -1), "log_softmax": lambda x: torch.log_softmax(x, -1),
+         "rmsnorm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+         "layernorm": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)}
+rows = []
+def bench(fn, inputs, grad):
+    f = triton.testing.do_bench(lambda: fn(*inputs), warmup=25, rep=100)
+    def fb():
+        y = fn(*inputs); y.backward(grad)
+    b = triton.testing.do_bench(fb, warmup=25, rep=100, grad_to_none=inputs)
+    return f, b
+for name, dtype, m, n in CASES:
+    if only and name not in only: continue
+    new = load_bench_op(name, Path("specs"), Path("generated"))
+    old = load_bench_op(name, Path("specs"), Path(options.old)) if options.old else None
+    torch.manual_seed(0)
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    extra = {"softmax": [], "log_softmax": [], "rmsnorm": [torch.rand(n, device="cuda", dtype=dtype) + 0.5],
+             "layernorm": [torch.rand(n, device="cuda", dtype=dtype) + 0.5, torch.randn(n, device="cuda", dtype=dtype)]}[name]
+    inputs = [t.requires_grad_(True) for t in [x, *extra]]
+    grad = torch.randn_like(x)
+    y = torch.empty_like(x)
+    copy = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=100)
+    r = {"op": name, "dtype": str(dtype)[6:], "shape": [m, n], "copy": copy}
+    with torch.no_grad():
+        want = EAGER[name](*[t.double() for t in inputs])
+    for tag, fn in [("new", new.op)] + ([("old", old.op)] if old else []):
+        with torch.no_grad():
+            got = fn(*inputs)
+        r[tag + "_err"] = ((got.double() - want).abs().max() / want.abs().max()).item()
+        r[tag] = bench(fn, inputs, grad)
+    torch._dynamo.reset()
+    try:
+        r["compile"] = bench(torch.compile(EAGER[name]), inputs, grad)
+    except Exception as e:
+        r["compile"] = str(e)[:200]
+    if name in LIGER:
+        try:
+            r["liger"] = bench(LIGER[name], inputs, grad)
+        except Exception as e:
+            r["liger"] = str(e)[:200]
+    rows.append(r)
+    fmt = lambda v: f"{v[0]:.4f}/{v[1]:.4f}" if isinstance(v, tuple) else str(v)[:60]
+    print(f"{name} {r['dtype']} {m}x{n} copy {copy:.4f} | " + " | ".join(f"{k} {fmt(v)}" for k, v in r.items() if k not in ("op", "dtype", "shape", "copy")), flush=True)
+    del x, inputs, grad, y
+    torch.cuda.empty_cache()
+if options.json:
+    json.dump(rows, open(options.json, "w"), indent=1)
