@@ -79,6 +79,8 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = settings.get("INDEX_64", False)
             elif name == "ONE_TILE":
                 constexprs[name] = settings.get("ONE_TILE", True)
+            elif name == "ONLINE":  # looped forwards with online sums: both forms
+                constexprs[name] = settings.get("ONLINE", True)
             elif name == "DROPOUT_WHOLE_GROUPS":
                 constexprs[name] = settings.get("WHOLE_GROUPS", True)
             elif name == "SHARDED":
@@ -122,7 +124,10 @@ def compile_module(path: Path) -> list[str]:
         cases = variants(choices)
         if any(p.name == "ONE_TILE" for p in kernel.params):
             # Row kernels: the looped layout too, with each way of writing gradients.
-            cases += [(pointer, {**settings, "ONE_TILE": False}) for pointer, settings in cases if pointer != "fp16"]
+            looped = [(pointer, {**settings, "ONE_TILE": False}) for pointer, settings in cases if pointer != "fp16"]
+            if any(p.name == "ONLINE" for p in kernel.params):
+                looped += [(pointer, {**settings, "ONLINE": False}) for pointer, settings in looped]
+            cases += looped
         for pointer, settings in cases:
             sig, constexprs = signature(kernel, pointer, scalar_types, settings)
             try:
