@@ -267,6 +267,14 @@ class column(sympy.Symbol):
 
 COL = column("%col", real=True)
 
+
+class in_compute(sympy.Function):
+    """An integer or bool input where arithmetic reads it, converted to the compute type (a
+    comparison reads it as it is: exact). Such inputs are never differentiated."""
+
+    nargs = 1
+
+
 # The language's literal names: `inf` (and `-inf`, its negation), a float.
 LITERALS = {"inf": math.inf}
 # Names the language defines, besides its functions: a spec name may not be one.

@@ -184,6 +184,7 @@ class _Scope:
         self.inputs = {i.name for i in spec.inputs}
         self.chunks = {i.name: i.chunks for i in spec.inputs}
         self.dims = {i.name: i.dims for i in spec.inputs}
+        self.bools = {i.name for i in spec.inputs if i.dtype == "bool"}
         self.scalars = {p.name: p for p in spec.params if isinstance(p, ScalarParam)}
         self.choices = {p.name: p for p in spec.params if isinstance(p, ChoiceParam)}
         self.outputs = {b.name for b in spec.outputs}
@@ -277,6 +278,8 @@ class _Scope:
     def _value(self, node: ast.AST, depth: int) -> Expr:
         """A numeric operand: comparisons only make sense as where's condition."""
         expr = self._lower(node, depth)
+        if isinstance(expr, Compare) and isinstance(node, ast.Name):
+            raise _Located(f"'{node.id}' is a bool input, a condition: use it in where(...), as in where({node.id}, x, 0.0)")
         if isinstance(expr, CONDITIONS):
             raise _Located("a comparison can only be the first argument of where(...)")
         return expr
@@ -298,6 +301,8 @@ class _Scope:
                     f"... chunk({name}, {self.chunks[name] - 1})"
                 )
             self.used.add(name)
+            if name in self.bools:  # a condition: where(mask, x, 0.0), ~mask, mask & (x > 0)
+                return Compare("!=", InputRef(name), Const(0))
             return InputRef(name)
         if name in self.scalars:
             self.used.add(name)

@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# An input's dtypes besides "float": read by the kernels as they are (compared, conditions).
+INTEGER_DTYPES = ("int64", "int32", "bool")
+
+
 @dataclass(frozen=True)
 class Input:
     """A tensor input: its dims ("...", a dim name, or "1"), and how many chunks its last
@@ -15,6 +19,13 @@ class Input:
     name: str
     dims: tuple[str, ...]
     chunks: int = 1
+    # "float" (any of the float dtypes; differentiable), or one integer or bool dtype, which
+    # the kernels read as such and never differentiate (INTEGER_DTYPES).
+    dtype: str = "float"
+
+    @property
+    def differentiable(self) -> bool:
+        return self.dtype == "float"
 
     @property
     def declared(self) -> str:

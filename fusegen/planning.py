@@ -174,6 +174,8 @@ def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[st
     every = [name for name, _ in op.ir.outputs]
     result = []
     for spec_input in spec.inputs:
+        if spec_input.dtype != "float":  # no gradient at all
+            continue
         read = set().union(*(reads[n] for n in value_names(spec_input)))
         if len(read) < len(every):
             result.append((spec_input.name, tuple(name for name in every if name in read)))

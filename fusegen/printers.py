@@ -209,6 +209,13 @@ class ElementwisePrinter(CodePrinter):
     def _print_column(self, expr):
         return self.column
 
+    def _print_in_compute(self, expr):
+        return self.converted(self._print(expr.args[0]))
+
+    def converted(self, value: str) -> str:
+        """An integer or bool input's value, in the compute type."""
+        raise NotImplementedError
+
     def _print_Piecewise(self, expr):
         *pieces, (last_value, last_cond) = expr.args
         if last_cond is not sympy.true:
@@ -309,6 +316,9 @@ class TorchPrinter(ElementwisePrinter):
     }
     where, sqrt, rsqrt, power = "torch.where", "torch.sqrt", "torch.rsqrt", "torch.pow"
     column = "torch.arange(problem.n, dtype=problem.compute_dtype, device=problem.device)"
+
+    def converted(self, value):
+        return f"{value}.to(problem.compute_dtype)"
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"

@@ -171,13 +171,15 @@ def backward(
     masks: tuple[sympy.Symbol, ...],
     check,
     row_outputs: frozenset[str] = frozenset(),
+    wrt: frozenset[str] | None = None,
 ) -> tuple[list[Reduction], list[tuple[sympy.Symbol, sympy.Expr]], dict[str, sympy.Expr]]:
     """The backward's reductions, its row values (the adjoints) and each value's gradient.
     `check(output, value_name, partial)` refuses a derivative that cannot be a kernel's.
 
     An output in `row_outputs` has one value per row, and its incoming gradient one per row,
     read along the row as if broadcast: each column carries 1/N of it, so that the row sums
-    (and the row sums of [..., 1] inputs' gradients) count it once."""
+    (and the row sums of [..., 1] inputs' gradients) count it once. `wrt`: the values whose
+    gradients are wanted (None: all); every value is an element along the row all the same."""
     grad_outputs = tuple(g / WIDTH if name in row_outputs else g for g, (name, _) in zip(grad_outputs, outputs))
     found: list[Reduction] = []  # the forward's reductions are saved per row, not reduced again
     # Per reduction: the adjoint's factor along the row, and which elements receive it. A max
@@ -249,6 +251,8 @@ def backward(
 
     gradients = {}
     for name, symbol in values.items():
+        if wrt is not None and name not in wrt:
+            continue
         terms = []
         for g, (output, f) in zip(grad_outputs, outputs):
             partial = derivative(f, symbol)

@@ -19,7 +19,7 @@ from . import calculus, constants, ir, rows
 from .calculus import derivative
 from .rows import RowProgram
 from .errors import SpecError
-from .functions import COL, FUNCTIONS, INF, negated
+from .functions import COL, FUNCTIONS, INF, in_compute, negated
 
 _RELATIONS = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne}
 _LOGIC = {"&": sympy.And, "|": sympy.Or, "~": negated}
@@ -145,11 +145,13 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     # backward kernel, which reads the incoming gradient anyway, not by torch, in a pass of its own.
     chunked |= {i.name for i in spec.inputs if not i.has_ellipsis or i.dims[-1] == "1"}
     inputs = {n: sympy.Symbol(n, real=True) for i in spec.inputs for n in value_names(i)}
+    # Integer and bool inputs are read, never differentiated: no gradient is derived for them.
+    wrt = {n: s for n, s in inputs.items() if n not in {i.name for i in spec.inputs if i.dtype != "float"}}
     params = {p.name: sympy.Symbol(p.name, real=True) for p in spec.scalar_params}
     masks = tuple(sympy.Symbol(mask_name(d.stream), real=True) for d in op.dropouts)
     symbols = {**inputs, **params}
     if op.has_reductions:
-        return _simplify_rows(op, inputs, params, masks, chunked)
+        return _simplify_rows(op, inputs, params, masks, chunked, wrt)
 
     outputs = {}
     for has_dropout in (True, False):
@@ -158,7 +160,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
 
     grad_outputs = tuple(sympy.Symbol(grad_output_name(name), real=True) for name, _ in op.outputs)
     totals = {
-        has_dropout: _input_gradients(spec, outputs[has_dropout], inputs, grad_outputs) for has_dropout in (True, False)
+        has_dropout: _input_gradients(spec, outputs[has_dropout], wrt, grad_outputs) for has_dropout in (True, False)
     }
     gradients = _same_gradients(tuple(
         Gradient(
@@ -168,7 +170,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
             if totals[True][name] == totals[False][name] and name not in chunked
             else None,
         )
-        for name in inputs
+        for name in wrt
     ), [totals[True], totals[False]], chunked)
     gradients = tuple(
         replace(g, reads=_reads((totals[True][g.input], totals[False][g.input]), grad_outputs)) for g in gradients
@@ -195,7 +197,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     )
 
 
-def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunked: set) -> SimplifiedOp:
+def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunked: set, wrt: dict) -> SimplifiedOp:
     spec = op.spec
     along = {inputs[n] for i in spec.inputs if i.dims and i.dims[-1] != "1" for n in value_names(i)}
     reductions = rows.Reductions(along | set(masks) | {COL})
@@ -210,9 +212,10 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
             message = f"output '{output}': its derivative with respect to {name} has a constant that {exc}"
             raise SpecError(spec.path, lines[output], message) from None
 
-    found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, masks, check, op.row_outputs)
+    found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, masks, check, op.row_outputs,
+                                              wrt=frozenset(wrt))
     gradients = _same_gradients(tuple(
-        Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in inputs
+        Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in wrt
     ), [totals], chunked)
     # A gradient reads the incoming ones directly and through the backward's row sums and values.
     definitions = {r.symbol: r.value for r in found} | dict(row_values)
@@ -251,6 +254,7 @@ class _Lowering:
         self.lowered: dict[int, sympy.Basic] = {}  # by id(node): intermediates' trees are shared
         # A subtree an intermediate stands for is shown by its name in messages.
         self.let_names = {id(expr): name for name, expr in op.lets}
+        self.integers = {i.name for i in op.spec.inputs if i.dtype != "float"}
         self.binding = None
 
     def outputs(self) -> list[tuple[str, sympy.Expr]]:
@@ -312,6 +316,9 @@ class _Lowering:
             if e.value == math.inf:
                 return INF
             return sympy.Integer(e.value) if isinstance(e.value, int) else sympy.Float(e.value)
+        if isinstance(e, ir.InputRef) and e.name in self.integers:
+            # Arithmetic reads it in the compute type; a comparison as it is (_operand).
+            return in_compute(self.symbols[e.name])
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
             return self.symbols[e.name]
         if isinstance(e, ir.ChunkRef):
@@ -325,7 +332,7 @@ class _Lowering:
                 return constants.power(self(e.left), self(e.right))
             return _BINARY[e.op](self(e.left), self(e.right))
         if isinstance(e, ir.Compare):
-            return _RELATIONS[e.op](self(e.left), self(e.right))
+            return _RELATIONS[e.op](self._operand(e.left), self._operand(e.right))
         if isinstance(e, ir.Logic):
             return _LOGIC[e.op](*(self(a) for a in e.args))
         if isinstance(e, ir.Call):
@@ -340,6 +347,13 @@ class _Lowering:
         if isinstance(e, ir.Reduce):
             return self.reductions.add(e.kind, self(e.value))
         raise TypeError(f"unknown IR node {type(e).__name__}")
+
+    def _operand(self, e: ir.Expr) -> sympy.Basic:
+        """A comparison's operand: an integer or bool input as it is (a class index compared
+        with col exactly), anything else as lowered."""
+        if isinstance(e, ir.InputRef) and e.name in self.integers:
+            return self.symbols[e.name]
+        return self(e)
 
     def _choice_call(self, e: ir.ChoiceCall) -> sympy.Expr:
         args = [self(a) for a in e.args]

@@ -18,7 +18,7 @@ import yaml
 
 from .errors import SpecError
 from .functions import BUILTIN_NAMES, BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS
-from .layout import Input
+from .layout import INTEGER_DTYPES, Input
 
 ELLIPSIS = "..."
 # "2N" as an input's last dim: two chunks of N side by side (swiglu's [..., 2N] input).
@@ -62,11 +62,12 @@ class InputSpec:
     dims: tuple[str, ...]  # one chunk's dims: "...", a dim name, or "1"
     line: int
     chunks: int = 1  # the last dim written kN: the input holds k chunks of N along it
+    dtype: str = "float"  # or one of layout.INTEGER_DTYPES: `x: {dims: [...], dtype: int64}`
 
     @property
     def layout(self) -> Input:
         """The input as the runtime checks it (fusegen.layout)."""
-        return Input(self.name, self.dims, self.chunks)
+        return Input(self.name, self.dims, self.chunks, self.dtype)
 
     @property
     def has_ellipsis(self) -> bool:
@@ -505,7 +506,16 @@ def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
         _check_identifier(name, key_line, "input")
         names.claim(name, "an input", key_line)
         value_line = raw.value_lines[name]
-        dims = _expect(_as_written(raw, name), list, f"the shape of input '{name}'", value_line)
+        dims, dtype = _as_written(raw, name), "float"
+        if isinstance(dims, dict):  # the long form: {dims: [..., 1], dtype: int64}
+            body = dims
+            _check_keys(body, ["dims", "dtype"], ["dims"], f"input '{name}'", value_line)
+            dims, value_line = body["dims"], body.value_lines["dims"]
+            dtype = _as_written(body, "dtype") if "dtype" in body else "float"
+            if dtype not in ("float", *INTEGER_DTYPES):
+                known = ", ".join(("float", *INTEGER_DTYPES))
+                raise _Located(body.value_lines["dtype"], f"input '{name}': unknown dtype {_describe(dtype)} (known: {known})")
+        dims = _expect(dims, list, f"the shape of input '{name}'", value_line)
         checked, chunks = [], 1
         for i, (dim, text) in enumerate(zip(dims, dims.item_texts)):
             if text == ELLIPSIS:
@@ -525,7 +535,13 @@ def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
                 raise _Located(
                     value_line, f"input '{name}': dim {shown} must be '...', a dim name such as N, 1, or (last) 2N"
                 )
-        inputs.append(InputSpec(name, tuple(checked), key_line, chunks))
+        if chunks > 1 and dtype != "float":
+            raise _Located(value_line, f"input '{name}': a {dtype} input cannot hold chunks ({dims.item_texts[-1]}); "
+                           "declare one input per chunk")
+        inputs.append(InputSpec(name, tuple(checked), key_line, chunks, dtype))
+    if all(i.dtype != "float" for i in inputs):
+        # The outputs take the float inputs' dtype (and the kernels compute in it).
+        raise _Located(line, "'inputs' must have at least one float input: the outputs take its dtype")
     return tuple(inputs)
 
 

@@ -1,7 +1,7 @@
 """The built-in `col` (issue 31): the element's index along the last dim, 0 <= col < N. A one-hot
 is `where(col == t, 1.0, 0.0)`, the target's logit `sum(where(col == t, x, 0.0))`, whose
 gradient (the scatter back) simplify derives. Targets here are float [..., 1] inputs holding
-whole numbers (integer inputs are not in the language yet). Bad uses: test_bad_specs.py.
+whole numbers (integer inputs: test_language_int_inputs.py). Bad uses: test_bad_specs.py.
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
     inputs = []
     for i in plan.inputs:
         chunks = f", chunks={i.layout.chunks}" if i.layout.chunks > 1 else ""
-        inputs.append(f'runtime.Input("{i.name}", {_strings(i.layout.dims)}{chunks})')
+        dtype = "" if i.layout.differentiable else f', dtype="{i.layout.dtype}"'
+        inputs.append(f'runtime.Input("{i.name}", {_strings(i.layout.dims)}{chunks}{dtype})')
     lines = [f'"{plan.op}",', *_argument("inputs", inputs, tuple_=True)]
     params = []
     for p in plan.params:
@@ -103,7 +104,8 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
     lines += ["    " + line for line in wrap(f"{plan.op}({plan.op_signature})", "    ")]
     lines += ["    " + line for line in wrap(f"{class_name}({class_arguments})({tensors}): the same, as a torch.nn.Module", "    ")]
     lines.append("")
-    lines += wrap("Inputs (broadcast as torch broadcasts): " + ", ".join(f"{i.name} {i.layout.declared}" for i in plan.inputs))
+    lines += wrap("Inputs (broadcast as torch broadcasts): " + ", ".join(
+        f"{i.name} {i.layout.declared}" + ("" if i.layout.differentiable else f" {i.layout.dtype}") for i in plan.inputs))
     dims = dict(plan.output_dims)
     lines += wrap("Outputs: " + ", ".join(f"{name} [{', '.join(dims[name])}]" for name, _ in plan.outputs))
     for p in plan.params:

@@ -15,6 +15,8 @@ from torch.autograd import forward_ad
 from ..layout import Input, in_range, range_text
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# An integer or bool input's dtype, as its declaration names it (layout.INTEGER_DTYPES): exactly that one.
+INTEGER_TORCH_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 FLOAT32_MAX = 3.4028234663852886e38
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # an int param reaches the kernel as at most an int64
 
@@ -126,7 +128,10 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple) -> 
     for spec, value in zip(inputs, tensors):
         if not isinstance(value, torch.Tensor):
             raise FusegenArgumentError(f"{op}(): {spec.name} must be a torch.Tensor, got {type(value).__name__}")
-        if value.dtype not in SUPPORTED_DTYPES:
+        if spec.dtype != "float":
+            if value.dtype != INTEGER_TORCH_DTYPES[spec.dtype]:
+                raise FusegenArgumentError(f"{op}(): {spec.name} has dtype {value.dtype}; it must be torch.{spec.dtype}")
+        elif value.dtype not in SUPPORTED_DTYPES:
             raise FusegenArgumentError(
                 f"{op}(): {spec.name} has dtype {value.dtype}; supported: float16, bfloat16, float32, float64"
             )
@@ -149,7 +154,8 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple) -> 
     # The product, not numel() // n: torch.Size.numel() makes a symbolic size (torch.compile's
     # dynamic shapes) a constant, which would recompile the graph for every sequence length.
     m = functools.reduce(operator.mul, shape[:-1], 1)
-    out_dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    # The float inputs' (a spec has one at least): integer and bool inputs are read, not promoted.
+    out_dtype = functools.reduce(torch.promote_types, (t.dtype for i, t in zip(inputs, tensors) if i.dtype == "float"))
     compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     has_data = device.type != "meta" and not any(is_fake(t) for t in tensors)
     return Problem(shape, m, n, out_dtype, compute_dtype, device, has_data)

@@ -100,7 +100,8 @@ class FusedOp:
         # to the prepared launch (_native_backward).
         self._kernel_only_backward = not self._has_same and all(p is None for p in self._passthrough)
         computed = set(kernels.gradients) | set(passthrough) | set(same_gradient)
-        missing = [i.name for i in inputs if i.name not in computed]
+        # Integer and bool inputs have none: they cannot require grad, so none is ever asked for.
+        missing = [i.name for i in inputs if i.name not in computed and i.differentiable]
         if missing:  # a generated module out of step with its runtime
             raise ValueError(f"{name}: inputs without a gradient: {missing}")
         # What check() does per call, worked out once: it runs on every launch.
@@ -376,7 +377,8 @@ class FusedOp:
             check_out_targets(self.name, out, self._n_outputs, problem.has_data)
         values = []
         for spec, tensor in zip(self.inputs, tensors):
-            tensor = tensor.to(problem.compute_dtype)
+            if spec.differentiable:  # integer and bool inputs are read as they are, as the kernels do
+                tensor = tensor.to(problem.compute_dtype)
             values.extend(tensor.chunk(spec.chunks, dim=-1) if spec.chunks > 1 else (tensor,))
         params = [
             # A tensor in the compute dtype, as the kernel converts a float param on entry.

@@ -156,12 +156,15 @@ def chunk_end(chunk: int) -> str:
     return "N" if chunk == 0 else f"{chunk + 1} * N"
 
 
-def load_line(target: str, n: InputNames, columns: str = "cols") -> str:
-    return f"{target} = load_tile({n.pointer}, {n.stride_m}, {n.stride_n}, rows, {columns}, in_bounds, {COMPUTE_DTYPE})"
+def load_line(target: str, n: InputNames, columns: str = "cols", dtype: str = COMPUTE_DTYPE) -> str:
+    return f"{target} = load_tile({n.pointer}, {n.stride_m}, {n.stride_n}, rows, {columns}, in_bounds, {dtype})"
 
 
 def input_loads(i: InputPlan, n: InputNames) -> list[str]:
-    return [load_line(value.local, n, chunk_columns(value.chunk)) for value in i.values]
+    # An integer or bool input stays in its own type: compared exactly (a class index with
+    # col), a condition as is; Triton converts it where arithmetic mixes it with floats.
+    dtype = COMPUTE_DTYPE if i.layout.differentiable else f"{n.pointer}.dtype.element_ty"
+    return [load_line(value.local, n, chunk_columns(value.chunk), dtype) for value in i.values]
 
 
 def scalars_in_compute_type(plan: OpPlan, kernel: KernelPlan, names: TritonNames) -> list[str]:

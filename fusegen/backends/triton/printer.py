@@ -32,6 +32,9 @@ class TritonPrinter(ElementwisePrinter):
     where, sqrt, rsqrt, power = "tl.where", "sqrt_rn", "rsqrt_rn", "libdevice.pow"
     column = "cols[None, :]"  # every kind's kernels index a tile's columns by `cols` (naming.SHARED_NAMES)
 
+    def converted(self, value):
+        return f"{value}.to({COMPUTE_DTYPE})"
+
     def maximum(self, a, b):  # kernel_lib's: NaN propagates, as in torch
         return f"maximum({a}, {b})"
 
