@@ -392,7 +392,7 @@ def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[
     nothing else of the row, in a way that moving m multiplies every element by the same
     factor (exp(x - m): by exp(old - new)), made online: its value written out in full (the
     CSE temporaries read m, which the pass it joins does not have yet) and its rescale."""
-    extremes = {r.symbol for r in reductions if r.kind in ("max", "min")}
+    extremes = {r.symbol: r.kind for r in reductions if r.kind in ("max", "min")}
     symbols = {r.symbol for r in reductions} | {s for s, _ in row_values}
     reading: dict[sympy.Symbol, bool] = {}  # whether a temp reads a reduction or row value, through others
 
@@ -402,8 +402,6 @@ def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[
             reading[t] = bool(free & symbols) or any(reads(u) for u in free & definitions.keys())
         return reading[t]
 
-    for t in definitions:
-        reads(t)
     found = []
     for r in reductions:
         found.append(r)
@@ -411,12 +409,12 @@ def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[
             continue
         full = r.value
         for _ in range(len(definitions) + 1):  # temps read temps: substitute until none reads a row symbol
-            inline = {t: definitions[t] for t in full.free_symbols & reading.keys() if reading[t]}
+            inline = {t: definitions[t] for t in full.free_symbols & definitions.keys() if reads(t)}
             if not inline:
                 break
             full = full.xreplace(inline)
         read = full.free_symbols & symbols
-        if len(read) != 1 or not read <= extremes:
+        if len(read) != 1 or not read <= extremes.keys():
             continue
         (m,) = read
         rescale = sympy.simplify(full.subs(m, SHIFT_NEW) / full.subs(m, SHIFT_OLD))
@@ -427,14 +425,10 @@ def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[
         k = sympy.expand(rescale.args[0]).diff(SHIFT_OLD)
         if not k.is_number or sympy.expand(rescale.args[0] - k * (SHIFT_OLD - SHIFT_NEW)) != 0:
             continue
-        if not ((k > 0) if _kind_of(reductions, m) == "max" else (k < 0)):
+        if not ((k > 0) if extremes[m] == "max" else (k < 0)):
             continue
         found[-1] = Reduction(r.symbol, r.kind, full, m, rescale)
     return found
-
-
-def _kind_of(reductions: list[Reduction], symbol: sympy.Symbol) -> str:
-    return next(r.kind for r in reductions if r.symbol == symbol)
 
 
 def _dependency_order(items: list[tuple[sympy.Symbol, sympy.Expr]]) -> list:
