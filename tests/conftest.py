@@ -102,7 +102,12 @@ def use_node(monkeypatch):
     extension as the test set it."""
     from fusegen.runtime import native
 
+    original = (native._state.module, native._state.failed)
+
     def use(node: str):
+        # Back to the state before the test, so a test may switch from python to native.
+        monkeypatch.setattr(native._state, "module", original[0])
+        monkeypatch.setattr(native._state, "failed", original[1])
         module = native.load(build=node == "native")
         assert node == "python" or module is not None, native.status()
         monkeypatch.setattr(native._state, "module", module if node == "native" else None)
