@@ -344,11 +344,9 @@ def test_eager_seed_batches_stay_reproducible_and_distinct(device):
     run, and a backward long after its forward still drops what its forward dropped."""
     x, bias, residual, grad_y = _graph_inputs((8, 64))
     count = runtime.dropout.SEED_BATCH + 20
-    batches = runtime.dropout.eager_seeds().batches
-
     def last_seed():  # the call's seed, as the Python path or the C++ eager call took it
-        batch = batches[x.device.index]
-        return batch[2][batch[3] - 1, :1].clone()
+        drawn, taken = runtime.dropout.eager_seeds().standing(x.device.index)
+        return drawn[taken - 1, :1].clone()
 
     def run():
         seeds, first = [], None

@@ -112,6 +112,26 @@ def test_cached_launches_match_reference_across_alignments_and_shapes():
     assert module._OP.kernels._forward._entries, "the cached launch path was never taken"
 
 
+def test_the_installed_triton_is_one_whose_launcher_was_checked():
+    """Fails loudly on a new Triton: run the GPU suite with it, then add it to
+    cached_launcher.CHECKED_TRITON."""
+    assert cached_launcher.triton_checked(), (triton.__version__, cached_launcher.CHECKED_TRITON)
+
+
+@pytest.mark.gpu
+def test_an_unchecked_triton_launches_through_tritons_own_path(monkeypatch):
+    monkeypatch.setattr(cached_launcher, "CHECKED_TRITON", ("0.0",))
+    cached_launcher._warn_unchecked.cache_clear()
+    op = op_by_name("bias_gelu")
+    launcher = op.module._OP.kernels._forward
+    before = dict(launcher._entries)
+    x, bias = torch.randn(3, 4111, device="cuda"), torch.randn(4111, device="cuda")  # a kind of call new here
+    with pytest.warns(UserWarning, match="launcher was not checked"):
+        y = op.fn(x, bias)
+    torch.testing.assert_close(y, op.module.reference(x, bias))
+    assert launcher._entries == before  # nothing cached: every launch is Triton's
+
+
 # ---------------------------------------------------------------------------
 # Gradients of inputs broadcast along columns ([..., 1]): row sums in the kernel
 

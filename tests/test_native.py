@@ -266,6 +266,24 @@ def test_a_failed_build_warns_once_and_keeps_the_python_function(tmp_path, devic
         native.build_directory.cache_clear()
 
 
+def test_the_installed_torch_is_one_the_extensions_private_apis_were_checked_on():
+    """Fails loudly on a new torch: run this file and tests/test_eager_call.py on a GPU
+    with it, then add it to native.CHECKED_TORCH."""
+    assert native.unchecked_torch() is None, native.unchecked_torch()
+
+
+def test_an_unchecked_torch_leaves_the_extension_off_with_one_warning(monkeypatch):
+    monkeypatch.setattr(native, "CHECKED_TORCH", ("0.1",))
+    monkeypatch.setattr(native._state, "module", None)
+    monkeypatch.setattr(native._state, "failed", None)
+    with pytest.warns(UserWarning, match=r"torch \d+\.\d+ is not among the versions its private APIs were checked on \(0\.1\)"):
+        assert native.load(build=True) is None
+    assert native.status().startswith("unavailable: RuntimeError: torch ")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.load(build=True) is None  # decided once
+
+
 def test_a_half_written_build_is_never_loaded(built, tmp_path, monkeypatch):
     """torch links into build/; only a whole library is moved beside it. A link killed
     midway (here: a library cut short) is never imported: importing it can kill the process."""

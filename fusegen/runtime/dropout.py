@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from . import native
 from .philox import MASK32, philox4x32
 
 THRESHOLD_BITS = 24
@@ -84,13 +85,14 @@ class _EagerSeeds:
     run after run, and `reference`, which draws the same way, the same masks. Nothing here
     is written twice: a backward reads its forward's seed after later calls moved on.
 
-    The C++ eager call (runtime/csrc/eager_call.cpp, take_seed) takes seeds from a standing
-    batch itself, under the same lock: `batches` maps a device index to
-    [generator seed, generator offset, drawn seeds, seeds taken].
+    Where fusegen's C++ extension is loaded it owns the batches (csrc/eager_call.cpp,
+    next_seed: its eager call takes seeds there without Python), and `take` calls in; the
+    batches here serve only a process without it. A switch between the two cannot hand out
+    a seed twice: each draw moves the generator on, so the other side's batch no longer stands.
     """
 
     def __init__(self):
-        self.batches: dict[int, list] = {}
+        self.batches: dict[int, list] = {}  # device index: [generator seed, offset, drawn, taken]
         self._fixed: dict[tuple[int, torch.device], torch.Tensor] = {}
         # Threads calling ops at once must not take one seed twice (one mask for two calls).
         self.lock = threading.Lock()
@@ -104,6 +106,9 @@ class _EagerSeeds:
                 tensor = self._fixed[(seed, device)] = torch.full((1,), seed, dtype=torch.int64, device=device)
             return tensor
         index = device.index if device.index is not None else torch.cuda.current_device()
+        owner = native.seed_owner()
+        if owner is not None:
+            return owner.take_seed(index)
         generator = torch.cuda.default_generators[index]
         with self.lock:
             batch = self.batches.get(index)
@@ -117,6 +122,15 @@ class _EagerSeeds:
             taken = batch[3]
             batch[3] = taken + 1
         return batch[2][taken, :1]
+
+    def standing(self, index: int) -> tuple[torch.Tensor, int] | None:
+        """The device's standing batch and how many of its seeds are taken, whichever side
+        owns it (for tests)."""
+        owner = native.seed_owner()
+        if owner is not None:
+            return owner.standing_seeds(index)
+        batch = self.batches.get(index)
+        return None if batch is None else (batch[2], batch[3])
 
 
 _EAGER_SEEDS = _EagerSeeds()

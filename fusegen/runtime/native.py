@@ -115,10 +115,35 @@ def _built_file(directory: Path) -> Path:
 
 
 def _import(path: Path):
+    from .dropout import SEED_BATCH, SEED_LIMIT
+
     spec = importlib.util.spec_from_file_location(_module_name(path.parent), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    module.configure_seeds(SEED_BATCH, SEED_LIMIT - 1)  # it owns the eager seed batches from now on
     return module
+
+
+def seed_owner():
+    """The loaded extension, which then owns the eager seed batches (csrc/eager_call.cpp's
+    next_seed; runtime.dropout's eager seeds call in), or None."""
+    return _state.module
+
+
+# The torch versions whose private APIs the extension uses were checked on (THPVariable_Unpack
+# and _Wrap, generator state, the raw current stream, dispatch key sets): 2.11 by the GPU suite,
+# 2.13 by the CPU suite. Another version leaves the extension off, with one warning, until its
+# tests pass there and it is added (tests/test_native.py fails loudly meanwhile). Triton's
+# launcher, which it shares with Python, has its own list (backends/triton/cached_launcher.py).
+CHECKED_TORCH = ("2.11", "2.13")
+
+
+def unchecked_torch() -> str | None:
+    """Why the installed torch is not one the extension was checked against, or None."""
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if version in CHECKED_TORCH:
+        return None
+    return f"torch {version} is not among the versions its private APIs were checked on ({', '.join(CHECKED_TORCH)})"
 
 
 def load(build: bool):
@@ -129,6 +154,9 @@ def load(build: bool):
         if _state.module is not None or _state.failed is not None:
             return _state.module
         try:
+            unchecked = unchecked_torch()
+            if unchecked is not None:
+                raise RuntimeError(unchecked)
             built = _built_file(build_directory())
             if built.exists():
                 _state.module = _import(built)
@@ -244,13 +272,10 @@ def eager_calls(*, inputs: int, arguments: int, seed_position: int | None, outpu
         return None
     from triton import knobs
 
-    from .dropout import eager_seeds
-
     _ops_with_calls.add(op)
     return module.new_calls(inputs, arguments, -1 if seed_position is None else seed_position, outputs,
                             name, op, backward, getattr(torch._C, "_cuda_getDevice", None),
-                            getattr(torch._C, "_cuda_getCurrentRawStream", None), knobs.runtime,
-                            eager_seeds() if seed_position is not None else None)
+                            getattr(torch._C, "_cuda_getCurrentRawStream", None), knobs.runtime)
 
 
 def forget_calls() -> None:

@@ -21,7 +21,9 @@ depend only on those values and the config (the generated launchers' grids do).
 """
 from __future__ import annotations
 
+import functools
 import struct
+import warnings
 
 import torch
 import triton
@@ -30,6 +32,16 @@ from triton import knobs
 from .interpreter import kernel_is_interpreted, quiet_numpy
 
 _CACHE_SIZE = 1024
+# The Triton versions whose launcher this file calls directly (the C function's arguments,
+# packed_metadata, launch_cooperative_grid, launch_pdl, the parameter packing) was checked
+# on, by the GPU suite. Under another version every launch takes Triton's own path (slower
+# on the host, never wrong), with one warning, until it is checked and added here
+# (tests/test_launch.py fails loudly meanwhile).
+CHECKED_TRITON = ("3.6",)
+
+
+def triton_checked() -> bool:
+    return ".".join(triton.__version__.split(".")[:2]) in CHECKED_TRITON
 
 
 def _int_width(value: int) -> str:
@@ -100,12 +112,21 @@ class CachedLauncher:
         trailing = self._arg_names[len(args):]
         if compiled is None or any(name not in named for name in trailing):
             return None  # e.g. a parameter left to its default: keep Triton's path
+        if not triton_checked():
+            _warn_unchecked()
+            return None
         dims = grid(named) if callable(grid) else grid
         binary = Binary(compiled, (*dims, 1, 1)[:3], tuple(named[n] for n in trailing), key[len(args)])
         if len(self._entries) >= _CACHE_SIZE:
             self._entries.clear()
         self._entries[key] = binary
         return binary
+
+
+@functools.cache
+def _warn_unchecked() -> None:
+    warnings.warn(f"fusegen: Triton {triton.__version__}'s launcher was not checked (checked: "
+                  f"{', '.join(CHECKED_TRITON)}); kernels launch through Triton's own path", stacklevel=4)
 
 
 def hooks_active() -> bool:

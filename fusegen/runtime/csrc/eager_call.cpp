@@ -7,8 +7,8 @@
 // allocate and the kernel's launch, each parameter as Triton's own launcher passes it. A
 // later call of that kind is keyed, allocated, launched (cuLaunchKernelEx) and given its
 // autograd node (autograd_node.cpp) here, without running Python; one with dropout takes
-// the next seed of the batch Python drew ahead (take_seed; Python draws a new batch, and
-// checks an explicit seed). Likewise the first backward of each kind of incoming gradients
+// the next seed of the device's batch (take_seed: the batches are this file's, and Python's
+// eager calls take their seeds here too; Python checks an explicit seed). Likewise the first backward of each kind of incoming gradients
 // registers its launch and where each gradient comes from (PreparedCall.offer_backward,
 // after the Python backward ran), and later ones run in the node.
 // Anything else returns None before doing anything, and the caller takes the Python path:
@@ -40,7 +40,9 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -204,10 +206,8 @@ struct FUSEGEN_HIDDEN Calls {
   pybind11::object backward;    // runtime.op._native_backward
   std::shared_ptr<Hooks> hooks;
   std::unordered_map<Key, std::shared_ptr<Prepared>, KeyHash> prepared;
-  pybind11::object seed_batches;  // runtime.dropout's eager seeds: {device: [seed, offset, drawn, taken]}
-  pybind11::object seed_lock;     // and the lock that guards them
   uint64_t hits = 0;              // forward calls taken (for tests)
-  uint64_t seeds = 0;             // seeds taken here, not from Python (for tests)
+  uint64_t seeds = 0;             // seeds taken by this op's eager call, not its Python path (for tests)
 };
 
 const c10::DispatchKeySet kNotPlain({
@@ -418,72 +418,84 @@ uint64_t address(const at::Tensor& t) {
   return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
 }
 
-// The next seed of the device's batch, as runtime.dropout._EagerSeeds.take gives it where
-// the batch stands (the device's generator where the batch left it, seeds left, no stream
-// capture); false for everything else, which Python's drawer handles (a new batch, an
-// explicit seed, a capture, another thread inside take). With the GIL.
+// -- the eager seeds ----------------------------------------------------------------------
+// Seeds for eager calls with dropout, drawn a batch at a time per device: this file owns the
+// batches wherever the extension is built, and Python's eager calls take their seeds here
+// too (runtime.dropout._EagerSeeds.take), so that no seed is handed out twice and the C++
+// and Python paths draw the same seeds. A batch stands while the device's generator is where
+// the batch left it (same seed, same Philox offset): torch.manual_seed, or any other random
+// op in between, starts a new batch, so a program draws the same seeds run after run.
+struct SeedBatch {
+  uint64_t seed = 0;    // the generator's seed and offset just after the draw
+  uint64_t offset = 0;
+  at::Tensor drawn;     // [batch, 2] int64: every other element, so each seed is 16-byte aligned
+  int64_t taken = 0;
+};
+
+struct Seeds {
+  std::mutex mutex;  // taken with the GIL held (every caller holds it): no lock-order cycle
+  std::unordered_map<int, SeedBatch> batches;
+  int64_t batch = 0;  // seeds per batch and their exclusive upper bound: runtime.dropout's,
+  int64_t high = 0;   // set once by configure_seeds when the extension is loaded
+};
+
+Seeds& eager_seeds() {
+  static Seeds* seeds = new Seeds();  // never destroyed: tensors must not outlive CUDA at exit
+  return *seeds;
+}
+
+void configure_seeds(int64_t batch, int64_t high) {
+  TORCH_CHECK(batch > 0 && high > 0, "fusegen: seed batches need a positive size and bound");
+  Seeds& seeds = eager_seeds();
+  std::lock_guard<std::mutex> lock(seeds.mutex);
+  seeds.batch = batch;
+  seeds.high = high;
+}
+
+std::pair<uint64_t, uint64_t> generator_state(at::Generator& generator) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return {generator.current_seed(), generator.get_offset()};
+}
+
+// The device's next seed: a one-element view into its standing batch, drawn anew (one
+// torch.randint on the current stream, as Python's torch.randint would) where none stands.
+at::Tensor next_seed(int device) {
+  Seeds& seeds = eager_seeds();
+  at::Generator generator = at::globalContext().defaultGenerator(at::Device(at::kCUDA, device));
+  std::lock_guard<std::mutex> lock(seeds.mutex);
+  TORCH_CHECK(seeds.batch > 0, "fusegen: the eager seeds were not configured (runtime.native.load does it)");
+  SeedBatch& batch = seeds.batches[device];
+  const auto [seed, offset] = generator_state(generator);
+  if (!batch.drawn.defined() || batch.seed != seed || batch.offset != offset || batch.taken == batch.drawn.size(0)) {
+    batch.drawn = at::randint(0, seeds.high, {seeds.batch, 2},
+                              at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device));
+    std::tie(batch.seed, batch.offset) = generator_state(generator);
+    batch.taken = 0;
+  }
+  const int64_t taken = batch.taken++;
+  return batch.drawn.as_strided({1}, {1}, batch.drawn.storage_offset() + taken * batch.drawn.stride(0));
+}
+
+// For tests: the device's standing batch and how many of its seeds are taken, or None.
+pybind11::object standing_seeds(int device) {
+  Seeds& seeds = eager_seeds();
+  std::lock_guard<std::mutex> lock(seeds.mutex);
+  auto found = seeds.batches.find(device);
+  if (found == seeds.batches.end() || !found->second.drawn.defined()) {
+    return pybind11::none();
+  }
+  pybind11::object drawn = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(found->second.drawn));
+  return pybind11::make_tuple(drawn, found->second.taken);
+}
+
+// An eager call's seed; false while the stream is being captured (the Python path draws it
+// in the graph then, so that each replay draws anew).
 bool take_seed(Calls& calls, int device, CUstream stream, at::Tensor& out) {
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
   if (driver().stream_is_capturing(stream, &status) != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE) {
     return false;
   }
-  pybind11::object acquired = calls.seed_lock.attr("acquire")(false);
-  if (!acquired.cast<bool>()) {
-    return false;  // another thread is inside take
-  }
-  // Released on every way out, an exception pending or not.
-  struct Release {
-    pybind11::object& lock;
-    ~Release() {
-      PyObject *type, *value, *traceback;
-      PyErr_Fetch(&type, &value, &traceback);
-      PyObject* result = PyObject_CallMethod(lock.ptr(), "release", nullptr);
-      Py_XDECREF(result);
-      PyErr_Clear();
-      PyErr_Restore(type, value, traceback);
-    }
-  } release{calls.seed_lock};
-  // Looked up with the lock held: no other thread replaces the batch while it is read.
-  pybind11::object index = pybind11::reinterpret_steal<pybind11::object>(PyLong_FromLong(device));
-  if (!index) {
-    throw python_error();
-  }
-  PyObject* batch = PyDict_GetItemWithError(calls.seed_batches.ptr(), index.ptr());  // borrowed
-  if (batch == nullptr) {
-    if (PyErr_Occurred()) {
-      throw python_error();
-    }
-    return false;
-  }
-  if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) != 4 || !THPVariable_Check(PyList_GET_ITEM(batch, 2))) {
-    return false;
-  }
-  at::Generator generator = at::globalContext().defaultGenerator(at::Device(at::kCUDA, device));
-  uint64_t seed = 0;
-  uint64_t offset = 0;
-  {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    seed = generator.current_seed();
-    offset = generator.get_offset();
-  }
-  const unsigned long long batch_seed = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(batch, 0));
-  const unsigned long long batch_offset = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(batch, 1));
-  const Py_ssize_t taken = PyLong_AsSsize_t(PyList_GET_ITEM(batch, 3));
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  const at::Tensor& drawn = THPVariable_Unpack(PyList_GET_ITEM(batch, 2));
-  if (batch_seed != seed || batch_offset != offset || drawn.dim() != 2 || taken < 0 || taken >= drawn.size(0)) {
-    return false;  // the generator moved on (manual_seed, other random ops), or the batch is spent
-  }
-  PyObject* next = PyLong_FromSsize_t(taken + 1);
-  if (next == nullptr) {
-    throw python_error();
-  }
-  PyList_SetItem(batch, 3, next);  // steals it
-  // One int64 of row `taken`, as Python's drawn[taken, :1].
-  out = drawn.as_strided({1}, {1}, drawn.storage_offset() + taken * drawn.stride(0));
+  out = next_seed(device);
   ++calls.seeds;
   return true;
 }
@@ -706,7 +718,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   pybind11::object seed = pybind11::none();
   at::Tensor seed_tensor;
   if (!call.seed.is_none() &&
-      (seed_argument != Py_None || !calls.seed_batches || !take_seed(calls, call.device, stream, seed_tensor))) {
+      (seed_argument != Py_None || !take_seed(calls, call.device, stream, seed_tensor))) {
     seed = pybind11::reinterpret_steal<pybind11::object>(call_python(call.seed.ptr(), seed_argument));
     seed_tensor = THPVariable_Unpack(seed.ptr());
   }
@@ -770,8 +782,7 @@ void release(PyObject* capsule) {
 // A new op's calls: a function (args, inplace_backward) -> outputs or None.
 pybind11::object new_calls(Py_ssize_t inputs, Py_ssize_t arguments, Py_ssize_t seed_position, Py_ssize_t outputs,
                            std::string name, pybind11::object op, pybind11::object backward,
-                           pybind11::object get_device, pybind11::object get_stream, pybind11::object knobs,
-                           pybind11::object seeds) {
+                           pybind11::object get_device, pybind11::object get_stream, pybind11::object knobs) {
   auto* calls = new Calls();
   calls->inputs = inputs;
   calls->arguments = arguments;
@@ -784,10 +795,6 @@ pybind11::object new_calls(Py_ssize_t inputs, Py_ssize_t arguments, Py_ssize_t s
   calls->hooks->get_stream = std::move(get_stream);
   calls->hooks->knobs = std::move(knobs);
   calls->hooks->name = std::move(name);
-  if (!seeds.is_none()) {
-    calls->seed_batches = seeds.attr("batches");
-    calls->seed_lock = seeds.attr("lock");
-  }
   PyObject* capsule = PyCapsule_New(calls, "fusegen.Calls", release);
   if (capsule == nullptr) {
     delete calls;
@@ -999,5 +1006,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_call", &register_call, "Register the kind of call `args` is (see eager_call.cpp).");
   m.def("register_backward", &register_backward, "Register a backward of a registered kind of call.");
   m.def("call_key", &call_key, "The key of a call, or None (for tests).");
+  m.def("configure_seeds", &configure_seeds, "Seeds per batch and their exclusive bound (runtime.dropout's).");
+  m.def("take_seed", [](int device) { return pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(next_seed(device))); },
+        "The device's next eager seed, a one-element int64 tensor (see eager_call.cpp's eager seeds).");
+  m.def("standing_seeds", &standing_seeds, "(batch, seeds taken) of the device's standing batch, or None (for tests).");
   m.def("counts", &counts, "(kinds registered, forward calls taken, backwards taken, seeds taken) of an op's eager call.");
 }
