@@ -124,6 +124,13 @@ def _import(path: Path):
     return module
 
 
+def call_key(calls, args: tuple) -> tuple | None:
+    """The key of a call as the extension's eager call `calls` keys it (csrc/eager_call.cpp,
+    make_key), or None for a call it does not take: where the extension is in use, the one
+    key of the process (FusedOp.prepare keys its prepared calls by it too)."""
+    return _state.module.call_key(calls, args)
+
+
 def seed_owner():
     """The loaded extension, which then owns the eager seed batches (csrc/eager_call.cpp's
     next_seed; runtime.dropout's eager seeds call in), or None."""

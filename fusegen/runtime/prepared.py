@@ -27,7 +27,8 @@ def call_key(args: tuple, tensors: int, seed_position: int | None) -> tuple | No
     """What a call's checks and launches depend on: each tensor's shape, strides, dtype,
     device and 16-byte alignment (the compiled kernels specialize on it); each param's type
     and value, except an explicit seed's value (checked per call). None: a call the prepared
-    path does not take."""
+    path does not take. Where the C++ extension is in use its key takes this one's place
+    (runtime.native.call_key), so a process keys its calls one way."""
     key = []
     for t in args[:tensors]:
         if type(t) not in PLAIN_TENSOR_TYPES:
