@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fusegen import runtime
-from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, indices, load_tile, rsqrt_rn, store_column_sums,
     store_gradient, store_tile,
@@ -34,7 +34,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["add_rmsnorm", "AddRmsnorm", "reference", "eager"]
 
 
-@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def add_rmsnorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -100,7 +100,7 @@ def add_rmsnorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def add_rmsnorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -268,7 +268,7 @@ _OP = runtime.FusedOp(
     same_gradient={"residual": "x"},  # one gradient, one tensor, where shapes and dtypes agree
     # These inputs' gradients read only these outputs' gradients: without them, None.
     gradient_reads={"weight": ("y",)},
-    kernels=launch.RowKernels(
+    kernels=row_launch.RowKernels(
         add_rmsnorm_kernel, add_rmsnorm_backward_kernel, scalars=("eps",),
         backward_reads=("x", "residual", "weight"), gradients=("x", "residual", "weight"),
         statistics=1,

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from fusegen import runtime
-from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, rsqrt_rn,
     store_column_sums, store_gradient, store_tile,
@@ -41,7 +41,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["bias_dropout_add_layernorm", "BiasDropoutAddLayernorm", "reference", "eager"]
 
 
-@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
 @triton.jit
 def bias_dropout_add_layernorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -161,7 +161,7 @@ def bias_dropout_add_layernorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def bias_dropout_add_layernorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -423,7 +423,7 @@ _OP = runtime.FusedOp(
     masks=("p",),  # each dropout's p, by Philox stream
     # These inputs' gradients read only these outputs' gradients: without them, None.
     gradient_reads={"weight": ("y",), "norm_bias": ("y",)},
-    kernels=launch.RowKernels(
+    kernels=row_launch.RowKernels(
         bias_dropout_add_layernorm_kernel, bias_dropout_add_layernorm_backward_kernel,
         scalars=("eps",), backward_reads=("x", "bias", "residual", "weight"),
         gradients=("x", "bias", "residual", "weight", "norm_bias"), statistics=2,

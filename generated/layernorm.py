@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from fusegen import runtime
-from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, indices, load_tile, rsqrt_rn, store_column_sums,
     store_gradient, store_tile,
@@ -32,7 +32,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["layernorm", "Layernorm", "reference", "eager"]
 
 
-@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def layernorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -95,7 +95,7 @@ def layernorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def layernorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -247,7 +247,7 @@ _OP = runtime.FusedOp(
     ),
     params=(runtime.Scalar("eps", "float", 0.0, None),),
     outputs=("y",),
-    kernels=launch.RowKernels(
+    kernels=row_launch.RowKernels(
         layernorm_kernel, layernorm_backward_kernel, scalars=("eps",),
         backward_reads=("x", "weight"), gradients=("x", "weight", "bias"), statistics=2,
     ),

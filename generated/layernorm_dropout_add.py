@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fusegen import runtime
-from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, rsqrt_rn,
     store_column_sums, store_gradient, store_tile,
@@ -42,7 +42,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["layernorm_dropout_add", "LayernormDropoutAdd", "reference", "eager"]
 
 
-@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "HAS_DROPOUT"])
 @triton.jit
 def layernorm_dropout_add_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -136,7 +136,7 @@ def layernorm_dropout_add_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def layernorm_dropout_add_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -343,7 +343,7 @@ _OP = runtime.FusedOp(
     outputs=("y",),
     masks=("p",),  # each dropout's p, by Philox stream
     passthrough={"residual": "y"},  # these inputs' gradients are those outputs' own
-    kernels=launch.RowKernels(
+    kernels=row_launch.RowKernels(
         layernorm_dropout_add_kernel, layernorm_dropout_add_backward_kernel, scalars=("eps",),
         backward_reads=("x", "bias", "gamma"), gradients=("x", "bias", "gamma", "beta"),
         statistics=2,

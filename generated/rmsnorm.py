@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from fusegen import runtime
-from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, indices, load_tile, rsqrt_rn, store_column_sums,
     store_gradient, store_tile,
@@ -32,7 +32,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["rmsnorm", "Rmsnorm", "reference", "eager"]
 
 
-@tuning.autotune(tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
 @triton.jit
 def rmsnorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -80,7 +80,7 @@ def rmsnorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def rmsnorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -197,7 +197,7 @@ _OP = runtime.FusedOp(
     inputs=(runtime.Input("x", ("...", "N")), runtime.Input("weight", ("N",))),
     params=(runtime.Scalar("eps", "float", 0.0, None),),
     outputs=("y",),
-    kernels=launch.RowKernels(
+    kernels=row_launch.RowKernels(
         rmsnorm_kernel, rmsnorm_backward_kernel, scalars=("eps",),
         backward_reads=("x", "weight"), gradients=("x", "weight"), statistics=1,
     ),

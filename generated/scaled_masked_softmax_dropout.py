@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fusegen import runtime
-from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, max_shifts, maximum,
     row_max, store_column_sums, store_gradient, store_tile,
@@ -40,7 +40,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["scaled_masked_softmax_dropout", "ScaledMaskedSoftmaxDropout", "reference", "eager"]
 
 
-@tuning.autotune(tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "HAS_DROPOUT"])
+@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "HAS_DROPOUT"])
 @triton.jit
 def scaled_masked_softmax_dropout_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -145,7 +145,7 @@ def scaled_masked_softmax_dropout_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def scaled_masked_softmax_dropout_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -292,7 +292,7 @@ _OP = runtime.FusedOp(
     ),
     outputs=("y",),
     masks=("p",),  # each dropout's p, by Philox stream
-    kernels=launch.RowKernels(
+    kernels=row_launch.RowKernels(
         scaled_masked_softmax_dropout_kernel, scaled_masked_softmax_dropout_backward_kernel,
         scalars=("scale",), backward_reads=("x", "mask"), gradients=("x", "mask"), statistics=2,
     ),

@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fusegen import runtime
-from fusegen.backends.triton import launch, tuning
+from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, indices, load_tile, max_shifts, maximum, row_max,
     store_column_sums, store_gradient, store_tile,
@@ -32,7 +32,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["softmax", "Softmax", "reference", "eager"]
 
 
-@tuning.autotune(tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N"])
+@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N"])
 @triton.jit
 def softmax_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -98,7 +98,7 @@ def softmax_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
 @triton.jit
 def softmax_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -186,7 +186,7 @@ _OP = runtime.FusedOp(
     "softmax",
     inputs=(runtime.Input("x", ("...", "N")),),
     outputs=("y",),
-    kernels=launch.RowKernels(
+    kernels=row_launch.RowKernels(
         softmax_kernel, softmax_backward_kernel, backward_reads=("x",), gradients=("x",),
         statistics=2,
     ),

@@ -12,7 +12,7 @@ import typing
 import pytest
 import torch
 
-from fusegen.backends.triton import launch
+from fusegen.backends.triton import launch, row_launch
 from fusegen.runtime import backend, op as op_module
 
 PROTOCOLS = (backend.BackendKernels, backend.BoundKernels, backend.PreparedForward, backend.PreparedBackward)
@@ -104,7 +104,7 @@ def test_the_protocols_are_what_the_docs_list():
 def test_the_triton_backend_satisfies_the_protocols(name, device):
     module, keywords = _declaration(name)
     kernels = keywords["kernels"]
-    assert type(kernels) is (launch.RowKernels if name == "layernorm" else launch.Kernels)
+    assert type(kernels) is (row_launch.RowKernels if name == "layernorm" else launch.Kernels)
     bound = module._OP.kernels
     args = _args(name, device)
     op = module._OP

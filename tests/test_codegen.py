@@ -164,8 +164,10 @@ def test_long_statements_are_broken_without_changing_the_program():
 def test_each_kind_is_registered_once_and_rendered_by_the_backend():
     """Each kernel kind (fusegen.kinds) has its Triton kernel text under the same name; each
     shipped spec is of exactly one kind (kind_of); a module declares its kernels with the
-    launcher class and tuning space its kind names, which the run-time modules define."""
-    from fusegen.backends.triton import kinds as triton_kinds, launch, tuning
+    launcher class and tuning space its kind names, which the modules it imports for them define."""
+    import importlib
+
+    from fusegen.backends.triton import kinds as triton_kinds
     from fusegen.kinds import KINDS, kind_of
 
     assert set(KINDS) == set(triton_kinds.TRITON_KINDS)
@@ -178,13 +180,16 @@ def test_each_kind_is_registered_once_and_rendered_by_the_backend():
             continue
         seen.add(kind.name)
         triton_kind = triton_kinds.TRITON_KINDS[kind.name]
-        assert getattr(launch, triton_kind.binding.removeprefix("launch.")), triton_kind.binding
+        modules = {name: importlib.import_module(f"fusegen.backends.triton.{name}") for name in triton_kind.modules}
+        module, _, binding = triton_kind.binding.partition(".")
+        assert getattr(modules[module], binding), triton_kind.binding
         text = _render(path)
         assert f"kernels={triton_kind.binding}(" in text
+        assert f"from fusegen.backends.triton import {', '.join(triton_kind.modules)}\n" in text
         for kernel in ast.parse(text).body:
             if isinstance(kernel, ast.FunctionDef) and kernel.name.endswith("kernel") and kernel.decorator_list:
                 autotune = kernel.decorator_list[0]
                 for node in ast.walk(autotune):
-                    if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "tuning":
-                        assert hasattr(tuning, node.attr), node.attr
+                    if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) in modules:
+                        assert hasattr(modules[node.value.id], node.attr), (node.value.id, node.attr)
     assert seen == set(KINDS)  # every registered kind has a shipped spec to stand for it

@@ -178,9 +178,9 @@ def test_both_looped_forms_of_online_sums(name, online, device, monkeypatch):
     online sums in their max's pass, or in a loop after it. Both as torch (fp64); on the CPU
     the interpreter's one config takes each in turn (a width of its own: tuned configs are
     kept per width)."""
-    from fusegen.backends.triton import tuning
+    from fusegen.backends.triton import row_tuning
 
-    monkeypatch.setattr(tuning, "INTERPRETER_ONLINE", online)
+    monkeypatch.setattr(row_tuning, "INTERPRETER_ONLINE", online)
     op = op_by_name(name)
     n = (1500 if online else 1700) if device == "cpu" else 40000
     tensors, params, oracle = _oracle_case(name, 3, n, torch.float64)

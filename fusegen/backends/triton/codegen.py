@@ -19,8 +19,8 @@ from fusegen.plan import HelperPlan, OpPlan
 from fusegen.pyformat import format_module
 
 from .kernel_text import with_argument_comments
-from .kinds import RESERVED_NAMES, TRITON_KINDS
-from .naming import KERNEL_LIB_NAMES, MODULE_IMPORTS, TritonNames, module_class_name
+from .kinds import MODULE_IMPORTS, RESERVED_NAMES, TRITON_KINDS
+from .naming import KERNEL_LIB_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
 
 __all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "module_class_name", "render"]
@@ -43,6 +43,7 @@ def render(plan: OpPlan) -> str:
         face=face.face(plan, backend="Triton", class_name=module_class_name(plan.op), binding=kind.binding,
                        kernel_names=(forward.name, backward.name), kernels_doc=kind.doc,
                        kernel_keywords=_renamed(names)),
+        kind_modules=kind.modules,
         uses_libdevice="libdevice." in kernel_code,
         kernel_lib_import=_kernel_lib_import([n for n in KERNEL_LIB_NAMES if re.search(rf"(?<![\w.]){n}\(", kernel_code)]),
         triton_helpers=triton_helpers,

@@ -47,7 +47,7 @@ class KernelText:
 class TritonKind:
     """A kernel kind as the Triton backend renders it (registered in kinds.py under the
     kind's name, fusegen.kinds): its two kernels' text, the launcher class the module
-    declares them with (backends/triton/launch.py: its binding, argument lists and grids),
+    declares them with (its binding: argument lists and grids; launch.py's for pointwise),
     the module docstring's words on the kernels, and the names its kernels use for
     themselves (no spec-derived name takes them)."""
 
@@ -57,6 +57,8 @@ class TritonKind:
     binding: str
     doc: str
     reserved: frozenset[str] = frozenset()
+    # The backend's modules the generated module imports (its binding's and tuning spaces').
+    modules: tuple[str, ...] = ("launch", "tuning")
 
 
 def with_argument_comments(kernel: KernelText) -> KernelText:

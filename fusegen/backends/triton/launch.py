@@ -18,7 +18,7 @@ import torch
 
 from fusegen.layout import Choice
 from fusegen.runtime import GradTarget, dropout_scale, dropout_threshold, needs_int64, view_2d
-from fusegen.runtime.views import INT32_LIMIT, traced_view_2d
+from fusegen.runtime.views import traced_view_2d
 
 from . import tuning
 from .interpreter import (
@@ -62,7 +62,7 @@ class Kernels:
     """What a generated module hands its FusedOp (a runtime.backend.BackendKernels): the
     kernels, and which params and inputs they take beyond the ones every kernel takes (by
     spec name), and the parameters the namer named otherwise than naming.WANTED (`renamed`,
-    for ParameterNames). Pointwise kernels; row kernels take RowKernels."""
+    for ParameterNames). Pointwise kernels; each other kind subclasses it (row_launch.RowKernels)."""
 
     def __init__(self, forward, backward, *, scalars: tuple[str, ...] = (), backward_reads: tuple[str, ...],
                  gradients: tuple[str, ...], statistics: int = 0, renamed: dict | None = None):
@@ -73,15 +73,6 @@ class Kernels:
 
     def bind(self, op) -> "_Bound":
         return _Bound(self, op)
-
-
-class RowKernels(Kernels):
-    """Row kernels (fusegen.backends.triton.row_kernel_text): the same arguments, then
-    BLOCK_N and ONE_TILE; a grid over rows only. The forward also writes each row's
-    reductions to `saved` ([M, statistics]), which the backward reads."""
-
-    def bind(self, op) -> "_BoundRows":
-        return _BoundRows(self, op)
 
 
 class KernelSignatureError(Exception):
@@ -510,77 +501,6 @@ class _Bound:
         else:
             launch = Launch(self._graph_backward if traced else self._backward,
                             lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta[BLOCK_N])), args, copies)
-        return PreparedBackward(launch, targets, self._gradients, traced)
-
-
-class _BoundRows(_Bound):
-    def __init__(self, kernels: Kernels, op):
-        super().__init__(kernels, op)
-        self.statistics = kernels.statistics
-
-    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None,
-                traced: bool = False) -> None:
-        if saved is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
-            saved = self._saved_buffer(call.problem)
-        super().forward(call, tensors, outputs, seed, tile, saved, traced)
-
-    def _saved_buffer(self, problem) -> torch.Tensor:
-        return torch.empty(self.op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
-
-    def _extra_args(self, saved: int) -> dict:
-        return {SAVED: Slot(saved)}  # each row's reductions, [M, statistics]
-
-    def _index_64(self, problem, views) -> bool:
-        """Some offset reaches 2**31: in a tensor, or in the [M, statistics] buffer."""
-        return needs_int64(problem, views) or problem.m * self.statistics >= INT32_LIMIT
-
-    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False) -> Launch:
-        problem = call.problem
-        m, n = problem.m, problem.n
-        args, copies = self._forward_args(call, tensors, traced)
-        block_n = tile[1] if tile is not None else tuning.row_block_n(n)
-        # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
-        args[BLOCK_N], args[ONE_TILE] = block_n, bool(block_n >= n)
-        args = self._signatures[0].ordered(args)
-        if tile is not None:
-            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]),), args, copies, {BLOCK_M: tile[0]})
-        return Launch(self._graph_forward if traced else self._forward,
-                      lambda meta: (tuning.cdiv(m, meta[BLOCK_M]),), args, copies)
-
-    def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None, saved=None, traced: bool = False) -> list[torch.Tensor]:
-        problem = call.problem
-        if saved is None and self.statistics and problem.launches:
-            # No forward's statistics at hand (tests launching the kernel): a forward makes them.
-            saved = self._saved_buffer(problem)
-            outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
-                       for i in range(len(self.op.outputs))]
-            self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
-        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, saved, traced)
-
-    def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
-                         rows_per_program: int | None = None, traced: bool = False) -> PreparedBackward:
-        problem = call.problem
-        m, n = problem.m, problem.n
-        summed = self._sums_over_rows(problem, tensors, needs)
-        # Many rows a program only where a gradient is summed over rows: fewer partial sums.
-        rows = rows_per_program or tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)
-        # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
-        targets = [
-            GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), 1, self._chunks[i], one) if needs[i] else None
-            for i, one in zip(self._gradients, self._one_per_row)
-        ]
-        if not _launches(problem, traced):
-            return PreparedBackward(None, targets, self._gradients)
-        args, copies = self._backward_args(call, tensors, grads, targets, traced)
-        block_n = tile[1] if tile is not None else tuning.row_block_n(n, backward=True)
-        args[ROWS_PER_PROGRAM], args[BLOCK_N], args[ONE_TILE] = rows, block_n, bool(block_n >= n)
-        args = self._signatures[1].ordered(args)
-        grid = (tuning.cdiv(m, rows),)
-        if tile is not None:
-            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {BLOCK_M: tile[0]})
-        else:
-            launch = Launch(self._graph_backward if traced else self._backward, grid, args, copies)
         return PreparedBackward(launch, targets, self._gradients, traced)
 
 

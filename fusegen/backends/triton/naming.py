@@ -13,7 +13,7 @@ KERNEL_LIB_NAMES = (
     "maximum", "min_shifts", "minimum", "row_max", "row_min", "rsqrt_rn", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile",
 )
 
-# What a generated module imports; an op named so would hide one.
+# What every generated module imports (each kind adds its own modules: kinds.py).
 MODULE_IMPORTS = frozenset({"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", *KERNEL_LIB_NAMES})
 # Names every Triton module's code uses for itself (each kind adds its kernels' own: kinds.py).
 SHARED_NAMES = (

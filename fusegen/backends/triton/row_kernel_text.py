@@ -86,7 +86,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         *_indent(program.looped(stores, [], [])),
     ]
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
-                      "tuning.ROW_FORWARD_ONLINE" if program.online else "tuning.ROW_FORWARD")
+                      "row_tuning.ROW_FORWARD_ONLINE" if program.online else "row_tuning.ROW_FORWARD")
 
 
 def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
@@ -139,7 +139,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         *_indent(looped),
     ]
     return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True), arguments, lines,
-                      "tuning.ROW_BACKWARD")
+                      "row_tuning.ROW_BACKWARD")
 
 
 class _Program:
@@ -419,7 +419,8 @@ KIND = TritonKind(
     name="row",
     forward=row_kernel,
     backward=row_backward_kernel,
-    binding="launch.RowKernels",
+    binding="row_launch.RowKernels",
+    modules=("row_launch", "row_tuning", "tuning"),
     doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
         "reduced in registers, a wider one is swept once per level of nested reductions.",
     reserved=frozenset({"first_col", naming.ONE_TILE, naming.SAVED, "ONLINE"}),

@@ -1,6 +1,7 @@
 """The Triton kernels' tile shapes: the autotuner's configurations, the pruners that keep
 those that fit a problem (each pair a kernel's tuning space), and the backward's rows per
-program."""
+program; for the pointwise kind, and what every kind's tuning shares (the autotuner, M's
+bucket, size hints). The row kind's own are in row_tuning.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -86,12 +87,12 @@ ONE_ROW_WIDTH = 8192
 MAX_ROWS_PER_PROGRAM = 256
 
 # The interpreter runs one Python step per program: few, mid-sized tiles are fastest.
-_INTERPRETER_BLOCK_ELEMENTS = 1024
+INTERPRETER_BLOCK_ELEMENTS = 1024
 
 
 def _interpreter_config(m: int, n: int, max_block_m: int | None = None) -> triton.Config:
-    block_n = max(MIN_BLOCK_N, min(triton.next_power_of_2(n), _INTERPRETER_BLOCK_ELEMENTS))
-    block_m = min(triton.next_power_of_2(m), max(1, _INTERPRETER_BLOCK_ELEMENTS // block_n))
+    block_n = max(MIN_BLOCK_N, min(triton.next_power_of_2(n), INTERPRETER_BLOCK_ELEMENTS))
+    block_m = min(triton.next_power_of_2(m), max(1, INTERPRETER_BLOCK_ELEMENTS // block_n))
     if max_block_m is not None:
         block_m = min(block_m, max_block_m)
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4)
@@ -136,81 +137,6 @@ def prune_backward_configs(configs, named_args, **kwargs):
     return _fitting(configs, m, n, max_block_m=rows)
 
 
-# Row kernels: a program owns BLOCK_M whole rows. BLOCK_N is not tuned: it is the row's
-# width rounded up to a power of two where that fits on chip (ONE_TILE), else a fixed step
-# of a loop along the row; the autotuner picks BLOCK_M and the warps.
-ROW_CONFIGS = [
-    triton.Config({"BLOCK_M": block_m}, num_warps=warps)
-    for block_m in (1, 2, 4, 8, 16)
-    for warps in (1, 2, 4, 8, 16, 32)
-]
-ONE_TILE_LIMIT = 16384  # the widest row a forward program holds in registers
-ONE_TILE_LIMIT_BACKWARD = 8192  # the backward holds the incoming gradient and more
-ROW_STEP = 4096  # the looped forward's step along the row
-ROW_STEP_BACKWARD = 2048
-ROW_TILE_ELEMENTS = (512, 16384)  # BLOCK_M × BLOCK_N within these
-ROW_ELEMENTS_PER_THREAD = (2, 64)  # and that many elements for each thread
-# Under the interpreter a loop step costs a Python step per tile: rows up to this width are
-# one tile there (tests reach the looped layout by passing a narrower tile).
-_INTERPRETER_ONE_TILE = 1024
-
-
-def row_block_n(n: int, backward: bool = False) -> int:
-    """BLOCK_N for a row kernel: the whole row where it fits, else the loop's step."""
-    n = size_hint(n)
-    width = max(MIN_BLOCK_N, 1 << max(n - 1, 0).bit_length())
-    if is_interpreting():
-        return min(width, _INTERPRETER_ONE_TILE)
-    if width <= (ONE_TILE_LIMIT_BACKWARD if backward else ONE_TILE_LIMIT):
-        return width
-    return ROW_STEP_BACKWARD if backward else ROW_STEP
-
-
-def _row_configs(configs, m: int, block_n: int, max_block_m: int):
-    if is_interpreting():
-        block_m = max(1, min(triton.next_power_of_2(m), max_block_m, _INTERPRETER_BLOCK_ELEMENTS // block_n))
-        return [triton.Config({"BLOCK_M": block_m}, num_warps=4)]
-    low, high = ROW_TILE_ELEMENTS
-    fewest, most = ROW_ELEMENTS_PER_THREAD
-    tall = min(max(triton.next_power_of_2(m), 1), max_block_m)
-    kept = []
-    for c in configs:
-        block_m = c.kwargs["BLOCK_M"]
-        elements = block_m * block_n
-        per_thread = elements // (32 * c.num_warps)
-        if block_m <= tall and elements <= max(high, block_n) and (elements >= low or block_m == tall) \
-                and fewest <= per_thread <= most:
-            kept.append(c)
-    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], -c.num_warps))]
-
-
-def prune_row_configs(configs, named_args, **kwargs):
-    return _row_configs(configs, named_args["M_BUCKET"], named_args["BLOCK_N"], max_block_m=16)
-
-
-def prune_row_backward_configs(configs, named_args, **kwargs):
-    return _row_configs(configs, named_args["M_BUCKET"], named_args["BLOCK_N"], named_args["ROWS_PER_PROGRAM"])
-
-
-# Where a forward has online sums (softmax's Σ exp(x - max)), its looped layout comes two
-# ways: online (one read of the row fewer, more work per element) or a loop after the max
-# (H100: online 1.30x faster at fp32 (1024, 65536), 0.88x at bf16 (4096, 32768), where the
-# second read comes from L2): the autotuner picks per shape. One tile: nothing to choose.
-INTERPRETER_ONLINE = True  # the interpreter's one config (tests set it to reach the other)
-
-
-def _with_online(configs, n: int, block_n: int) -> list:
-    if is_interpreting():
-        return [triton.Config({**c.kwargs, "ONLINE": INTERPRETER_ONLINE}, num_warps=c.num_warps) for c in configs]
-    choices = (True,) if block_n >= n else (True, False)
-    return [triton.Config({**c.kwargs, "ONLINE": online}, num_warps=c.num_warps) for c in configs for online in choices]
-
-
-def prune_row_online_configs(configs, named_args, **kwargs):
-    kept = _row_configs(configs, named_args["M_BUCKET"], named_args["BLOCK_N"], max_block_m=16)
-    return _with_online(kept, size_hint(named_args["N"]), named_args["BLOCK_N"])
-
-
 @dataclass(frozen=True)
 class Space:
     """A kernel's tuning space: its configs, and the pruner that keeps those fitting a problem."""
@@ -221,24 +147,6 @@ class Space:
 
 FORWARD = Space(FORWARD_CONFIGS, prune_forward_configs)
 BACKWARD = Space(BACKWARD_CONFIGS, prune_backward_configs)
-ROW_FORWARD = Space(ROW_CONFIGS, prune_row_configs)
-ROW_FORWARD_ONLINE = Space(ROW_CONFIGS, prune_row_online_configs)
-ROW_BACKWARD = Space(ROW_CONFIGS, prune_row_backward_configs)
-
-
-def row_backward_rows_per_program(m: int, summed: bool = True) -> int:
-    """Rows each row-backward program walks: where some gradient is summed over rows, about
-    ROW_BACKWARD_PROGRAMS programs, each writing one row of partial column sums per [N]-like
-    input (summed after, in order); otherwise as few as the tallest tile, for more programs."""
-    rows = MIN_ROWS_PER_PROGRAM
-    if not summed:
-        return rows
-    while rows < MAX_ROWS_PER_PROGRAM and cdiv(m, 2 * rows) >= ROW_BACKWARD_PROGRAMS:
-        rows *= 2
-    return rows
-
-
-ROW_BACKWARD_PROGRAMS = 512
 
 
 def m_bucket(m: int) -> int:

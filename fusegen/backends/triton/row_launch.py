@@ -1,0 +1,92 @@
+"""The row kind's launches: its kernels take the pointwise kind's arguments (launch.py's
+_Bound names and orders them), then BLOCK_N and ONE_TILE, and a grid over rows only. The
+forward also writes each row's reductions to `saved` ([M, statistics]), which the backward
+reads."""
+from __future__ import annotations
+
+import torch
+
+from fusegen.runtime import GradTarget, needs_int64
+from fusegen.runtime.views import INT32_LIMIT
+
+from . import row_tuning, tuning
+from .launch import Kernels, Launch, PreparedBackward, Slot, _Bound, _launches, _Tile
+from .naming import BLOCK_M, BLOCK_N, ONE_TILE, ROWS_PER_PROGRAM, SAVED
+
+
+class RowKernels(Kernels):
+    """Row kernels (row_kernel_text.py), as a generated module declares them."""
+
+    def bind(self, op) -> "_BoundRows":
+        return _BoundRows(self, op)
+
+
+class _BoundRows(_Bound):
+    def __init__(self, kernels: Kernels, op):
+        super().__init__(kernels, op)
+        self.statistics = kernels.statistics
+
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None,
+                traced: bool = False) -> None:
+        if saved is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
+            saved = self._saved_buffer(call.problem)
+        super().forward(call, tensors, outputs, seed, tile, saved, traced)
+
+    def _saved_buffer(self, problem) -> torch.Tensor:
+        return torch.empty(self.op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
+
+    def _extra_args(self, saved: int) -> dict:
+        return {SAVED: Slot(saved)}  # each row's reductions, [M, statistics]
+
+    def _index_64(self, problem, views) -> bool:
+        """Some offset reaches 2**31: in a tensor, or in the [M, statistics] buffer."""
+        return needs_int64(problem, views) or problem.m * self.statistics >= INT32_LIMIT
+
+    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False) -> Launch:
+        problem = call.problem
+        m, n = problem.m, problem.n
+        args, copies = self._forward_args(call, tensors, traced)
+        block_n = tile[1] if tile is not None else row_tuning.row_block_n(n)
+        # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
+        args[BLOCK_N], args[ONE_TILE] = block_n, bool(block_n >= n)
+        args = self._signatures[0].ordered(args)
+        if tile is not None:
+            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]),), args, copies, {BLOCK_M: tile[0]})
+        return Launch(self._graph_forward if traced else self._forward,
+                      lambda meta: (tuning.cdiv(m, meta[BLOCK_M]),), args, copies)
+
+    def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
+                 rows_per_program: int | None = None, saved=None, traced: bool = False) -> list[torch.Tensor]:
+        problem = call.problem
+        if saved is None and self.statistics and problem.launches:
+            # No forward's statistics at hand (tests launching the kernel): a forward makes them.
+            saved = self._saved_buffer(problem)
+            outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
+                       for i in range(len(self.op.outputs))]
+            self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
+        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, saved, traced)
+
+    def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
+                         rows_per_program: int | None = None, traced: bool = False) -> PreparedBackward:
+        problem = call.problem
+        m, n = problem.m, problem.n
+        summed = self._sums_over_rows(problem, tensors, needs)
+        # Many rows a program only where a gradient is summed over rows: fewer partial sums.
+        rows = rows_per_program or row_tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)
+        # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
+        targets = [
+            GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), 1, self._chunks[i], one) if needs[i] else None
+            for i, one in zip(self._gradients, self._one_per_row)
+        ]
+        if not _launches(problem, traced):
+            return PreparedBackward(None, targets, self._gradients)
+        args, copies = self._backward_args(call, tensors, grads, targets, traced)
+        block_n = tile[1] if tile is not None else row_tuning.row_block_n(n, backward=True)
+        args[ROWS_PER_PROGRAM], args[BLOCK_N], args[ONE_TILE] = rows, block_n, bool(block_n >= n)
+        args = self._signatures[1].ordered(args)
+        grid = (tuning.cdiv(m, rows),)
+        if tile is not None:
+            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {BLOCK_M: tile[0]})
+        else:
+            launch = Launch(self._graph_backward if traced else self._backward, grid, args, copies)
+        return PreparedBackward(launch, targets, self._gradients, traced)
