@@ -616,6 +616,11 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
                       for need, reads in zip(needs, op._reads))
         if not any(needs):
             return nothing
+    if op._has_parts:  # an output of k parts is k times as wide as the others: zeros of its width
+        parts = op.output_parts
+        first = next(j for j, g in enumerate(grads) if g is not None)
+        lead, width = given[0].shape[:-1], given[0].shape[-1] // parts[first]
+        grads = tuple(given[0].new_zeros((*lead, width * parts[j])) if g is None else g for j, g in enumerate(grads))
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
     input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved, prepared, in_place)
     return (*input_grads, *nothing[len(tensors):])
