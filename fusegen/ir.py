@@ -129,6 +129,9 @@ class OpIR:
     dropouts: tuple[Dropout, ...]
     lets: tuple[tuple[str, Expr], ...] = ()
     row_outputs: frozenset[str] = frozenset()  # outputs with one value per row, [..., 1]
+    # Concatenated outputs (`y: [a, b]`): (spec name, parts); `outputs` holds each part as a
+    # value of its own, y[0], y[1] (part_name), in order.
+    output_parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def has_reductions(self) -> bool:
@@ -160,8 +163,8 @@ def build_ir(spec: OpSpec) -> OpIR:
     outputs = []
     for binding in spec.lets:
         scope.lets[binding.name] = scope.parse(binding)
-    for binding in spec.outputs:
-        outputs.append((binding.name, scope.parse(binding).expr))
+    for value, binding in output_bindings(spec).items():
+        outputs.append((value, scope.parse(binding).expr))
         if _call_nesting(outputs[-1][1], {}) > MAX_CALL_NESTING:
             raise SpecError(
                 spec.path,
@@ -170,12 +173,40 @@ def build_ir(spec: OpSpec) -> OpIR:
                 "intermediates): its gradient would be too large to simplify",
             )
     _check_all_used(spec, scope)
+    output_parts = tuple((b.name, len(b.parts)) for b in spec.outputs if b.parts)
     # With row reductions, an output constant along the row has one value per row: [..., 1].
     row_outputs = frozenset()
     if _has_reductions(outputs):
+        if output_parts:
+            binding = next(b for b in spec.outputs if b.parts)
+            raise SpecError(spec.path, binding.line, f"output '{binding.name}': a concatenated output is not "
+                            "supported yet in an op with row reductions (sum, mean, max, min)")
         row_outputs = frozenset(name for name, expr in outputs if row_constant(expr, scope.dims))
     lets = tuple((name, let.expr) for name, let in scope.lets.items())
-    return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets, row_outputs=row_outputs)
+    return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets, row_outputs=row_outputs,
+                output_parts=output_parts)
+
+
+def part_name(output: str, index: int) -> str:
+    """A concatenated output's part k as a value of the op (y[0]; no spec name has brackets),
+    as a chunked input's chunks are (simplify.chunk_name)."""
+    return f"{output}[{index}]"
+
+
+def output_values(output: str, parts: int) -> tuple[str, ...]:
+    """An output's value names: itself, or each of its parts."""
+    return tuple(part_name(output, k) for k in range(parts)) if parts else (output,)
+
+
+def output_bindings(spec: OpSpec) -> dict[str, Binding]:
+    """Each output value's binding, by its value name: an output, or each part of a
+    concatenated one (part_name)."""
+    values = {}
+    for binding in spec.outputs:
+        parts = binding.part_bindings
+        for k, part in enumerate(parts):
+            values[part_name(binding.name, k) if binding.parts else binding.name] = part
+    return values
 
 
 class _Scope:

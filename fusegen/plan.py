@@ -80,6 +80,17 @@ class GradientPlan:
 
 
 @dataclass(frozen=True)
+class OutputParts:
+    """An output concatenated along its last dim (`y: [a, b]`, [..., kN]): part k fills its
+    columns k·N to (k + 1)·N; the mirror of a chunked input's values. The output's pointer
+    and its incoming gradient's are the output's own (KernelPlan.outputs, .incoming)."""
+
+    name: str  # the spec's name
+    values: tuple[str, ...]  # the forward body's result for each part, in order
+    incoming: tuple[str, ...]  # the backward body's incoming gradient of each part, in order
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     inputs: tuple[InputPlan, ...]  # inputs the kernel loads
     incoming: tuple[str, ...]  # backward: local names of the outputs' incoming gradients
@@ -142,6 +153,12 @@ class OpPlan:
     # Every name the module's code uses so far (the backend's reserved names, and each the plan
     # gave out): a backend's own derived names start from these (names.Namer(taken)).
     taken: frozenset[str]
+    # The outputs written as parts side by side along their last dim; the others are whole.
+    output_parts: tuple[OutputParts, ...] = ()
+
+    def parts_of(self, output: str) -> OutputParts | None:
+        """The output's parts, by its spec name; None for a whole output."""
+        return next((p for p in self.output_parts if p.name == output), None)
 
     @property
     def has_dropout(self) -> bool:

@@ -21,10 +21,10 @@ from .functions import FUNCTIONS
 from .kinds import kind_of
 from .layout import Choice, Scalar
 from .names import PYTHON_BUILTINS, Namer
-from .plan import Body, GradientPlan, HelperPlan, InputPlan, KernelPlan, Mask, OpPlan, ParamPlan, Value
+from .plan import Body, GradientPlan, HelperPlan, InputPlan, KernelPlan, Mask, OpPlan, OutputParts, ParamPlan, Value
 from .printers import EagerPrinter
 from .rows import WIDTH
-from .simplify import Block, ChoiceHelper, SimplifiedOp, value_names
+from .simplify import Block, ChoiceHelper, SimplifiedOp, grad_output_name, value_names
 from .spec import ChoiceParam, OpSpec
 
 
@@ -62,8 +62,15 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     for symbol, dropout in zip(op.masks, op.ir.dropouts):
         symbols[symbol.name] = namer.claim(f"dropout_mask{dropout.stream}")
         masks.append(Mask(symbols[symbol.name], dropout.stream, by_name[dropout.p]))
-    for symbol, (output, _) in zip(op.grad_outputs, op.ir.outputs):
-        symbols[symbol.name] = namer.claim(f"grad_{names[output]}")
+    # Each part of a concatenated output is a value of the bodies (y_part0), as a chunk is.
+    values = dict(names)
+    for output, count in op.ir.output_parts:
+        values.update({ir.part_name(output, k): namer.claim(f"{names[output]}_part{k}") for k in range(count)})
+    for symbol, (value, _) in zip(op.grad_outputs, op.ir.outputs):
+        symbols[symbol.name] = namer.claim(f"grad_{values[value]}")
+    # A concatenated output's incoming gradient, read part by part.
+    incoming = {output: namer.claim(f"grad_{names[output]}") for output, _ in op.ir.output_parts}
+    incoming.update({value: symbols[g.name] for g, (value, _) in zip(op.grad_outputs, op.ir.outputs)})
     # Gradients the backward kernel computes (the others pass an output's gradient on).
     kernel_values = {g.input for g in op.gradients if g.passthrough_of is None}
     grad_locals = {
@@ -77,7 +84,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     blocks = (op.forward, op.forward_no_dropout, op.backward, op.backward_no_dropout)
     temps = _temporary_names(namer, [b for b in blocks if b is not None])
     rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in {**symbols, **temps}.items()}
-    outputs = tuple((name, names[name]) for name, _ in op.ir.outputs)
+    outputs = tuple((b.name, names[b.name]) for b in spec.outputs)
+    parts = {output: count for output, count in op.ir.output_parts}
     has_dropout = bool(masks)
 
     def body(block, result_names: dict[str, str]):
@@ -98,8 +106,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         scalars=scalars,
         masks=tuple(masks),
         choices=choices,
-        body=body(op.forward, names),
-        body_no_dropout=plain_body(op.forward_no_dropout, names),
+        body=body(op.forward, values),
+        body_no_dropout=plain_body(op.forward_no_dropout, values),
         row_width=width if width and WIDTH in op.forward.free_symbols() else None,
     )
     backward_symbols = op.backward.free_symbols()
@@ -120,7 +128,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
             i for i in inputs
             if any(sympy.Symbol(n, real=True) in backward_symbols for n in value_names(spec_inputs[i.name]))
         ),
-        incoming=tuple(symbols[g.name] for g in op.grad_outputs),
+        incoming=tuple(incoming[name] for name, _ in outputs),
         outputs=(),
         gradients=gradients,
         scalars=scalars,
@@ -136,8 +144,9 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     eager_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_eager") for h in op.helpers}
     torch_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_torch") for h in op.helpers}
     chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs if i.layout.chunks > 1}
+    exprs = dict(op.ir.outputs)
     eager = _eager_lines(
-        tuple(expr for _, expr in op.ir.outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers
+        tuple(tuple(exprs[v] for v in ir.output_values(name, parts.get(name, 0))) for name, _ in outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers
     )
     return OpPlan(
         op=spec.name,
@@ -152,7 +161,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         outputs=outputs,
         row_outputs=op.ir.row_outputs,
         output_dims=tuple(
-            (name, (*spec.out_dims[:-1], "1") if name in op.ir.row_outputs else tuple(spec.out_dims))
+            (name, (*spec.out_dims[:-1], "1") if name in op.ir.row_outputs else _parts_dims(spec.out_dims, parts.get(name)))
             for name, _ in outputs
         ),
         masks=tuple(masks),
@@ -164,14 +173,31 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         eager=eager,
         helpers=tuple(_helper(h, by_name[h.param], torch_helpers[h.param], eager_helpers[h.param]) for h in op.helpers),
         taken=namer.all_taken(),
+        output_parts=tuple(
+            OutputParts(
+                output,
+                tuple(values[ir.part_name(output, k)] for k in range(count)),
+                tuple(symbols[grad_output_name(ir.part_name(output, k))] for k in range(count)),
+            )
+            for output, count in op.ir.output_parts
+        ),
     )
+
+
+def _parts_dims(dims: tuple[str, ...], parts: int | None) -> tuple[str, ...]:
+    """An output's dims: the problem's, with k parts of its last dim side by side ([..., 2N])."""
+    if not parts or not dims or dims[-1] == "...":
+        return tuple(dims)
+    return (*dims[:-1], str(parts) if dims[-1] == "1" else f"{parts}{dims[-1]}")
 
 
 def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Per input (all its chunks), the outputs whose incoming gradients its gradient reads,
     where that is not all of them."""
-    reads = {g.input: set(g.reads) for g in op.gradients}
-    every = [name for name, _ in op.ir.outputs]
+    # A part's incoming gradient is read from its output's.
+    whole = {ir.part_name(name, k): name for name, count in op.ir.output_parts for k in range(count)}
+    reads = {g.input: {whole.get(r, r) for r in g.reads} for g in op.gradients}
+    every = [b.name for b in spec.outputs]
     result = []
     for spec_input in spec.inputs:
         if spec_input.dtype != "float":  # no gradient at all
@@ -194,7 +220,7 @@ def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
     return plain if namer is None else {name: namer.claim(local) for name, local in plain.items()}
 
 
-def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
+def _eager_lines(outputs: tuple[tuple[ir.Expr, ...], ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
                  names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str]) -> tuple[str, ...]:
     """The eager function's body: the spec's IR printed as a PyTorch user writes it."""
     # `col` counts along the last dim of an input that has it (one chunk's, for a chunked input).
@@ -208,7 +234,12 @@ def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], 
         f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.layout.chunks > 1
     ]
     lines += [f"{local} = {printer.doprint(expr, defining=True)}" for local, expr in lets]
-    return tuple(lines + ["return " + ", ".join(printer.doprint(expr) for expr in outputs)])
+    returned = [
+        printer.doprint(parts[0]) if len(parts) == 1
+        else "torch.cat((" + ", ".join(printer.doprint(expr) for expr in parts) + "), dim=-1)"
+        for parts in outputs
+    ]
+    return tuple(lines + ["return " + ", ".join(returned)])
 
 
 def _helper(helper: ChoiceHelper, param: ParamPlan, torch_name: str, eager_name: str) -> HelperPlan:

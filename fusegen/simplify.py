@@ -162,10 +162,13 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     totals = {
         has_dropout: _input_gradients(spec, outputs[has_dropout], wrt, grad_outputs) for has_dropout in (True, False)
     }
+    # A part of a concatenated output is never a whole tensor: no gradient passes it through.
+    parts = {ir.part_name(name, k) for name, count in op.output_parts for k in range(count)}
+    whole = tuple(g for g in grad_outputs if _output_of(g) not in parts)
     gradients = _same_gradients(tuple(
         Gradient(
             name,
-            _passthrough(totals[True][name], grad_outputs)
+            _passthrough(totals[True][name], whole)
             # A chunk is never a whole tensor; a broadcast input's gradient is a sum.
             if totals[True][name] == totals[False][name] and name not in chunked
             else None,
@@ -260,7 +263,7 @@ class _Lowering:
     def outputs(self) -> list[tuple[str, sympy.Expr]]:
         """Every output's expression; intermediates first, so that a problem in one is
         reported at its own line (and lowered once, wherever it is used)."""
-        bindings = {b.name: b for b in (*self.op.spec.lets, *self.op.spec.outputs)}
+        bindings = {b.name: b for b in self.op.spec.lets} | ir.output_bindings(self.op.spec)
         for name, expr in self.op.lets:
             self._lower_binding(bindings[name], "intermediate", expr)
         return [(name, self._lower_binding(bindings[name], "output", expr)) for name, expr in self.op.outputs]
@@ -380,7 +383,7 @@ def _shape(value: sympy.Expr) -> str:
 
 def _input_gradients(spec, outputs, inputs, grad_outputs) -> dict[str, sympy.Expr]:
     """grad_input = Σ_outputs grad_output · ∂output/∂input, for every input."""
-    lines = {b.name: b.line for b in spec.outputs}
+    lines = {value: b.line for value, b in ir.output_bindings(spec).items()}
     shown = {n: n for n in inputs} | {
         n: f"chunk({i.name}, {k})" for i in spec.inputs if i.chunks > 1 for k, n in enumerate(value_names(i))
     }

@@ -23,6 +23,7 @@ from .layout import INTEGER_DTYPES, Input
 ELLIPSIS = "..."
 # "2N" as an input's last dim: two chunks of N side by side (swiglu's [..., 2N] input).
 CHUNKED_DIM = re.compile(r"([2-9]|[1-9][0-9])([A-Za-z_][A-Za-z0-9_]*)")  # 2 to 99 chunks
+MAX_PARTS = 99  # a concatenated output's parts, as a chunked input's chunks
 
 
 # Names the op's public signature uses: out= and inplace_backward= on every op, training and
@@ -111,6 +112,14 @@ class Binding:
     name: str
     text: str
     line: int
+    # An output concatenated along its last dim (`y: [a, b]`, [..., 2N]): each part's
+    # expression and line, in order; `text` then shows them as the spec writes the list.
+    parts: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def part_bindings(self) -> tuple["Binding", ...]:
+        """Each part as a binding of the output's name (one: the binding itself)."""
+        return tuple(Binding(self.name, text, line) for text, line in self.parts) or (self,)
 
 
 @dataclass(frozen=True)
@@ -470,6 +479,9 @@ def _parse(data: bytes, shown: str) -> OpSpec:
     lets = _parse_bindings(doc.get("let"), lines.get("let", doc.line), "let", "intermediate", names, required=False)
     outputs = _parse_bindings(doc["outputs"], lines["outputs"], "outputs", "output", names, required=True)
     out_dims = _broadcast_dims(inputs)
+    for binding in outputs:
+        if binding.parts and not out_dims:
+            raise _Located(binding.line, f"output '{binding.name}': a concatenated output needs a last dim, and the inputs have none")
     return OpSpec(
         name=name,
         doc=doc_text,
@@ -646,8 +658,24 @@ def _parse_bindings(raw: Any, line: int, section: str, what: str, names: _Names,
         names.claim(name, "an intermediate" if what == "intermediate" else "an output", key_line)
         value_line = raw.value_lines[name]
         text = _as_written(raw, name)
+        if what == "output" and isinstance(text, list):
+            bindings.append(_concatenated(name, text, value_line))
+            continue
         bindings.append(Binding(name, _expression_text(name, text, what, value_line), value_line))
     return tuple(bindings)
+
+
+def _concatenated(name: str, items: _LineList, line: int) -> Binding:
+    """`y: [a, b]`: an output of parts side by side along its last dim, the mirror of a
+    chunked input (`x: [..., 2N]`, read as chunk(x, 0), chunk(x, 1))."""
+    if not 2 <= len(items) <= MAX_PARTS:
+        raise _Located(line, f"output '{name}': a concatenated output has 2 to {MAX_PARTS} parts, got {len(items)}")
+    parts = []
+    for item, text, item_line in zip(items, items.item_texts, items.item_lines):
+        if text is None:
+            raise _Located(item_line, f"output '{name}': each part must be an expression (a string), got {_describe(item)}")
+        parts.append((_expression_text(name, text, "output", item_line), item_line))
+    return Binding(name, "[" + ", ".join(t for t, _ in parts) + "]", line, tuple(parts))
 
 
 def _expression_text(name: str, text: Any, what: str, line: int) -> str:

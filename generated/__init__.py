@@ -22,6 +22,7 @@
 - log_softmax: y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
 - quick_gelu: y = x * sigmoid(1.702 * x)
 - rmsnorm: y = x * rsqrt(mean(x**2) + eps) * weight, over the last dim
+- rope: y = x * cos + rotate_half(x) * sin, rotate_half([x1, x2]) = [-x2, x1] along the last dim
 - scale_add: y = x * scale + residual, with one scale per row
 - scaled_masked_softmax_dropout: y = dropout(softmax(x * scale + mask), p), softmax over the last
   dim
@@ -51,6 +52,7 @@ OPS = (
     "log_softmax",
     "quick_gelu",
     "rmsnorm",
+    "rope",
     "scale_add",
     "scaled_masked_softmax_dropout",
     "softmax",

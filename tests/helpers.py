@@ -242,9 +242,12 @@ def applies(spec: OpSpec, case: ShapeCase) -> bool:
     return case.n is not None or tuple(spec.out_dims) == ("...",)
 
 
-def output_shape(spec: OpSpec, case: ShapeCase) -> tuple[int, ...]:
+def output_shape(spec: OpSpec, case: ShapeCase, output: str | None = None) -> tuple[int, ...]:
+    """The problem's shape; `output`'s, where it is concatenated from parts ([..., kN])."""
     sizes = _named_sizes(spec, case)
-    return _lead(spec, case) + tuple(_size(d, sizes) for d in spec.out_dims if d != "...")
+    shape = _lead(spec, case) + tuple(_size(d, sizes) for d in spec.out_dims if d != "...")
+    parts = next((len(b.parts) for b in spec.outputs if b.name == output and b.parts), 1)
+    return shape[:-1] + (shape[-1] * parts,) if parts > 1 else shape
 
 
 def input_shapes(spec: OpSpec, case: ShapeCase) -> dict[str, tuple[int, ...]]:

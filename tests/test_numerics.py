@@ -186,11 +186,14 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             return reduce(_tensor(value(expr.value), dtype), dim=-1, keepdim=True)
         raise TypeError(f"unknown IR node {expr!r}")
 
-    outputs = []
-    for _, expr in op_ir.outputs:
+    results = {}
+    for name, expr in op_ir.outputs:
         out = _tensor(value(expr), dtype)
-        outputs.append(torch.broadcast_to(out, shape).to(dtype))
-    return tuple(outputs)
+        results[name] = torch.broadcast_to(out, shape).to(dtype)
+    # A concatenated output (y: [a, b]): its parts side by side along the last dim.
+    parts = dict(op_ir.output_parts)
+    return tuple(torch.cat([results[v] for v in ir.output_values(b.name, parts.get(b.name, 0))], dim=-1)
+                 for b in spec.outputs)
 
 
 # ---------------------------------------------------------------------------

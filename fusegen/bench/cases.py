@@ -133,8 +133,11 @@ def input_shapes(spec: OpSpec, bsh: tuple[int, int, int]) -> dict[str, tuple[int
     return {inp.name: input_shape(inp, bsh, hidden) for inp in spec.inputs}
 
 
-def output_shape(spec: OpSpec, bsh: tuple[int, int, int]) -> tuple[int, ...]:
-    return shape_for_dims(spec.out_dims, bsh, hidden_dim_name(spec.out_dims))
+def output_shape(spec: OpSpec, bsh: tuple[int, int, int], output: str | None = None) -> tuple[int, ...]:
+    """The problem's shape; `output`'s, where it is concatenated from parts ([..., kN])."""
+    shape = shape_for_dims(spec.out_dims, bsh, hidden_dim_name(spec.out_dims))
+    parts = next((len(b.parts) for b in spec.outputs if b.name == output and b.parts), 1)
+    return shape[:-1] + (shape[-1] * parts,) if parts > 1 else shape
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ def bytes_model(spec: OpSpec, bsh: tuple[int, int, int], dtype: torch.dtype) -> 
     """All inputs share `dtype`, so every output has it too (torch's promotion of equal dtypes)."""
     itemsize = dtype.itemsize
     read = sum(math.prod(shape) * itemsize for shape in input_shapes(spec, bsh).values())
-    output_elements = len(spec.outputs) * math.prod(output_shape(spec, bsh))
+    output_elements = sum(math.prod(output_shape(spec, bsh, b.name)) for b in spec.outputs)
     return BytesModel(read=read, written=output_elements * itemsize, output_elements=output_elements)
 
 

@@ -161,8 +161,8 @@ def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
     if backward:
         for tensor in inputs:
             tensor.requires_grad_(True)
-        out_shape = output_shape(bench_op.spec, case.bsh)
-        grad_outputs = [torch.randn(out_shape, dtype=case.dtype, device=device) for _ in bench_op.spec.outputs]
+        grad_outputs = [torch.randn(output_shape(bench_op.spec, case.bsh, b.name), dtype=case.dtype, device=device)
+                        for b in bench_op.spec.outputs]
         for name, fn in providers.items():
             step = forward_backward_fn(fn, inputs, kwargs, grad_outputs)
             results[name].forward_backward = run(name, "forward_backward", step, grad_to_none=inputs)

@@ -34,6 +34,9 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
     if plan.row_outputs:
         row_outputs = [name for name, _ in plan.outputs if name in plan.row_outputs]
         lines.append(f"row_outputs={_strings(row_outputs)},  # one value per row: [..., 1]")
+    if plan.output_parts:
+        pairs = ", ".join(f'"{p.name}": {len(p.values)}' for p in plan.output_parts)
+        lines.append(f"output_parts={{{pairs}}},  # parts side by side along the last dim: [..., k * N]")
     if plan.masks:
         lines.append(f"masks={_strings([m.p.name for m in plan.masks])},  # each dropout's p, by Philox stream")
     if plan.passthrough:

@@ -78,4 +78,10 @@ def reference_signature(plan: OpPlan) -> tuple[str, str, set[str]]:
     kernel = plan.forward  # the reference computes what the forward kernel does, in torch
     values = [v.local for i in kernel.inputs for v in i.values]
     arguments = ["problem", *values, *(p.local for p in plan.params)] + (["masks"] if plan.has_dropout else [])
-    return ", ".join(arguments), tuple_text(kernel.outputs), set(values) | {m.local for m in kernel.masks}
+    returns = []
+    for (name, _), out in zip(plan.outputs, kernel.outputs):
+        parts = plan.parts_of(name)
+        # A concatenated output: its parts (each as broadcast as its own inputs) side by side.
+        returns.append(out if parts is None else
+                       f"torch.cat([part.expand(problem.shape) for part in {tuple_text(parts.values)}], dim=-1)")
+    return ", ".join(arguments), tuple_text(returns), set(values) | {m.local for m in kernel.masks}

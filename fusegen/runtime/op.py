@@ -61,6 +61,7 @@ class FusedOp:
         params: tuple[Scalar | Choice, ...] = (),
         outputs: tuple[str, ...],
         row_outputs: tuple[str, ...] = (),
+        output_parts: dict[str, int] | None = None,
         masks: tuple[str, ...] = (),
         passthrough: dict[str, str] | None = None,
         same_gradient: dict[str, str] | None = None,
@@ -74,6 +75,9 @@ class FusedOp:
         self.outputs = outputs
         # Outputs with one value per row ([..., 1]: a row reduction's, e.g. a log-sum-exp).
         self._row_outputs = tuple(name in row_outputs for name in outputs)
+        # Outputs of k parts side by side along the last dim ([..., k * N]); 1: a whole output.
+        self.output_parts = tuple((output_parts or {}).get(name, 1) for name in outputs)
+        self._has_parts = any(p > 1 for p in self.output_parts)
         self.has_dropout = bool(masks)
         names = [p.name for p in params]
         # masks: each dropout mask's p, by stream; the kernels take each such p once, in order.
@@ -240,6 +244,9 @@ class FusedOp:
             raise FusegenArgumentError(
                 f"{name}(): the last dim is empty, and an output with one value per row of an empty row is not defined"
             )
+        if len(problem.shape) == 0 and self._has_parts:
+            raise FusegenArgumentError(f"{name}(): an output of parts side by side along the last dim needs "
+                                       "inputs with a last dim, not 0-d tensors")
         if needs_kernel and problem.has_data and problem.device.type != "cuda":
             self.kernels.check_device(problem.device)
         for i, param, *declared in self._scalar_checks:
@@ -291,9 +298,13 @@ class FusedOp:
         return (*problem.shape[:-1], self.statistics)
 
     def output_shape(self, problem: Problem, index: int) -> tuple:
-        """The problem's shape; for an output with one value per row, its last dim is 1."""
+        """The problem's shape; for an output with one value per row, its last dim is 1; for one
+        of k parts, k times the problem's."""
         if self._row_outputs[index] and len(problem.shape):
             return (*problem.shape[:-1], 1)
+        parts = self.output_parts[index]
+        if parts > 1:
+            return (*problem.shape[:-1], problem.shape[-1] * parts)
         return problem.shape
 
     def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], saved=None,
@@ -608,6 +619,11 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
                       for need, reads in zip(needs, op._reads))
         if not any(needs):
             return nothing
+    if op._has_parts:  # an output of k parts is k times as wide as the others: zeros of its width
+        parts = op.output_parts
+        first = next(j for j, g in enumerate(grads) if g is not None)
+        lead, width = given[0].shape[:-1], given[0].shape[-1] // parts[first]
+        grads = tuple(given[0].new_zeros((*lead, width * parts[j])) if g is None else g for j, g in enumerate(grads))
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
     input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved, prepared, in_place)
     return (*input_grads, *nothing[len(tensors):])

@@ -169,6 +169,31 @@ def input_loads(i: InputPlan, n: InputNames) -> list[str]:
     return [load_line(value.local, n, chunk_columns(value.chunk), dtype) for value in i.values]
 
 
+def output_stores(plan: OpPlan, kernel: KernelPlan) -> list[str]:
+    """The forward's stores of a tile: each output into its contiguous [M, N]; a concatenated
+    output's parts side by side in its [M, k * N] (part k at cols + k * N)."""
+    lines = []
+    for (name, _), out in zip(plan.outputs, kernel.outputs):
+        parts = plan.parts_of(name)
+        if parts is None:
+            lines.append(f"store_tile({out}_ptr, {out}, rows, cols, N, in_bounds)")
+            continue
+        width = f"{len(parts.values)} * N"
+        lines += [f"store_tile({out}_ptr, {value}, rows, {chunk_columns(k)}, {width}, in_bounds)"
+                  for k, value in enumerate(parts.values)]
+    return lines
+
+
+def incoming_values(plan: OpPlan, kernel: KernelPlan) -> list[tuple[str, str, int]]:
+    """The backward's incoming gradients as its body reads them: (value, the output's
+    incoming gradient, chunk), a concatenated output's part by part, as a chunked input's."""
+    values = []
+    for (name, _), incoming in zip(plan.outputs, kernel.incoming):
+        parts = plan.parts_of(name)
+        values += [(incoming, incoming, 0)] if parts is None else [(v, incoming, k) for k, v in enumerate(parts.incoming)]
+    return values
+
+
 def scalars_in_compute_type(plan: OpPlan, kernel: KernelPlan, names: TritonNames) -> list[str]:
     scalars = [p.local for p in kernel.scalars] + [names.scale[p.name] for p in plan.params if p.dropout_p]
     if not scalars:

@@ -421,7 +421,9 @@ class _Bound:
             args[name] = Slot(count + j)
         args.update(self._extra_args(count + outputs))
         args.update(self._common(call, Slot(count + outputs + 1), traced))
-        args[INDEX_64] = self._index_64(problem, views)
+        # The outputs are contiguous; one of k parts holds k times the problem's elements.
+        widest = problem.m * problem.n * max(self.op.output_parts, default=1)
+        args[INDEX_64] = self._index_64(problem, views) or widest >= INT32_LIMIT
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         return args, tuple(copies)
 
@@ -452,7 +454,7 @@ class _Bound:
         args, copies, views = self._views(problem, [tensors[i] for i in reads], [self._chunks[i] for i in reads], reads,
                                           [self._input_names[i] for i in reads], traced)
         grad_args, grad_copies, grad_views = self._views(
-            problem, grads, [1] * len(grads), range(count, count + len(grads)), self._incoming_names, traced
+            problem, grads, self.op.output_parts, range(count, count + len(grads)), self._incoming_names, traced
         )
         args.update(grad_args)
         for k, names in enumerate(self._gradient_names):

@@ -13,13 +13,16 @@ from .kernel_text import (
     KernelText,
     backward_arguments,
     TritonKind,
+    chunk_columns,
     gradient_stores,
     gradient_sums,
+    incoming_values,
     indent,
     input_argument,
     input_loads,
     kernel_key,
     load_line,
+    output_stores,
     scalars_in_compute_type,
     shared_arguments,
     triton_constant,
@@ -31,7 +34,9 @@ from .printer import COMPUTE_DTYPE, TritonPrinter
 def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.forward
     arguments = [input_argument(i, names) for i in kernel.inputs]
-    arguments += [f"{names.output_pointer[name]},  # {name}, contiguous [M, N]" for name, _ in plan.outputs]
+    arguments += [
+        f"{names.output_pointer[name]},  # {name}, contiguous [M, {_width(plan, name)}]" for name, _ in plan.outputs
+    ]
     arguments.append(f"{M}, {N},  # rows (all leading dims) and columns (the last dim)")
     arguments.append(f"{M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
@@ -51,9 +56,14 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         )
     else:
         lines += statements(kernel.body, printer, triton_constant, tensors)
-    lines += [f"store_tile({out}_ptr, {out}, rows, cols, N, in_bounds)" for out in kernel.outputs]
+    lines += output_stores(plan, kernel)
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
                       "tuning.FORWARD")
+
+
+def _width(plan: OpPlan, output: str) -> str:
+    parts = plan.parts_of(output)
+    return "N" if parts is None else f"{len(parts.values)} * N"
 
 
 def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
@@ -65,7 +75,7 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
         f"{BLOCK_N}: tl.constexpr,",
     ]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
-    tensors |= set(kernel.incoming)
+    tensors |= {value for value, _, _ in incoming_values(plan, kernel)}
     lines = [
         COMPUTE_LINE,
         "cols = indices(tl.program_id(1) * BLOCK_N, BLOCK_N, INDEX_64)",
@@ -78,7 +88,9 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
     if kernel.body_no_dropout is not None:
         lines += ["if HAS_DROPOUT:", "    seed = tl.load(seed_ptr)"]
     row = [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
-    row += [load_line(incoming, names.incoming[incoming]) for incoming in kernel.incoming]
+    row += [
+        load_line(value, names.incoming[incoming], chunk_columns(k)) for value, incoming, k in incoming_values(plan, kernel)
+    ]
     if kernel.body_no_dropout is not None:
         row += _branches(
             _mask_lines(plan, names) + statements(kernel.body, printer, triton_constant, tensors),
