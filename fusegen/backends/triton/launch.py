@@ -18,7 +18,7 @@ import torch
 
 from fusegen.layout import Choice
 from fusegen.runtime import GradTarget, dropout_scale, dropout_threshold, needs_int64, view_2d
-from fusegen.runtime.views import traced_view_2d
+from fusegen.runtime.views import INT32_LIMIT, traced_view_2d
 
 from . import tuning
 from .interpreter import (
