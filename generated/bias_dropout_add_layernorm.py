@@ -34,7 +34,7 @@ import triton.language as tl
 from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, rsqrt_rn,
+    add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, row_sum, rsqrt_rn,
     store_column_sums, store_gradient, store_tile,
 )
 
@@ -92,10 +92,10 @@ def bias_dropout_add_layernorm_kernel(
             DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
         )
         t0 = dropout_mask0 * (bias + x) + residual
-        mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
+        mean0 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
         tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = t0 - mean0
-        mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
+        mean1 = row_sum(tl.where(in_bounds, t1 * t1, 0.0)) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         h = t0
         y = norm_bias + rsqrt_rn(eps + mean1) * t1 * weight
@@ -116,7 +116,7 @@ def bias_dropout_add_layernorm_kernel(
             )
             t0 = dropout_mask0 * (bias + x) + residual
             mean0_tile += tl.where(in_bounds, t0, 0.0)
-        mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+        mean0 = row_sum(mean0_tile) / N
         tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
@@ -133,7 +133,7 @@ def bias_dropout_add_layernorm_kernel(
             t0 = dropout_mask0 * (bias + x) + residual
             t1 = t0 - mean0
             mean1_tile += tl.where(in_bounds, t1 * t1, 0.0)
-        mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
+        mean1 = row_sum(mean1_tile) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -246,11 +246,10 @@ def bias_dropout_add_layernorm_backward_kernel(
             t2 = residual + t1 - mean0
             t3 = rsqrt_rn(t0) * grad_y
             t4 = t3 * weight
-            grad_mean1 = tl.sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0), axis=1,
-                keep_dims=True,
+            grad_mean1 = row_sum(
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0)
             )
-            grad_mean0 = tl.sum(tl.where(in_bounds, -t4, 0.0), axis=1, keep_dims=True)
+            grad_mean0 = row_sum(tl.where(in_bounds, -t4, 0.0))
             t7 = grad_mean1 * t5
             t6 = grad_mean0 * t5
             t8 = (
@@ -332,8 +331,8 @@ def bias_dropout_add_layernorm_backward_kernel(
                     in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0
                 )
                 grad_mean0_tile += tl.where(in_bounds, -t4, 0.0)
-            grad_mean1 = tl.sum(grad_mean1_tile, axis=1, keep_dims=True)
-            grad_mean0 = tl.sum(grad_mean0_tile, axis=1, keep_dims=True)
+            grad_mean1 = row_sum(grad_mean1_tile)
+            grad_mean0 = row_sum(grad_mean0_tile)
             t7 = grad_mean1 * t5
             t6 = grad_mean0 * t5
             for first_col in range(0, N, BLOCK_N):

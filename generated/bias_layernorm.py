@@ -25,7 +25,7 @@ import triton.language as tl
 from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, indices, load_tile, rsqrt_rn, store_column_sums,
+    add_gradient_partials, column_tile, indices, load_tile, row_sum, rsqrt_rn, store_column_sums,
     store_gradient, store_tile,
 )
 
@@ -61,10 +61,10 @@ def bias_layernorm_kernel(
         gamma = load_tile(gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute)
         beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
         t0 = bias + x
-        mean0 = tl.sum(tl.where(in_bounds, t0, 0.0), axis=1, keep_dims=True) / N
+        mean0 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
         tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = t0 - mean0
-        mean1 = tl.sum(tl.where(in_bounds, t1 * t1, 0.0), axis=1, keep_dims=True) / N
+        mean1 = row_sum(tl.where(in_bounds, t1 * t1, 0.0)) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         y = beta + rsqrt_rn(eps + mean1) * gamma * t1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
@@ -76,7 +76,7 @@ def bias_layernorm_kernel(
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             t0 = bias + x
             mean0_tile += tl.where(in_bounds, t0, 0.0)
-        mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+        mean0 = row_sum(mean0_tile) / N
         tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
@@ -86,7 +86,7 @@ def bias_layernorm_kernel(
             t0 = bias + x
             t1 = t0 - mean0
             mean1_tile += tl.where(in_bounds, t1 * t1, 0.0)
-        mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
+        mean1 = row_sum(mean1_tile) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -158,11 +158,10 @@ def bias_layernorm_backward_kernel(
             t1 = bias + x - mean0
             t2 = rsqrt_rn(t0) * grad_y
             t3 = gamma * t2
-            grad_mean1 = tl.sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * gamma * grad_y * t1 / t0, 0.0), axis=1,
-                keep_dims=True,
+            grad_mean1 = row_sum(
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * gamma * grad_y * t1 / t0, 0.0)
             )
-            grad_mean0 = tl.sum(tl.where(in_bounds, -t3, 0.0), axis=1, keep_dims=True)
+            grad_mean0 = row_sum(tl.where(in_bounds, -t3, 0.0))
             t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias + 2 * x - 2 * mean0) + t3
             grad_x = t5
             grad_bias = t5
@@ -219,8 +218,8 @@ def bias_layernorm_backward_kernel(
                     in_bounds, -0.5 * rsqrt_rn(t0) * gamma * grad_y * t1 / t0, 0.0
                 )
                 grad_mean0_tile += tl.where(in_bounds, -t3, 0.0)
-            grad_mean1 = tl.sum(grad_mean1_tile, axis=1, keep_dims=True)
-            grad_mean0 = tl.sum(grad_mean0_tile, axis=1, keep_dims=True)
+            grad_mean1 = row_sum(grad_mean1_tile)
+            grad_mean0 = row_sum(grad_mean0_tile)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)

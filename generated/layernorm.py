@@ -25,7 +25,7 @@ import triton.language as tl
 from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, indices, load_tile, rsqrt_rn, store_column_sums,
+    add_gradient_partials, column_tile, indices, load_tile, row_sum, rsqrt_rn, store_column_sums,
     store_gradient, store_tile,
 )
 
@@ -60,10 +60,10 @@ def layernorm_kernel(
             weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
         )
         bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
-        mean0 = tl.sum(tl.where(in_bounds, x, 0.0), axis=1, keep_dims=True) / N
+        mean0 = row_sum(tl.where(in_bounds, x, 0.0)) / N
         tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t0 = x - mean0
-        mean1 = tl.sum(tl.where(in_bounds, t0 * t0, 0.0), axis=1, keep_dims=True) / N
+        mean1 = row_sum(tl.where(in_bounds, t0 * t0, 0.0)) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         y = bias + rsqrt_rn(eps + mean1) * t0 * weight
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
@@ -73,7 +73,7 @@ def layernorm_kernel(
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             mean0_tile += tl.where(in_bounds, x, 0.0)
-        mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
+        mean0 = row_sum(mean0_tile) / N
         tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
@@ -81,7 +81,7 @@ def layernorm_kernel(
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             t0 = x - mean0
             mean1_tile += tl.where(in_bounds, t0 * t0, 0.0)
-        mean1 = tl.sum(mean1_tile, axis=1, keep_dims=True) / N
+        mean1 = row_sum(mean1_tile) / N
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -147,11 +147,10 @@ def layernorm_backward_kernel(
             t0 = x - mean0
             t2 = rsqrt_rn(t1) * grad_y
             t3 = t2 * weight
-            grad_mean1 = tl.sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0), axis=1,
-                keep_dims=True,
+            grad_mean1 = row_sum(
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0)
             )
-            grad_mean0 = tl.sum(tl.where(in_bounds, -t3, 0.0), axis=1, keep_dims=True)
+            grad_mean0 = row_sum(tl.where(in_bounds, -t3, 0.0))
             grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (2 * x - 2 * mean0) + t3
             grad_weight = t0 * t2
             grad_bias = grad_y
@@ -198,8 +197,8 @@ def layernorm_backward_kernel(
                     in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0
                 )
                 grad_mean0_tile += tl.where(in_bounds, -t3, 0.0)
-            grad_mean1 = tl.sum(grad_mean1_tile, axis=1, keep_dims=True)
-            grad_mean0 = tl.sum(grad_mean0_tile, axis=1, keep_dims=True)
+            grad_mean1 = row_sum(grad_mean1_tile)
+            grad_mean0 = row_sum(grad_mean0_tile)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)

@@ -25,7 +25,7 @@ from triton.language.extra import libdevice
 from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, indices, load_tile, max_shifts, maximum, row_max,
+    add_gradient_partials, column_tile, indices, load_tile, max_shifts, maximum, row_max, row_sum,
     store_column_sums, store_gradient, store_tile,
 )
 
@@ -53,7 +53,7 @@ def log_softmax_kernel(
         cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         max0 = row_max(tl.where(in_bounds, x, -float("inf")))
-        sum1 = tl.sum(tl.where(in_bounds, libdevice.exp(x - max0), 0.0), axis=1, keep_dims=True)
+        sum1 = row_sum(tl.where(in_bounds, libdevice.exp(x - max0), 0.0))
         tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         t0 = max0 - x
@@ -61,20 +61,17 @@ def log_softmax_kernel(
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
         if ONLINE:
-            max0_running = tl.full((BLOCK_M, 1), -float("inf"), compute)
+            max0 = tl.full((BLOCK_M, 1), -float("inf"), compute)
             sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-                max0_before = max0_running
-                max0_running = maximum(max0_running, row_max(tl.where(in_bounds, x, -float("inf"))))
-                max0_shift, max0_shift_before = max_shifts(max0_before, max0_running)
-                sum1_tile = (
-                    sum1_tile * libdevice.exp(-max0_shift + max0_shift_before)
-                    + tl.where(in_bounds, libdevice.exp(-max0_shift + x), 0.0)
-                )
-            max0 = max0_running
-            sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+                max0_before = max0
+                max0 = maximum(max0, row_max(tl.where(in_bounds, x, -float("inf"))))
+                max0_shift, max0_shift_before = max_shifts(max0_before, max0)
+                sum1_tile *= libdevice.exp(-max0_shift + max0_shift_before)
+                sum1_tile += tl.where(in_bounds, libdevice.exp(-max0_shift + x), 0.0)
+            sum1 = row_sum(sum1_tile)
         else:
             max0_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
             for first_col in range(0, N, BLOCK_N):
@@ -87,7 +84,7 @@ def log_softmax_kernel(
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
                 sum1_tile += tl.where(in_bounds, libdevice.exp(x - max0), 0.0)
-            sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+            sum1 = row_sum(sum1_tile)
         tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
@@ -130,7 +127,7 @@ def log_softmax_backward_kernel(
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
-            grad_sum1 = tl.sum(tl.where(in_bounds, -grad_y / sum1, 0.0), axis=1, keep_dims=True)
+            grad_sum1 = row_sum(tl.where(in_bounds, -grad_y / sum1, 0.0))
             grad_x = grad_sum1 * libdevice.exp(x - max0) + grad_y
             grad_x_sum = store_gradient(
                 grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
@@ -150,7 +147,7 @@ def log_softmax_backward_kernel(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
                 grad_sum1_tile += tl.where(in_bounds, -grad_y / sum1, 0.0)
-            grad_sum1 = tl.sum(grad_sum1_tile, axis=1, keep_dims=True)
+            grad_sum1 = row_sum(grad_sum1_tile)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)

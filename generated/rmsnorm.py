@@ -25,7 +25,7 @@ import triton.language as tl
 from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, indices, load_tile, rsqrt_rn, store_column_sums,
+    add_gradient_partials, column_tile, indices, load_tile, row_sum, rsqrt_rn, store_column_sums,
     store_gradient, store_tile,
 )
 
@@ -58,8 +58,8 @@ def rmsnorm_kernel(
         weight = load_tile(
             weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
         )
-        mean0 = tl.sum(tl.where(in_bounds, x * x, 0.0), axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 1, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        mean0 = row_sum(tl.where(in_bounds, x * x, 0.0)) / N
+        tl.store(saved_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         y = rsqrt_rn(eps + mean0) * weight * x
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
@@ -68,8 +68,8 @@ def rmsnorm_kernel(
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             mean0_tile += tl.where(in_bounds, x * x, 0.0)
-        mean0 = tl.sum(mean0_tile, axis=1, keep_dims=True) / N
-        tl.store(saved_ptr + rows * 1, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        mean0 = row_sum(mean0_tile) / N
+        tl.store(saved_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -115,7 +115,7 @@ def rmsnorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + rows * 1, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             weight = load_tile(
@@ -124,9 +124,8 @@ def rmsnorm_backward_kernel(
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
-            grad_mean0 = tl.sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0), axis=1,
-                keep_dims=True,
+            grad_mean0 = row_sum(
+                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0)
             )
             t1 = rsqrt_rn(t0) * grad_y
             grad_x = 2 * grad_mean0 * x / row_width + t1 * weight
@@ -147,7 +146,7 @@ def rmsnorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + rows * 1, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(saved_ptr + rows, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
             grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
@@ -162,7 +161,7 @@ def rmsnorm_backward_kernel(
                 grad_mean0_tile += tl.where(
                     in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0
                 )
-            grad_mean0 = tl.sum(grad_mean0_tile, axis=1, keep_dims=True)
+            grad_mean0 = row_sum(grad_mean0_tile)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)

@@ -34,7 +34,7 @@ from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, dropout_or_ones, indices, load_tile, max_shifts, maximum,
-    row_max, store_column_sums, store_gradient, store_tile,
+    row_max, row_sum, store_column_sums, store_gradient, store_tile,
 )
 
 __all__ = ["scaled_masked_softmax_dropout", "ScaledMaskedSoftmaxDropout", "reference", "eager"]
@@ -80,7 +80,7 @@ def scaled_masked_softmax_dropout_kernel(
         )
         t0 = mask + scale * x
         max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
-        sum1 = tl.sum(tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0), axis=1, keep_dims=True)
+        sum1 = row_sum(tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0))
         tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         t1 = libdevice.exp(t0 - max0)
@@ -88,7 +88,7 @@ def scaled_masked_softmax_dropout_kernel(
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
         if ONLINE:
-            max0_running = tl.full((BLOCK_M, 1), -float("inf"), compute)
+            max0 = tl.full((BLOCK_M, 1), -float("inf"), compute)
             sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -97,17 +97,12 @@ def scaled_masked_softmax_dropout_kernel(
                     mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute
                 )
                 t0 = mask + scale * x
-                max0_before = max0_running
-                max0_running = maximum(
-                    max0_running, row_max(tl.where(in_bounds, t0, -float("inf")))
-                )
-                max0_shift, max0_shift_before = max_shifts(max0_before, max0_running)
-                sum1_tile = (
-                    sum1_tile * libdevice.exp(-max0_shift + max0_shift_before)
-                    + tl.where(in_bounds, libdevice.exp(-max0_shift + t0), 0.0)
-                )
-            max0 = max0_running
-            sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+                max0_before = max0
+                max0 = maximum(max0, row_max(tl.where(in_bounds, t0, -float("inf"))))
+                max0_shift, max0_shift_before = max_shifts(max0_before, max0)
+                sum1_tile *= libdevice.exp(-max0_shift + max0_shift_before)
+                sum1_tile += tl.where(in_bounds, libdevice.exp(-max0_shift + t0), 0.0)
+            sum1 = row_sum(sum1_tile)
         else:
             max0_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
             for first_col in range(0, N, BLOCK_N):
@@ -128,7 +123,7 @@ def scaled_masked_softmax_dropout_kernel(
                 )
                 t0 = mask + scale * x
                 sum1_tile += tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0)
-            sum1 = tl.sum(sum1_tile, axis=1, keep_dims=True)
+            sum1 = row_sum(sum1_tile)
         tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
@@ -199,9 +194,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
             )
             t0 = libdevice.exp(mask + scale * x - max0)
             t1 = dropout_mask0 * grad_y * t0
-            grad_sum1 = tl.sum(
-                tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0), axis=1, keep_dims=True
-            )
+            grad_sum1 = row_sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0))
             t2 = grad_sum1 * t0
             t3 = t1 / sum1
             grad_x = scale * t2 + scale * t3
@@ -239,7 +232,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
                 t0 = libdevice.exp(mask + scale * x - max0)
                 t1 = dropout_mask0 * grad_y * t0
                 grad_sum1_tile += tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0)
-            grad_sum1 = tl.sum(grad_sum1_tile, axis=1, keep_dims=True)
+            grad_sum1 = row_sum(grad_sum1_tile)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)

@@ -135,6 +135,22 @@ def test_a_simple_op_is_a_short_module_with_no_dropout_plumbing():
         assert word not in text.split('"""', 2)[2], word  # the code, past the module docstring
 
 
+def test_row_kernels_reduce_through_helpers_as_a_person_would_write_them():
+    """softmax's looped forward (issue 29): the running max is max0 itself, not a copy made
+    after the loop; the online sum rescaled, then added, as two statements; a row's sum is
+    kernel_lib.row_sum, as its max is row_max; one saved reduction indexed as rows, not rows * 1."""
+    text = _generated()["softmax"]
+    assert "_running" not in text and "max0 = max0\n" not in text
+    assert "                max0 = maximum(max0, row_max(tl.where(in_bounds, x, -float(\"inf\"))))\n" in text
+    assert (
+        "                sum1_tile *= libdevice.exp(-max0_shift + max0_shift_before)\n"
+        "                sum1_tile += tl.where(in_bounds, libdevice.exp(-max0_shift + x), 0.0)\n"
+    ) in text
+    assert "            sum1 = row_sum(sum1_tile)\n" in text
+    assert all("keep_dims=True" not in module.split("def _reference")[0] for module in _generated().values())
+    assert "saved_ptr + rows * 1" not in _generated()["rmsnorm"]
+
+
 def test_irrational_constants_say_what_they_are():
     text = _generated()["gelu"]
     assert "    # 1.4142135623730951 = sqrt(2)\n    y = t0 * (tl.erf(1.4142135623730951 * t0) + 1)" in text

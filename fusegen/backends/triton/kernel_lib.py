@@ -228,6 +228,12 @@ def row_min(tile):
     return tl.reduce(tile, 1, minimum, keep_dims=True)
 
 
+@triton.jit
+def row_sum(tile):
+    """The sum of each row of a tile, as [rows, 1]."""
+    return tl.sum(tile, axis=1, keep_dims=True)
+
+
 # One config (nothing to tune: a few microseconds' work); autotuned only so that the
 # cached launcher, which launches autotuned kernels, can launch it without Triton's dispatch.
 @triton.autotune(configs=[triton.Config({"BLOCK_R": 32, "BLOCK_N": 128}, num_warps=4)], key=[])

@@ -224,10 +224,10 @@ class _Program:
 
     def _tile(self, reduction: RowReduction, running: bool = False) -> str:
         """A looped reduction's [BLOCK_M, BLOCK_N] tile, reduced after the loop; a running
-        extreme's [BLOCK_M, 1] value, reduced tile by tile."""
+        extreme is its own [BLOCK_M, 1] value, reduced tile by tile (the row's after the loop)."""
         name = reduction.symbol.name
         if running:
-            return self.names.claim_once(f"{name} running", f"{name}_running")
+            return name
         return self.names.claim_once(name, f"{name}_tile")
 
     def _value(self, reduction: RowReduction) -> str:
@@ -328,10 +328,10 @@ class _Program:
         for r in online:
             rescale, value = self._online_terms(r, *names[r.running.name][1:])
             tile = tiles[r.symbol.name]
-            lines.append(f"    {tile} = {tile} * {rescale} + {value}")
+            lines += [f"    {tile} *= {rescale}", f"    {tile} += {value}"]
         for r in plain:
-            tile = tiles[r.symbol.name]
-            lines.append(f"{r.symbol.name} = {tile if r.symbol.name in running else _reduce(r.kind, tile)}")
+            if r.symbol.name not in running:
+                lines.append(f"{r.symbol.name} = {_reduce(r.kind, tiles[r.symbol.name])}")
         for r in online:  # every lane's sum is at the row's final extreme already
             lines.append(f"{r.symbol.name} = {_reduce(r.kind, tiles[r.symbol.name])}")
         return lines
@@ -376,7 +376,7 @@ def _reduce(kind: str, tile: str) -> str:
         return f"row_max({tile})"
     if kind == "min":
         return f"row_min({tile})"
-    total = f"tl.sum({tile}, axis=1, keep_dims=True)"
+    total = f"row_sum({tile})"
     return f"{total} / N" if kind == "mean" else total
 
 
@@ -390,7 +390,8 @@ def _accumulate(kind: str, tile: str, value: str) -> str:
 
 def _saved_row(count: int, k: int) -> str:
     """Reduction k of each row in the [M, count] buffer of saved reductions."""
-    return f"saved_ptr + rows * {count}" + (f" + {k}" if k else "")
+    rows = "rows" if count == 1 else f"rows * {count}"
+    return f"saved_ptr + {rows}" + (f" + {k}" if k else "")
 
 
 def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
