@@ -137,7 +137,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     torch_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_torch") for h in op.helpers}
     chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs if i.layout.chunks > 1}
     eager = _eager_lines(
-        tuple(expr for _, expr in op.ir.outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers
+        tuple(expr for _, expr in op.ir.outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers,
+        tuple(b.dtype for b in spec.outputs),
     )
     return OpPlan(
         op=spec.name,
@@ -164,6 +165,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         eager=eager,
         helpers=tuple(_helper(h, by_name[h.param], torch_helpers[h.param], eager_helpers[h.param]) for h in op.helpers),
         taken=namer.all_taken(),
+        output_dtypes=tuple((b.name, b.dtype) for b in spec.outputs if b.dtype is not None),
+        no_gradient=frozenset(b.name for b in spec.outputs if not b.differentiable),
     )
 
 
@@ -174,7 +177,7 @@ def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[st
     every = [name for name, _ in op.ir.outputs]
     result = []
     for spec_input in spec.inputs:
-        if spec_input.dtype != "float":  # no gradient at all
+        if spec_input.dtype != "float" or not op.gradients:  # no gradient at all (a forward-only op)
             continue
         read = set().union(*(reads[n] for n in value_names(spec_input)))
         if len(read) < len(every):
@@ -195,8 +198,10 @@ def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
 
 
 def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
-                 names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str]) -> tuple[str, ...]:
-    """The eager function's body: the spec's IR printed as a PyTorch user writes it."""
+                 names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str],
+                 dtypes: tuple[str | None, ...] = ()) -> tuple[str, ...]:
+    """The eager function's body: the spec's IR printed as a PyTorch user writes it; an output
+    with a dtype of its own (`dtypes`, None for none) converted to it with `.to`."""
     # `col` counts along the last dim of an input that has it (one chunk's, for a chunked input).
     along = next((i for i in inputs if i.layout.dims and i.layout.dims[-1] != "1"), None)
     column = ""
@@ -208,7 +213,9 @@ def _eager_lines(outputs: tuple[ir.Expr, ...], lets: tuple[tuple[str, ir.Expr], 
         f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.layout.chunks > 1
     ]
     lines += [f"{local} = {printer.doprint(expr, defining=True)}" for local, expr in lets]
-    return tuple(lines + ["return " + ", ".join(printer.doprint(expr) for expr in outputs)])
+    results = [printer.doprint(expr) for expr in outputs]
+    results = [f"({text}).to(torch.{dtype})" if dtype else text for text, dtype in zip(results, dtypes or (None,) * len(results))]
+    return tuple(lines + ["return " + ", ".join(results)])
 
 
 def _helper(helper: ChoiceHelper, param: ParamPlan, torch_name: str, eager_name: str) -> HelperPlan:

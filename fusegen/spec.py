@@ -18,7 +18,7 @@ import yaml
 
 from .errors import SpecError
 from .functions import BUILTIN_NAMES, BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS
-from .layout import INTEGER_DTYPES, Input
+from .layout import INTEGER_DTYPES, OUTPUT_DTYPES, QUANTIZED_DTYPES, Input
 
 ELLIPSIS = "..."
 # "2N" as an input's last dim: two chunks of N side by side (swiglu's [..., 2N] input).
@@ -111,6 +111,10 @@ class Binding:
     name: str
     text: str
     line: int
+    # Outputs only, from the long form `q: {expr: ..., dtype: float8_e4m3fn, differentiable: false}`:
+    # its dtype (None: the float inputs'), and whether it has a gradient (never a quantized one).
+    dtype: str | None = None
+    differentiable: bool = True
 
 
 @dataclass(frozen=True)
@@ -646,8 +650,36 @@ def _parse_bindings(raw: Any, line: int, section: str, what: str, names: _Names,
         names.claim(name, "an intermediate" if what == "intermediate" else "an output", key_line)
         value_line = raw.value_lines[name]
         text = _as_written(raw, name)
+        if what == "output" and isinstance(text, dict):
+            bindings.append(_long_output(name, text, value_line))
+            continue
         bindings.append(Binding(name, _expression_text(name, text, what, value_line), value_line))
     return tuple(bindings)
+
+
+def _long_output(name: str, body: _LineDict, line: int) -> Binding:
+    """`q: {expr: "x / s", dtype: float8_e4m3fn}`: an output in a dtype of its own, converted
+    as torch's `tensor.to(dtype)` converts; `differentiable: false` drops a float one's gradient."""
+    _check_keys(body, ["expr", "dtype", "differentiable"], ["expr"], f"output '{name}'", line)
+    lines = body.value_lines
+    text = _expression_text(name, _as_written(body, "expr"), "output", lines["expr"])
+    dtype = None
+    if "dtype" in body:
+        dtype = _as_written(body, "dtype")
+        if dtype not in OUTPUT_DTYPES:
+            raise _Located(lines["dtype"], f"output '{name}': unknown dtype {_describe(dtype)} "
+                                           f"(known: {', '.join(OUTPUT_DTYPES)})")
+    differentiable = dtype not in QUANTIZED_DTYPES
+    if "differentiable" in body:
+        given = body["differentiable"]
+        if not isinstance(given, bool):
+            raise _Located(lines["differentiable"], f"output '{name}': differentiable must be true or false, "
+                                                    f"got {_describe(_as_written(body, 'differentiable'))}")
+        if given and not differentiable:
+            raise _Located(lines["differentiable"], f"output '{name}': a {dtype} output has no gradient; "
+                                                    "drop 'differentiable: true'")
+        differentiable = given
+    return Binding(name, text, lines["expr"], dtype, differentiable)
 
 
 def _expression_text(name: str, text: Any, what: str, line: int) -> str:

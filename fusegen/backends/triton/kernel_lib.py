@@ -41,7 +41,36 @@ def load_tile(ptr, stride_m, stride_n, rows, cols, in_bounds, dtype):
 @triton.jit
 def store_tile(ptr, value, rows, cols, width, in_bounds):
     """`value` into the tile rows x cols of a contiguous [M, width] buffer, in its element type."""
-    tl.store(ptr + rows[:, None] * width + cols[None, :], value.to(ptr.dtype.element_ty), mask=in_bounds)
+    tl.store(ptr + rows[:, None] * width + cols[None, :], to_element(value, ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def to_element(value, dtype: tl.constexpr):
+    """`value` (the compute type) in an output's element type, as torch's `tensor.to(dtype)`
+    converts it: float8 by to_float8; the others as Triton converts, which is torch's (floats
+    round to nearest even; int8 truncates toward zero, out of its range undefined in both)."""
+    if dtype == tl.float8e4nv or dtype == tl.float8e5:
+        return to_float8(value, dtype)
+    else:
+        return value.to(dtype)
+
+
+@triton.jit
+def to_float8(value, dtype: tl.constexpr):
+    """float8_e4m3fn (tl.float8e4nv) or float8_e5m2 (tl.float8e5) as torch converts to them:
+    through float32 (an fp64 value is rounded twice, as torch does), to nearest even; beyond
+    the range e4m3fn saturates to ±448 (±inf too) and e5m2 overflows to ±inf (from ±61440,
+    the tie with the next power of two); NaN keeps its sign. The hardware's conversion
+    (cvt.rn.satfinite) saturates both and drops NaN's sign: those cases are set by their bits."""
+    value = value.to(tl.float32)
+    bits = value.to(dtype, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    sign = ((value.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    if dtype == tl.float8e4nv:
+        bits = tl.where(tl.abs(value) > 448.0, sign | 0x7E, bits)
+    else:
+        bits = tl.where(tl.abs(value) >= 61440.0, sign | 0x7C, bits)
+    bits = tl.where(value != value, sign | 0x7F, bits)
+    return bits.to(dtype, bitcast=True)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ from fusegen.plan import OpPlan
 KERNEL_LIB_NAMES = (
     "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_tile", "max_shifts",
     "maximum", "min_shifts", "minimum", "row_max", "row_min", "rsqrt_rn", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile",
+    "to_element",
 )
 
 # What a generated module imports; an op named so would hide one.
