@@ -37,9 +37,10 @@ outputs:
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "i8": torch.int8, "h": torch.float16,
           "b": torch.bfloat16, "d": torch.float64}
 
-# Torch's conversions at the edges (torch 2.13, CPU; the kernels set these cases by their bits):
-# e4m3fn saturates to ±448 (±inf too), e5m2 rounds to ±inf from ±61440, ties go to even, NaN
-# keeps its sign; subnormals round to nearest even too.
+# Torch's conversions at the edges, which the kernels set by their bits: e4m3fn past ±448 gives
+# NaN (torch 2.11) or ±448 (torch 2.13, the CPU build here), ±inf too; e5m2 rounds to ±inf from
+# ±61440; ties go to even, subnormals too; NaN keeps its sign. Compared with x.to(dtype) of the
+# torch installed, whichever it is (kernel_lib.E4M3_SATURATES).
 EDGES = [0.0, -0.0, 1.0, 1.0625, 1.1875, 447.0, 449.0, 463.9, 464.0, 465.0, 479.0, 480.0, 1e4, 57344.0, 61439.0,
          61440.0, 61441.0, 1e6, -7e4, float("inf"), -float("inf"), float("nan"), -float("nan"), 2.0**-9, 2.0**-10,
          1.5 * 2.0**-10, 3 * 2.0**-11, 1e-30, -3e-5, 2.5, -2.5, 127.9, -128.9, -1.7]
