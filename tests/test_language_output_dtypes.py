@@ -172,7 +172,8 @@ def test_norm_fp8_matches_reference_and_float64(name, dtype, device):
     # bit for bit (test_conversions_are_torchs_bit_for_bit).
     torch.testing.assert_close(scale, rscale, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=0, equal_nan=True)
     torch.testing.assert_close(q.float(), rq.float(), rtol=2.0**-3, atol=2.0**-9, equal_nan=True)
-    assert (_bits(q) == _bits(rq)).float().mean() > 0.9
+    same = (_bits(q) == _bits(rq)) | (q.cpu().float().isnan() & rq.cpu().float().isnan())  # NaN's sign: arithmetic's
+    assert same.float().mean() > 0.9
     eq, escale = _call(name, module.eager, x, weight, bias)
     assert eq.dtype == torch.float8_e4m3fn and escale.dtype == torch.float32
 
@@ -186,9 +187,10 @@ def test_norm_fp8_matches_reference_and_float64(name, dtype, device):
     dequantized = (q.cpu().double() * scale.cpu().double())[finite]
     bound = (2.0**-4 + 1e-5) * y[finite].abs() + 2.0**-10 * amax[finite] / E4M3_MAX
     assert ((dequantized - y[finite]).abs() <= bound).all()
-    assert (q[3].cpu().float() == 0).all()  # an all-zero row: q 0
+    if name != "layernorm_fp8":  # (layer norm's y is the bias there)
+        assert (q[3].cpu().float() == 0).all()  # an all-zero row: q 0
     assert q[4].cpu().float().isnan().all() and scale[4].isnan().all()  # a NaN row
-    assert scale[5].isinf().all()  # an inf row: scale inf
+    assert not scale[5].isfinite().any()  # an inf row: scale inf (swiglu) or NaN (a norm's inf / inf)
 
 
 @pytest.mark.parametrize("name", LIBRARY)
