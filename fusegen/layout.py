@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 # An input's dtypes besides "float": read by the kernels as they are (compared, conditions).
 INTEGER_DTYPES = ("int64", "int32", "bool")
+# An output's declared dtypes (`q: {expr: ..., dtype: float8_e4m3fn}`), torch's names; without
+# one an output takes the float inputs' dtype. The quantized ones have no gradient.
+QUANTIZED_DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8")
+OUTPUT_DTYPES = (*QUANTIZED_DTYPES, "float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,11 @@ class OpPlan:
     # Every name the module's code uses so far (the backend's reserved names, and each the plan
     # gave out): a backend's own derived names start from these (names.Namer(taken)).
     taken: frozenset[str]
+    # (spec name, dtype) of each output that declares its own dtype (layout.OUTPUT_DTYPES; the
+    # others take the float inputs'), converted as torch's tensor.to(dtype) does; and the
+    # outputs that have no gradient (quantized ones, `differentiable: false`).
+    output_dtypes: tuple[tuple[str, str], ...] = ()
+    no_gradient: frozenset[str] = frozenset()
     # The outputs written as parts side by side along their last dim; the others are whole.
     output_parts: tuple[OutputParts, ...] = ()
 

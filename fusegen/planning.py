@@ -146,7 +146,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs if i.layout.chunks > 1}
     exprs = dict(op.ir.outputs)
     eager = _eager_lines(
-        tuple(tuple(exprs[v] for v in ir.output_values(name, parts.get(name, 0))) for name, _ in outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers
+        tuple(tuple(exprs[v] for v in ir.output_values(name, parts.get(name, 0))) for name, _ in outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers,
+        tuple(b.dtype for b in spec.outputs),
     )
     return OpPlan(
         op=spec.name,
@@ -181,6 +182,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
             )
             for output, count in op.ir.output_parts
         ),
+        output_dtypes=tuple((b.name, b.dtype) for b in spec.outputs if b.dtype is not None),
+        no_gradient=frozenset(b.name for b in spec.outputs if not b.differentiable),
     )
 
 
@@ -200,7 +203,7 @@ def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[st
     every = [b.name for b in spec.outputs]
     result = []
     for spec_input in spec.inputs:
-        if spec_input.dtype != "float":  # no gradient at all
+        if spec_input.dtype != "float" or not op.gradients:  # no gradient at all (a forward-only op)
             continue
         read = set().union(*(reads[n] for n in value_names(spec_input)))
         if len(read) < len(every):
@@ -221,8 +224,10 @@ def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
 
 
 def _eager_lines(outputs: tuple[tuple[ir.Expr, ...], ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
-                 names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str]) -> tuple[str, ...]:
-    """The eager function's body: the spec's IR printed as a PyTorch user writes it."""
+                 names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str],
+                 dtypes: tuple[str | None, ...] = ()) -> tuple[str, ...]:
+    """The eager function's body: the spec's IR printed as a PyTorch user writes it; an output
+    with a dtype of its own (`dtypes`, None for none) converted to it with `.to`."""
     # `col` counts along the last dim of an input that has it (one chunk's, for a chunked input).
     along = next((i for i in inputs if i.layout.dims and i.layout.dims[-1] != "1"), None)
     column = ""
@@ -239,6 +244,8 @@ def _eager_lines(outputs: tuple[tuple[ir.Expr, ...], ...], lets: tuple[tuple[str
         else "torch.cat((" + ", ".join(printer.doprint(expr) for expr in parts) + "), dim=-1)"
         for parts in outputs
     ]
+    returned = [f"({text}).to(torch.{dtype})" if dtype else text
+                for text, dtype in zip(returned, dtypes or (None,) * len(returned))]
     return tuple(lines + ["return " + ", ".join(returned)])
 
 

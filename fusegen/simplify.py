@@ -147,6 +147,8 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     inputs = {n: sympy.Symbol(n, real=True) for i in spec.inputs for n in value_names(i)}
     # Integer and bool inputs are read, never differentiated: no gradient is derived for them.
     wrt = {n: s for n, s in inputs.items() if n not in {i.name for i in spec.inputs if i.dtype != "float"}}
+    if not any(b.differentiable for b in spec.outputs):  # quantized outputs: the op has no gradient
+        wrt = {}
     params = {p.name: sympy.Symbol(p.name, real=True) for p in spec.scalar_params}
     masks = tuple(sympy.Symbol(mask_name(d.stream), real=True) for d in op.dropouts)
     symbols = {**inputs, **params}
@@ -215,7 +217,10 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
             message = f"output '{output}': its derivative with respect to {name} has a constant that {exc}"
             raise SpecError(spec.path, lines[output], message) from None
 
-    found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, masks, check, op.row_outputs,
+    # Outputs without a gradient (quantized ones) send none back.
+    kept = [k for k, b in enumerate(spec.outputs) if b.differentiable]
+    found, row_values, totals = rows.backward(reductions.found, [outputs[k] for k in kept], inputs,
+                                              tuple(grad_outputs[k] for k in kept), masks, check, op.row_outputs,
                                               wrt=frozenset(wrt))
     gradients = _same_gradients(tuple(
         Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in wrt
@@ -383,7 +388,9 @@ def _shape(value: sympy.Expr) -> str:
 
 def _input_gradients(spec, outputs, inputs, grad_outputs) -> dict[str, sympy.Expr]:
     """grad_input = Σ_outputs grad_output · ∂output/∂input, for every input."""
-    lines = {value: b.line for value, b in ir.output_bindings(spec).items()}
+    bindings = ir.output_bindings(spec)
+    lines = {value: b.line for value, b in bindings.items()}
+    differentiable = {value for value, b in bindings.items() if b.differentiable}  # the others send no gradient back
     shown = {n: n for n in inputs} | {
         n: f"chunk({i.name}, {k})" for i in spec.inputs if i.chunks > 1 for k, n in enumerate(value_names(i))
     }
@@ -391,6 +398,8 @@ def _input_gradients(spec, outputs, inputs, grad_outputs) -> dict[str, sympy.Exp
     for name, symbol in inputs.items():
         terms = []
         for g, (output, expr) in zip(grad_outputs, outputs):
+            if output not in differentiable:
+                continue
             partial = derivative(expr, symbol)
             try:
                 constants.check_finite(partial)

@@ -18,7 +18,7 @@ import yaml
 
 from .errors import SpecError
 from .functions import BUILTIN_NAMES, BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS
-from .layout import INTEGER_DTYPES, Input
+from .layout import INTEGER_DTYPES, OUTPUT_DTYPES, QUANTIZED_DTYPES, Input
 
 ELLIPSIS = "..."
 # "2N" as an input's last dim: two chunks of N side by side (swiglu's [..., 2N] input).
@@ -112,6 +112,10 @@ class Binding:
     name: str
     text: str
     line: int
+    # Outputs only, from the long form `q: {expr: ..., dtype: float8_e4m3fn, differentiable: false}`:
+    # its dtype (None: the float inputs'), and whether it has a gradient (never a quantized one).
+    dtype: str | None = None
+    differentiable: bool = True
     # An output concatenated along its last dim (`y: [a, b]`, [..., 2N]): each part's
     # expression and line, in order; `text` then shows them as the spec writes the list.
     parts: tuple[tuple[str, int], ...] = ()
@@ -119,7 +123,8 @@ class Binding:
     @property
     def part_bindings(self) -> tuple["Binding", ...]:
         """Each part as a binding of the output's name (one: the binding itself)."""
-        return tuple(Binding(self.name, text, line) for text, line in self.parts) or (self,)
+        return tuple(Binding(self.name, text, line, dtype=self.dtype, differentiable=self.differentiable)
+                     for text, line in self.parts) or (self,)
 
 
 @dataclass(frozen=True)
@@ -661,6 +666,9 @@ def _parse_bindings(raw: Any, line: int, section: str, what: str, names: _Names,
         if what == "output" and isinstance(text, list):
             bindings.append(_concatenated(name, text, value_line))
             continue
+        if what == "output" and isinstance(text, dict):
+            bindings.append(_long_output(name, text, value_line))
+            continue
         bindings.append(Binding(name, _expression_text(name, text, what, value_line), value_line))
     return tuple(bindings)
 
@@ -675,7 +683,32 @@ def _concatenated(name: str, items: _LineList, line: int) -> Binding:
         if text is None:
             raise _Located(item_line, f"output '{name}': each part must be an expression (a string), got {_describe(item)}")
         parts.append((_expression_text(name, text, "output", item_line), item_line))
-    return Binding(name, "[" + ", ".join(t for t, _ in parts) + "]", line, tuple(parts))
+    return Binding(name, "[" + ", ".join(t for t, _ in parts) + "]", line, parts=tuple(parts))
+
+
+def _long_output(name: str, body: _LineDict, line: int) -> Binding:
+    """`q: {expr: "x / s", dtype: float8_e4m3fn}`: an output in a dtype of its own, converted
+    as torch's `tensor.to(dtype)` converts; `differentiable: false` drops a float one's gradient."""
+    _check_keys(body, ["expr", "dtype", "differentiable"], ["expr"], f"output '{name}'", line)
+    lines = body.value_lines
+    text = _expression_text(name, _as_written(body, "expr"), "output", lines["expr"])
+    dtype = None
+    if "dtype" in body:
+        dtype = _as_written(body, "dtype")
+        if dtype not in OUTPUT_DTYPES:
+            raise _Located(lines["dtype"], f"output '{name}': unknown dtype {_describe(dtype)} "
+                                           f"(known: {', '.join(OUTPUT_DTYPES)})")
+    differentiable = dtype not in QUANTIZED_DTYPES
+    if "differentiable" in body:
+        given = body["differentiable"]
+        if not isinstance(given, bool):
+            raise _Located(lines["differentiable"], f"output '{name}': differentiable must be true or false, "
+                                                    f"got {_describe(_as_written(body, 'differentiable'))}")
+        if given and not differentiable:
+            raise _Located(lines["differentiable"], f"output '{name}': a {dtype} output has no gradient; "
+                                                    "drop 'differentiable: true'")
+        differentiable = given
+    return Binding(name, text, lines["expr"], dtype=dtype, differentiable=differentiable)
 
 
 def _expression_text(name: str, text: Any, what: str, line: int) -> str:

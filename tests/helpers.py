@@ -58,6 +58,16 @@ class Op:
         return bool(self.dropout_params)
 
     @property
+    def differentiable(self) -> bool:
+        """Some output has a gradient: not a forward-only op (the fp8 library's quantized outputs)."""
+        return any(b.differentiable for b in self.spec.outputs)
+
+    @property
+    def own_dtypes(self) -> bool:
+        """Some output has a dtype of its own (float8, int8: not the inputs')."""
+        return any(b.dtype is not None for b in self.spec.outputs)
+
+    @property
     def input_names(self) -> tuple[str, ...]:
         return tuple(i.name for i in self.spec.inputs)
 

@@ -85,7 +85,7 @@ def test_meta_forward_gives_the_shapes_dtypes_and_device(monkeypatch, op):
     assert all(t.device.type == "meta" for t in got)
 
 
-@pytest.mark.parametrize("op", _cases(), ids=str)
+@pytest.mark.parametrize("op", [op for op in _cases() if op.differentiable], ids=str)  # forward-only ops: no backward
 def test_meta_backward_gives_meta_gradients_of_the_inputs_shapes(monkeypatch, op):
     _no_launches(monkeypatch, op.module)
     kwargs = with_seed(op, params_for(op), seed=3)

@@ -44,7 +44,9 @@ from tests.helpers import (
     with_seed,
 )
 
-OPS = all_ops()
+# Ops with outputs in a dtype of their own (float8: quantized, forward only) are held to that
+# dtype's precision against float64 in test_language_output_dtypes.py.
+OPS = tuple(op for op in all_ops() if not op.own_dtypes)
 SEED = 20240917
 P = 0.3  # dropout probability where dropout is on
 SHAPE = ShapeCase("4x256", lead=(4,), n=256)

@@ -37,6 +37,12 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
     if plan.output_parts:
         pairs = ", ".join(f'"{p.name}": {len(p.values)}' for p in plan.output_parts)
         lines.append(f"output_parts={{{pairs}}},  # parts side by side along the last dim: [..., k * N]")
+    if plan.output_dtypes:
+        pairs = ", ".join(f'"{o}": "{d}"' for o, d in plan.output_dtypes)
+        lines.append(f"output_dtypes={{{pairs}}},  # as tensor.to(dtype) converts; the others: the inputs'")
+    if plan.no_gradient:
+        no_gradient = [name for name, _ in plan.outputs if name in plan.no_gradient]
+        lines.append(f"no_gradient={_strings(no_gradient)},  # outputs without a gradient")
     if plan.masks:
         lines.append(f"masks={_strings([m.p.name for m in plan.masks])},  # each dropout's p, by Philox stream")
     if plan.passthrough:
@@ -110,7 +116,11 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
     lines += wrap("Inputs (broadcast as torch broadcasts): " + ", ".join(
         f"{i.name} {i.layout.declared}" + ("" if i.layout.differentiable else f" {i.layout.dtype}") for i in plan.inputs))
     dims = dict(plan.output_dims)
-    lines += wrap("Outputs: " + ", ".join(f"{name} [{', '.join(dims[name])}]" for name, _ in plan.outputs))
+    dtypes = dict(plan.output_dtypes)
+    lines += wrap("Outputs: " + ", ".join(f"{name} [{', '.join(dims[name])}]" + (f" {dtypes[name]}" if name in dtypes else "")
+                                          for name, _ in plan.outputs))
+    if plan.no_gradient and len(plan.no_gradient) < len(plan.outputs):
+        lines += wrap("Without a gradient: " + ", ".join(name for name, _ in plan.outputs if name in plan.no_gradient))
     for p in plan.params:
         d = p.declaration
         if isinstance(d, Scalar):
@@ -128,10 +138,13 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
     redraw = ", draws the dropout masks again from the seed" if plan.has_dropout else ""
     saved = ["the inputs"] + ["the seed tensor"] * plan.has_dropout + [kind.keeps.removeprefix(" and ")] * bool(kind.keeps)
     saved_text = saved[0] if len(saved) == 1 else f"{', '.join(saved[:-1])} and {saved[-1]}"
-    lines += wrap(
-        f"Backward: one fused kernel recomputes the forward from the saved inputs{kind.recomputes}{redraw} and "
-        f"writes every input gradient in one pass. Saved for it: {saved_text}, nothing else."
-    )
+    if len(plan.no_gradient) == len(plan.outputs):
+        lines += wrap("Forward only: no output has a gradient, and the op puts no autograd node behind them.")
+    else:
+        lines += wrap(
+            f"Backward: one fused kernel recomputes the forward from the saved inputs{kind.recomputes}{redraw} and "
+            f"writes every input gradient in one pass. Saved for it: {saved_text}, nothing else."
+        )
     lines += wrap(
         " ".join(
             f"The gradient of {i} is the gradient of {o}, passed on without a copy (summed only where {i} was broadcast)."

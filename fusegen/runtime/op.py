@@ -66,6 +66,8 @@ class FusedOp:
         passthrough: dict[str, str] | None = None,
         same_gradient: dict[str, str] | None = None,
         gradient_reads: dict[str, tuple[str, ...]] | None = None,
+        output_dtypes: dict[str, str] | None = None,
+        no_gradient: tuple[str, ...] = (),
         kernels: BackendKernels,
         reference,
     ):
@@ -78,6 +80,14 @@ class FusedOp:
         # Outputs of k parts side by side along the last dim ([..., k * N]); 1: a whole output.
         self.output_parts = tuple((output_parts or {}).get(name, 1) for name in outputs)
         self._has_parts = any(p > 1 for p in self.output_parts)
+        # An output's own dtype (a torch.dtype, converted as tensor.to converts), or None: the
+        # float inputs' (Problem.out_dtype).
+        output_dtypes = output_dtypes or {}
+        self._output_dtypes = tuple(getattr(torch, output_dtypes[o]) if o in output_dtypes else None for o in outputs)
+        # Outputs without a gradient (quantized): never differentiable. Without any other, the
+        # op is forward only: no autograd node at all.
+        self._no_gradient = tuple(outputs.index(o) for o in no_gradient)
+        self._forward_only = len(self._no_gradient) == len(outputs)
         self.has_dropout = bool(masks)
         names = [p.name for p in params]
         # masks: each dropout mask's p, by stream; the kernels take each such p once, in order.
@@ -105,7 +115,7 @@ class FusedOp:
         self._kernel_only_backward = not self._has_same and all(p is None for p in self._passthrough)
         computed = set(kernels.gradients) | set(passthrough) | set(same_gradient)
         # Integer and bool inputs have none: they cannot require grad, so none is ever asked for.
-        missing = [i.name for i in inputs if i.name not in computed and i.differentiable]
+        missing = [i.name for i in inputs if i.name not in computed and i.differentiable and not self._forward_only]
         if missing:  # a generated module out of step with its runtime
             raise ValueError(f"{name}: inputs without a gradient: {missing}")
         # What check() does per call, worked out once: it runs on every launch.
@@ -138,6 +148,10 @@ class FusedOp:
         # forward_ad's level: the C++ eager call sees a tangent only where gradients are on.
         if not compiling and out is None and forward_ad._current_level < 0:
             fast = self._native_calls
+            # The C++ call puts its node behind every output: not for outputs without a gradient.
+            if fast is not None and self._no_gradient and torch.is_grad_enabled() and any_requires_grad(
+                    args[:self._n_inputs]):
+                fast = None
             if fast is not None:  # a call of a kind it knows: outputs (and autograd node) from C++
                 outputs = fast(args, inplace_backward)
                 if outputs is not None:
@@ -161,7 +175,7 @@ class FusedOp:
                 outputs = (outputs,)  # the schema returns one Tensor, not a tuple of one
             else:
                 outputs = outputs[:self._n_outputs]  # then the seed and statistics, kept for the backward
-        elif torch.is_grad_enabled() and any_requires_grad(args[:self._n_inputs]):
+        elif torch.is_grad_enabled() and not self._forward_only and any_requires_grad(args[:self._n_inputs]):
             outputs = _autograd_apply(self, self.prepare(args), bool(inplace_backward), *args)
         else:
             prepared = self.prepare(args)
@@ -278,11 +292,12 @@ class FusedOp:
         seed = seed_tensor(call.seed, problem.device, eager) if call.has_dropout else None
         count = self._n_outputs
         if out is None:
-            dtype, device = problem.out_dtype, problem.device
-            outputs = [torch.empty(self.output_shape(problem, i), dtype=dtype, device=device) for i in range(count)]
-        else:
-            outputs = [output_buffer(self.name, out, i, count, problem, tensors, self.output_shape(problem, i))
+            device = problem.device
+            outputs = [torch.empty(self.output_shape(problem, i), dtype=self.output_dtype(problem, i), device=device)
                        for i in range(count)]
+        else:
+            outputs = [output_buffer(self.name, out, i, count, problem, tensors, self.output_shape(problem, i),
+                                     self.output_dtype(problem, i)) for i in range(count)]
         saved = None
         if self.statistics:
             saved = torch.empty(self.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
@@ -306,6 +321,10 @@ class FusedOp:
         if parts > 1:
             return (*problem.shape[:-1], problem.shape[-1] * parts)
         return problem.shape
+
+    def output_dtype(self, problem: Problem, index: int) -> torch.dtype:
+        """The output's declared dtype, else the float inputs' (problem.out_dtype)."""
+        return self._output_dtypes[index] or problem.out_dtype
 
     def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], saved=None,
                  prepared: PreparedCall | None = None, in_place: bool = False) -> list:
@@ -416,7 +435,9 @@ class FusedOp:
                                         device=problem.device) + nothing for i in range(self._n_outputs))
         else:
             results = self._reference_body(problem, *values, *params, *masks)
-        results = tuple(r.to(problem.out_dtype) for r in results)
+        # As the kernels convert (tensor.to); an output without a gradient is cut from the graph.
+        results = tuple((r.detach() if i in self._no_gradient else r).to(self.output_dtype(problem, i))
+                        for i, r in enumerate(results))
         results = write_out(out, results, copy=True)
         return results[0] if len(self.outputs) == 1 else tuple(results)
 
@@ -439,6 +460,8 @@ class _Autograd(torch.autograd.Function):
         ctx.save_for_backward(*args[:count], *(() if saved is None else (saved,)))
         ctx.op, ctx.prepared, ctx.in_place, ctx.params, ctx.seed = op, prepared, in_place, args[count:], seed
         ctx.set_materialize_grads(False)
+        if op._no_gradient:
+            ctx.mark_non_differentiable(*(outputs[i] for i in op._no_gradient))
         return tuple(outputs)
 
     @staticmethod
@@ -496,7 +519,7 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
         # The Python Function, which compiled autograd traces; never in place there (what
         # decides it reads the engine's state, which a traced backward has not).
         return _C_APPLY(op, prepared, False, *args)
-    if prepared is not None:
+    if prepared is not None and not op._no_gradient:  # the C++ node differentiates every output
         attach = native.attach_for()
         if attach is not None:
             # As autograd.Function runs its forward: nothing the launch does is recorded
@@ -728,7 +751,7 @@ def _register_library_ops(op: FusedOp):
     def _(*args):
         _refuse_tangents(op, args)
         problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)], op._problems)
-        outputs = [torch.empty(op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
+        outputs = [torch.empty(op.output_shape(problem, i), dtype=op.output_dtype(problem, i), device=problem.device)
                    for i in range(len(op.outputs))]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
         saved = [torch.empty(op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
@@ -741,6 +764,8 @@ def _register_library_ops(op: FusedOp):
         ctx.set_materialize_grads(False)
         count = len(op.inputs)
         outputs = (output,) if single else output
+        if op._no_gradient:
+            ctx.mark_non_differentiable(*(outputs[i] for i in op._no_gradient))
         ctx.save_for_backward(*inputs[:count], *outputs[len(op.outputs):])
         # Without the shard's sizes: autograd sees the whole (DTensor) call, whose shards'
         # places the DTensor rule of the backward op works out again.

@@ -13,27 +13,30 @@ def check_out_without_grad(op: str, tensors) -> None:
         raise FusegenArgumentError(f"{op}(): out= does not support autograd (an input requires grad)")
 
 
-def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs: tuple, shape=None) -> torch.Tensor:
+def output_buffer(op: str, out, index: int, count: int, problem: Problem, inputs: tuple, shape=None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """Where the kernel writes output `index`: a new tensor, or `out` itself when it is
     contiguous (the kernel writes [M, N] row-major) and shares no memory with an input.
     Otherwise a new tensor, copied into `out` after: the autotuner runs the kernel several
     times on its first call, and a second run would read what the first wrote (out=x).
-    `shape`: the output's, where it is not the problem's (one value per row)."""
+    `shape`: the output's, where it is not the problem's (one value per row); `dtype`: its
+    own (float8, int8), where it is not the inputs'."""
     shape = problem.shape if shape is None else torch.Size(shape)
+    dtype = problem.out_dtype if dtype is None else dtype
     if out is None:
-        return torch.empty(shape, dtype=problem.out_dtype, device=problem.device)
+        return torch.empty(shape, dtype=dtype, device=problem.device)
     if index == 0:
         check_out_targets(op, out, count, problem.has_data)
     target = _out_tensor(op, out, index, count)
-    if target.shape != shape or target.dtype != problem.out_dtype or target.device != problem.device:
+    if target.shape != shape or target.dtype != dtype or target.device != problem.device:
         raise FusegenArgumentError(
-            f"{op}(): out{'' if count == 1 else f'[{index}]'} must be {problem.out_dtype} {list(shape)} "
+            f"{op}(): out{'' if count == 1 else f'[{index}]'} must be {dtype} {list(shape)} "
             f"on {problem.device}, got {target.dtype} {list(target.shape)} on {target.device}"
         )
     # Without data (meta, fake) nothing is written: out, checked, is the result.
     if not problem.has_data or target.is_contiguous() and not any(_may_overlap(target, t) for t in inputs):
         return target
-    return torch.empty(shape, dtype=problem.out_dtype, device=problem.device)
+    return torch.empty(shape, dtype=dtype, device=problem.device)
 
 
 def check_out_targets(op: str, out, count: int, has_data: bool) -> None:

@@ -57,14 +57,14 @@ class PreparedCall:
     """One kind of call to one op: its checked `Call`, output shapes, the forward kernel's
     launch and the backward's, by the kind of incoming gradient."""
 
-    __slots__ = ("op", "call", "_tensors", "_output_shapes", "_saved_shape", "_launch", "_backwards", "_offered",
+    __slots__ = ("op", "call", "_tensors", "_outputs", "_saved_shape", "_launch", "_backwards", "_offered",
                  "_native_prepared", "_offered_backwards", "__weakref__")
 
     def __init__(self, op, call, tensors: tuple):
         problem = call.problem
         self.op, self.call = op, call
         self._tensors = len(tensors)
-        self._output_shapes = [op.output_shape(problem, i) for i in range(len(op.outputs))]
+        self._outputs = [(op.output_shape(problem, i), op.output_dtype(problem, i)) for i in range(len(op.outputs))]
         self._saved_shape = op.saved_shape(problem) if op.statistics else None
         self._launch: PreparedForward | None = op.kernels.prepare_forward(call, tensors) if problem.launches else None
         self._backwards: dict[tuple, PreparedBackward] = {}
@@ -83,8 +83,7 @@ class PreparedCall:
             seed = _draw_seed(self.op.name, device, args[-1], eager)
         elif self.op.has_dropout and args[-1] is not None:
             check_seed(self.op.name, args[-1])  # never read without dropout, but checked as the full path does
-        dtype = problem.out_dtype
-        outputs = [torch.empty(shape, dtype=dtype, device=device) for shape in self._output_shapes]
+        outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._outputs]
         saved = None
         if self._saved_shape is not None:
             saved = torch.empty(self._saved_shape, dtype=problem.compute_dtype, device=device)
@@ -105,7 +104,7 @@ class PreparedCall:
             return
         problem = self.call.problem
         draw = functools.partial(_draw_seed, self.op.name, problem.device) if self.call.has_dropout else None
-        outputs = [(shape, problem.out_dtype) for shape in self._output_shapes]
+        outputs = self._outputs  # (shape, dtype) each: the C++ call allocates them so
         saved = None if self._saved_shape is None else (self._saved_shape, problem.compute_dtype)
         self._native_prepared = native.register_call(calls, args, problem.device.index, outputs, saved, form, self, draw)
 

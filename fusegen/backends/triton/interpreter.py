@@ -5,6 +5,8 @@ whereas the GPU (and torch) round to nearest even. Left alone, every bf16 result
 interpreter is up to 1 ulp off what the same kernel gives on a GPU, and tests would have
 to allow for an error the product does not have. We route that one conversion through torch.
 
+float8: its float32 → float8 conversions truncate too; routed through torch likewise.
+
 libdevice: the interpreter runs `triton.language.extra.libdevice`'s stubs, which return
 None, and has no extern calls at all. We point the stubs the printers use at the CUDA
 backend's definitions, so that arguments are converted, broadcast and dispatched on their
@@ -66,6 +68,17 @@ def _to_bfloat16_bits(data: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(data)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
+# float8: the interpreter truncates float32 → float8 (and errs past the range) where the GPU
+# rounds to nearest even; routed through torch's conversion as bf16 is. Past the range the
+# kernels set torch's values themselves (kernel_lib.to_float8), on the GPU as here.
+_FLOAT8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+
+def _to_float8_bits(data: np.ndarray, dtype) -> np.ndarray:
+    values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+    return values.to(_FLOAT8[dtype]).view(torch.uint8).numpy()
+
+
 def patch_bfloat16_rounding() -> None:
     global _PATCHED
     if _PATCHED:
@@ -78,14 +91,21 @@ def patch_bfloat16_rounding() -> None:
     def rounds_to_bf16(src, dst_type) -> bool:
         return dst_type.scalar == tl.bfloat16 and src.dtype.scalar in (tl.float32, tl.float64)
 
+    def rounds_to_float8(src, dst_type) -> bool:
+        return dst_type.scalar in _FLOAT8 and src.dtype.scalar == tl.float32
+
     def patched_cast_impl(self, src, dst_type):
         if rounds_to_bf16(src, dst_type):
             return interpreter.TensorHandle(_to_bfloat16_bits(src.data), dst_type.scalar)
+        if rounds_to_float8(src, dst_type):
+            return interpreter.TensorHandle(_to_float8_bits(src.data, dst_type.scalar), dst_type.scalar)
         return cast_impl(self, src, dst_type)
 
     def patched_fp_to_fp(self, src, dst_type, rounding_mode):
         if rounds_to_bf16(src, dst_type):
             return interpreter.TensorHandle(_to_bfloat16_bits(src.data), dst_type.scalar)
+        if rounds_to_float8(src, dst_type):
+            return interpreter.TensorHandle(_to_float8_bits(src.data, dst_type.scalar), dst_type.scalar)
         return fp_to_fp(self, src, dst_type, rounding_mode)
 
     builder.cast_impl = patched_cast_impl

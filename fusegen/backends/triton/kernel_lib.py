@@ -9,6 +9,7 @@ The tile helpers take a tile as its `rows` and `cols` (index vectors) and `in_bo
 [rows, cols] mask of the elements inside the problem); `width` is a contiguous buffer's row
 length (N, or k * N for an input of k chunks).
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -41,7 +42,46 @@ def load_tile(ptr, stride_m, stride_n, rows, cols, in_bounds, dtype):
 @triton.jit
 def store_tile(ptr, value, rows, cols, width, in_bounds):
     """`value` into the tile rows x cols of a contiguous [M, width] buffer, in its element type."""
-    tl.store(ptr + rows[:, None] * width + cols[None, :], value.to(ptr.dtype.element_ty), mask=in_bounds)
+    tl.store(ptr + rows[:, None] * width + cols[None, :], to_element(value, ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def to_element(value, dtype: tl.constexpr):
+    """`value` (the compute type) in an output's element type, as torch's `tensor.to(dtype)`
+    converts it: float8 by to_float8; the others as Triton converts, which is torch's (floats
+    round to nearest even; int8 truncates toward zero, out of its range undefined in both)."""
+    if dtype == tl.float8e4nv or dtype == tl.float8e5:
+        return to_float8(value, dtype)
+    else:
+        return value.to(dtype)
+
+
+# torch's float32 → float8_e4m3fn past ±448: NaN up to torch 2.11 (inf too), ±448 in later
+# versions (2.13: c10's fp8e4m3fn_from_fp32_value saturates). The kernels follow the torch
+# they run with, asked once here (the same conversion code serves CPU and CUDA).
+E4M3_SATURATES = tl.constexpr(bool(torch.tensor(1e4).to(torch.float8_e4m3fn).float().isfinite()))
+
+
+@triton.jit
+def to_float8(value, dtype: tl.constexpr):
+    """float8_e4m3fn (tl.float8e4nv) or float8_e5m2 (tl.float8e5) as torch converts to them:
+    through float32 (an fp64 value is rounded twice, as torch does), to nearest even; beyond
+    the range e4m3fn gives NaN or saturates to ±448 as the installed torch does
+    (E4M3_SATURATES), e5m2 overflows to ±inf (from ±61440, the tie with the next power of
+    two); NaN keeps its sign. The hardware's conversion (cvt.rn.satfinite) saturates both and
+    drops NaN's sign: those cases are set by their bits (checked against torch 2.11 on an H200)."""
+    value = value.to(tl.float32)
+    bits = value.to(dtype, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    sign = ((value.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    if dtype == tl.float8e4nv:
+        if E4M3_SATURATES:
+            bits = tl.where(tl.abs(value) > 448.0, sign | 0x7E, bits)
+        else:  # past 464, the tie that rounds to 448, NaN
+            bits = tl.where(tl.abs(value) > 464.0, sign | 0x7F, bits)
+    else:
+        bits = tl.where(tl.abs(value) >= 61440.0, sign | 0x7C, bits)
+    bits = tl.where(value != value, sign | 0x7F, bits)
+    return bits.to(dtype, bitcast=True)
 
 
 @triton.jit

@@ -68,10 +68,14 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         # The autotuner's choice; a tile given by hand (tests) takes the default.
         arguments.append("ONLINE: tl.constexpr = True,  # looped: online sums in their max's pass, not one pass after")
     stores = []
+    dtypes = dict(plan.output_dtypes)
     for (name, _), out in zip(plan.outputs, kernel.outputs):
         if name in plan.row_outputs:  # one value a row, stored from the row's first column
+            # A declared dtype (float8) converts as torch does (kernel_lib.to_element).
+            value = (f"to_element({out}, {out}_ptr.dtype.element_ty)" if name in dtypes
+                     else f"{out}.to({out}_ptr.dtype.element_ty)")
             stores.append(
-                f"tl.store({out}_ptr + rows[:, None] + cols[None, :] * 0, {out}.to({out}_ptr.dtype.element_ty), "
+                f"tl.store({out}_ptr + rows[:, None] + cols[None, :] * 0, {value}, "
                 "mask=in_bounds & (cols[None, :] == 0))"
             )
         else:

@@ -61,8 +61,8 @@ class _BoundRows(_Bound):
         if saved is None and self.statistics and problem.launches:
             # No forward's statistics at hand (tests launching the kernel): a forward makes them.
             saved = self._saved_buffer(problem)
-            outputs = [torch.empty(self.op.output_shape(problem, i), dtype=problem.out_dtype, device=problem.device)
-                       for i in range(len(self.op.outputs))]
+            outputs = [torch.empty(self.op.output_shape(problem, i), dtype=self.op.output_dtype(problem, i),
+                                   device=problem.device) for i in range(len(self.op.outputs))]
             self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
         return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, saved, traced)
 
