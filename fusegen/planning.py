@@ -144,10 +144,13 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     eager_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_eager") for h in op.helpers}
     torch_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_torch") for h in op.helpers}
     chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs if i.layout.chunks > 1}
+    # An output converted to a dtype of its own is computed into a local first (`q = ...`,
+    # then `q.to(...)` in the return), so that a long expression breaks as an assignment does.
+    converted = tuple((namer.claim(b.name), b.dtype) if b.dtype else None for b in spec.outputs)
     exprs = dict(op.ir.outputs)
     eager = _eager_lines(
-        tuple(tuple(exprs[v] for v in ir.output_values(name, parts.get(name, 0))) for name, _ in outputs), eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers,
-        tuple(b.dtype for b in spec.outputs),
+        tuple(tuple(exprs[v] for v in ir.output_values(name, parts.get(name, 0))) for name, _ in outputs),
+        eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers, converted,
     )
     return OpPlan(
         op=spec.name,
@@ -225,9 +228,10 @@ def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
 
 def _eager_lines(outputs: tuple[tuple[ir.Expr, ...], ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
                  names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str],
-                 dtypes: tuple[str | None, ...] = ()) -> tuple[str, ...]:
+                 converted: tuple[tuple[str, str] | None, ...] = ()) -> tuple[str, ...]:
     """The eager function's body: the spec's IR printed as a PyTorch user writes it; an output
-    with a dtype of its own (`dtypes`, None for none) converted to it with `.to`."""
+    with a dtype of its own (`converted`: its local and dtype, None for none) converted to it
+    with `.to`."""
     # `col` counts along the last dim of an input that has it (one chunk's, for a chunked input).
     along = next((i for i in inputs if i.layout.dims and i.layout.dims[-1] != "1"), None)
     column = ""
@@ -244,8 +248,11 @@ def _eager_lines(outputs: tuple[tuple[ir.Expr, ...], ...], lets: tuple[tuple[str
         else "torch.cat((" + ", ".join(printer.doprint(expr) for expr in parts) + "), dim=-1)"
         for parts in outputs
     ]
-    returned = [f"({text}).to(torch.{dtype})" if dtype else text
-                for text, dtype in zip(returned, dtypes or (None,) * len(returned))]
+    for k, conversion in enumerate(converted):
+        if conversion is not None:
+            local, dtype = conversion
+            lines.append(f"{local} = {returned[k]}")
+            returned[k] = f"{local}.to(torch.{dtype})"
     return tuple(lines + ["return " + ", ".join(returned)])
 
 

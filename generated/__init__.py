@@ -18,14 +18,13 @@
 - gelu_tanh: y = gelu_tanh(x), the tanh approximation of GELU
 - layernorm: y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias, over the last dim
 - layernorm_dropout_add: y = dropout(layer_norm(x + bias) * gamma + beta, p) + residual
-- layernorm_fp8: q = e4m3(y * 448 / amax) and scale = amax / 448 per row, amax = max(abs(y)), y =
-  layernorm(x) * weight + bias
+- layernorm_fp8: layernorm(x) * weight + bias as e4m3 q and per-row scale, y ~ q * scale (rowwise
+  float8)
 - leaky_relu: y = x if x > 0 else slope * x
 - log_softmax: y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
 - quick_gelu: y = x * sigmoid(1.702 * x)
 - rmsnorm: y = x * rsqrt(mean(x**2) + eps) * weight, over the last dim
-- rmsnorm_fp8: q = e4m3(y * 448 / amax) and scale = amax / 448 per row, amax = max(abs(y)), y = x
-  * rsqrt(mean(x**2) + eps) * weight
+- rmsnorm_fp8: rmsnorm(x) * weight as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
 - rope: y = x * cos + rotate_half(x) * sin, rotate_half([x1, x2]) = [-x2, x1] along the last dim
 - scale_add: y = x * scale + residual, with one scale per row
 - scaled_masked_softmax_dropout: y = dropout(softmax(x * scale + mask), p), softmax over the last
@@ -33,8 +32,7 @@
 - softmax: y = exp(x - max(x)) / sum(exp(x - max(x))), over the last dim
 - squared_relu: y = relu(x) ** 2
 - swiglu: y = silu(a) * b, where x = [a, b] along the last dim
-- swiglu_fp8: q = e4m3(y * 448 / amax) and scale = amax / 448 per row, amax = max(abs(y)), y =
-  silu(a) * b, x = [a, b]
+- swiglu_fp8: silu(a) * b (x = [a, b]) as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
 """
 
 OPS = (

@@ -216,9 +216,11 @@ CASES = [
      "specs/x.yaml:15: expression has more than 1000 terms, counting each use of an intermediate in full"),
     ("expression_too_long", H + "inputs:\n  x: [N]\noutputs:\n  y: " + "x + " * 600 + "x\n",
      "specs/x.yaml:6: expression for 'y' is longer than 2000 characters"),
-    # (A list is a concatenated output now: tests/test_concat_outputs.py.)
-    ("expression_not_string", H + "inputs:\n  x: [N]\noutputs:\n  y: {a: x}\n",
-     "specs/x.yaml:6: output 'y' must be an expression (a string), got a mapping"),
+    # (A list is a concatenated output and a mapping the long form now.)
+    ("expression_not_string", H + "inputs:\n  x: [N]\noutputs:\n  y: [x, {a: x}]\n",
+     "specs/x.yaml:6: output 'y': each part must be an expression (a string), got a mapping"),
+    ("output_unknown_key", H + "inputs:\n  x: [N]\noutputs:\n  y: {a: x}\n",
+     "specs/x.yaml:6: unknown key 'a' in output 'y' (known: expr, dtype, differentiable)"),
     ("concatenated_one_part", H + "inputs:\n  x: [N]\noutputs:\n  y: [x]\n",
      "specs/x.yaml:6: output 'y': a concatenated output has 2 to 99 parts, got 1"),
     ("expression_empty", H + "inputs:\n  x: [N]\noutputs:\n  y:\n",

@@ -39,7 +39,8 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
         lines.append(f"output_parts={{{pairs}}},  # parts side by side along the last dim: [..., k * N]")
     if plan.output_dtypes:
         pairs = ", ".join(f'"{o}": "{d}"' for o, d in plan.output_dtypes)
-        lines.append(f"output_dtypes={{{pairs}}},  # as tensor.to(dtype) converts; the others: the inputs'")
+        lines.append("# Converted as tensor.to(dtype) converts; the other outputs take the inputs' dtype.")
+        lines.append(f"output_dtypes={{{pairs}}},")
     if plan.no_gradient:
         no_gradient = [name for name, _ in plan.outputs if name in plan.no_gradient]
         lines.append(f"no_gradient={_strings(no_gradient)},  # outputs without a gradient")
