@@ -213,7 +213,7 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
             raise SpecError(spec.path, lines[output], message) from None
 
     found, row_values, totals = rows.backward(reductions.found, outputs, inputs, grad_outputs, masks, check, op.row_outputs,
-                                              wrt=frozenset(wrt))
+                                              wrt=frozenset(wrt), along=reductions.along)
     gradients = _same_gradients(tuple(
         Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in wrt
     ), [totals], chunked)
