@@ -396,7 +396,7 @@ def reference(
 def eager(x, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0):
     """The op as a PyTorch user writes it, with torch.nn.functional ops: the baseline that `fusegen
     bench` times, eagerly and under torch.compile."""
-    z = torch.where(softcap > 0.0, softcap * torch.tanh(x / softcap), x)
+    z = (softcap * torch.tanh(x / softcap) if softcap > 0.0 else x)
     m = z.amax(-1, keepdim=True)
     logsumexp = torch.log(torch.exp(z - m).sum(-1, keepdim=True)) + m
     return (
