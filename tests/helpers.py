@@ -252,6 +252,13 @@ def output_shape(spec: OpSpec, case: ShapeCase) -> tuple[int, ...]:
     return _lead(spec, case) + tuple(_size(d, sizes) for d in spec.out_dims if d != "...")
 
 
+def output_shapes(spec: OpSpec, case: ShapeCase) -> list[tuple[int, ...]]:
+    """Each output's shape: one with a value per row (a per-row loss) is [..., 1]."""
+    full = output_shape(spec, case)
+    rows = ir.build_ir(spec).row_outputs
+    return [full[:-1] + (1,) if b.name in rows else full for b in spec.outputs]
+
+
 def input_shapes(spec: OpSpec, case: ShapeCase) -> dict[str, tuple[int, ...]]:
     sizes = _named_sizes(spec, case)
     out = output_shape(spec, case)

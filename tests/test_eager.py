@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusegen import ir, spec
-from tests.helpers import SPEC_DIR
+from tests.helpers import SPEC_DIR, integer_values
 
 SPECS = sorted((spec.load_spec(p) for p in SPEC_DIR.glob("*.yaml")), key=lambda s: s.name)
 
@@ -25,7 +25,10 @@ def _inputs(op_spec, generator):
                 count = item.chunks if dim == item.dims[-1] else 1
                 name = dim
                 shape.append(count * sizes.setdefault(name, 24))
-        tensors.append(torch.randn(shape, generator=generator, dtype=torch.float64))
+        if item.dtype == "float":
+            tensors.append(torch.randn(shape, generator=generator, dtype=torch.float64))
+        else:  # class indices along the row (a few out of range), or a mask
+            tensors.append(integer_values(item.dtype, shape, 24, generator))
     return tensors
 
 

@@ -179,7 +179,10 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
         if isinstance(expr, ir.ChoiceCall):
             return _call(params[expr.param], [value(a) for a in expr.args], dtype, gelu_by_element)
         if isinstance(expr, ir.Where):
-            return torch.where(value(expr.cond), _tensor(value(expr.if_true), dtype), _tensor(value(expr.if_false), dtype))
+            cond = value(expr.cond)
+            if isinstance(cond, bool):  # of params and numbers only: as eager code writes it, one branch
+                return value(expr.if_true) if cond else value(expr.if_false)
+            return torch.where(cond, _tensor(value(expr.if_true), dtype), _tensor(value(expr.if_false), dtype))
         if isinstance(expr, ir.Dropout):
             inner = value(expr.value)
             if not has_dropout:
