@@ -195,9 +195,10 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
         raise TypeError(f"unknown IR node {expr!r}")
 
     outputs = []
-    for _, expr in op_ir.outputs:
+    for name, expr in op_ir.outputs:
         out = _tensor(value(expr), dtype)
-        outputs.append(torch.broadcast_to(out, shape).to(dtype))
+        # An output with one value per row (a per-row loss) is [..., 1].
+        outputs.append(torch.broadcast_to(out, shape[:-1] + (1,) if name in op_ir.row_outputs else shape).to(dtype))
     return tuple(outputs)
 
 
