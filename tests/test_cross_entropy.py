@@ -259,3 +259,18 @@ def test_bad_takes_are_one_line_file_line_errors(tmp_path, expr, message):
         cli.build_op(path)
     text = str(info.value)
     assert "x.yaml:8: " in text and message in text and "\n" not in text
+
+
+def test_one_pass_forward_and_no_row_sum_in_the_backward():
+    """The forward reads each row once (the max, the online Σ exp, Σ z and the target's
+    logit in one pass); the backward needs no row sum of its own (the loss's adjoints are read
+    from one incoming gradient per row, and the max's cancels exactly), so it reads the logits
+    once, in the pass that writes their gradient."""
+    from pathlib import Path
+
+    simplified = cli.build_op(Path(__file__).resolve().parent.parent / "specs" / "cross_entropy.yaml").simplified
+    forward, backward = simplified.forward, simplified.backward
+    (only,) = forward.passes
+    assert sorted(r.kind for r in only.reductions) == ["max", "mean", "sum", "sum"]
+    assert [r.running is not None for r in only.reductions if r.kind == "sum"].count(True) == 1  # online
+    assert backward.passes == () and len(backward.loaded) == 2  # the max and Σ exp, kept by the forward
