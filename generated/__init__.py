@@ -13,9 +13,7 @@
 - bias_layernorm: y = layer_norm(x + bias) * gamma + beta, over the last dim
 - bias_relu: y = relu(x + bias)
 - bias_swiglu: y = silu(a) * b, where x + bias = [a, b] along the last dim
-- cross_entropy: per-row loss = lse(z) - (1 - label_smoothing) * z[target] - label_smoothing *
-  mean(z) + z_loss * lse(z)**2, z = softcap * tanh(x / softcap) (x where softcap is 0); 0 where
-  target == ignore_index
+- cross_entropy: per-row cross-entropy of logits x at int64 targets, and the lse
 - geglu: y = activation(a) * b, where x = [a, b] along the last dim
 - gelu: y = gelu(x), exact (erf) form
 - gelu_tanh: y = gelu_tanh(x), the tanh approximation of GELU
