@@ -216,6 +216,7 @@ class _Scope:
         self.chunks = {i.name: i.chunks for i in spec.inputs}
         self.dims = {i.name: i.dims for i in spec.inputs}
         self.bools = {i.name for i in spec.inputs if i.dtype == "bool"}
+        self.integers = {i.name for i in spec.inputs if i.dtype not in ("float", "bool")}
         self.scalars = {p.name: p for p in spec.params if isinstance(p, ScalarParam)}
         self.choices = {p.name: p for p in spec.params if isinstance(p, ChoiceParam)}
         self.outputs = {b.name for b in spec.outputs}
@@ -384,6 +385,8 @@ class _Scope:
             raise _Located(f"{name}() takes 1 argument (a row reduction) or 2 (elementwise), got {len(node.args)}")
         if name == "chunk":
             return self._chunk(node)
+        if name == "take":
+            return self._take(node, depth)
         if name in FUNCTIONS:
             self._check_arity(name, len(node.args), FUNCTIONS[name].arity)
             return Call(name, tuple(self._value(a, depth) for a in node.args))
@@ -428,6 +431,27 @@ class _Scope:
                 "value for every row; reduce an expression of a full-shape input such as [..., N]"
             )
         return Reduce(name, value)
+
+    def _take(self, node: ast.Call, depth: int) -> Reduce:
+        """take(x, target): x at column target, one value per row. Sugar for
+        sum(where(col == target, x, 0.0)), so its gradient is the scatter back, and a target
+        outside [0, N) picks nothing (0.0): nothing is read out of bounds."""
+        self._check_arity("take", len(node.args), BUILTINS["take"])
+        source, target = node.args
+        if not (isinstance(target, ast.Name) and target.id in self.integers and self.dims[target.id][-1:] == ("1",)):
+            raise _Located(
+                f"take's second argument must be the name of an integer input with one index per row, "
+                f"as target: {{dims: [..., 1], dtype: int64}}; got {_snippet(target)}"
+            )
+        value = self._value(source, depth)
+        if not _row_shape(value, self.dims, {})[0]:
+            raise _Located(
+                f"take({_snippet(source)}, {target.id}) picks an element along the last dim, along which its "
+                "first argument is constant (built from reductions, [..., 1] inputs and params only)"
+            )
+        self._count(depth + 2, 4)  # the sum, where, comparison and 0.0 it stands for
+        self.used.add(target.id)
+        return Reduce("sum", Where(Compare("==", Col(), InputRef(target.id)), value, Const(0.0)))
 
     def _chunk(self, node: ast.Call) -> ChunkRef:
         self._check_arity("chunk", len(node.args), BUILTINS["chunk"])

@@ -399,6 +399,8 @@ class EagerPrinter:
                 return f"~({self._print(e.args[0])})"
             return f" {e.op} ".join(f"({self._print(a)})" for a in e.args)
         if isinstance(e, ir.Where):
+            if _is_python_scalar(e.cond):  # of params and numbers only: a Python bool, one branch taken
+                return f"({self._print(e.if_true)} if {self._condition(e.cond)} else {self._print(e.if_false)})"
             return f"torch.where({self._print(e.cond)}, {self._print(e.if_true)}, {self._print(e.if_false)})"
         if isinstance(e, ir.Call):
             from .functions import FUNCTIONS
@@ -434,6 +436,16 @@ class EagerPrinter:
         atom = id(e) in self.lets and id(e) != self._defining  # an intermediate, printed as its local
         return f"({text})" if isinstance(e, (ir.Binary, ir.Compare, ir.Unary)) and not atom else text
 
+    def _condition(self, e) -> str:
+        """A condition of params and numbers, in Python: `and`, `or`, `not` for & | ~."""
+        from . import ir
+
+        if isinstance(e, ir.Logic):
+            if e.op == "~":
+                return f"not ({self._condition(e.args[0])})"
+            return f" {'and' if e.op == '&' else 'or'} ".join(f"({self._condition(a)})" for a in e.args)
+        return f"{self._operand(e.left)} {e.op} {self._operand(e.right)}"
+
     def _tensor(self, e) -> str:
         from . import ir
 
@@ -452,6 +464,21 @@ def _is_python_number(e) -> bool:
         return _is_python_number(e.operand)
     if isinstance(e, ir.Binary):
         return _is_python_number(e.left) and _is_python_number(e.right)
+    return False
+
+
+def _is_python_scalar(e) -> bool:
+    """An IR tree of params and numbers only: a Python value in the eager code."""
+    from . import ir
+
+    if isinstance(e, (ir.Const, ir.ParamRef)):
+        return True
+    if isinstance(e, ir.Unary):
+        return _is_python_scalar(e.operand)
+    if isinstance(e, (ir.Binary, ir.Compare)):
+        return _is_python_scalar(e.left) and _is_python_scalar(e.right)
+    if isinstance(e, ir.Logic):
+        return all(_is_python_scalar(a) for a in e.args)
     return False
 
 

@@ -172,6 +172,7 @@ def backward(
     check,
     row_outputs: frozenset[str] = frozenset(),
     wrt: frozenset[str] | None = None,
+    along: set[sympy.Symbol] | None = None,
 ) -> tuple[list[Reduction], list[tuple[sympy.Symbol, sympy.Expr]], dict[str, sympy.Expr]]:
     """The backward's reductions, its row values (the adjoints) and each value's gradient.
     `check(output, value_name, partial)` refuses a derivative that cannot be a kernel's.
@@ -179,7 +180,11 @@ def backward(
     An output in `row_outputs` has one value per row, and its incoming gradient one per row,
     read along the row as if broadcast: each column carries 1/N of it, so that the row sums
     (and the row sums of [..., 1] inputs' gradients) count it once. `wrt`: the values whose
-    gradients are wanted (None: all); every value is an element along the row all the same."""
+    gradients are wanted (None: all); every value is an element along the row all the same.
+    `along`: the forward's symbols that vary along a row (None: every element may): a row sum
+    of anything else (a per-row loss's adjoints, read from one incoming gradient per row) is N
+    times it, no pass over the row."""
+    incoming = grad_outputs
     grad_outputs = tuple(g / WIDTH if name in row_outputs else g for g, (name, _) in zip(grad_outputs, outputs))
     found: list[Reduction] = []  # the forward's reductions are saved per row, not reduced again
     # Per reduction: the adjoint's factor along the row, and which elements receive it. A max
@@ -214,7 +219,16 @@ def backward(
     element: dict[int, sympy.Expr] = {}
     elements = set(values.values()) | set(masks) | set(grad_outputs)
 
-    def row_sum(expr: sympy.Expr) -> sympy.Symbol:
+    # The incoming gradients of outputs with one value per row are constant along it too.
+    varying = None if along is None else set(along) | {
+        g for g, (name, _) in zip(incoming, outputs) if name not in row_outputs}
+
+    def row_constant(expr: sympy.Expr) -> bool:
+        return varying is not None and not expr.free_symbols & varying
+
+    def row_sum(expr: sympy.Expr) -> sympy.Expr:
+        if row_constant(expr):
+            return WIDTH * expr
         nonlocal sums
         symbol = sympy.Symbol(f"{ADJOINT_SUM_PREFIX}{sums}", real=True)
         sums += 1
@@ -241,14 +255,28 @@ def backward(
                 terms.append(adjoints[later] * factor * closed)
             else:
                 terms.append(adjoints[later] * factor * row_sum(selected(later, partial)))
+        if summed != 0 and row_constant(summed) and sympy.expand(sympy.piecewise_fold(summed)) == 0:
+            # Terms under the same where() cancel branch by branch (a cross-entropy's max
+            # adjoint, with its ignored rows): none is left, so the max needs no ties.
+            summed = sympy.Integer(0)
         if summed != 0:
             terms.insert(0, row_sum(summed))
             if len(terms) == 1:
                 element[k] = summed
-        if terms:
+        made = {r.symbol for r in found} | {a for a in adjoints.values() if isinstance(a, sympy.Symbol)}
+        if terms and row_constant(sympy.Add(*terms)) and not sympy.Add(*terms).free_symbols & made:
+            # Read from the incoming gradients alone (no row sum): written out where it is
+            # used, element by element, where those gradients are read.
+            adjoints[k] = sympy.Add(*terms)
+        elif terms:
             adjoints[k] = sympy.Symbol(f"{ADJOINT_PREFIX}{k}", real=True)
             row_values.append((adjoints[k], sympy.Add(*terms)))
 
+    per_row = {g for g, (name, _) in zip(incoming, outputs) if name in row_outputs}
+    if along is not None and any(e.free_symbols & per_row for _, e in row_values):
+        # A row value (an adjoint that needs a row sum too) would read an incoming gradient
+        # that the kernels load along the row: sum it along the row instead, as without `along`.
+        return backward(reductions, outputs, values, incoming, masks, check, row_outputs, wrt)
     gradients = {}
     for name, symbol in values.items():
         if wrt is not None and name not in wrt:

@@ -221,7 +221,7 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
     kept = [k for k, b in enumerate(spec.outputs) if b.differentiable]
     found, row_values, totals = rows.backward(reductions.found, [outputs[k] for k in kept], inputs,
                                               tuple(grad_outputs[k] for k in kept), masks, check, op.row_outputs,
-                                              wrt=frozenset(wrt))
+                                              wrt=frozenset(wrt), along=reductions.along)
     gradients = _same_gradients(tuple(
         Gradient(name, None if name in chunked else _passthrough(totals[name], grad_outputs)) for name in wrt
     ), [totals], chunked)

@@ -13,6 +13,7 @@
 - bias_layernorm: y = layer_norm(x + bias) * gamma + beta, over the last dim
 - bias_relu: y = relu(x + bias)
 - bias_swiglu: y = silu(a) * b, where x + bias = [a, b] along the last dim
+- cross_entropy: per-row cross-entropy of logits x at int64 targets, and the lse
 - geglu: y = activation(a) * b, where x = [a, b] along the last dim
 - gelu: y = gelu(x), exact (erf) form
 - gelu_tanh: y = gelu_tanh(x), the tanh approximation of GELU
@@ -22,6 +23,7 @@
   float8)
 - leaky_relu: y = x if x > 0 else slope * x
 - log_softmax: y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
+- mish: y = x * tanh(softplus(x))
 - quick_gelu: y = x * sigmoid(1.702 * x)
 - rmsnorm: y = x * rsqrt(mean(x**2) + eps) * weight, over the last dim
 - rmsnorm_fp8: rmsnorm(x) * weight as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
@@ -29,6 +31,7 @@
 - scale_add: y = x * scale + residual, with one scale per row
 - scaled_masked_softmax_dropout: y = dropout(softmax(x * scale + mask), p), softmax over the last
   dim
+- softcap: y = cap * tanh(x / cap)
 - softmax: y = exp(x - max(x)) / sum(exp(x - max(x))), over the last dim
 - squared_relu: y = relu(x) ** 2
 - swiglu: y = silu(a) * b, where x = [a, b] along the last dim
@@ -47,6 +50,7 @@ OPS = (
     "bias_layernorm",
     "bias_relu",
     "bias_swiglu",
+    "cross_entropy",
     "geglu",
     "gelu",
     "gelu_tanh",
@@ -55,12 +59,14 @@ OPS = (
     "layernorm_fp8",
     "leaky_relu",
     "log_softmax",
+    "mish",
     "quick_gelu",
     "rmsnorm",
     "rmsnorm_fp8",
     "rope",
     "scale_add",
     "scaled_masked_softmax_dropout",
+    "softcap",
     "softmax",
     "squared_relu",
     "swiglu",

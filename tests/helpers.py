@@ -72,6 +72,11 @@ class Op:
         return tuple(i.name for i in self.spec.inputs)
 
     @property
+    def float_input_names(self) -> tuple[str, ...]:
+        """The inputs that take gradients: integer and bool inputs never do."""
+        return tuple(i.name for i in self.spec.inputs if i.dtype == "float")
+
+    @property
     def output_names(self) -> tuple[str, ...]:
         return tuple(b.name for b in self.spec.outputs)
 
@@ -260,6 +265,13 @@ def output_shape(spec: OpSpec, case: ShapeCase, output: str | None = None) -> tu
     return shape[:-1] + (shape[-1] * parts,) if parts > 1 else shape
 
 
+def output_shapes(spec: OpSpec, case: ShapeCase) -> list[tuple[int, ...]]:
+    """Each output's shape: one with a value per row (a per-row loss) is [..., 1]."""
+    rows = ir.build_ir(spec).row_outputs
+    return [output_shape(spec, case)[:-1] + (1,) if b.name in rows else output_shape(spec, case, b.name)
+            for b in spec.outputs]
+
+
 def input_shapes(spec: OpSpec, case: ShapeCase) -> dict[str, tuple[int, ...]]:
     sizes = _named_sizes(spec, case)
     out = output_shape(spec, case)
@@ -294,7 +306,11 @@ def make_inputs(op: Op, case: ShapeCase, dtype=torch.float32, device="cpu", seed
     """Random inputs (torch.randn, never zeros) in the case's shapes; `dtypes` overrides per input."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
+    kinds = {i.name: i.dtype for i in op.spec.inputs}
     for index, (name, shape) in enumerate(input_shapes(op.spec, case).items()):
+        if kinds[name] != "float":  # integer and bool inputs keep their own dtype
+            tensors[name] = integer_values(kinds[name], shape, case.n, g).to(device)
+            continue
         t = torch.randn(shape, generator=g, dtype=torch.float64).to((dtypes or {}).get(name, dtype))
         if t.dtype in LOW_PRECISION:
             t = _break_ties(t, odd=index == 0)
@@ -302,9 +318,20 @@ def make_inputs(op: Op, case: ShapeCase, dtype=torch.float32, device="cpu", seed
     return tensors
 
 
+def integer_values(kind: str, shape, n: int | None, generator: torch.Generator) -> torch.Tensor:
+    """An integer input's values: class indices in [-1, n], a few out of [0, n) at each end
+    (a spec handles those: take() picks nothing there); a bool input's, a random mask."""
+    if kind == "bool":
+        return torch.rand(shape, generator=generator) > 0.5
+    return torch.randint(-1, (n or 1) + 1, shape, generator=generator).to(getattr(torch, kind))
+
+
 def float64_copies(tensors: dict, requires_grad: dict | None = None) -> dict:
     out = {}
     for name, t in tensors.items():
+        if not t.is_floating_point():  # an integer or bool input: as it is, never differentiated
+            out[name] = t.detach()
+            continue
         c = t.detach().to(torch.float64)
         if requires_grad and requires_grad.get(name):
             c.requires_grad_(True)
@@ -317,7 +344,7 @@ def as_tuple(result) -> tuple[torch.Tensor, ...]:
 
 
 def expected_out_dtype(tensors: dict) -> torch.dtype:
-    return functools.reduce(torch.promote_types, (t.dtype for t in tensors.values()))
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors.values() if t.is_floating_point()))
 
 
 def rel_error(out: torch.Tensor, truth: torch.Tensor) -> float:
@@ -366,6 +393,8 @@ def non_contiguous(t: torch.Tensor, kind: str, generator: torch.Generator) -> to
     shape, dtype, device = tuple(t.shape), t.dtype, t.device
 
     def randn(*s):
+        if not dtype.is_floating_point:  # an integer or bool input: its kind of values
+            return integer_values(str(dtype).removeprefix("torch."), s, max(shape[-1:] or [1]), generator).to(device)
         return torch.randn(s, generator=generator, dtype=torch.float64).to(dtype).to(device)
 
     if kind == "transposed" and len(shape) >= 2:

@@ -60,7 +60,9 @@ def variants(choices: dict[str, tuple]) -> list[tuple[str, dict]]:
     return out
 
 
-def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict) -> tuple[dict, dict]:
+def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict,
+              integer_inputs: dict[str, str] | None = None) -> tuple[dict, dict]:
+    integer_inputs = integer_inputs or {}
     sig, constexprs = {}, {}
     names = {param.name for param in kernel.params}
     # The gradients the kernel writes; an incoming output gradient (grad_y) has strides.
@@ -97,8 +99,12 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
             # Gradient sums are buffers in the accumulation type (an input's own gradient
             # may be written in full, in its dtype, when only the other flag applies).
             sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
+        elif name == "saved_ptr":  # a row op's per-row reductions: in the compute type, as the runtime keeps them
+            sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
         elif name in ("seed_ptr", "shard_ptr"):  # dropout's seed, and a shard's place: int64s on the device
             sig[name] = "*i64"
+        elif name.endswith("_ptr") and name[:-4] in integer_inputs:  # a target, a mask: its own type
+            sig[name] = {"int64": "*i64", "int32": "*i32", "bool": "*i1"}[integer_inputs[name[:-4]]]
         elif name.endswith("_ptr"):
             sig[name] = f"*{pointer}"
         elif name.startswith("dropout_scale"):
@@ -129,7 +135,8 @@ def compile_module(path: Path) -> list[str]:
                 looped += [(pointer, {**settings, "ONLINE": False}) for pointer, settings in looped]
             cases += looped
         for pointer, settings in cases:
-            sig, constexprs = signature(kernel, pointer, scalar_types, settings)
+            integer_inputs = {i.name: i.dtype for i in module._OP.inputs if getattr(i, "dtype", "float") != "float"}
+            sig, constexprs = signature(kernel, pointer, scalar_types, settings, integer_inputs)
             try:
                 triton.compile(ASTSource(kernel, signature=sig, constexprs=constexprs), target=H100)
             except Exception as exc:  # noqa: BLE001 - reported, one line per variant

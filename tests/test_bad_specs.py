@@ -136,7 +136,7 @@ CASES = [
     ("unknown_name", H + "inputs:\n  x: [N]\nparams:\n  alpha: {type: float, default: 1.0}\noutputs:\n  y: x * alpha + beta\n",
      "specs/x.yaml:8: unknown name 'beta' (known: alpha, x)"),
     ("unknown_function", H + "inputs:\n  x: [..., N]\n  bias: [N]\noutputs:\n  y: gelux(x + bias)\n",
-     "specs/x.yaml:7: unknown function 'gelux' (known: abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, tanh, where)"),
+     "specs/x.yaml:7: unknown function 'gelux' (known: abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
     ("unknown_choice", H + "inputs:\n  x: [N]\nparams:\n  act: {choices: [relu, gelux], default: relu}\noutputs:\n  y: act(x)\n",
      "specs/x.yaml:6: param 'act': unknown function 'gelux' in choices (known: abs, clamp, cos, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, tanh)"),
     ("choice_not_a_name", H + "inputs:\n  x: [N]\nparams:\n  act: {choices: [relu, [gelu]], default: relu}\noutputs:\n  y: act(x)\n",

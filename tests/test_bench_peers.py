@@ -20,7 +20,7 @@ from conftest import DEVICE
 from fusegen.bench import cases, peers, reporting, running, timing
 
 ROOT = Path(__file__).resolve().parents[1]
-LIGER_OPS = {"rmsnorm", "add_rmsnorm", "layernorm", "softmax", "squared_relu", "swiglu", "geglu"}
+LIGER_OPS = {"rmsnorm", "add_rmsnorm", "layernorm", "softmax", "squared_relu", "swiglu", "geglu", "cross_entropy_mean"}
 # Liger kernels that run on Triton's CPU interpreter (see the module doc).
 INTERPRETABLE = ("softmax", "squared_relu", "swiglu", "geglu")
 
@@ -142,19 +142,18 @@ def test_no_peers_no_peer_rows(monkeypatch):
 
 
 def grads_of(fn, inputs, grad_outputs):
-    leaves = [tensor.detach().clone().requires_grad_(True) for tensor in inputs]
+    leaves = [tensor.detach().clone().requires_grad_(tensor.is_floating_point()) for tensor in inputs]
     outputs = fn(*leaves)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     torch.autograd.backward(outputs, grad_outputs)
-    return [output.detach() for output in outputs], [leaf.grad for leaf in leaves]
+    return [output.detach() for output in outputs], [leaf.grad for leaf in leaves if leaf.is_floating_point()]
 
 
 def check_against_reference(name, dtype, device, rtol, atol):
     op = bench_op(name)
     provider = peers.peer_provider(peers.LIGER, op)
     inputs = small_inputs(op, dtype, device)
-    out_shape = cases.output_shape(op.spec, (2, 3, 16))
-    grad_outputs = [torch.randn(out_shape, dtype=dtype, device=device) for _ in op.spec.outputs]
+    grad_outputs = [torch.randn(shape, dtype=dtype, device=device) for shape in cases.bench_output_shapes(op, (2, 3, 16))]
     got, got_grads = grads_of(provider, inputs, grad_outputs)
     want, want_grads = grads_of(op.reference, inputs, grad_outputs)
     assert len(got) == len(want)
@@ -236,3 +235,47 @@ def test_liger_runs_as_a_provider(monkeypatch):
     liger = results["liger_kernel"]
     assert liger.forward.error is None and liger.forward.timing is not None
     assert liger.forward_backward.error is None
+
+
+def test_liger_cross_entropy_is_wired_as_the_spec_computes(monkeypatch):
+    """The mean loss, as LigerCrossEntropyLoss computes it by default: rows flattened, the
+    spec's ignore_index, z_loss as lse_square_scale, label smoothing, softcap off as None."""
+    import sys
+    import types
+
+    recorder = Recorder((torch.tensor(1.5), None, None, None))
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.cross_entropy",
+                        types.SimpleNamespace(LigerCrossEntropyFunction=recorder))
+    op = bench_op("cross_entropy_mean")
+    x, target = small_inputs(op)
+    assert target.dtype == torch.int64 and target.shape == (2, 3, 1) and ((target >= 0) & (target < 16)).all()
+    result = peers.peer_provider(peers.LIGER, op)(x, target, z_loss=1e-4)
+    args, = recorder.calls
+    assert args[0].shape == (6, 16) and torch.equal(args[1], target.reshape(-1))
+    assert args[2:] == (None, -100, 1e-4, 0.0, "mean", None, False) and result.item() == 1.5
+
+
+def test_liger_cross_entropy_forward_takes_these_arguments():
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+    assert list(inspect.signature(LigerCrossEntropyFunction.forward).parameters)[:10] == [
+        "ctx", "_input", "target", "weight", "ignore_index", "lse_square_scale", "label_smoothing", "reduction",
+        "softcap", "return_z_loss"]
+
+
+def test_cross_entropy_mean_is_torchs_mean():
+    """fusegen's, eager's and the reference's mean loss: F.cross_entropy's default reduction,
+    ignored rows left out of the count; the bench's backward starts from a 0-d 1.0."""
+    op = bench_op("cross_entropy_mean")
+    assert op.mean_loss and [b.name for b in op.spec.outputs] == ["loss"] and cases.bench_output_shapes(op, (2, 3, 16)) == [()]
+    x, target = small_inputs(op, torch.float64)
+    target[0, 1] = -100
+    want = torch.nn.functional.cross_entropy(x.reshape(-1, 16), target.reshape(-1), label_smoothing=0.1)
+    for fn in (op.op, op.eager, op.reference):
+        torch.testing.assert_close(fn(x, target, label_smoothing=0.1), want, rtol=1e-12, atol=1e-14)
+    with_z = op.eager(x, target, z_loss=1e-2)
+    per_row, lse = op.module.reference(x, target, z_loss=1e-2)
+    torch.testing.assert_close(with_z, per_row.sum() / 5, rtol=1e-12, atol=1e-14)
+    model = cases.bytes_model(op.spec, (2, 3, 16), torch.bfloat16)
+    assert model.read == 6 * 16 * 2 + 6 * 8  # the logits in bf16, the int64 targets

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusegen import ir, spec
-from tests.helpers import SPEC_DIR
+from tests.helpers import SPEC_DIR, integer_values
 
 SPECS = sorted((spec.load_spec(p) for p in SPEC_DIR.glob("*.yaml")), key=lambda s: s.name)
 
@@ -25,7 +25,10 @@ def _inputs(op_spec, generator):
                 count = item.chunks if dim == item.dims[-1] else 1
                 name = dim
                 shape.append(count * sizes.setdefault(name, 24))
-        tensors.append(torch.randn(shape, generator=generator, dtype=torch.float64))
+        if item.dtype == "float":
+            tensors.append(torch.randn(shape, generator=generator, dtype=torch.float64))
+        else:  # class indices along the row (a few out of range), or a mask
+            tensors.append(integer_values(item.dtype, shape, 24, generator))
     return tensors
 
 
@@ -38,6 +41,8 @@ def test_eager_matches_reference_without_dropout(op_spec):
         tensors = _inputs(op_spec, torch.Generator().manual_seed(1))
         kwargs = {**choice, **({"training": False} if has_dropout else {})}
         for param in op_spec.scalar_params:
+            if param.type == "int":
+                continue  # its default (cross_entropy's ignore_index)
             # 0.25 is exact in float32, the precision the kernels (and reference) take params in.
             kwargs.setdefault(param.name, 0.25 if param.max is None or param.max >= 0.25 else param.max)
         got = module.eager(*tensors, **kwargs)

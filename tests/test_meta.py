@@ -48,6 +48,9 @@ def _inputs(op_spec_inputs, device="meta", requires_grad=False):
     """Meta copies of `op_spec_inputs` (name → tensor), the first in bf16: mixed dtypes."""
     tensors = {}
     for index, (name, t) in enumerate(op_spec_inputs.items()):
+        if not t.is_floating_point():  # an integer or bool input keeps its dtype, takes no gradient
+            tensors[name] = t.to(device=device)
+            continue
         t = t.to(device=device, dtype=torch.bfloat16 if index == 0 else torch.float32)
         tensors[name] = t.requires_grad_(requires_grad)
     return tensors
@@ -64,7 +67,7 @@ def _forward_and_backward(fn, tensors, kwargs):
     """Outputs, and the gradients of every input from a backward of all outputs."""
     outputs = as_tuple(fn(*tensors.values(), **kwargs))
     assert all(o.requires_grad and o.grad_fn is not None for o in outputs)
-    grads = torch.autograd.grad(sum(o.float().sum() for o in outputs), list(tensors.values()))
+    grads = torch.autograd.grad(sum(o.float().sum() for o in outputs), [t for t in tensors.values() if t.requires_grad])
     return outputs, grads
 
 

@@ -139,7 +139,7 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
     """The op's outputs as eager PyTorch computes them in the inputs' dtype, op by op."""
     spec = op.spec
     op_ir = ir.build_ir(spec)
-    dtype = next(iter(tensors.values())).dtype
+    dtype = next(t for t in tensors.values() if t.is_floating_point()).dtype
     chunks = {i.name: i.chunks for i in spec.inputs}
     values = {name: (t.chunk(chunks[name], dim=-1) if chunks[name] > 1 else t) for name, t in tensors.items()}
     scalars = {
@@ -171,12 +171,20 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             return _BINARY[expr.op](value(expr.left), value(expr.right))
         if isinstance(expr, ir.Compare):
             return _COMPARE[expr.op](value(expr.left), value(expr.right))
+        if isinstance(expr, ir.Logic):
+            args = [value(a) for a in expr.args]
+            return ~args[0] if expr.op == "~" else args[0] & args[1] if expr.op == "&" else args[0] | args[1]
+        if isinstance(expr, ir.Col):
+            return torch.arange(problem.n)
         if isinstance(expr, ir.Call):
             return _call(expr.func, [value(a) for a in expr.args], dtype, gelu_by_element)
         if isinstance(expr, ir.ChoiceCall):
             return _call(params[expr.param], [value(a) for a in expr.args], dtype, gelu_by_element)
         if isinstance(expr, ir.Where):
-            return torch.where(value(expr.cond), _tensor(value(expr.if_true), dtype), _tensor(value(expr.if_false), dtype))
+            cond = value(expr.cond)
+            if isinstance(cond, bool):  # of params and numbers only: as eager code writes it, one branch
+                return value(expr.if_true) if cond else value(expr.if_false)
+            return torch.where(cond, _tensor(value(expr.if_true), dtype), _tensor(value(expr.if_false), dtype))
         if isinstance(expr, ir.Dropout):
             inner = value(expr.value)
             if not has_dropout:
@@ -191,7 +199,8 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
     results = {}
     for name, expr in op_ir.outputs:
         out = _tensor(value(expr), dtype)
-        results[name] = torch.broadcast_to(out, shape).to(dtype)
+        # An output with one value per row (a per-row loss) is [..., 1].
+        results[name] = torch.broadcast_to(out, shape[:-1] + (1,) if name in op_ir.row_outputs else shape).to(dtype)
     # A concatenated output (y: [a, b]): its parts side by side along the last dim.
     parts = dict(op_ir.output_parts)
     return tuple(torch.cat([results[v] for v in ir.output_values(b.name, parts.get(b.name, 0))], dim=-1)
@@ -202,6 +211,13 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
 # Cases
 
 CHOICE_CASES = [(op, c) for op in OPS for c in choice_cases(op)]
+
+
+def _leaf(t, dtype, device):
+    """A float input in `dtype`, requiring its gradient; an integer or bool one as it is."""
+    if not t.is_floating_point():
+        return t.to(device)
+    return t.to(dtype).to(device).requires_grad_(True)
 
 
 def _kwargs(op, choices, training=True):
@@ -255,7 +271,7 @@ def _same_specials(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         )
 
 
-SPECIAL_CASES = [(op, c, name) for op, c in CHOICE_CASES for name in op.input_names]
+SPECIAL_CASES = [(op, c, name) for op, c in CHOICE_CASES for name in op.float_input_names]
 SPECIAL_IDS = [f"{op.name}-{choice_id(c)}-{name}" for op, c, name in SPECIAL_CASES]
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -286,14 +302,14 @@ def test_nan_and_inf_propagate_through_backward(op, choices, poisoned, device):
     grads_out = [torch.randn(t.shape, generator=g) for t in eager(op, tensors, params, SEED)]
 
     def gradients(fn, dev):
-        leaves = {n: t.detach().clone().to(dev).requires_grad_(True) for n, t in tensors.items()}
+        leaves = {n: t.detach().clone().to(dev).requires_grad_(t.is_floating_point()) for n, t in tensors.items()}
         outs = fn(leaves)
-        grads = torch.autograd.grad(outs, list(leaves.values()), [gr.to(o.device) for gr, o in zip(grads_out, outs)])
-        return dict(zip(leaves, (gr.cpu() for gr in grads)))
+        grads = torch.autograd.grad(outs, [t for t in leaves.values() if t.requires_grad], [gr.to(o.device) for gr, o in zip(grads_out, outs)])
+        return dict(zip([n for n, t in leaves.items() if t.requires_grad], (gr.cpu() for gr in grads)))
 
     got = gradients(lambda ts: _run(op.fn, ts, kwargs), device)
     want = gradients(lambda ts: eager(op, ts, params, SEED, gelu_by_element=True), "cpu")
-    for name in op.input_names:
+    for name in op.float_input_names:
         _same_specials(got[name], want[name], f"{op.name}: grad of {name}, {poisoned} poisoned (op vs eager PyTorch)")
 
 
@@ -310,7 +326,7 @@ def test_swiglu_backward_with_infinite_b(name, device):
         tensors["bias"] = torch.zeros(8)
     grads = {}
     for label, fn in (("op", lambda ts: _run(op.fn, ts, {})), ("eager", lambda ts: eager(op, ts, {}, SEED))):
-        leaves = {n: t.clone().to(device if label == "op" else "cpu").requires_grad_(True) for n, t in tensors.items()}
+        leaves = {n: t.clone().to(device if label == "op" else "cpu").requires_grad_(t.is_floating_point()) for n, t in tensors.items()}
         (out,) = fn(leaves)
         grads[label] = torch.autograd.grad(out.sum(), leaves["x"])[0].cpu()
     assert grads["eager"][0, 0] == float("-inf")  # F.silu's backward: 1 * b * silu'(-0.5), silu'(-0.5) > 0
@@ -355,15 +371,15 @@ def test_backward_within_twice_eager_error(op, choices, dtype, device):
 
     def gradients(fn, leaves, grads):
         outs = fn(leaves)
-        return torch.autograd.grad(outs, list(leaves.values()), [gr.to(o.dtype).to(o.device) for gr, o in zip(grads, outs)])
+        return torch.autograd.grad(outs, [t for t in leaves.values() if t.requires_grad], [gr.to(o.dtype).to(o.device) for gr, o in zip(grads, outs)])
 
     def leaves_of(dt, dev="cpu"):
-        return {n: t.detach().to(dt).to(dev).requires_grad_(True) for n, t in tensors.items()}
+        return {n: _leaf(t.detach(), dt, dev) for n, t in tensors.items()}
 
     got = gradients(lambda ts: _run(op.fn, ts, kwargs), leaves_of(dtype, device), grads_out)
     low = gradients(lambda ts: eager(op, ts, params, SEED), leaves_of(dtype), grads_out)
     truth = gradients(lambda ts: _run(op.reference, ts, kwargs), leaves_of(torch.float64), grads_out)
-    for name, gr, lo, tr in zip(op.input_names, got, low, truth):
+    for name, gr, lo, tr in zip(op.float_input_names, got, low, truth):
         _within_contract(gr.cpu(), lo, tr, dtype, f"{op.name}: grad of {name}")
 
 
@@ -375,7 +391,8 @@ def test_backward_within_twice_eager_error(op, choices, dtype, device):
 # formulas' own rounding shows (in bf16/fp16 the final rounding dominates, and the random
 # cases above cover them).
 
-GRID_CASES = [("gelu", {}), ("gelu_tanh", {}), ("quick_gelu", {}), ("squared_relu", {}), ("leaky_relu", {})] + [
+GRID_CASES = [("gelu", {}), ("gelu_tanh", {}), ("quick_gelu", {}), ("squared_relu", {}), ("leaky_relu", {}), ("mish", {}),
+              ("softcap", {})] + [
     ("add_mul_activation", {"activation": a}) for a in ("relu", "sigmoid", "silu")
 ]
 GRID_CASES = [(op, c) for name, c in GRID_CASES for op in OPS if op.name == name]
@@ -400,7 +417,7 @@ def test_activation_on_a_grid_within_twice_eager_error(op, choices, span, device
     params, kwargs = _kwargs(op, choices)
 
     def forward_and_gradient(fn, dt, dev):
-        leaves = {n: t.to(dt).to(dev).requires_grad_(True) for n, t in tensors.items()}
+        leaves = {n: _leaf(t, dt, dev) for n, t in tensors.items()}
         (y,) = fn(leaves)
         (g,) = torch.autograd.grad(y.sum(), leaves["x"])
         return y.detach().cpu(), g.cpu()
@@ -512,7 +529,7 @@ def test_every_function_within_twice_eager_error(language_ops, name, dtype, devi
     fn = getattr(module, op.name)
 
     def forward_and_gradients(f, dt, dev):
-        leaves = {n: t.to(dt).to(dev).requires_grad_(True) for n, t in tensors.items()}
+        leaves = {n: _leaf(t, dt, dev) for n, t in tensors.items()}
         (y,) = as_tuple(f(leaves))
         grads = torch.autograd.grad(y, list(leaves.values()), grad_out.to(dt).to(dev))
         return y.detach().cpu(), [gr.cpu() for gr in grads]
@@ -622,17 +639,17 @@ def _within_twice_eager_error(op, choices, magnitude, scaled, device):
     params, kwargs = _kwargs(op, choices)
 
     def run(fn, dt, dev):
-        leaves = {n: t.detach().to(dt).to(dev).requires_grad_(True) for n, t in tensors.items()}
+        leaves = {n: _leaf(t.detach(), dt, dev) for n, t in tensors.items()}
         outs = fn(leaves)
         grads_out = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7 + i), dtype=torch.float64)
                      .to(dt).to(dev) for i, o in enumerate(outs)]
-        grads = torch.autograd.grad(outs, list(leaves.values()), grads_out)
+        grads = torch.autograd.grad(outs, [t for t in leaves.values() if t.requires_grad], grads_out)
         return [o.detach().cpu() for o in outs], [g.cpu() for g in grads]
 
     got = run(lambda ts: _run(op.fn, ts, kwargs), dtype, device)
     low = run(lambda ts: eager(op, ts, params, SEED), dtype, "cpu")
     truth = run(lambda ts: _run(op.reference, ts, kwargs), torch.float64, "cpu")
-    for kind, names, index in (("output", op.output_names, 0), ("grad of", op.input_names, 1)):
+    for kind, names, index in (("output", op.output_names, 0), ("grad of", op.float_input_names, 1)):
         for name, g, lo, tr in zip(names, got[index], low[index], truth[index]):
             err, eager_err = _finite_error(g, lo, tr)
             assert err <= 2 * eager_err + FLOOR[dtype], (

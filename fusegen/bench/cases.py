@@ -10,7 +10,7 @@ import importlib
 import inspect
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -37,6 +37,7 @@ class BenchOp:
     eager: Callable
     dropout_params: tuple[str, ...]  # the scalar params that are dropout probabilities
     has_dropout: bool  # the op takes training= and seed=
+    mean_loss: bool = False  # one output, the mean of a per-row loss: a 0-d tensor (MEAN_LOSSES)
 
 
 def import_generated(name: str, generated_dir: Path):
@@ -69,7 +70,45 @@ def dropout_param_names(spec: OpSpec) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _mean_cross_entropy(x, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0):
+    """The mean loss as a PyTorch user writes it (what torch.compile gets): F.cross_entropy's
+    default reduction, with Gemma 2's capping before it and PaLM's z-loss beside it."""
+    import torch.nn.functional as F
+
+    logits = x.reshape(-1, x.shape[-1])
+    target = target.reshape(-1)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    if z_loss:
+        lse = torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        loss = loss + z_loss * torch.where(target == ignore_index, 0.0, lse * lse).sum() / (target != ignore_index).sum()
+    return loss
+
+
+# Loss ops also benched as their peers return them by default (Liger's LigerCrossEntropyLoss,
+# F.cross_entropy): `<op>_mean` is the per-row loss (the op's first output) averaged over the
+# rows whose target is not ignore_index, a 0-d tensor; its backward starts from 1.0, as
+# loss.backward() does. The value: the eager baseline of that mean.
+MEAN_LOSSES: dict[str, Callable] = {"cross_entropy": _mean_cross_entropy}
+
+
+def _mean_of(per_row: Callable) -> Callable:
+    def mean(x, target, *args, **kwargs):
+        ignore_index = kwargs.get("ignore_index", args[0] if args else -100)
+        loss = per_row(x, target, *args, **kwargs)[0]
+        return loss.sum() / (target != ignore_index).sum()
+
+    return mean
+
+
 def load_bench_op(spec_or_name: str, specs_dir: Path, generated_dir: Path, command: str = "bench") -> BenchOp:
+    base = spec_or_name.removesuffix("_mean")
+    if base != spec_or_name and base in MEAN_LOSSES:
+        op = load_bench_op(base, specs_dir, generated_dir, command)
+        spec = replace(op.spec, name=spec_or_name, outputs=op.spec.outputs[:1])
+        return replace(op, name=spec_or_name, spec=spec, op=_mean_of(op.op), reference=_mean_of(op.reference),
+                       eager=MEAN_LOSSES[base], mean_loss=True)
     spec_path = find_spec(spec_or_name, specs_dir)
     op_spec = load_spec(spec_path)
     module = import_generated(op_spec.name, generated_dir)
@@ -140,6 +179,20 @@ def output_shape(spec: OpSpec, bsh: tuple[int, int, int], output: str | None = N
     return shape[:-1] + (shape[-1] * parts,) if parts > 1 else shape
 
 
+def output_shapes(spec: OpSpec, bsh: tuple[int, int, int]) -> list[tuple[int, ...]]:
+    """Each output's shape: an output with one value per row (a per-row loss) is [..., 1]."""
+    from .. import ir
+
+    rows = ir.build_ir(spec).row_outputs
+    return [output_shape(spec, bsh)[:-1] + (1,) if b.name in rows else output_shape(spec, bsh, b.name)
+            for b in spec.outputs]
+
+
+def bench_output_shapes(bench_op: BenchOp, bsh: tuple[int, int, int]) -> list[tuple[int, ...]]:
+    """Each output's shape as the bench's providers return it: a mean loss is 0-d."""
+    return [()] if bench_op.mean_loss else output_shapes(bench_op.spec, bsh)
+
+
 @dataclass(frozen=True)
 class BytesModel:
     """The least traffic the op needs: inputs read once, outputs written once."""
@@ -154,10 +207,12 @@ class BytesModel:
 
 
 def bytes_model(spec: OpSpec, bsh: tuple[int, int, int], dtype: torch.dtype) -> BytesModel:
-    """All inputs share `dtype`, so every output has it too (torch's promotion of equal dtypes)."""
+    """All float inputs share `dtype`, so every output has it too (torch's promotion of equal
+    dtypes); an integer input is read in its own."""
     itemsize = dtype.itemsize
-    read = sum(math.prod(shape) * itemsize for shape in input_shapes(spec, bsh).values())
-    output_elements = sum(math.prod(output_shape(spec, bsh, b.name)) for b in spec.outputs)
+    sizes = {i.name: itemsize if i.dtype == "float" else getattr(torch, i.dtype).itemsize for i in spec.inputs}
+    read = sum(math.prod(shape) * sizes[name] for name, shape in input_shapes(spec, bsh).items())
+    output_elements = sum(math.prod(shape) for shape in output_shapes(spec, bsh))
     return BytesModel(read=read, written=output_elements * itemsize, output_elements=output_elements)
 
 
@@ -171,11 +226,21 @@ def op_kwargs(bench_op: BenchOp, p: float | None) -> dict[str, Any]:
 
 
 def make_inputs(spec: OpSpec, bsh, dtype: torch.dtype, device, generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """Random normal inputs (never zeros: a kernel must not get to skip work on them)."""
-    return [
-        torch.randn(shape, dtype=dtype, device=device, generator=generator)
-        for shape in input_shapes(spec, bsh).values()
-    ]
+    """Random normal inputs (never zeros: a kernel must not get to skip work on them); an
+    integer input holds class indices along the last dim of the output (a target), a bool one
+    a random mask."""
+    hidden = shape_for_dims(spec.out_dims, bsh, hidden_dim_name(spec.out_dims))[-1:] or (1,)
+    kinds = {i.name: i.dtype for i in spec.inputs}
+    tensors = []
+    for name, shape in input_shapes(spec, bsh).items():
+        if kinds[name] == "bool":
+            tensors.append(torch.rand(shape, device=device, generator=generator) > 0.5)
+        elif kinds[name] != "float":
+            tensors.append(torch.randint(0, hidden[0], shape, dtype=getattr(torch, kinds[name]), device=device,
+                                         generator=generator))
+        else:
+            tensors.append(torch.randn(shape, dtype=dtype, device=device, generator=generator))
+    return tensors
 
 
 # ---------------------------------------------------------------------------

@@ -129,6 +129,20 @@ def _liger_geglu(x, *, activation):
     return LigerGELUMulFunction.apply(gate, up)
 
 
+def _liger_cross_entropy_mean(x, target, *, ignore_index, label_smoothing, z_loss, softcap):
+    # LigerCrossEntropyFunction.apply(input, target, weight, ignore_index, lse_square_scale,
+    # label_smoothing, reduction, softcap, return_z_loss, ...): its forward computes the loss
+    # and writes the logits' gradient into the logits (Liger's own in-place trick); its backward
+    # only scales that by the incoming gradient, and not at all for 1.0. Its first result is the
+    # loss (later versions add more results after it). z_loss is lse_square_scale * lse**2
+    # added to each non-ignored row's loss, as the spec's.
+    from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+    result = LigerCrossEntropyFunction.apply(x.reshape(-1, x.shape[-1]), target.reshape(-1), None, ignore_index,
+                                             z_loss, label_smoothing, "mean", softcap or None, False)
+    return result[0]
+
+
 LIGER = Peer(
     name="liger_kernel",
     package="liger_kernel",
@@ -142,6 +156,7 @@ LIGER = Peer(
         "squared_relu": _liger_squared_relu,
         "swiglu": _liger_swiglu,
         "geglu": _liger_geglu,
+        "cross_entropy_mean": _liger_cross_entropy_mean,
     },
 )
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .arguments import DTYPE_NAMES
-from .cases import BenchOp, Case, make_inputs, op_kwargs, output_shape
+from .cases import BenchOp, Case, bench_output_shapes, make_inputs, op_kwargs
 from .peers import Peer, check_first_call, fusegen_outputs, peer_providers
 from .timing import (
     Measurement,
@@ -160,9 +160,10 @@ def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
         providers = {**providers, **peer_fns}
     if backward:
         for tensor in inputs:
-            tensor.requires_grad_(True)
-        grad_outputs = [torch.randn(output_shape(bench_op.spec, case.bsh, b.name), dtype=case.dtype, device=device)
-                        for b in bench_op.spec.outputs]
+            tensor.requires_grad_(tensor.is_floating_point())  # an integer input (a target) takes none
+        # A mean loss's backward starts from 1.0, as loss.backward() does (peers skip a multiply then).
+        make = torch.ones if bench_op.mean_loss else torch.randn
+        grad_outputs = [make(shape, dtype=case.dtype, device=device) for shape in bench_output_shapes(bench_op, case.bsh)]
         for name, fn in providers.items():
             step = forward_backward_fn(fn, inputs, kwargs, grad_outputs)
             results[name].forward_backward = run(name, "forward_backward", step, grad_to_none=inputs)
