@@ -269,7 +269,7 @@ def test_cross_entropy_mean_is_torchs_mean():
     ignored rows left out of the count; the bench's backward starts from a 0-d 1.0."""
     op = bench_op("cross_entropy_mean")
     assert op.mean_loss and [b.name for b in op.spec.outputs] == ["loss"] and cases.bench_output_shapes(op, (2, 3, 16)) == [()]
-    x, target = small_inputs(op, torch.float64)
+    x, target = small_inputs(op, torch.float64, DEVICE)
     target[0, 1] = -100
     want = torch.nn.functional.cross_entropy(x.reshape(-1, 16), target.reshape(-1), label_smoothing=0.1)
     for fn in (op.op, op.eager, op.reference):

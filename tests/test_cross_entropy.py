@@ -179,10 +179,10 @@ def test_compile_fullgraph(device):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
-def test_bad_params_are_one_line():
+def test_bad_params_are_one_line(device):
     from fusegen.runtime import FusegenArgumentError
 
-    x, target = _inputs(torch.float32)
+    x, target = (t.to(device) for t in _inputs(torch.float32))
     for kwargs, message in (({"label_smoothing": 1.0}, "label_smoothing must be in [0.0, 1.0)"),
                             ({"softcap": -1.0}, "softcap must be ≥ 0.0")):
         with pytest.raises(FusegenArgumentError, match=message.replace("[", r"\[").replace(")", r"\)")):
@@ -210,11 +210,11 @@ def test_softcap_and_mish_are_torchs(dtype, device):
         torch.testing.assert_close(grad.cpu().double(), want_grad, **tol)
 
 
-def test_softcap_cap_must_be_positive():
+def test_softcap_cap_must_be_positive(device):
     from fusegen.runtime import FusegenArgumentError
 
     with pytest.raises(FusegenArgumentError, match="cap must be > 0.0, got 0.0"):
-        softcap(torch.randn(4), cap=0.0)
+        softcap(torch.randn(4, device=device), cap=0.0)
 
 
 # ---------------------------------------------------------------------------
