@@ -103,6 +103,15 @@ def test_bytes_model_half_precision(seed_spec, dtype):
     assert half.output_elements == fp32.output_elements
 
 
+def test_bytes_model_counts_each_outputs_own_dtype():
+    """rmsnorm_fp8 writes q in e4m3 (1 byte) and one fp32 scale a row, whatever x's dtype."""
+    spec = load_spec(Path(__file__).parents[1] / "specs" / "rmsnorm_fp8.yaml")
+    model = cases.bytes_model(spec, (2, 3, 64), torch.bfloat16)
+    assert model.read == 2 * 3 * 64 * 2 + 64 * 2  # x and weight in bf16
+    assert model.written == 2 * 3 * 64 * 1 + 2 * 3 * 4  # q in float8, scale in float32
+    assert model.output_elements == 2 * 3 * 64 + 2 * 3
+
+
 # ---------------------------------------------------------------------------
 # Cases, kwargs and rows
 

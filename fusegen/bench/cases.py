@@ -208,12 +208,15 @@ class BytesModel:
 
 def bytes_model(spec: OpSpec, bsh: tuple[int, int, int], dtype: torch.dtype) -> BytesModel:
     """All float inputs share `dtype`, so every output has it too (torch's promotion of equal
-    dtypes); an integer input is read in its own."""
+    dtypes) unless it declares its own (an fp8 `q`, an fp32 `scale`); an integer input is
+    read in its own."""
     itemsize = dtype.itemsize
     sizes = {i.name: itemsize if i.dtype == "float" else getattr(torch, i.dtype).itemsize for i in spec.inputs}
     read = sum(math.prod(shape) * sizes[name] for name, shape in input_shapes(spec, bsh).items())
-    output_elements = sum(math.prod(shape) for shape in output_shapes(spec, bsh))
-    return BytesModel(read=read, written=output_elements * itemsize, output_elements=output_elements)
+    elements = [math.prod(shape) for shape in output_shapes(spec, bsh)]
+    out_sizes = [getattr(torch, b.dtype).itemsize if b.dtype else itemsize for b in spec.outputs]
+    return BytesModel(read=read, written=sum(e * size for e, size in zip(elements, out_sizes)),
+                      output_elements=sum(elements))
 
 
 def op_kwargs(bench_op: BenchOp, p: float | None) -> dict[str, Any]:
