@@ -144,7 +144,7 @@ def test_one_value_per_row_gradient_is_summed_in_the_kernel(monkeypatch, device,
 
     def spy(*args, **kwargs):
         target = of(*args, **kwargs)
-        kinds.append(target.kind)
+        kinds.append(target.broadcast)
         return target
 
     monkeypatch.setattr(runtime.GradTarget, "of", spy)

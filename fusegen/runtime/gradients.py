@@ -31,7 +31,7 @@ class GradTarget:
     - any other broadcast ("sum"): a full fp32 gradient, summed to the input's shape here.
     """
 
-    kind: str
+    broadcast: str  # how the input was broadcast: "full", "rows", "columns" or "sum" (above)
     buffer_shape: tuple
     buffer_dtype: torch.dtype
     device: torch.device
@@ -44,18 +44,18 @@ class GradTarget:
         accumulate = torch.float64 if problem.compute_dtype == torch.float64 else torch.float32
         width = problem.n * chunks
         full_shape = (*problem.shape[:-1], width) if len(problem.shape) else tuple(problem.shape)
-        kind = cls.kind_of(tensor, problem, chunks, one_per_row)
+        broadcast = cls.broadcast_of(tensor, problem, chunks, one_per_row)
         shape, dtype = {
             "full": (full_shape, tensor.dtype),
             "rows": ((row_blocks, width), accumulate),
             "columns": ((column_tiles, problem.m), accumulate),
             "sum": (full_shape, accumulate),
-        }[kind]
-        return cls(kind, shape, dtype, problem.device, tensor.shape, tensor.dtype)
+        }[broadcast]
+        return cls(broadcast, shape, dtype, problem.device, tensor.shape, tensor.dtype)
 
     @staticmethod
-    def kind_of(tensor: torch.Tensor, problem: Problem, chunks: int = 1, one_per_row: bool = False) -> str:
-        """How the input's gradient is written (the kinds above), from how it was broadcast."""
+    def broadcast_of(tensor: torch.Tensor, problem: Problem, chunks: int = 1, one_per_row: bool = False) -> str:
+        """How the input was broadcast against the problem (the cases above): how its gradient is written."""
         width = problem.n * chunks  # a chunked input ([..., 2N]) has all its chunks side by side
         full_shape = (*problem.shape[:-1], width) if len(problem.shape) else problem.shape
         if tensor.shape == full_shape:
@@ -67,14 +67,14 @@ class GradTarget:
         return "sum"
 
     def new_buffer(self) -> torch.Tensor:
-        if self.kind == "columns":
+        if self.broadcast == "columns":
             return torch.zeros(self.buffer_shape, dtype=self.buffer_dtype, device=self.device)
         return torch.empty(self.buffer_shape, dtype=self.buffer_dtype, device=self.device)
 
     def result(self, buffer: torch.Tensor) -> torch.Tensor:
         """The gradient, from the buffer the kernel wrote."""
-        if self.kind == "full":
+        if self.broadcast == "full":
             return buffer
-        if self.kind == "sum":
+        if self.broadcast == "sum":
             return buffer.sum_to_size(self.shape).to(self.dtype)
         return buffer.sum(dim=0).reshape(self.shape).to(self.dtype)

@@ -204,10 +204,10 @@ SUM_PARTIALS_LIMIT = 2**18  # partial sums summed by sum_partials_kernel at most
 
 
 def _sum_partials(target: GradTarget) -> Launch | None:
-    """For a gradient the backward kernel leaves as partial sums ([R, N]: kinds "rows" and
-    "columns"), the launch that sums them into the gradient, in its dtype: one small kernel,
+    """For a gradient the backward kernel leaves as partial sums ([R, N]: inputs broadcast
+    along "rows" or "columns"), the launch that sums them into the gradient, in its dtype: one small kernel,
     where torch's sum, reshape and cast cost three launches' host time."""
-    if target is None or target.kind not in ("rows", "columns"):
+    if target is None or target.broadcast not in ("rows", "columns"):
         return None
     r, n = target.buffer_shape
     if r * n > SUM_PARTIALS_LIMIT:
@@ -266,7 +266,7 @@ class PreparedBackward:
         or None. Its targets: one per gradient the kernel computes (of the inputs listed),
         None where not needed, else (summed, buffer shape, buffer dtype, gradient shape,
         gradient dtype, the sums' launch form or None): a "full" gradient is the buffer, a
-        "rows" one the buffer summed by the small kernel. Other kinds (a torch sum) stay here."""
+        "rows" one the buffer summed by the small kernel. Other broadcasts (a torch sum) stay here."""
         if self._launch is None:
             return None
         form = self._launch.native_form()
@@ -276,10 +276,10 @@ class PreparedBackward:
         for target, sums in zip(self._targets, self._sums):
             if target is None:
                 targets.append(None)
-            elif target.kind == "full":
+            elif target.broadcast == "full":
                 targets.append((False, target.buffer_shape, target.buffer_dtype, None, None, None))
             else:
-                sums_form = sums.native_form() if target.kind == "rows" and sums is not None else None
+                sums_form = sums.native_form() if target.broadcast == "rows" and sums is not None else None
                 if sums_form is None:
                     return None
                 targets.append((True, target.buffer_shape, target.buffer_dtype, tuple(target.shape), target.dtype,
@@ -289,7 +289,7 @@ class PreparedBackward:
     def _writable(self, target: GradTarget, tensor: torch.Tensor, tensors, grads) -> bool:
         """Whether this call may write `tensor`'s gradient into `tensor` (see the class)."""
         # A view is refused too: its memory may be a leaf's (x.view(...) of a parameter).
-        if target.kind != "full" or tensor.is_leaf or tensor._is_view() or not tensor.is_contiguous():
+        if target.broadcast != "full" or tensor.is_leaf or tensor._is_view() or not tensor.is_contiguous():
             return False
         if self._launch is None or not self._launch.settled:
             return False
@@ -464,15 +464,15 @@ class _Bound:
         args[INDEX_64] = self._index_64(problem, views + grad_views)
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         for target, one, (_, needs, sums, column_sums) in zip(targets, self._one_per_row, self._gradient_names):
-            args[needs], args[sums] = target is not None, target is not None and target.kind == "rows"
+            args[needs], args[sums] = target is not None, target is not None and target.broadcast == "rows"
             if one:
-                args[column_sums] = target is not None and target.kind == "columns"
+                args[column_sums] = target is not None and target.broadcast == "columns"
         return args, (*copies, *grad_copies)
 
     def _sums_over_rows(self, problem, tensors, needs) -> bool:
         """Whether some needed gradient is summed over rows (a bias's): then the backward's
         programs walk many rows each, for fewer partial sums."""
-        return any(needs[i] and GradTarget.kind_of(tensors[i], problem, self._chunks[i]) == "rows"
+        return any(needs[i] and GradTarget.broadcast_of(tensors[i], problem, self._chunks[i]) == "rows"
                    for i in self._gradients)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
