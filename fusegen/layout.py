@@ -50,7 +50,7 @@ class Scalar:
     """A runtime number: passed to the kernels on every call, checked against its range."""
 
     name: str
-    kind: str  # "float" or "int"
+    type: str  # "float" or "int", as the spec's `type:`
     low: float | int | None = None
     high: float | int | None = None
     # Exclusive bounds (a spec's gt: / lt:): the value must differ from them too.

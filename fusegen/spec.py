@@ -301,12 +301,12 @@ def _check_yaml_1_2_number(text: str, value: float | int, what: str, line: int) 
 _TYPE_NAMES = {str: "a string", dict: "a mapping", list: "a list", float: "a number", int: "an integer"}
 
 
-def _expect(value: Any, kind: type, what: str, line: int) -> Any:
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+def _expect(value: Any, expected: type, what: str, line: int) -> Any:
+    ok = isinstance(value, expected) and not (expected in (int, float) and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise _Located(line, f"{what} must be {_TYPE_NAMES[kind]}, got {_describe(value)}")
+        raise _Located(line, f"{what} must be {_TYPE_NAMES[expected]}, got {_describe(value)}")
     return value
 
 
@@ -391,13 +391,13 @@ class _Names:
     """Every name a spec declares (inputs, params, intermediates, outputs) is unique."""
 
     def __init__(self):
-        self._seen: dict[str, tuple[str, int]] = {}  # name → (kind, line)
+        self._seen: dict[str, tuple[str, int]] = {}  # name → (what it names, line)
 
-    def claim(self, name: str, kind: str, line: int) -> None:
+    def claim(self, name: str, what: str, line: int) -> None:
         if name in self._seen:
-            other_kind, other_line = self._seen[name]
-            raise _Located(line, f"duplicate name '{name}' (already {other_kind} at line {other_line})")
-        self._seen[name] = (kind, line)
+            other, other_line = self._seen[name]
+            raise _Located(line, f"duplicate name '{name}' (already {other} at line {other_line})")
+        self._seen[name] = (what, line)
 
 
 # ---------------------------------------------------------------------------
@@ -615,11 +615,11 @@ def _parse_scalar_param(name: str, body: _LineDict, line: int) -> ScalarParam:
     if "type" not in body:
         raise _Located(line, f"missing required key 'type' in param '{name}' (float or int; or 'choices' instead)")
     lines = body.value_lines
-    kind = _as_written(body, "type")
-    if kind not in ("float", "int"):
-        raise _Located(lines["type"], f"param '{name}': type must be float or int, got {_describe(kind)}")
-    number = float if kind == "float" else int
-    limit, limit_text = (MAX_FLOAT_MAGNITUDE, "1e30") if kind == "float" else (MAX_INT_MAGNITUDE, "2**53")
+    type_name = _as_written(body, "type")
+    if type_name not in ("float", "int"):
+        raise _Located(lines["type"], f"param '{name}': type must be float or int, got {_describe(type_name)}")
+    number = float if type_name == "float" else int
+    limit, limit_text = (MAX_FLOAT_MAGNITUDE, "1e30") if type_name == "float" else (MAX_INT_MAGNITUDE, "2**53")
     values = {}
     for key in ("default", "min", "max", "gt", "lt"):
         if key not in body:
@@ -632,7 +632,7 @@ def _parse_scalar_param(name: str, body: _LineDict, line: int) -> ScalarParam:
         if abs(value) > limit:
             message = f"'{key}' {_describe(value)} is out of range (at most {limit_text} in magnitude)"
             raise _Located(lines[key], f"param '{name}': {message}")
-        values[key] = float(value) if kind == "float" else value
+        values[key] = float(value) if type_name == "float" else value
     low_open, high_open = values["gt"] is not None, values["lt"] is not None
     low_key, high_key = "gt" if low_open else "min", "lt" if high_open else "max"
     low, high, default = values[low_key], values[high_key], values["default"]
@@ -647,7 +647,7 @@ def _parse_scalar_param(name: str, body: _LineDict, line: int) -> ScalarParam:
     if high is not None and (default >= high if high_open else default > high):
         message = f"is not less than lt {high}" if high_open else f"is greater than max {high}"
         raise _Located(lines["default"], f"param '{name}': default {default} {message}")
-    return ScalarParam(name, kind, default, low, high, line, low_open, high_open)
+    return ScalarParam(name, type_name, default, low, high, line, low_open, high_open)
 
 
 def _parse_bindings(raw: Any, line: int, section: str, what: str, names: _Names, required: bool) -> tuple[Binding, ...]:

@@ -121,7 +121,7 @@ def compile_module(path: Path) -> list[str]:
     op = module._OP.name
     # The op's declaration says each param's kind; kernels name them as the spec does, and a
     # choice as its upper-cased constexpr (for these specs: none collides with another name).
-    scalar_types = {p.name: _TRITON_SCALARS[p.kind] for p in module._OP.params if hasattr(p, "kind")}
+    scalar_types = {p.name: _TRITON_SCALARS[p.type] for p in module._OP.params if hasattr(p, "type")}
     choices = {p.name.upper(): p.choices for p in module._OP.params if hasattr(p, "choices")}
     failures = []
     for kernel_name in (f"{op}_kernel", f"{op}_backward_kernel"):

@@ -25,7 +25,7 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
         d = p.declaration
         if isinstance(d, Scalar):
             opened = "".join(f", {key}=True" for key in ("low_open", "high_open") if getattr(d, key))
-            params.append(f'runtime.Scalar("{d.name}", "{d.kind}", {d.low!r}, {d.high!r}{opened})')
+            params.append(f'runtime.Scalar("{d.name}", "{d.type}", {d.low!r}, {d.high!r}{opened})')
         else:
             params.append(f'runtime.Choice("{d.name}", {_strings(d.choices)})')
     if params:
@@ -127,7 +127,7 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
         if isinstance(d, Scalar):
             bounds = range_text(d.low, d.high, d.low_open, d.high_open)
             bounds = f" {bounds}" if bounds else ""
-            lines += wrap(f"Param {p.name}: {d.kind}{bounds}, default {p.default!r} (runtime: no recompilation).", "    ")
+            lines += wrap(f"Param {p.name}: {d.type}{bounds}, default {p.default!r} (runtime: no recompilation).", "    ")
         elif isinstance(d, Choice):
             choices = ", ".join(d.choices)
             lines += wrap(f"Param {p.name}: one of {choices}; default {p.default!r} (compile-time: one kernel each).", "    ")

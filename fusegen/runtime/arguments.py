@@ -31,7 +31,7 @@ def check_choice(op: str, name: str, value, choices: tuple[str, ...]) -> str:
     return value
 
 
-def check_scalar(op: str, name: str, value, kind: str, low, high, low_open: bool = False, high_open: bool = False):
+def check_scalar(op: str, name: str, value, number_type: str, low, high, low_open: bool = False, high_open: bool = False):
     """A runtime scalar param: right type, finite, inside the spec's range."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
         if value.device.type == "meta" or is_fake(value):
@@ -49,18 +49,18 @@ def check_scalar(op: str, name: str, value, kind: str, low, high, low_open: bool
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise FusegenArgumentError(f"{op}(): {name} must be a number, got {type(value).__name__}")
         value = int(value) if isinstance(value, numbers.Integral) else float(value)
-    if kind == "int" and type(value) is not int:
+    if number_type == "int" and type(value) is not int:
         raise FusegenArgumentError(f"{op}(): {name} must be an int, got {given!r}")
-    if kind == "int" and not INT64_MIN <= value <= INT64_MAX:
+    if number_type == "int" and not INT64_MIN <= value <= INT64_MAX:
         raise FusegenArgumentError(f"{op}(): {name}={value!r} is out of the int64 range")
     if value != value:
         raise FusegenArgumentError(f"{op}(): {name} must not be NaN")
     if not in_range(value, low, high, low_open, high_open):
         raise FusegenArgumentError(f"{op}(): {name} must be {range_text(low, high, low_open, high_open)}, got {value!r}")
-    if kind == "float" and abs(value) > FLOAT32_MAX:
+    if number_type == "float" and abs(value) > FLOAT32_MAX:
         raise FusegenArgumentError(f"{op}(): {name}={value!r} does not fit a float32")
     # The double as given: an fp64 kernel (and reference) computes with it, an fp32 one rounds it.
-    return float(value) if kind == "float" else value
+    return float(value) if number_type == "float" else value
 
 
 def _carries_derivative(value: torch.Tensor) -> bool:

@@ -122,7 +122,7 @@ class FusedOp:
         self._n_inputs, self._n_params, self._n_outputs = len(inputs), len(params), len(outputs)
         self._choice_checks = tuple((i, p.name, p.choices) for i, p in enumerate(params) if isinstance(p, Choice))
         self._scalar_checks = tuple(
-            (i, p.name, p.kind, p.low, p.high, p.low_open, p.high_open) for i, p in enumerate(params)
+            (i, p.name, p.type, p.low, p.high, p.low_open, p.high_open) for i, p in enumerate(params)
             if isinstance(p, Scalar)
         )
         self._problems: dict = {}  # checked problems by the tensors' shapes, dtypes and devices
@@ -225,7 +225,7 @@ class FusedOp:
     def check_params(self, *values) -> tuple:
         """The params checked as a call checks them (the module class checks at construction)."""
         return tuple(
-            check_scalar(self.name, p.name, value, p.kind, p.low, p.high, p.low_open, p.high_open)
+            check_scalar(self.name, p.name, value, p.type, p.low, p.high, p.low_open, p.high_open)
             if isinstance(p, Scalar)
             else check_choice(self.name, p.name, value, p.choices)
             for p, value in zip(self.params, values)
@@ -653,7 +653,7 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
 
 
 def _schema_arguments(op: FusedOp) -> list[str]:
-    params = [f"{_SCHEMA_TYPES[p.kind] if isinstance(p, Scalar) else 'str'} {p.name}" for p in op.params]
+    params = [f"{_SCHEMA_TYPES[p.type] if isinstance(p, Scalar) else 'str'} {p.name}" for p in op.params]
     return [f"Tensor {i.name}" for i in op.inputs] + params
 
 

@@ -84,7 +84,7 @@ def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forwa
     """Params, dropout and the flags (launch.py passes them by name, in the kernel's order)."""
     # A float param as fp64 (Triton would pass a Python float as fp32): an fp64 kernel keeps
     # every bit, an fp32 one rounds it on entry as the launch did.
-    arguments = [f"{p.local}: tl.float64," if p.declaration.kind == "float" else f"{p.local}," for p in kernel.scalars]
+    arguments = [f"{p.local}: tl.float64," if p.declaration.type == "float" else f"{p.local}," for p in kernel.scalars]
     for p in plan.params:
         if p.dropout_p:
             comment = f"  # {p.name} as a 24-bit keep threshold, and 1 / (1 - {p.name})" if forward else ""
