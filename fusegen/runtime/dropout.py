@@ -9,9 +9,9 @@ import torch
 
 from . import native
 from .philox import MASK32, philox4x32
+from .seeds import SEED_BATCH, SEED_LIMIT
 
 THRESHOLD_BITS = 24
-SEED_LIMIT = 2**63  # seeds live in an int64 tensor: 0 <= seed < 2**63
 
 
 def dropout_threshold(p: float) -> int:
@@ -72,7 +72,6 @@ def seed_result(seed: torch.Tensor | None, device: torch.device) -> torch.Tensor
     return torch.empty((1,), dtype=torch.int64, device=device) if seed is None else seed
 
 
-SEED_BATCH = 256
 _FIXED_SEEDS_KEPT = 1024
 
 

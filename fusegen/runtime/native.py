@@ -45,6 +45,8 @@ except ImportError:  # Windows
 
 import torch
 
+from .seeds import SEED_BATCH, SEED_LIMIT
+
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (_CSRC / "autograd_node.cpp", _CSRC / "eager_call.cpp")
 HEADERS = (_CSRC / "fusegen_native.h",)
@@ -115,8 +117,6 @@ def _built_file(directory: Path) -> Path:
 
 
 def _import(path: Path):
-    from .dropout import SEED_BATCH, SEED_LIMIT
-
     spec = importlib.util.spec_from_file_location(_module_name(path.parent), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
