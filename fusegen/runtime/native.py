@@ -269,6 +269,11 @@ def _settle():
     return module
 
 
+def settled_off() -> bool:
+    """Whether this process has settled on the Python path (cheap: eager calls ask it)."""
+    return _state.module is None and (_state.failed is not None or bool(_state.settled))
+
+
 def eager_calls(*, inputs: int, arguments: int, seed_position: int | None, outputs: int, name: str, op, backward):
     """A new eager call in C++ for `op` (csrc/eager_call.cpp): `calls(args, inplace_backward)`
     gives the outputs of a call of a registered kind (`inputs` tensors first, `arguments` in

@@ -195,7 +195,9 @@ class FusedOp:
         (fusegen.runtime.prepared); None for arguments that take the full path every call."""
         # One key per process: the C++ eager call's where the extension is in use (so the
         # kinds of call prepared here are the kinds it registers), else Python's.
-        calls = self._native_calls if self._native_calls is not None else self.native_calls()
+        calls = self._native_calls
+        if calls is None and not native.settled_off():
+            calls = self.native_calls()
         key = native.call_key(calls, args) if calls is not None else call_key(args, self._n_inputs, self._seed_position)
         if key is None:
             return None
