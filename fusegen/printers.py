@@ -41,8 +41,14 @@ class ElementwisePrinter(CodePrinter):
     where = sqrt = rsqrt = power = ""
     column = ""  # the element's index along the row (the language's `col`)
 
-    def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset()):
+    def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset(),
+                 scalars=frozenset()):
         super().__init__()
+        # The params, by name: one number per call. A where whose condition reads only these
+        # takes one side for the whole call, and a target may compute only that side (`choose`):
+        # softcap's tanh costs nothing with softcap off, and its NaN at softcap = 0 reaches no
+        # gradient through the side not taken.
+        self.scalars = frozenset(scalars)
         # A row kernel's row values (reductions and what is built from them, by name): a sum
         # subtracts them last, as torch's s - max(s) does, so that the backward's exp(mask - max
         # + x) is exp((mask + x) - max), <= 0 exactly as in the forward, not rounded past 0.
@@ -220,10 +226,20 @@ class ElementwisePrinter(CodePrinter):
         *pieces, (last_value, last_cond) = expr.args
         if last_cond is not sympy.true:
             raise ValueError(f"a Piecewise without an otherwise branch cannot be printed: {expr}")
-        text = self._print(last_value)
+        text, rest = self._print(last_value), last_value
         for value, cond in reversed(pieces):
-            text = f"{self.where}({self._print(cond)}, {self._print(value)}, {text})"
+            text = self.choose(cond, value, rest, text)
+            rest = sympy.Piecewise((value, cond), (rest, True))
         return text
+
+    def choose(self, cond, if_true, if_false, false_text: str) -> str:
+        """where(cond, if_true, if_false), `if_false` already printed as `false_text`."""
+        return f"{self.where}({self._print(cond)}, {self._print(if_true)}, {false_text})"
+
+    def decided_once(self, cond) -> bool:
+        """A condition of params (and numbers) alone: the same for every element of a call."""
+        names = {symbol.name for symbol in cond.free_symbols}
+        return bool(names) and names <= self.scalars
 
     def _print_Max(self, expr):
         return self._fold(expr.args, self.maximum)
@@ -319,6 +335,12 @@ class TorchPrinter(ElementwisePrinter):
 
     def converted(self, value):
         return f"{value}.to(problem.compute_dtype)"
+
+    def choose(self, cond, if_true, if_false, false_text):
+        # The params are Python numbers here: a condition of them alone is a Python bool.
+        if self.decided_once(cond):
+            return f"({self._print(if_true)} if {self._print(cond)} else {false_text})"
+        return super().choose(cond, if_true, if_false, false_text)
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"

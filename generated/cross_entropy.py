@@ -31,8 +31,8 @@ from triton.language.extra import libdevice
 from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, indices, load_tile, max_shifts, maximum, row_max, row_sum,
-    store_column_sums, store_gradient,
+    add_gradient_partials, column_tile, indices, load_per_row, load_tile, max_shifts, maximum,
+    row_max, row_sum, store_column_sums, store_gradient,
 )
 
 __all__ = ["cross_entropy", "CrossEntropy", "reference", "eager"]
@@ -69,11 +69,8 @@ def cross_entropy_kernel(
     if ONE_TILE:
         cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-        target = load_tile(
-            target_ptr, target_stride_m, target_stride_n, rows, cols, in_bounds,
-            target_ptr.dtype.element_ty,
-        )
-        t0 = tl.where(softcap > 0, libdevice.tanh(x / softcap) * softcap, x)
+        target = load_per_row(target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty)
+        t0 = (libdevice.tanh(x / softcap) * softcap if softcap > 0 else x)
         max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
         sum2 = row_sum(tl.where(in_bounds, tl.where(target == cols[None, :], t0, 0.0), 0.0))
         mean3 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
@@ -105,11 +102,10 @@ def cross_entropy_kernel(
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-                target = load_tile(
-                    target_ptr, target_stride_m, target_stride_n, rows, cols, in_bounds,
-                    target_ptr.dtype.element_ty,
+                target = load_per_row(
+                    target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty
                 )
-                t0 = tl.where(softcap > 0, libdevice.tanh(x / softcap) * softcap, x)
+                t0 = (libdevice.tanh(x / softcap) * softcap if softcap > 0 else x)
                 max0_before = max0
                 max0 = maximum(max0, row_max(tl.where(in_bounds, t0, -float("inf"))))
                 sum2_tile += tl.where(in_bounds, tl.where(target == cols[None, :], t0, 0.0), 0.0)
@@ -127,11 +123,10 @@ def cross_entropy_kernel(
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-                target = load_tile(
-                    target_ptr, target_stride_m, target_stride_n, rows, cols, in_bounds,
-                    target_ptr.dtype.element_ty,
+                target = load_per_row(
+                    target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty
                 )
-                t0 = tl.where(softcap > 0, libdevice.tanh(x / softcap) * softcap, x)
+                t0 = (libdevice.tanh(x / softcap) * softcap if softcap > 0 else x)
                 max0_tile = maximum(max0_tile, tl.where(in_bounds, t0, -float("inf")))
                 sum2_tile += tl.where(in_bounds, tl.where(target == cols[None, :], t0, 0.0), 0.0)
                 mean3_tile += tl.where(in_bounds, t0, 0.0)
@@ -142,7 +137,7 @@ def cross_entropy_kernel(
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-                t0 = tl.where(softcap > 0, libdevice.tanh(x / softcap) * softcap, x)
+                t0 = (libdevice.tanh(x / softcap) * softcap if softcap > 0 else x)
                 sum1_tile += tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0)
             sum1 = row_sum(sum1_tile)
         tl.store(saved_ptr + rows * 4, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
@@ -150,25 +145,21 @@ def cross_entropy_kernel(
         tl.store(saved_ptr + rows * 4 + 3, tl.reshape(mean3, (BLOCK_M,)), mask=rows < M)
         tl.store(saved_ptr + rows * 4 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         t1 = max0 + tl.log(sum1)
-        for first_col in range(0, N, BLOCK_N):
-            cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
-            target = load_tile(
-                target_ptr, target_stride_m, target_stride_n, rows, cols, in_bounds,
-                target_ptr.dtype.element_ty,
-            )
-            loss = tl.where(
-                ignore_index == target, 0.0,
-                -label_smoothing * mean3 - sum2 * (1.0 - label_smoothing) + t1 * t1 * z_loss + t1,
-            )
-            lse = t1
-            tl.store(
-                loss_ptr + rows[:, None] + cols[None, :] * 0, loss.to(loss_ptr.dtype.element_ty),
-                mask=in_bounds & (cols[None, :] == 0),
-            )
-            tl.store(
-                lse_ptr + rows[:, None] + cols[None, :] * 0, lse.to(lse_ptr.dtype.element_ty),
-                mask=in_bounds & (cols[None, :] == 0),
-            )
+        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        target = load_per_row(target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty)
+        loss = tl.where(
+            ignore_index == target, 0.0,
+            -label_smoothing * mean3 - sum2 * (1.0 - label_smoothing) + t1 * t1 * z_loss + t1,
+        )
+        lse = t1
+        tl.store(
+            loss_ptr + rows[:, None] + cols[None, :] * 0, loss.to(loss_ptr.dtype.element_ty),
+            mask=in_bounds & (cols[None, :] == 0),
+        )
+        tl.store(
+            lse_ptr + rows[:, None] + cols[None, :] * 0, lse.to(lse_ptr.dtype.element_ty),
+            mask=in_bounds & (cols[None, :] == 0),
+        )
 
 
 @tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
@@ -211,34 +202,27 @@ def cross_entropy_backward_kernel(
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
             max0 = tl.load(saved_ptr + rows * 4, mask=rows < M, other=0.0)[:, None]
             sum1 = tl.load(saved_ptr + rows * 4 + 1, mask=rows < M, other=0.0)[:, None]
-            t1 = softcap > 0
             t4 = 1.0 / row_width
             t6 = 1.0 / sum1
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            target = load_tile(
-                target_ptr, target_stride_m, target_stride_n, rows, cols, in_bounds,
-                target_ptr.dtype.element_ty,
-            )
-            grad_loss = load_tile(
-                grad_loss_ptr, grad_loss_stride_m, grad_loss_stride_n, rows, cols, in_bounds,
-                compute,
-            )
-            grad_lse = load_tile(
-                grad_lse_ptr, grad_lse_stride_m, grad_lse_stride_n, rows, cols, in_bounds, compute
-            )
+            target = load_per_row(target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty)
+            grad_loss = load_per_row(grad_loss_ptr, grad_loss_stride_m, rows, M, compute)
+            grad_lse = load_per_row(grad_lse_ptr, grad_lse_stride_m, rows, M, compute)
             t0 = libdevice.tanh(x / softcap)
-            t2 = tl.where(t1, 1 - t0 * t0, 1)
-            t3 = ignore_index == target
+            t2 = tl.where(softcap > 0, 1 - t0 * t0, 1)
             t5 = grad_loss * t4
             grad_x = (
-                grad_loss * tl.where(t3, 0, label_smoothing - 1.0)
+                grad_loss * tl.where(ignore_index == target, 0, label_smoothing - 1.0)
                 * tl.where(target == cols[None, :], t2, 0)
                 + row_width * t2
                 * (
                     grad_lse * t4 * t6
-                    + t5 * tl.where(t3, 0, 2 * t6 * z_loss * (max0 + tl.log(sum1)) + t6)
-                ) * libdevice.exp(tl.where(t1, softcap * t0, x) - max0)
-                + t2 * t5 * tl.where(t3, 0, -label_smoothing)
+                    + t5
+                    * tl.where(
+                        ignore_index == target, 0, 2 * t6 * z_loss * (max0 + tl.log(sum1)) + t6
+                    )
+                ) * libdevice.exp(tl.where(softcap > 0, softcap * t0, x) - max0)
+                + t2 * t5 * tl.where(ignore_index == target, 0, -label_smoothing)
             )
             grad_x_sum = store_gradient(
                 grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
@@ -251,37 +235,31 @@ def cross_entropy_backward_kernel(
             tl.debug_barrier()
             max0 = tl.load(saved_ptr + rows * 4, mask=rows < M, other=0.0)[:, None]
             sum1 = tl.load(saved_ptr + rows * 4 + 1, mask=rows < M, other=0.0)[:, None]
-            t1 = softcap > 0
             t4 = 1.0 / row_width
             t6 = 1.0 / sum1
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-                target = load_tile(
-                    target_ptr, target_stride_m, target_stride_n, rows, cols, in_bounds,
-                    target_ptr.dtype.element_ty,
+                target = load_per_row(
+                    target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty
                 )
-                grad_loss = load_tile(
-                    grad_loss_ptr, grad_loss_stride_m, grad_loss_stride_n, rows, cols, in_bounds,
-                    compute,
-                )
-                grad_lse = load_tile(
-                    grad_lse_ptr, grad_lse_stride_m, grad_lse_stride_n, rows, cols, in_bounds,
-                    compute,
-                )
+                grad_loss = load_per_row(grad_loss_ptr, grad_loss_stride_m, rows, M, compute)
+                grad_lse = load_per_row(grad_lse_ptr, grad_lse_stride_m, rows, M, compute)
                 t0 = libdevice.tanh(x / softcap)
-                t2 = tl.where(t1, 1 - t0 * t0, 1)
-                t3 = ignore_index == target
+                t2 = tl.where(softcap > 0, 1 - t0 * t0, 1)
                 t5 = grad_loss * t4
                 grad_x = (
-                    grad_loss * tl.where(t3, 0, label_smoothing - 1.0)
+                    grad_loss * tl.where(ignore_index == target, 0, label_smoothing - 1.0)
                     * tl.where(target == cols[None, :], t2, 0)
                     + row_width * t2
                     * (
                         grad_lse * t4 * t6
-                        + t5 * tl.where(t3, 0, 2 * t6 * z_loss * (max0 + tl.log(sum1)) + t6)
-                    ) * libdevice.exp(tl.where(t1, softcap * t0, x) - max0)
-                    + t2 * t5 * tl.where(t3, 0, -label_smoothing)
+                        + t5
+                        * tl.where(
+                            ignore_index == target, 0, 2 * t6 * z_loss * (max0 + tl.log(sum1)) + t6
+                        )
+                    ) * libdevice.exp(tl.where(softcap > 0, softcap * t0, x) - max0)
+                    + t2 * t5 * tl.where(ignore_index == target, 0, -label_smoothing)
                 )
                 add_gradient_partials(
                     grad_x_ptr, grad_x, rows, cols, N, N, in_bounds, row_offset == 0, NEEDS_GRAD_X,
@@ -291,7 +269,7 @@ def cross_entropy_backward_kernel(
 
 def _reference(problem, x, target, ignore_index, label_smoothing, z_loss, softcap):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
-    t0 = torch.where(softcap > 0, torch.tanh(x / softcap) * softcap, x)
+    t0 = (torch.tanh(x / softcap) * softcap if softcap > 0 else x)
     max0 = torch.amax(t0, dim=-1, keepdim=True)
     sum2 = torch.sum(
         torch.where(

@@ -78,10 +78,9 @@ def mish_backward_kernel(
         grad_y = load_tile(
             grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
         )
-        t0 = x > 20
         t1 = libdevice.exp(x)
-        t2 = libdevice.tanh(tl.where(t0, x, libdevice.log1p(t1)))
-        grad_x = grad_y * (t2 + x * (1 - t2 * t2) * tl.where(t0, 1, t1 / (t1 + 1)))
+        t2 = libdevice.tanh(tl.where(x > 20, x, libdevice.log1p(t1)))
+        grad_x = grad_y * (t2 + x * (1 - t2 * t2) * tl.where(x > 20, 1, t1 / (t1 + 1)))
         grad_x_sum = store_gradient(
             grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
         )

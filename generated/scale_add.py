@@ -25,7 +25,7 @@ import triton.language as tl
 from fusegen import runtime
 from fusegen.backends.triton import launch, tuning
 from fusegen.backends.triton.kernel_lib import (
-    column_tile, indices, load_tile, store_column_sums, store_gradient, store_tile,
+    column_tile, indices, load_per_row, load_tile, store_column_sums, store_gradient, store_tile,
 )
 
 __all__ = ["scale_add", "ScaleAdd", "reference", "eager"]
@@ -49,7 +49,7 @@ def scale_add_kernel(
     rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
     cols, in_bounds = column_tile(rows, tl.program_id(1) * BLOCK_N, M, N, BLOCK_N, INDEX_64)
     x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-    scale = load_tile(scale_ptr, scale_stride_m, scale_stride_n, rows, cols, in_bounds, compute)
+    scale = load_per_row(scale_ptr, scale_stride_m, rows, M, compute)
     residual = load_tile(
         residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
     )
@@ -93,7 +93,7 @@ def scale_add_backward_kernel(
         rows = first_row + row_offset + tl.arange(0, BLOCK_M)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-        scale = load_tile(scale_ptr, scale_stride_m, scale_stride_n, rows, cols, in_bounds, compute)
+        scale = load_per_row(scale_ptr, scale_stride_m, rows, M, compute)
         grad_y = load_tile(
             grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
         )

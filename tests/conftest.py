@@ -40,8 +40,12 @@ LANE_WITHOUT = frozenset({"test_injection.py", "test_bad_specs.py", "test_ir.py"
 
 
 def pytest_addoption(parser):
-    parser.addoption("--lane", choices=("full", "fast"), default="full",
-                     help="fast: the GPU lane (representative ops, files that launch kernels)")
+    parser.addoption("--lane", choices=("full", "fast", "rest"), default="full",
+                     help="fast: the GPU lane (representative ops, files that launch kernels); "
+                          "rest: every test the fast lane leaves out (fast + rest = full)")
+    parser.addoption("--part", default="1/1", metavar="K/N",
+                     help="run the K-th of N interleaved parts of the selected tests, so that a "
+                          "suite longer than one device call splits over N calls")
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -60,7 +64,7 @@ def _ops_named(item, names) -> set:
     return found
 
 
-def _lane(config, items) -> None:
+def _lane(config, items, lane: str) -> None:
     from pathlib import Path
     names = {p.stem for p in (Path(__file__).parent.parent / "specs").glob("*.yaml")}
     kept, dropped = [], []
@@ -68,17 +72,20 @@ def _lane(config, items) -> None:
         ops = _ops_named(item, names)
         params = getattr(getattr(item, "callspec", None), "params", {}).values()
         half = ops & LANE_NO_HALF and any(value is torch.float16 for value in params)
-        if (ops and not ops & LANE_OPS) or half or "full_lane" in item.keywords:
-            dropped.append(item)
-        else:
-            kept.append(item)
+        in_fast = not ((ops and not ops & LANE_OPS) or half or "full_lane" in item.keywords
+                       or item.path.name in LANE_WITHOUT)
+        (kept if in_fast == (lane == "fast") else dropped).append(item)
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--lane") == "fast":
-        _lane(config, items)
+    if config.getoption("--lane") != "full":
+        _lane(config, items, config.getoption("--lane"))
+    part, parts = (int(n) for n in config.getoption("--part").split("/"))
+    if parts > 1:
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % parts != part - 1])
+        items[:] = items[part - 1::parts]
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
     skip_two = pytest.mark.skip(reason="needs two CUDA devices; this machine has fewer")
     two = HAS_CUDA and torch.cuda.device_count() >= 2

@@ -89,6 +89,20 @@ def test_gradcheck_fp64_every_option(device):
                                     eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("option", ["default", "softcap"])
+def test_reference_gradient_is_torchs(option, device):
+    """The eager reference's own autograd (the oracle of the generated backward): with softcap
+    off it takes x as it is, never x / 0's NaN through the side of the where not taken."""
+    from generated.cross_entropy import reference
+
+    x, target = _inputs(torch.float64, seed=5)
+    x, target = x.to(device), target.to(device)
+    ours, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    reference(ours, target, **OPTIONS[option])[0].sum().backward()
+    _torch_loss(theirs, target, **OPTIONS[option])[0].sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_out_of_range_target_picks_no_logit(device):
     """A target outside [0, N) other than ignore_index (torch raises there) is the spec's
     business: take() gives 0.0, nothing is read out of bounds, so loss = lse and its

@@ -30,7 +30,11 @@ def render(plan: OpPlan) -> str:
     """The text of generated/<op>.py."""
     names = TritonNames(plan)
     kind = TRITON_KINDS[plan.kind]
-    triton = TritonPrinter(names.triton_helpers, names.constexprs, KINDS[plan.kind].row_values(plan))
+    scalars = {p.local for kernel in (plan.forward, plan.backward) for p in kernel.scalars}
+    tiles = {v.local for i in plan.inputs if i.layout.differentiable and not i.layout.one_per_row for v in i.values}
+    triton = TritonPrinter(names.triton_helpers, names.constexprs, KINDS[plan.kind].row_values(plan), scalars,
+                           tiles | {g for (name, _), g in zip(plan.outputs, plan.backward.incoming)
+                                    if name not in plan.row_outputs})
     forward = with_argument_comments(kind.forward(plan, names, triton))
     backward = with_argument_comments(kind.backward(plan, names, triton))
     triton_helpers = [h for helper in plan.helpers for h in _triton_helpers(helper, names, triton)]

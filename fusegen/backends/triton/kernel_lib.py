@@ -40,6 +40,14 @@ def load_tile(ptr, stride_m, stride_n, rows, cols, in_bounds, dtype):
 
 
 @triton.jit
+def load_per_row(ptr, stride_m, rows, M, dtype):
+    """An input declared [..., 1]: its rows' values as a [rows, 1] column, which broadcasts along
+    the tile (a tile of loads from one address per row would cost as much as a tile of x: a
+    class index in int64 four times a bf16 row's bytes through the load units)."""
+    return tl.load(ptr + rows[:, None] * stride_m, mask=rows[:, None] < M).to(dtype)
+
+
+@triton.jit
 def store_tile(ptr, value, rows, cols, width, in_bounds):
     """`value` into the tile rows x cols of a contiguous [M, width] buffer, in its element type."""
     tl.store(ptr + rows[:, None] * width + cols[None, :], to_element(value, ptr.dtype.element_ty), mask=in_bounds)

@@ -162,10 +162,17 @@ def load_line(target: str, n: InputNames, columns: str = "cols", dtype: str = CO
     return f"{target} = load_tile({n.pointer}, {n.stride_m}, {n.stride_n}, rows, {columns}, in_bounds, {dtype})"
 
 
+def per_row_load_line(target: str, n: InputNames, dtype: str = COMPUTE_DTYPE) -> str:
+    """A [..., 1] tensor's values as a [rows, 1] column (kernel_lib.load_per_row)."""
+    return f"{target} = load_per_row({n.pointer}, {n.stride_m}, rows, {M}, {dtype})"
+
+
 def input_loads(i: InputPlan, n: InputNames) -> list[str]:
     # An integer or bool input stays in its own type: compared exactly (a class index with
     # col), a condition as is; Triton converts it where arithmetic mixes it with floats.
     dtype = COMPUTE_DTYPE if i.layout.differentiable else f"{n.pointer}.dtype.element_ty"
+    if i.layout.one_per_row:
+        return [per_row_load_line(value.local, n, dtype) for value in i.values]
     return [load_line(value.local, n, chunk_columns(value.chunk), dtype) for value in i.values]
 
 

@@ -9,7 +9,7 @@ from fusegen.plan import OpPlan
 
 # The kernel_lib helpers a generated module may import (each module imports those it calls).
 KERNEL_LIB_NAMES = (
-    "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_tile", "max_shifts",
+    "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_per_row", "load_tile", "max_shifts",
     "maximum", "min_shifts", "minimum", "row_max", "row_min", "row_sum", "rsqrt_rn", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile",
     "to_element",
 )

@@ -32,8 +32,32 @@ class TritonPrinter(ElementwisePrinter):
     where, sqrt, rsqrt, power = "tl.where", "sqrt_rn", "rsqrt_rn", "libdevice.pow"
     column = "cols[None, :]"  # every kind's kernels index a tile's columns by `cols` (naming.SHARED_NAMES)
 
+    def __init__(self, helpers=None, choices=None, row_values=frozenset(), scalars=frozenset(), tiles=frozenset()):
+        super().__init__(helpers, choices, row_values, scalars)
+        # Values that are whole tiles in the compute type (inputs' and incoming gradients'
+        # loads): an expression that reads one is such a tile too.
+        self.tiles = frozenset(tiles)
+
     def converted(self, value):
         return f"{value}.to({COMPUTE_DTYPE})"
+
+    def choose(self, cond, if_true, if_false, false_text):
+        # A condition of params is a 0-d tensor: `a if c else b` is a branch (scf.if) that
+        # computes one side, where tl.where computes both. Its sides must have one type: each
+        # reads a tile, or is a number made a tile like the other side's.
+        if self.decided_once(cond):
+            sides = [self._tile_of(e) for e in (if_true, if_false)]
+            tile = next((t for t in sides if t), None)
+            if tile and all(t or e.is_number for t, e in zip(sides, (if_true, if_false))):
+                true_text, false_text = (
+                    text if t else f"tl.zeros_like({tile}) + {self._print(e)}"
+                    for t, e, text in zip(sides, (if_true, if_false), (self._print(if_true), false_text)))
+                return f"({true_text} if {self._print(cond)} else {false_text})"
+        return super().choose(cond, if_true, if_false, false_text)
+
+    def _tile_of(self, expr) -> str | None:
+        """A tile that `expr` reads (the first by name), if any."""
+        return min((s.name for s in expr.free_symbols if s.name in self.tiles), default=None)
 
     def maximum(self, a, b):  # kernel_lib's: NaN propagates, as in torch
         return f"maximum({a}, {b})"

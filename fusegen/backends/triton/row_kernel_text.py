@@ -33,6 +33,7 @@ from .kernel_text import (
     kernel_key,
     input_loads,
     load_line,
+    per_row_load_line,
     width_text,
     scalars_in_compute_type,
     shared_arguments,
@@ -87,7 +88,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         "if ONE_TILE:",
         *_indent(program.one_tile(stores)),
         "else:",
-        *_indent(program.looped(stores, [], [])),
+        *_indent(program.looped(stores, [], [], per_row=set(plan.row_outputs) >= {n for n, _ in plan.outputs})),
     ]
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
                       "row_tuning.ROW_FORWARD_ONLINE" if program.online else "row_tuning.ROW_FORWARD")
@@ -201,7 +202,9 @@ class _Program:
     def _loads(self, inputs, masks, incoming, first_col: str) -> list[str]:
         names = self.names
         lines = [line for i in inputs for line in input_loads(i, names.inputs[i.name])]
-        lines += [load_line(g, names.incoming[g]) for g in incoming]
+        # An output with one value a row has one incoming gradient a row.
+        per_row = {g for (name, _), g in zip(self.plan.outputs, self.kernel.incoming) if name in self.plan.row_outputs}
+        lines += [(per_row_load_line if g in per_row else load_line)(g, names.incoming[g]) for g in incoming]
         lines += [
             f"{m.local} = dropout_or_ones(seed, rows, {first_col}, N, BLOCK_N, {m.stream}, {names.threshold[m.p.name]}, "
             f"{names.scale[m.p.name]}, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)"
@@ -287,7 +290,7 @@ class _Program:
                          tuple(RowReduction(r.symbol, r.kind, r.value) for r in online), ())
         return self._pass_loop(first) + self._pass_loop(second)
 
-    def looped(self, stores: list[str], before: list[str], after: list[str]) -> list[str]:
+    def looped(self, stores: list[str], before: list[str], after: list[str], per_row: bool = False) -> list[str]:
         body = self.body
         lines = self._saved_loads() + self._assignments(body.row_values)
         for p in body.passes:
@@ -298,10 +301,13 @@ class _Program:
             lines += self._saved_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += before
-        lines += self._loop([e for _, e in body.results])
-        lines += _indent(self._assignments(body.final_temps))
-        lines += _indent(self._assignments(body.results, triton_constant))
-        lines += _indent(stores)
+        exprs = [e for _, e in body.results]
+        tail = self._assignments(body.final_temps) + self._assignments(body.results, triton_constant) + stores
+        if per_row:  # every result one value a row: the row's first tile stores them, no loop along it
+            lines += ["cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)",
+                      *self._loads(*self._reads(exprs), first_col="0"), *tail]
+        else:
+            lines += self._loop(exprs) + _indent(tail)
         return lines + after
 
     def _pass_loop(self, p: RowPass) -> list[str]:
