@@ -46,8 +46,9 @@ class ElementwisePrinter(CodePrinter):
         super().__init__()
         # The params, by name: one number per call. A where whose condition reads only these
         # takes one side for the whole call, and a target may compute only that side (`choose`):
-        # softcap's tanh costs nothing with softcap off, and its NaN at softcap = 0 reaches no
-        # gradient through the side not taken.
+        # a kernel then spends nothing on softcap's tanh with softcap off. (The reference keeps
+        # torch.where: its params are 0-d tensors, and a Python branch on one would synchronize
+        # with the device and fail on meta tensors.)
         self.scalars = frozenset(scalars)
         # A row kernel's row values (reductions and what is built from them, by name): a sum
         # subtracts them last, as torch's s - max(s) does, so that the backward's exp(mask - max
@@ -335,12 +336,6 @@ class TorchPrinter(ElementwisePrinter):
 
     def converted(self, value):
         return f"{value}.to(problem.compute_dtype)"
-
-    def choose(self, cond, if_true, if_false, false_text):
-        # The params are Python numbers here: a condition of them alone is a Python bool.
-        if self.decided_once(cond):
-            return f"({self._print(if_true)} if {self._print(cond)} else {false_text})"
-        return super().choose(cond, if_true, if_false, false_text)
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"

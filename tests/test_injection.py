@@ -335,7 +335,7 @@ HEADER_IMPORTS = {
 }
 KERNEL_LIB = "from fusegen.backends.triton.kernel_lib import "
 KERNEL_LIB_NAMES = {
-    "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_tile", "maximum",
+    "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_per_row", "load_tile", "maximum",
     "minimum", "row_max", "row_min", "row_sum", "rsqrt_rn", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile",
 }
 LIBRARIES = {"tl", "torch", "triton", "runtime", "libdevice", "F", "launch", "tuning"}
