@@ -227,7 +227,9 @@ FUNCTIONS: dict[str, Function] = {
         Function("round", 1, round_half_even, "nearest integer, halves to even", "torch.round({0})"),
         Function("floor", 1, floor, "largest integer <= x", "torch.floor({0})"),
         Function("sign", 1, sign, "-1, 0 or 1", "torch.sign({0})"),
-        Function("clamp", 3, clamp, "x limited to [lo, hi]", "torch.clamp({0}, torch.as_tensor({1}), torch.as_tensor({2}))"),
+        # torch.clamp takes its bounds both numbers or both tensors (on x's device): the two
+        # one-sided clamps take either, and clamp_max last lets hi win where lo > hi, as clamp.
+        Function("clamp", 3, clamp, "x limited to [lo, hi]", "torch.clamp_max(torch.clamp_min({0}, {1}), {2})"),
         Function("softplus", 1, _softplus, "log(1 + exp(x)), x above 20", "F.softplus({0})"),
         Function("log1p", 1, log1p, "log(1 + x)", "torch.log1p({0})"),
         Function("expm1", 1, expm1, "exp(x) - 1", "torch.expm1({0})"),

@@ -183,6 +183,6 @@ def eager(x):
     x_chunks = x.chunk(2, dim=-1)
     y = F.silu(x_chunks[0]) * x_chunks[1]
     amax = torch.maximum(torch.abs(y).amax(-1, keepdim=True), torch.as_tensor(1e-12))
-    q_ = torch.clamp(y * (448.0 / amax), torch.as_tensor(-448.0), torch.as_tensor(448.0))
+    q_ = torch.clamp_max(torch.clamp_min(y * (448.0 / amax), -448.0), 448.0)
     scale_ = amax / 448.0
     return q_.to(torch.float8_e4m3fn), scale_.to(torch.float32)
