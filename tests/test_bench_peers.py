@@ -133,6 +133,19 @@ def test_a_peer_that_disagrees_is_an_error_row_not_a_time(monkeypatch):
     assert by_provider["wrong"]["us_per_call"] is None and by_provider["wrong"]["error"].startswith("mismatch")
 
 
+def test_a_forward_only_op_has_no_forward_backward_cells(monkeypatch):
+    """rmsnorm_fp8's outputs have no gradient: --backward times its forward and leaves the
+    fwd+bwd cells empty, not an error row per provider."""
+    monkeypatch.setattr(running, "make_providers", lambda op: {"fusegen": op.op, "eager": op.eager})
+    op = bench_op("rmsnorm_fp8")
+    assert not op.differentiable and bench_op("softmax").differentiable
+    results = running.run_case(op, cases.Case("rmsnorm_fp8", torch.float32, (1, 2, 8), None), True,
+                               device=DEVICE, timer=fake_timer, peak=lambda fn: 0)
+    assert [r.provider for r in results] == ["fusegen", "eager"]
+    assert all(r.forward.error is None and r.forward.timing is not None for r in results)
+    assert all(r.forward_backward is None for r in results)
+
+
 def test_no_peers_no_peer_rows(monkeypatch):
     assert list(run_softmax_case(monkeypatch, [], backward=False)) == ["fusegen", "eager"]
 

@@ -39,6 +39,11 @@ class BenchOp:
     has_dropout: bool  # the op takes training= and seed=
     mean_loss: bool = False  # one output, the mean of a per-row loss: a 0-d tensor (MEAN_LOSSES)
 
+    @property
+    def differentiable(self) -> bool:
+        """Some output has a gradient: not a forward-only op (a float8 q and its scale)."""
+        return any(output.differentiable for output in self.spec.outputs)
+
 
 def import_generated(name: str, generated_dir: Path):
     """Import `<generated_dir>.<name>` (normally `generated.<name>`) with its parent on sys.path."""

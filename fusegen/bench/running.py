@@ -158,7 +158,7 @@ def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
         for name, fn in peer_fns.items():
             results[name] = ProviderResult(name, run(name, "forward", forward_fn(fn, inputs, kwargs)))
         providers = {**providers, **peer_fns}
-    if backward:
+    if backward and bench_op.differentiable:  # a forward-only op's fwd+bwd cells stay empty
         for tensor in inputs:
             tensor.requires_grad_(tensor.is_floating_point())  # an integer input (a target) takes none
         # A mean loss's backward starts from 1.0, as loss.backward() does (peers skip a multiply then).
