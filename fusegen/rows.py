@@ -71,9 +71,9 @@ class RowProgram:
     passes: tuple[RowPass, ...]
     final_temps: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
     results: tuple[tuple[str, sympy.Expr], ...]  # element results, each computed per tile
-    # The forward saves each of its reductions per row (fp32; fp64 for fp64), in order; the
-    # backward loads those it reads, by their place in that order, instead of reducing again.
-    saved: tuple[sympy.Symbol, ...] = ()
+    # The forward keeps each of its reductions per row, in order, as the row's statistics (fp32;
+    # fp64 for fp64); the backward loads those it reads, by their place there, instead of reducing again.
+    statistics: tuple[sympy.Symbol, ...] = ()
     loaded: tuple[tuple[sympy.Symbol, int], ...] = ()
 
     @property
@@ -114,7 +114,7 @@ class RowProgram:
             ),
             pairs(self.final_temps),
             tuple((results[n], e.xreplace(rename)) for n, e in self.results),
-            tuple(s.xreplace(rename) for s in self.saved),
+            tuple(s.xreplace(rename) for s in self.statistics),
             tuple((s.xreplace(rename), k) for s, k in self.loaded),
         )
 
@@ -186,7 +186,7 @@ def backward(
     times it, no pass over the row."""
     incoming = grad_outputs
     grad_outputs = tuple(g / WIDTH if name in row_outputs else g for g, (name, _) in zip(grad_outputs, outputs))
-    found: list[Reduction] = []  # the forward's reductions are saved per row, not reduced again
+    found: list[Reduction] = []  # the forward's reductions are kept per row (its statistics), not reduced again
     # Per reduction: the adjoint's factor along the row, and which elements receive it. A max
     # (min) counts its ties, on first use: an adjoint that cancels needs none.
     weights: dict[int, tuple[sympy.Expr, sympy.Basic | None]] = {}
@@ -196,7 +196,7 @@ def backward(
             r = reductions[k]
             if r.kind in ("max", "min"):
                 # Which elements are the extreme: compared with the extreme this kernel finds
-                # again from the same code, not the forward's saved one (another kernel may
+                # again from the same code, not the one in the forward's statistics (another kernel may
                 # round the element expression differently: x / t as x * (1 / t)).
                 extreme = sympy.Symbol(f"{EXTREME_PREFIX}{k}", real=True)
                 found.append(Reduction(extreme, r.kind, r.value))
@@ -324,12 +324,12 @@ def schedule(
     row_values: list[tuple[sympy.Symbol, sympy.Expr]],
     results: list[tuple[str, sympy.Expr]],
     elements: set[sympy.Symbol],
-    forward_saved: tuple[sympy.Symbol, ...] | None = None,
+    forward_statistics: tuple[sympy.Symbol, ...] | None = None,
 ) -> RowProgram:
     """CSE the whole program and cut it into passes. `elements`: the symbols that differ
     along the row (inputs, masks, incoming gradients), loaded or drawn per tile.
-    `forward_saved`: for a backward, the reductions its forward saves (None: a forward,
-    which saves every reduction it makes)."""
+    `forward_statistics`: for a backward, the reductions its forward keeps as statistics (None: a
+    forward, which keeps every reduction it makes)."""
     exprs = [r.value for r in reductions] + [e for _, e in row_values] + [e for _, e in results]
     temps, reduced = cse(exprs)
     n_red, n_row = len(reductions), len(row_values)
@@ -407,12 +407,12 @@ def schedule(
         final_temps=tuple(needed([e for _, e in results])),
         results=tuple(results),
     )
-    if forward_saved is None:
+    if forward_statistics is None:
         return RowProgram(*[getattr(program, f) for f in ("row_values", "passes", "final_temps", "results")],
-                          saved=tuple(r.symbol for r in reductions))
+                          statistics=tuple(r.symbol for r in reductions))
     used = program.free_symbols()
     return RowProgram(*[getattr(program, f) for f in ("row_values", "passes", "final_temps", "results")],
-                      loaded=tuple((symbol, k) for k, symbol in enumerate(forward_saved) if symbol in used))
+                      loaded=tuple((symbol, k) for k, symbol in enumerate(forward_statistics) if symbol in used))
 
 
 def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[Reduction]:

@@ -231,7 +231,8 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
     results = [(g.input, totals[g.input]) for g in gradients if g.passthrough_of is None]
     elements = set(inputs.values()) | set(masks) | {COL}
     forward = rows.schedule(reductions.found, [], outputs, elements)
-    backward = rows.schedule(found, row_values, results, elements | set(grad_outputs), forward_saved=forward.saved)
+    backward = rows.schedule(found, row_values, results, elements | set(grad_outputs),
+                             forward_statistics=forward.statistics)
     used = forward.free_symbols() | backward.free_symbols()
     return SimplifiedOp(
         ir=op,

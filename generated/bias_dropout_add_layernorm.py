@@ -19,9 +19,9 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions, draws the dropout masks again from the seed and writes every input
-gradient in one pass. Saved for it: the inputs, the seed tensor and each row's reductions
-(fp32, [..., reductions]), nothing else.
+per-row statistics, draws the dropout masks again from the seed and writes every input
+gradient in one pass. Saved for it: the inputs, the seed tensor and each row's statistics
+(fp32, [..., statistics]), nothing else.
 
 As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
 gradient sums, inplace_backward, `reference` and `eager`.
@@ -51,7 +51,7 @@ def bias_dropout_add_layernorm_kernel(
     norm_bias_ptr, norm_bias_stride_m, norm_bias_stride_n,  # norm_bias [N], as [M, N]
     h_ptr,  # h, contiguous [M, N]
     y_ptr,  # y, contiguous [M, N]
-    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
+    statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps: tl.float64,
@@ -93,10 +93,10 @@ def bias_dropout_add_layernorm_kernel(
         )
         t0 = dropout_mask0 * (bias + x) + residual
         mean0 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
-        tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = t0 - mean0
         mean1 = row_sum(tl.where(in_bounds, t1 * t1, 0.0)) / N
-        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         h = t0
         y = norm_bias + rsqrt_rn(eps + mean1) * t1 * weight
         store_tile(h_ptr, h, rows, cols, N, in_bounds)
@@ -117,7 +117,7 @@ def bias_dropout_add_layernorm_kernel(
             t0 = dropout_mask0 * (bias + x) + residual
             mean0_tile += tl.where(in_bounds, t0, 0.0)
         mean0 = row_sum(mean0_tile) / N
-        tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -134,7 +134,7 @@ def bias_dropout_add_layernorm_kernel(
             t1 = t0 - mean0
             mean1_tile += tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = row_sum(mean1_tile) / N
-        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -177,7 +177,7 @@ def bias_dropout_add_layernorm_backward_kernel(
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
     # gradient of norm_bias: [M, N]; with SUM_GRAD_NORM_BIAS, column sums [programs, N]
     grad_norm_bias_ptr,
-    saved_ptr,  # the forward's reductions, [M, reductions]
+    statistics_ptr,  # the forward's statistics, [M, statistics]
     M, N, M_BUCKET,
     eps: tl.float64,
     dropout_threshold_p, dropout_scale_p: tl.float64,
@@ -220,8 +220,8 @@ def bias_dropout_add_layernorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
-            mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(statistics_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean1
             t5 = 1.0 / row_width
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -297,8 +297,8 @@ def bias_dropout_add_layernorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
-            mean1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(statistics_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
+            mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean1
             t5 = 1.0 / row_width
             grad_mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)

@@ -17,8 +17,8 @@ Param softcap: float ≥ 0.0, default 0.0 (runtime: no recompilation).
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions and writes every input gradient in one pass. Saved for it: the inputs and
-each row's reductions (fp32, [..., reductions]), nothing else.
+per-row statistics and writes every input gradient in one pass. Saved for it: the inputs and
+each row's statistics (fp32, [..., statistics]), nothing else.
 
 As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
 gradient sums, inplace_backward, `reference` and `eager`.
@@ -45,7 +45,7 @@ def cross_entropy_kernel(
     target_ptr, target_stride_m, target_stride_n,  # target [..., 1], as [M, N]
     loss_ptr,  # loss, contiguous [M, 1]
     lse_ptr,  # lse, contiguous [M, 1]
-    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
+    statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     ignore_index,
@@ -78,10 +78,10 @@ def cross_entropy_kernel(
         sum2 = row_sum(tl.where(in_bounds, tl.where(target == cols[None, :], t1, 0.0), 0.0))
         mean3 = row_sum(tl.where(in_bounds, t1, 0.0)) / N
         sum1 = row_sum(tl.where(in_bounds, libdevice.exp(t1 - max0), 0.0))
-        tl.store(saved_ptr + rows * 4, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 4 + 2, tl.reshape(sum2, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 4 + 3, tl.reshape(mean3, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 4 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 4, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 4 + 2, tl.reshape(sum2, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 4 + 3, tl.reshape(mean3, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 4 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         t2 = max0 + tl.log(sum1)
         loss = tl.where(
             ignore_index == target, 0.0,
@@ -152,10 +152,10 @@ def cross_entropy_kernel(
                 )
                 sum1_tile += tl.where(in_bounds, libdevice.exp(t1 - max0), 0.0)
             sum1 = row_sum(sum1_tile)
-        tl.store(saved_ptr + rows * 4, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 4 + 2, tl.reshape(sum2, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 4 + 3, tl.reshape(mean3, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 4 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 4, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 4 + 2, tl.reshape(sum2, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 4 + 3, tl.reshape(mean3, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 4 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         t2 = max0 + tl.log(sum1)
         cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
         target = load_per_row(target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty)
@@ -182,7 +182,7 @@ def cross_entropy_backward_kernel(
     grad_loss_ptr, grad_loss_stride_m, grad_loss_stride_n,  # incoming gradient of loss
     grad_lse_ptr, grad_lse_stride_m, grad_lse_stride_n,  # incoming gradient of lse
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
-    saved_ptr,  # the forward's reductions, [M, reductions]
+    statistics_ptr,  # the forward's statistics, [M, statistics]
     M, N, M_BUCKET,
     ignore_index,
     label_smoothing: tl.float64,
@@ -212,8 +212,8 @@ def cross_entropy_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            max0 = tl.load(saved_ptr + rows * 4, mask=rows < M, other=0.0)[:, None]
-            sum1 = tl.load(saved_ptr + rows * 4 + 1, mask=rows < M, other=0.0)[:, None]
+            max0 = tl.load(statistics_ptr + rows * 4, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(statistics_ptr + rows * 4 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = tl.where(softcap > 0, 1.0 / softcap, 1.0)
             t5 = 1.0 / row_width
             t7 = 1.0 / sum1
@@ -246,8 +246,8 @@ def cross_entropy_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            max0 = tl.load(saved_ptr + rows * 4, mask=rows < M, other=0.0)[:, None]
-            sum1 = tl.load(saved_ptr + rows * 4 + 1, mask=rows < M, other=0.0)[:, None]
+            max0 = tl.load(statistics_ptr + rows * 4, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(statistics_ptr + rows * 4 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = tl.where(softcap > 0, 1.0 / softcap, 1.0)
             t5 = 1.0 / row_width
             t7 = 1.0 / sum1

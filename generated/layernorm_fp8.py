@@ -38,7 +38,7 @@ def layernorm_fp8_kernel(
     bias_ptr, bias_stride_m, bias_stride_n,  # bias [N], as [M, N]
     q_ptr,  # q, contiguous [M, N]
     scale_ptr,  # scale, contiguous [M, 1]
-    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
+    statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps: tl.float64,
@@ -60,13 +60,13 @@ def layernorm_fp8_kernel(
         )
         bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
         mean0 = row_sum(tl.where(in_bounds, x, 0.0)) / N
-        tl.store(saved_ptr + rows * 3, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 3, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t0 = x - mean0
         mean1 = row_sum(tl.where(in_bounds, t0 * t0, 0.0)) / N
-        tl.store(saved_ptr + rows * 3 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 3 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         t1 = bias + rsqrt_rn(eps + mean1) * t0 * weight
         max2 = row_max(tl.where(in_bounds, tl.abs(t1), -float("inf")))
-        tl.store(saved_ptr + rows * 3 + 2, tl.reshape(max2, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 3 + 2, tl.reshape(max2, (BLOCK_M,)), mask=rows < M)
         t2 = maximum(max2, 1e-12)
         q = minimum(maximum(448.0 * t1 / t2, -448.0), 448.0)
         scale = 0.002232142857142857 * t2
@@ -82,7 +82,7 @@ def layernorm_fp8_kernel(
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             mean0_tile += tl.where(in_bounds, x, 0.0)
         mean0 = row_sum(mean0_tile) / N
-        tl.store(saved_ptr + rows * 3, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 3, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -90,7 +90,7 @@ def layernorm_fp8_kernel(
             t0 = x - mean0
             mean1_tile += tl.where(in_bounds, t0 * t0, 0.0)
         mean1 = row_sum(mean1_tile) / N
-        tl.store(saved_ptr + rows * 3 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 3 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         max2_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -103,7 +103,7 @@ def layernorm_fp8_kernel(
             t1 = bias + rsqrt_rn(eps + mean1) * t0 * weight
             max2_tile = maximum(max2_tile, tl.where(in_bounds, tl.abs(t1), -float("inf")))
         max2 = row_max(max2_tile)
-        tl.store(saved_ptr + rows * 3 + 2, tl.reshape(max2, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 3 + 2, tl.reshape(max2, (BLOCK_M,)), mask=rows < M)
         t2 = maximum(max2, 1e-12)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -129,7 +129,7 @@ def layernorm_fp8_kernel(
 def layernorm_fp8_backward_kernel(
     grad_q_ptr, grad_q_stride_m, grad_q_stride_n,  # incoming gradient of q
     grad_scale_ptr, grad_scale_stride_m, grad_scale_stride_n,  # incoming gradient of scale
-    saved_ptr,  # the forward's reductions, [M, reductions]
+    statistics_ptr,  # the forward's statistics, [M, statistics]
     M, N, M_BUCKET,
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31

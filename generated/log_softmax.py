@@ -11,8 +11,8 @@ Outputs: y [..., N]
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions and writes every input gradient in one pass. Saved for it: the inputs and
-each row's reductions (fp32, [..., reductions]), nothing else.
+per-row statistics and writes every input gradient in one pass. Saved for it: the inputs and
+each row's statistics (fp32, [..., statistics]), nothing else.
 
 As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
 gradient sums, inplace_backward, `reference` and `eager`.
@@ -37,7 +37,7 @@ __all__ = ["log_softmax", "LogSoftmax", "reference", "eager"]
 def log_softmax_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
-    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
+    statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -54,8 +54,8 @@ def log_softmax_kernel(
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         max0 = row_max(tl.where(in_bounds, x, -float("inf")))
         sum1 = row_sum(tl.where(in_bounds, libdevice.exp(x - max0), 0.0))
-        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         t0 = max0 - x
         y = -t0 - tl.log(sum1)
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
@@ -85,8 +85,8 @@ def log_softmax_kernel(
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
                 sum1_tile += tl.where(in_bounds, libdevice.exp(x - max0), 0.0)
             sum1 = row_sum(sum1_tile)
-        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -101,7 +101,7 @@ def log_softmax_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
-    saved_ptr,  # the forward's reductions, [M, reductions]
+    statistics_ptr,  # the forward's statistics, [M, statistics]
     M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
@@ -121,8 +121,8 @@ def log_softmax_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            max0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
-            sum1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
+            max0 = tl.load(statistics_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
@@ -138,8 +138,8 @@ def log_softmax_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            max0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
-            sum1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
+            max0 = tl.load(statistics_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             grad_sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)

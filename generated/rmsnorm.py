@@ -12,8 +12,8 @@ Param eps: float ≥ 0.0, default 1e-06 (runtime: no recompilation).
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions and writes every input gradient in one pass. Saved for it: the inputs and
-each row's reductions (fp32, [..., reductions]), nothing else.
+per-row statistics and writes every input gradient in one pass. Saved for it: the inputs and
+each row's statistics (fp32, [..., statistics]), nothing else.
 
 As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
 gradient sums, inplace_backward, `reference` and `eager`.
@@ -38,7 +38,7 @@ def rmsnorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     weight_ptr, weight_stride_m, weight_stride_n,  # weight [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
-    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
+    statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps: tl.float64,
@@ -59,7 +59,7 @@ def rmsnorm_kernel(
             weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
         )
         mean0 = row_sum(tl.where(in_bounds, x * x, 0.0)) / N
-        tl.store(saved_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         y = rsqrt_rn(eps + mean0) * weight * x
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
     else:
@@ -69,7 +69,7 @@ def rmsnorm_kernel(
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             mean0_tile += tl.where(in_bounds, x * x, 0.0)
         mean0 = row_sum(mean0_tile) / N
-        tl.store(saved_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -88,7 +88,7 @@ def rmsnorm_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
-    saved_ptr,  # the forward's reductions, [M, reductions]
+    statistics_ptr,  # the forward's statistics, [M, statistics]
     M, N, M_BUCKET,
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -115,7 +115,7 @@ def rmsnorm_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            mean0 = tl.load(saved_ptr + rows, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(statistics_ptr + rows, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             weight = load_tile(
@@ -146,7 +146,7 @@ def rmsnorm_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            mean0 = tl.load(saved_ptr + rows, mask=rows < M, other=0.0)[:, None]
+            mean0 = tl.load(statistics_ptr + rows, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
             grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):

@@ -37,7 +37,7 @@ def rmsnorm_fp8_kernel(
     weight_ptr, weight_stride_m, weight_stride_n,  # weight [N], as [M, N]
     q_ptr,  # q, contiguous [M, N]
     scale_ptr,  # scale, contiguous [M, 1]
-    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
+    statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps: tl.float64,
@@ -58,11 +58,11 @@ def rmsnorm_fp8_kernel(
             weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
         )
         mean0 = row_sum(tl.where(in_bounds, x * x, 0.0)) / N
-        tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = sqrt_rn(eps + mean0)
         t0 = weight * x
         max1 = row_max(tl.where(in_bounds, tl.abs(t0) / tl.abs(t1), -float("inf")))
-        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(max1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(max1, (BLOCK_M,)), mask=rows < M)
         t2 = maximum(max1, 1e-12)
         q = minimum(maximum(448.0 * t0 / (t1 * t2), -448.0), 448.0)
         scale = 0.002232142857142857 * t2
@@ -78,7 +78,7 @@ def rmsnorm_fp8_kernel(
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             mean0_tile += tl.where(in_bounds, x * x, 0.0)
         mean0 = row_sum(mean0_tile) / N
-        tl.store(saved_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = sqrt_rn(eps + mean0)
         max1_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
         for first_col in range(0, N, BLOCK_N):
@@ -92,7 +92,7 @@ def rmsnorm_fp8_kernel(
                 max1_tile, tl.where(in_bounds, tl.abs(t0) / tl.abs(t1), -float("inf"))
             )
         max1 = row_max(max1_tile)
-        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(max1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(max1, (BLOCK_M,)), mask=rows < M)
         t2 = maximum(max1, 1e-12)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -116,7 +116,7 @@ def rmsnorm_fp8_kernel(
 def rmsnorm_fp8_backward_kernel(
     grad_q_ptr, grad_q_stride_m, grad_q_stride_n,  # incoming gradient of q
     grad_scale_ptr, grad_scale_stride_m, grad_scale_stride_n,  # incoming gradient of scale
-    saved_ptr,  # the forward's reductions, [M, reductions]
+    statistics_ptr,  # the forward's statistics, [M, statistics]
     M, N, M_BUCKET,
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31

@@ -17,9 +17,9 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
 once and reduced in registers, a wider one is swept once per level of nested reductions.
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
-per-row reductions, draws the dropout masks again from the seed and writes every input
-gradient in one pass. Saved for it: the inputs, the seed tensor and each row's reductions
-(fp32, [..., reductions]), nothing else.
+per-row statistics, draws the dropout masks again from the seed and writes every input
+gradient in one pass. Saved for it: the inputs, the seed tensor and each row's statistics
+(fp32, [..., statistics]), nothing else.
 
 As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
 gradient sums, inplace_backward, `reference` and `eager`.
@@ -46,7 +46,7 @@ def scaled_masked_softmax_dropout_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     mask_ptr, mask_stride_m, mask_stride_n,  # mask [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
-    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
+    statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     scale: tl.float64,
@@ -81,8 +81,8 @@ def scaled_masked_softmax_dropout_kernel(
         t0 = mask + scale * x
         max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
         sum1 = row_sum(tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0))
-        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         t1 = libdevice.exp(t0 - max0)
         y = dropout_mask0 * t1 / sum1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
@@ -124,8 +124,8 @@ def scaled_masked_softmax_dropout_kernel(
                 t0 = mask + scale * x
                 sum1_tile += tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0)
             sum1 = row_sum(sum1_tile)
-        tl.store(saved_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
-        tl.store(saved_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -148,7 +148,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_mask_ptr,  # gradient of mask: [M, N]; with SUM_GRAD_MASK, column sums [programs, N]
-    saved_ptr,  # the forward's reductions, [M, reductions]
+    statistics_ptr,  # the forward's statistics, [M, statistics]
     M, N, M_BUCKET,
     scale: tl.float64,
     dropout_threshold_p, dropout_scale_p: tl.float64,
@@ -181,8 +181,8 @@ def scaled_masked_softmax_dropout_backward_kernel(
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            max0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
-            sum1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
+            max0 = tl.load(statistics_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
             grad_y = load_tile(
@@ -213,8 +213,8 @@ def scaled_masked_softmax_dropout_backward_kernel(
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
             # The program's row of column sums is read back below: every thread's writes first.
             tl.debug_barrier()
-            max0 = tl.load(saved_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
-            sum1 = tl.load(saved_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
+            max0 = tl.load(statistics_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
+            sum1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             grad_sum1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)

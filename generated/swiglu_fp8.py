@@ -35,7 +35,7 @@ def swiglu_fp8_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., 2N], as [M, 2 * N]
     q_ptr,  # q, contiguous [M, N]
     scale_ptr,  # scale, contiguous [M, 1]
-    saved_ptr,  # [M, reductions]: each row's reductions, kept for the backward
+    statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -52,7 +52,7 @@ def swiglu_fp8_kernel(
         x_chunk1 = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols + N, in_bounds, compute)
         t0 = tl.sigmoid(x_chunk0) * x_chunk0 * x_chunk1
         max0 = row_max(tl.where(in_bounds, tl.abs(t0), -float("inf")))
-        tl.store(saved_ptr + rows, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         t1 = maximum(max0, 1e-12)
         q = minimum(maximum(448.0 * t0 / t1, -448.0), 448.0)
         scale = 0.002232142857142857 * t1
@@ -70,7 +70,7 @@ def swiglu_fp8_kernel(
             t0 = tl.sigmoid(x_chunk0) * x_chunk0 * x_chunk1
             max0_tile = maximum(max0_tile, tl.where(in_bounds, tl.abs(t0), -float("inf")))
         max0 = row_max(max0_tile)
-        tl.store(saved_ptr + rows, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
+        tl.store(statistics_ptr + rows, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         t1 = maximum(max0, 1e-12)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -92,7 +92,7 @@ def swiglu_fp8_kernel(
 def swiglu_fp8_backward_kernel(
     grad_q_ptr, grad_q_stride_m, grad_q_stride_n,  # incoming gradient of q
     grad_scale_ptr, grad_scale_stride_m, grad_scale_stride_n,  # incoming gradient of scale
-    saved_ptr,  # the forward's reductions, [M, reductions]
+    statistics_ptr,  # the forward's statistics, [M, statistics]
     M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,

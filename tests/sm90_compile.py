@@ -99,7 +99,7 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
             # Gradient sums are buffers in the accumulation type (an input's own gradient
             # may be written in full, in its dtype, when only the other flag applies).
             sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
-        elif name == "saved_ptr":  # a row op's per-row reductions: in the compute type, as the runtime keeps them
+        elif name == "statistics_ptr":  # a row op's per-row statistics: in the compute type, as the runtime keeps them
             sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
         elif name in ("seed_ptr", "shard_ptr"):  # dropout's seed, and a shard's place: int64s on the device
             sig[name] = "*i64"

@@ -166,9 +166,9 @@ class _OnlyBackward:
     def __init__(self, real, log):
         self._real, self._log = real, log
 
-    def __call__(self, tensors, grads, seed, saved, in_place=False):
+    def __call__(self, tensors, grads, seed, statistics, in_place=False):
         self._log.calls.append("prepared_backward")
-        return self._real(tensors, grads, seed, saved, in_place)
+        return self._real(tensors, grads, seed, statistics, in_place)
 
     def native_form(self):
         return self._real.native_form()
@@ -184,13 +184,13 @@ class _OnlyBound:
         self._log.calls.append("check_device")
         self._real.check_device(device)
 
-    def forward(self, call, tensors, outputs, seed, *, saved=None, traced=False):
+    def forward(self, call, tensors, outputs, seed, *, statistics=None, traced=False):
         self._log.calls.append("forward")
-        self._real.forward(call, tensors, outputs, seed, saved=saved, traced=traced)
+        self._real.forward(call, tensors, outputs, seed, statistics=statistics, traced=traced)
 
-    def backward(self, call, tensors, grads, needs, seed, *, saved=None, traced=False):
+    def backward(self, call, tensors, grads, needs, seed, *, statistics=None, traced=False):
         self._log.calls.append("backward")
-        return self._real.backward(call, tensors, grads, needs, seed, saved=saved, traced=traced)
+        return self._real.backward(call, tensors, grads, needs, seed, statistics=statistics, traced=traced)
 
     def prepare_forward(self, call, tensors):
         self._log.calls.append("prepare_forward")
@@ -254,14 +254,14 @@ def test_only_the_protocols_drive_an_ops_calls(name, monkeypatch, device):
     log.calls.clear()
     plain = _args(name, device)
     out = torch.empty_like(y)
-    outputs, seed, saved = op.forward(plain, out=out)
+    outputs, seed, statistics = op.forward(plain, out=out)
     torch.testing.assert_close(out, y_real.detach())
 
     class Sub(torch.Tensor):
         pass
 
     needs = [True] * len(op.inputs)
-    got = op.backward_kernels((grad.as_subclass(Sub),), plain, seed, needs, saved)
+    got = op.backward_kernels((grad.as_subclass(Sub),), plain, seed, needs, statistics)
     for g, w in zip(got, want):
         torch.testing.assert_close(torch.Tensor(g) if isinstance(g, Sub) else g, w)
     assert {"forward", "backward"} <= set(log.calls)

@@ -138,7 +138,7 @@ def test_a_simple_op_is_a_short_module_with_no_dropout_plumbing():
 def test_row_kernels_reduce_through_helpers_as_a_person_would_write_them():
     """softmax's looped forward (issue 29): the running max is max0 itself, not a copy made
     after the loop; the online sum rescaled, then added, as two statements; a row's sum is
-    kernel_lib.row_sum, as its max is row_max; one saved reduction indexed as rows, not rows * 1."""
+    kernel_lib.row_sum, as its max is row_max; one statistic indexed as rows, not rows * 1."""
     text = _generated()["softmax"]
     assert "_running" not in text and "max0 = max0\n" not in text
     assert "                max0 = maximum(max0, row_max(tl.where(in_bounds, x, -float(\"inf\"))))\n" in text
@@ -148,7 +148,7 @@ def test_row_kernels_reduce_through_helpers_as_a_person_would_write_them():
     ) in text
     assert "            sum1 = row_sum(sum1_tile)\n" in text
     assert all("keep_dims=True" not in module.split("def _reference")[0] for module in _generated().values())
-    assert "saved_ptr + rows * 1" not in _generated()["rmsnorm"]
+    assert "statistics_ptr + rows * 1" not in _generated()["rmsnorm"]
 
 
 def test_irrational_constants_say_what_they_are():

@@ -77,7 +77,8 @@ _DYNAMIC = textwrap.dedent("""
         # What Triton's TTIR analysis finds on a GPU (here it has no target): the outputs
         # and gradient buffers are written, nothing else.
         return [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)
-                and (k in ("y_ptr", "h_ptr", "saved_ptr") or (k.startswith("grad_") and k[5:7] not in ("y_", "h_")))]
+                and (k in ("y_ptr", "h_ptr", "statistics_ptr")
+                     or (k.startswith("grad_") and k[5:7] not in ("y_", "h_")))]
 
     wrap.get_mutated_tensors = written
 
@@ -139,7 +140,7 @@ _SAME_ARGUMENTS = textwrap.dedent("""
         if "backward" in name:
             names = {f"grad_{i.name}_ptr" for i in op.inputs}
         else:
-            names = {f"{o}_ptr" for o in op.outputs} | {"saved_ptr"}
+            names = {f"{o}_ptr" for o in op.outputs} | {"statistics_ptr"}
         return [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k in names]
 
     wrap.get_mutated_tensors = written
@@ -180,16 +181,16 @@ _SAME_ARGUMENTS = textwrap.dedent("""
         call = op.check(args, needs_kernel=False)
         problem = call.problem
         outputs = [torch.empty(op.output_shape(problem, i), dtype=problem.out_dtype) for i in range(len(op.outputs))]
-        saved = torch.empty(op.saved_shape(problem), dtype=problem.compute_dtype) if op.statistics else None
+        statistics = torch.empty(op.statistics_shape(problem), dtype=problem.compute_dtype) if op.statistics else None
         seed = torch.zeros(1, dtype=torch.int64) if call.has_dropout else None
         prepared = op.kernels.prepare_forward(call, tensors)
-        values = (*tensors, *outputs, saved, seed)
+        values = (*tensors, *outputs, statistics, seed)
         want = {op.kernels.forward_kernel.fn.__name__: [
             shown(values[a.index]) if type(a) is launch.Slot else shown(a) for a in prepared._template]}
         needs = op.gradient_sources([t.requires_grad for t in tensors], tensors)[0]
         backward = op.kernels.prepare_backward(call, tensors, outputs, needs)
         buffers = [None if t is None else t.new_buffer() for t in backward._targets]
-        values = (*tensors, *outputs, *buffers, saved, seed)
+        values = (*tensors, *outputs, *buffers, statistics, seed)
         want[op.kernels.backward_kernel.fn.__name__] = [
             shown(values[a.index]) if type(a) is launch.Slot else shown(a) for a in backward._launch._template]
         return [f"{name} dynamic={dynamic} {kernel}: eager {args} traced {[shown(a) for a in recorded.get(kernel, [])]}"

@@ -484,15 +484,15 @@ def test_row_ops_with_dropout_under_cuda_graphs(name):
     with torch.cuda.stream(side):  # tune and compile outside the capture
         for _ in range(3):
             torch.autograd.grad(public(*leaves, *params), leaves, grad_y)
-            (y0,), seed0, saved0 = fused.forward(args, eager=False)
-            fused.backward_kernels((grad_y,), args, seed0, needs, saved0)
+            (y0,), seed0, statistics0 = fused.forward(args, eager=False)
+            fused.backward_kernels((grad_y,), args, seed0, needs, statistics0)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y_public = public(*leaves, *params)
         grads_public = torch.autograd.grad(y_public, leaves, grad_y)
-        (y,), seed, saved = fused.forward(args, eager=False)
-        grads = fused.backward_kernels((grad_y,), args, seed, needs, saved)
+        (y,), seed, statistics = fused.forward(args, eager=False)
+        grads = fused.backward_kernels((grad_y,), args, seed, needs, statistics)
     torch.cuda.synchronize()
 
     def replays(count):

@@ -1,7 +1,7 @@
 """The row kind: a program owns whole rows. Reductions along the row (the passes of a
 RowProgram, fusegen.rows), then each element of the outputs, or of each input's gradient.
 Its body is one RowBody each way; with dropout off its masks are 1. The forward keeps each
-row's reductions for the backward (`saved`, the op's statistics)."""
+row's reductions for the backward: the row's statistics (`RowProgram.statistics`)."""
 from __future__ import annotations
 
 from fusegen.body_text import statements
@@ -19,8 +19,8 @@ _TORCH_REDUCTIONS = {"sum": "torch.sum", "mean": "torch.mean", "max": "torch.ama
 
 class Row:
     name = "row"
-    recomputes = " and the forward's per-row reductions"
-    keeps = " and each row's reductions (fp32, [..., reductions])"
+    recomputes = " and the forward's per-row statistics"
+    keeps = " and each row's statistics (fp32, [..., statistics])"
 
     def matches(self, op: SimplifiedOp) -> bool:
         return isinstance(op.forward, RowProgram)
@@ -64,7 +64,7 @@ class Row:
         return frozenset(found)
 
     def statistics(self, plan: OpPlan) -> int:
-        return len(plan.forward.body.saved)
+        return len(plan.forward.body.statistics)
 
     def reference(self, plan: OpPlan, printer: TorchPrinter) -> ReferenceBody:
         """One body; with dropout off its masks are 1, as in the kernel."""

@@ -8,9 +8,9 @@ ways): a backend may have more (the Triton one takes a `tile` for tests), and th
 relies on nothing else.
 
 Tensors are in the op's orders: `tensors` its inputs, `outputs` and `grads` one per output,
-`needs` a flag per input. `seed` is the seed tensor (None without dropout); `saved` the
-[M, statistics] buffer the forward writes each row's reductions to and the backward reads
-(None where `statistics` is 0).
+`needs` a flag per input. `seed` is the seed tensor (None without dropout); `statistics`
+the [M, statistics] buffer the forward writes each row's statistics to and the backward
+reads (None where `BackendKernels.statistics` is 0).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class PreparedForward(Protocol):
     and called for each call of that kind with new tensors; it holds no tensor between calls."""
 
     def __call__(self, values: tuple) -> None:
-        """Launch on `(*tensors, *outputs, saved, seed)`, writing the outputs (and `saved`)."""
+        """Launch on `(*tensors, *outputs, statistics, seed)`, writing the outputs (and `statistics`)."""
 
     def native_form(self) -> tuple | None:
         """This launch as the C++ eager call takes it (runtime.native, csrc/eager_call.cpp),
@@ -41,7 +41,7 @@ class PreparedBackward(Protocol):
     (`BoundKernels.prepare_backward`), made once and called per backward of that kind."""
 
     def __call__(self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], seed: torch.Tensor | None,
-                 saved: torch.Tensor | None, in_place: bool = False) -> list[torch.Tensor]:
+                 statistics: torch.Tensor | None, in_place: bool = False) -> list[torch.Tensor]:
         """The gradients of the inputs it was prepared for, in input order; `in_place`: an
         input's own memory may take its gradient where that is safe for the call."""
 
@@ -62,12 +62,12 @@ class BoundKernels(Protocol):
         """Raise a FusegenArgumentError if the kernels cannot run on `device` (called off CUDA only)."""
 
     def forward(self, call: Call, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                seed: torch.Tensor | None, *, saved: torch.Tensor | None = None, traced: bool = False) -> None:
-        """Launch the forward once for `call`, writing `outputs` (and `saved`); `traced`: the
+                seed: torch.Tensor | None, *, statistics: torch.Tensor | None = None, traced: bool = False) -> None:
+        """Launch the forward once for `call`, writing `outputs` (and `statistics`); `traced`: the
         tensors are a traced graph's (fake) and the launch is to be recorded in it."""
 
     def backward(self, call: Call, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                 needs: Sequence[bool], seed: torch.Tensor | None, *, saved: torch.Tensor | None = None,
+                 needs: Sequence[bool], seed: torch.Tensor | None, *, statistics: torch.Tensor | None = None,
                  traced: bool = False) -> list[torch.Tensor]:
         """Launch the backward once: the gradients of the inputs flagged in `needs` (all of
         them among `BackendKernels.gradients`), in input order, each in new memory."""
@@ -88,8 +88,8 @@ class BackendKernels(Protocol):
     """The inputs (by spec name) whose gradients the backward kernel computes."""
 
     statistics: int
-    """Values per row the forward keeps for the backward (`saved`, [M, statistics] in the
-    compute dtype); 0 for none."""
+    """Values per row the forward keeps for the backward (the `statistics` buffer, [M, statistics]
+    in the compute dtype); 0 for none."""
 
     def bind(self, op: FusedOp) -> BoundKernels:
         """These kernels for `op`, whose inputs, params and outputs fix their arguments."""

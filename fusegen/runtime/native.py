@@ -298,10 +298,10 @@ def forget_calls() -> None:
     _ops_with_calls.clear()
 
 
-def register_call(calls, args: tuple, device: int, outputs: list, saved, launch: tuple, prepared, seed):
+def register_call(calls, args: tuple, device: int, outputs: list, statistics, launch: tuple, prepared, seed):
     """Registers the kind of call `args` is with `calls` (see csrc/eager_call.cpp); its C++ half (Prepared),
     to register backwards with, or None."""
-    return _state.module.register_call(calls, args, device, outputs, saved, launch, prepared, seed)
+    return _state.module.register_call(calls, args, device, outputs, statistics, launch, prepared, seed)
 
 
 def register_backward(prepared, needs: tuple, grads: tuple, launch: tuple | None, targets: list, sources: list) -> None:

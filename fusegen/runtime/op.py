@@ -50,7 +50,7 @@ class FusedOp:
     runtime.backend.BackendKernels (the Triton backend's: fusegen.backends.triton.launch.Kernels);
     `self.kernels` is them bound to this op (runtime.backend.BoundKernels), and those
     Protocols are all the op uses of them. `kernels.statistics` is how many values per row
-    the forward keeps for the backward (row reductions: the `saved` buffer, [M, statistics]
+    the forward keeps for the backward (each row's statistics: the `statistics` buffer, [M, statistics]
     in the compute dtype), 0 for none."""
 
     def __init__(
@@ -300,16 +300,16 @@ class FusedOp:
         else:
             outputs = [output_buffer(self.name, out, i, count, problem, tensors, self.output_shape(problem, i),
                                      self.output_dtype(problem, i)) for i in range(count)]
-        saved = None
+        statistics = None
         if self.statistics:
-            saved = torch.empty(self.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
+            statistics = torch.empty(self.statistics_shape(problem), dtype=problem.compute_dtype, device=problem.device)
         if traced:
-            self.kernels.forward(call, tensors, outputs, seed, saved=saved, traced=True)
+            self.kernels.forward(call, tensors, outputs, seed, statistics=statistics, traced=True)
         elif problem.launches:  # not without elements, nor without data (meta or fake tensors)
-            self.kernels.forward(call, tensors, outputs, seed, saved=saved)
-        return (outputs if out is None else write_out(out, tuple(outputs))), seed, saved
+            self.kernels.forward(call, tensors, outputs, seed, statistics=statistics)
+        return (outputs if out is None else write_out(out, tuple(outputs))), seed, statistics
 
-    def saved_shape(self, problem: Problem) -> tuple:
+    def statistics_shape(self, problem: Problem) -> tuple:
         """The row statistics kept for the backward: [..., statistics], one row per output row
         (laid out as [M, statistics]; shaped so that a DTensor shard of the rows is one too)."""
         return (*problem.shape[:-1], self.statistics)
@@ -328,7 +328,7 @@ class FusedOp:
         """The output's declared dtype, else the float inputs' (problem.out_dtype)."""
         return self._output_dtypes[index] or problem.out_dtype
 
-    def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], saved=None,
+    def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], statistics=None,
                  prepared: PreparedCall | None = None, in_place: bool = False) -> list:
         """Every input's gradient (None where not needed) from the outputs' gradients.
         `prepared`: the forward's kind of call, when it had one; `in_place`: inputs' memory
@@ -341,12 +341,13 @@ class FusedOp:
             # and functional tensors are Tensor subclasses), and under create_graph, where
             # its autograd (which refuses double backward) must be recorded.
             if type(grads[0]) is torch.Tensor and not torch.is_grad_enabled():
-                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs, saved, prepared, in_place))
+                kernel_grads = iter(self.backward_kernels(grads, args, seed, kernel_needs, statistics, prepared,
+                                                          in_place))
             else:
                 count = len(self.inputs) + len(self.params)
                 # The forward's seed tensor replaces its seed argument; training stays.
                 extra = (args[count], seed) if self.has_dropout else ()
-                extra += (saved,) if self.statistics else ()
+                extra += (statistics,) if self.statistics else ()
                 params = args[len(self.inputs):count]
                 kernel_grads = iter(self._backward_op(list(grads), list(tensors), *params, *extra, kernel_needs))
         results = []
@@ -377,17 +378,17 @@ class FusedOp:
                     kernel_needs[i], sources[i] = False, ("input", source)
         return kernel_needs, sources
 
-    def backward_kernels(self, grads, args, seed, needs, saved=None, prepared: PreparedCall | None = None,
+    def backward_kernels(self, grads, args, seed, needs, statistics=None, prepared: PreparedCall | None = None,
                          in_place: bool = False, shard=None, traced: bool = False) -> list:
         """Launch the backward kernel: the gradients of the inputs flagged in `needs`.
         `traced`: as for forward."""
         tensors = args[: len(self.inputs)]
         if traced:
             call = self.check(args, needs_kernel=True, shard=shard)
-            return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved, traced=True)
+            return self.kernels.backward(call, tensors, grads, needs, seed, statistics=statistics, traced=True)
         if shard is not None:
             call = self.check(args, needs_kernel=True, shard=shard)
-            return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved)
+            return self.kernels.backward(call, tensors, grads, needs, seed, statistics=statistics)
         if prepared is None:
             prepared = self.prepare(args)
         if prepared is not None:
@@ -395,9 +396,9 @@ class FusedOp:
                 if type(g) is not torch.Tensor:  # e.g. a tensor subclass: the full path
                     break
             else:
-                return prepared.backward(grads, tensors, seed, needs, saved, in_place)
+                return prepared.backward(grads, tensors, seed, needs, statistics, in_place)
         call = self.check(args, needs_kernel=True)
-        return self.kernels.backward(call, tensors, grads, needs, seed, saved=saved)
+        return self.kernels.backward(call, tensors, grads, needs, seed, statistics=statistics)
 
     # -- the eager reference ----------------------------------------------------------
 
@@ -457,9 +458,9 @@ class _Autograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op: FusedOp, prepared: PreparedCall | None, in_place: bool, *args):
-        outputs, seed, saved = op.forward(args) if prepared is None else prepared.forward(args)
+        outputs, seed, statistics = op.forward(args) if prepared is None else prepared.forward(args)
         count = op._n_inputs
-        ctx.save_for_backward(*args[:count], *(() if saved is None else (saved,)))
+        ctx.save_for_backward(*args[:count], *(() if statistics is None else (statistics,)))
         ctx.op, ctx.prepared, ctx.in_place, ctx.params, ctx.seed = op, prepared, in_place, args[count:], seed
         ctx.set_materialize_grads(False)
         if op._no_gradient:
@@ -471,7 +472,7 @@ class _Autograd(torch.autograd.Function):
         op = ctx.op
         count = op._n_inputs
         needs = ctx.needs_input_grad[3:3 + count]  # after the op, prepared and in_place arguments
-        tensors, saved = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
+        tensors, statistics = ctx.saved_tensors[:count], ctx.saved_tensors[count:]
         in_place = ctx.in_place
         if in_place:
             # Only the gradients this backward asks for (autograd.grad of some inputs): an
@@ -481,8 +482,8 @@ class _Autograd(torch.autograd.Function):
             # the engine) the gradient is computed, into new memory: nothing is written in
             # place unless every such input is a leaf, which is never written in place.
             in_place = all(k or t.is_leaf for k, t in zip(known, tensors))
-        saved = saved[0] if saved else None
-        gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, saved, ctx.prepared, in_place)
+        statistics = statistics[0] if statistics else None
+        gradients = _gradients(op, grads, tensors, ctx.params, ctx.seed, needs, statistics, ctx.prepared, in_place)
         return (None, None, None, *gradients)
 
 
@@ -529,14 +530,14 @@ def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, 
             grad_mode = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
             try:
-                outputs, seed, saved = prepared.forward(args)
+                outputs, seed, statistics = prepared.forward(args)
             finally:
                 torch._C._set_grad_enabled(grad_mode)
             count = op._n_inputs
             tensors = args[:count]
             state = (op, prepared, in_place, args[count:], seed)
             if attach(_native_backward, state, op._node_name, tensors, outputs,
-                      tensors if saved is None else (*tensors, saved)):
+                      tensors if statistics is None else (*tensors, statistics)):
                 return tuple(outputs)
             # An input with a forward-mode gradient (none reach here: __call__ runs the
             # reference for them): the Python Function, which raises for want of a jvp.
@@ -630,7 +631,7 @@ def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> 
     return gradients
 
 
-def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, saved=None,
+def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, needs, statistics=None,
                prepared: PreparedCall | None = None, in_place: bool = False) -> tuple:
     """The backward shared by both autograd paths, one gradient per argument of the op: None
     stands for an output's zero gradient, and for every argument that is not a tensor."""
@@ -650,7 +651,7 @@ def _gradients(op: FusedOp, grads: tuple, tensors: tuple, params: tuple, seed, n
         lead, width = given[0].shape[:-1], given[0].shape[-1] // parts[first]
         grads = tuple(given[0].new_zeros((*lead, width * parts[j])) if g is None else g for j, g in enumerate(grads))
     grads = tuple(torch.zeros_like(given[0]) if g is None else g for g in grads)
-    input_grads = op.backward(grads, (*tensors, *params), seed, needs, saved, prepared, in_place)
+    input_grads = op.backward(grads, (*tensors, *params), seed, needs, statistics, prepared, in_place)
     return (*input_grads, *nothing[len(tensors):])
 
 
@@ -737,14 +738,15 @@ def _register_library_ops(op: FusedOp):
         _refuse_tangents(op, args)
         args, shard = _split_shard(args, count)
         # eager=False: a compiled graph may be captured.
-        outputs, seed, saved = op.forward(args, eager=False, shard=shard, traced=_traced(op, args[:len(op.inputs)]))
+        outputs, seed, statistics = op.forward(args, eager=False, shard=shard,
+                                               traced=_traced(op, args[:len(op.inputs)]))
         if single:
             return outputs[0]
         results = list(outputs)
         if op.has_dropout:
             results.append(seed_result(seed, outputs[0].device))
         if op.statistics:
-            results.append(saved)
+            results.append(statistics)
         return tuple(results)
 
     forward_op = _library_op(op.name, forward_impl, [*arguments, _SHARD_ARGUMENT], returns, traceable, tags)
@@ -756,9 +758,9 @@ def _register_library_ops(op: FusedOp):
         outputs = [torch.empty(op.output_shape(problem, i), dtype=op.output_dtype(problem, i), device=problem.device)
                    for i in range(len(op.outputs))]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
-        saved = [torch.empty(op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
-                 ] if op.statistics else []
-        return outputs[0] if single else (*outputs, *seed, *saved)
+        statistics = [torch.empty(op.statistics_shape(problem), dtype=problem.compute_dtype, device=problem.device)
+                      ] if op.statistics else []
+        return outputs[0] if single else (*outputs, *seed, *statistics)
 
     def setup_context(ctx, inputs, output):
         # An unused output's gradient stays None (not zeros): an input whose gradient reads
@@ -777,13 +779,15 @@ def _register_library_ops(op: FusedOp):
         count = len(op.inputs)
         tensors, extras = ctx.saved_tensors[:count], list(ctx.saved_tensors[count:])
         seed = extras.pop(0) if op.has_dropout else None
-        saved = extras.pop(0) if op.statistics else None
-        return _gradients(op, grads[: len(op.outputs)], tensors, ctx.params, seed, ctx.needs_input_grad[:count], saved)
+        statistics = extras.pop(0) if op.statistics else None
+        return _gradients(op, grads[: len(op.outputs)], tensors, ctx.params, seed, ctx.needs_input_grad[:count],
+                          statistics)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 
     # The backward op's own arguments start with '_', as spec names never do.
-    extra = (["bool training", "Tensor _seed"] if op.has_dropout else []) + (["Tensor _saved"] if op.statistics else [])
+    extra = ((["bool training", "Tensor _seed"] if op.has_dropout else [])
+             + (["Tensor _statistics"] if op.statistics else []))
     params = _schema_arguments(op)[len(op.inputs):]
     backward_arguments = ["Tensor[] _grads", "Tensor[] _inputs", *params, *extra, "bool[] _needs_grad"]
     backward_count = len(backward_arguments)
@@ -791,13 +795,13 @@ def _register_library_ops(op: FusedOp):
     def backward_impl(*args):
         args, shard = _split_shard(args, backward_count)
         grads, tensors, *params, needs = args
-        seed = saved = None
+        seed = statistics = None
         if op.statistics:
-            *params, saved = params
+            *params, statistics = params
         if op.has_dropout:
             *params, training, seed = params
             params = (*params, training, None)  # the seed argument: the tensor is passed on its own
-        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs, saved, shard=shard,
+        return op.backward_kernels(tuple(grads), (*tensors, *params), seed, needs, statistics, shard=shard,
                                    traced=_traced(op, (*grads, *tensors)))
 
     backward_op = _library_op(f"{op.name}_backward", backward_impl, [*backward_arguments, _SHARD_ARGUMENT],

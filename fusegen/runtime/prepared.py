@@ -57,7 +57,7 @@ class PreparedCall:
     """One kind of call to one op: its checked `Call`, output shapes, the forward kernel's
     launch and the backward's, by the kind of incoming gradient."""
 
-    __slots__ = ("op", "call", "_tensors", "_outputs", "_saved_shape", "_launch", "_backwards", "_offered",
+    __slots__ = ("op", "call", "_tensors", "_outputs", "_statistics_shape", "_launch", "_backwards", "_offered",
                  "_native_prepared", "_offered_backwards", "__weakref__")
 
     def __init__(self, op, call, tensors: tuple):
@@ -65,7 +65,7 @@ class PreparedCall:
         self.op, self.call = op, call
         self._tensors = len(tensors)
         self._outputs = [(op.output_shape(problem, i), op.output_dtype(problem, i)) for i in range(len(op.outputs))]
-        self._saved_shape = op.saved_shape(problem) if op.statistics else None
+        self._statistics_shape = op.statistics_shape(problem) if op.statistics else None
         self._launch: PreparedForward | None = op.kernels.prepare_forward(call, tensors) if problem.launches else None
         self._backwards: dict[tuple, PreparedBackward] = {}
         self._offered = False  # to the op's eager call in C++ (offer_native)
@@ -84,14 +84,14 @@ class PreparedCall:
         elif self.op.has_dropout and args[-1] is not None:
             check_seed(self.op.name, args[-1])  # never read without dropout, but checked as the full path does
         outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._outputs]
-        saved = None
-        if self._saved_shape is not None:
-            saved = torch.empty(self._saved_shape, dtype=problem.compute_dtype, device=device)
+        statistics = None
+        if self._statistics_shape is not None:
+            statistics = torch.empty(self._statistics_shape, dtype=problem.compute_dtype, device=device)
         if self._launch is not None:
-            self._launch((*args[:self._tensors], *outputs, saved, seed))
+            self._launch((*args[:self._tensors], *outputs, statistics, seed))
             if not self._offered and eager:
                 self.offer_native(args)
-        return outputs, seed, saved
+        return outputs, seed, statistics
 
     def offer_native(self, args: tuple) -> None:
         """Hand this kind of call, once launched, to the op's eager call in C++ (runtime.native,
@@ -105,10 +105,11 @@ class PreparedCall:
         problem = self.call.problem
         draw = functools.partial(_draw_seed, self.op.name, problem.device) if self.call.has_dropout else None
         outputs = self._outputs  # (shape, dtype) each: the C++ call allocates them so
-        saved = None if self._saved_shape is None else (self._saved_shape, problem.compute_dtype)
-        self._native_prepared = native.register_call(calls, args, problem.device.index, outputs, saved, form, self, draw)
+        statistics = None if self._statistics_shape is None else (self._statistics_shape, problem.compute_dtype)
+        self._native_prepared = native.register_call(calls, args, problem.device.index, outputs, statistics, form, self,
+                                                     draw)
 
-    def backward(self, grads: tuple, tensors: tuple, seed, needs, saved, in_place: bool = False) -> list:
+    def backward(self, grads: tuple, tensors: tuple, seed, needs, statistics, in_place: bool = False) -> list:
         """The backward kernel's gradients (inputs flagged in `needs`, in input order);
         `in_place`: into the inputs' own memory where that is safe."""
         key = _backward_key(needs, grads)
@@ -117,7 +118,7 @@ class PreparedCall:
             if len(self._backwards) >= CACHE_SIZE:
                 self._backwards.clear()
             prepared = self._backwards[key] = self.op.kernels.prepare_backward(self.call, tensors, grads, needs)
-        return prepared(tensors, grads, seed, saved, in_place)
+        return prepared(tensors, grads, seed, statistics, in_place)
 
     def offer_backward(self, needs, grads: tuple, tensors: tuple) -> None:
         """After a backward of this kind of call (not in place) ran through Python, hand its

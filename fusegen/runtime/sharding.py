@@ -319,11 +319,11 @@ def _register(op) -> None:
             results = list(results) if isinstance(results, (tuple, list)) else [results]
             outputs = results[:len(op._row_outputs)]
             seed = results[len(outputs)] if op.has_dropout else None
-            saved = results[-1] if op.statistics else None
+            statistics = results[-1] if op.statistics else None
         else:
             # Seeds drawn as an eager call on one device draws them (the same seed, given the
             # same generator state on every rank).
-            outputs, seed, saved = op.forward((*local, *rest), eager=True, shard=call.shard)
+            outputs, seed, statistics = op.forward((*local, *rest), eager=True, shard=call.shard)
         lead = call.shape[:-1]
         results = [_wrap(o, call, call.placements, (*lead, 1) if row else call.shape)
                    for o, row in zip(outputs, op._row_outputs)]
@@ -331,7 +331,7 @@ def _register(op) -> None:
             replicated = (Replicate(),) * call.mesh.ndim
             results.append(_wrap(seed_result(seed, outputs[0].device), call, replicated, (1,)))
         if op.statistics:
-            results.append(_wrap(saved, call, call.placements, (*lead, op.statistics)))
+            results.append(_wrap(statistics, call, call.placements, (*lead, op.statistics)))
         return results[0] if len(results) == 1 else tuple(results)
 
     def backward_rule(cls, func, types, args, kwargs):
@@ -342,19 +342,19 @@ def _register(op) -> None:
         local_grads = [_local(g, call.mesh, call.placements) for g in grads]
         params = rest[:len(op.params)]
         extra = rest[len(op.params):-1]
-        seed = saved = None
+        seed = statistics = None
         if op.has_dropout:
             training, seed = extra[0], _local(extra[1], call.mesh, (Replicate(),) * call.mesh.ndim)
             params = (*params, training, None)
             extra = extra[2:]
         if op.statistics:
-            saved = _local(extra[0], call.mesh, call.placements)
+            statistics = _local(extra[0], call.mesh, call.placements)
         if call.traced:
-            saved_args = ((training, seed) if op.has_dropout else ()) + ((saved,) if op.statistics else ())
+            saved_args = ((training, seed) if op.has_dropout else ()) + ((statistics,) if op.statistics else ())
             gradients = func(list(local_grads), list(local), *rest[:len(op.params)], *saved_args, needs,
                              _sizes(call.shard))
         else:
-            gradients = op.backward_kernels(tuple(local_grads), (*local, *params), seed, needs, saved,
+            gradients = op.backward_kernels(tuple(local_grads), (*local, *params), seed, needs, statistics,
                                             shard=call.shard)
         results = []
         for gradient, t, targets in zip(gradients, [t for t, n in zip(tensors, needs) if n],

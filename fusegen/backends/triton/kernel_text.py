@@ -106,10 +106,10 @@ def shared_arguments(plan: OpPlan, kernel: KernelPlan, names: TritonNames, forwa
     return arguments
 
 
-def backward_arguments(plan: OpPlan, names: TritonNames, row_sums: str, saved: list[str]) -> list[str]:
+def backward_arguments(plan: OpPlan, names: TritonNames, row_sums: str, statistics: list[str]) -> list[str]:
     """The backward's arguments up to ROWS_PER_PROGRAM: what it reads, the gradients it
-    writes (`row_sums`: the shape of a [..., 1] input's row sums), the `saved` arguments a
-    kind adds, M, N, M_BUCKET, the shared ones, and each gradient's flags."""
+    writes (`row_sums`: the shape of a [..., 1] input's row sums), the `statistics` arguments a
+    kind adds (the row kind's buffer), M, N, M_BUCKET, the shared ones, and each gradient's flags."""
     kernel = plan.backward
     arguments = [input_argument(i, names) for i in kernel.inputs]
     for (output, _), incoming in zip(plan.outputs, kernel.incoming):
@@ -120,7 +120,7 @@ def backward_arguments(plan: OpPlan, names: TritonNames, row_sums: str, saved: l
         pointer, sums = names.gradient_pointer[name], names.sums[name]
         more = f"; or row sums [{row_sums}]" if gradient.one_per_row else ""
         arguments.append(f"{pointer},  # gradient of {name}: [M, {width}]; with {sums}, column sums [programs, {width}]{more}")
-    arguments += saved
+    arguments += statistics
     arguments.append(f"{M}, {N}, {M_BUCKET},")
     arguments += shared_arguments(plan, kernel, names, forward=False)
     for gradient in kernel.gradients:

@@ -45,7 +45,7 @@ from .naming import (
     N,
     ONE_TILE,
     ROWS_PER_PROGRAM,
-    SAVED,
+    STATISTICS,
     SEED,
     SHARD,
     SHARDED,
@@ -218,7 +218,7 @@ def _sum_partials(target: GradTarget) -> Launch | None:
 
 class PreparedBackward:
     """The backward kernel's launch for one kind of call, and where it writes each gradient:
-    `prepared(tensors, grads, seed, saved)` gives the gradients of the inputs it was
+    `prepared(tensors, grads, seed, statistics)` gives the gradients of the inputs it was
     prepared for, in input order.
 
     `in_place`: an input's gradient may be written into the input's own memory (the
@@ -236,7 +236,7 @@ class PreparedBackward:
         self._sums = [_sum_partials(t) if launch is not None and not traced else None for t in targets]
         self._none_written = (False,) * len(targets)
 
-    def __call__(self, tensors, grads, seed, saved, in_place: bool = False) -> list[torch.Tensor]:
+    def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         # An input written in place is handed on detached: the same memory (and version
         # counter) as a gradient, without the input's own autograd history.
         written = [target is not None and self._writable(target, tensors[i], tensors, grads)
@@ -246,7 +246,7 @@ class PreparedBackward:
             for target, i, into in zip(self._targets, self._inputs, written)
         ]
         if self._launch is not None:
-            self._launch((*tensors, *grads, *buffers, saved, seed))
+            self._launch((*tensors, *grads, *buffers, statistics, seed))
         results = []
         for target, buffer, sums, into in zip(self._targets, buffers, self._sums, written):
             if target is None:
@@ -336,7 +336,7 @@ class _Bound:
                                  names("column_sums", name)) for name in kernels.gradients]
         # Two values of one name in a kernel would leave one out, unseen by the signature's check.
         common = [M, N, M_BUCKET, SEED, SHARD, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED, INDEX_64, COMPUTE_FP64,
-                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, SAVED, *self._scalar_names, *self._choice_names,
+                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, STATISTICS, *self._scalar_names, *self._choice_names,
                   *(name for pair in self._dropout_names for name in pair)]
         forward = [*common, *self._output_names, *(name for triple in self._input_names for name in triple)]
         backward = [*common, *(name for i in self._reads for name in self._input_names[i]),
@@ -353,21 +353,21 @@ class _Bound:
 
     # -- the calls that tests and the slow path make: prepare, then launch once ---------
 
-    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None,
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, statistics=None,
                 traced: bool = False) -> None:
         """`tile` (BLOCK_M, BLOCK_N): launch the kernel itself with that tile, not the
         autotuner (tests use it to check every tile computes the same). Pointwise kernels
-        keep nothing for the backward: `saved` is None. `traced`: the tensors are a traced
+        keep nothing for the backward: `statistics` is None. `traced`: the tensors are a traced
         graph's (fake): the launch is recorded in the graph (graph_launcher)."""
         if _launches(call.problem, traced):
-            self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, saved, seed))
+            self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, statistics, seed))
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None, saved=None, traced: bool = False) -> list[torch.Tensor]:
+                 rows_per_program: int | None = None, statistics=None, traced: bool = False) -> list[torch.Tensor]:
         """The gradients of the inputs flagged in `needs` (a flag per input), in input order,
         each in a new buffer."""
         prepared = self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program, traced)
-        return prepared(tensors, grads, seed, saved)
+        return prepared(tensors, grads, seed, statistics)
 
     # -- preparing: once per kind of call ------------------------------------------------
 
@@ -413,7 +413,7 @@ class _Bound:
 
     def _forward_args(self, call, tensors, traced: bool = False) -> tuple[dict, tuple]:
         """The forward's arguments up to COMPUTE_FP64, by name, with slots for the values
-        (*tensors, *outputs, saved, seed), and the copies among the views."""
+        (*tensors, *outputs, statistics, seed), and the copies among the views."""
         problem = call.problem
         count, outputs = len(tensors), len(self.op.outputs)
         args, copies, views = self._views(problem, tensors, self._chunks, range(count), self._input_names, traced)
@@ -427,14 +427,14 @@ class _Bound:
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         return args, tuple(copies)
 
-    def _extra_args(self, saved: int) -> dict:
+    def _extra_args(self, statistics_slot: int) -> dict:
         return {}  # pointwise kernels keep nothing for the backward
 
     def _index_64(self, problem, views) -> bool:
         return needs_int64(problem, views)
 
     def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False) -> Launch:
-        """The forward's launch for calls like this one: `launch((*tensors, *outputs, saved, seed))`."""
+        """The forward's launch for calls like this one: `launch((*tensors, *outputs, statistics, seed))`."""
         problem = call.problem
         m, n = problem.m, problem.n
         args, copies = self._forward_args(call, tensors, traced)
@@ -447,7 +447,7 @@ class _Bound:
 
     def _backward_args(self, call, tensors, grads, targets, traced: bool = False) -> tuple[dict, tuple]:
         """The backward's arguments but its tile, by name, with slots for the values
-        (*tensors, *grads, *gradient buffers, saved, seed)."""
+        (*tensors, *grads, *gradient buffers, statistics, seed)."""
         problem = call.problem
         count = len(tensors)
         reads = self._reads

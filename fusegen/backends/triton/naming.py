@@ -37,7 +37,7 @@ SEED, SHARD = "seed_ptr", "shard_ptr"
 HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED = "HAS_DROPOUT", "DROPOUT_WHOLE_GROUPS", "SHARDED"
 INDEX_64, COMPUTE_FP64 = "INDEX_64", "COMPUTE_FP64"
 ROWS_PER_PROGRAM, BLOCK_M, BLOCK_N = "ROWS_PER_PROGRAM", "BLOCK_M", "BLOCK_N"
-SAVED, ONE_TILE = "saved_ptr", "ONE_TILE"  # the row kernels' (row_kernel_text.py)
+STATISTICS, ONE_TILE = "statistics_ptr", "ONE_TILE"  # the row kernels' (row_kernel_text.py)
 
 
 # The parameters named for a spec's input, output or param: what each is wanted as, from

@@ -59,7 +59,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         f"{names.output_pointer[name]},  # {name}, contiguous [M, {'1' if name in plan.row_outputs else 'N'}]"
         for name, _ in plan.outputs
     ]
-    arguments.append(f"{naming.SAVED},  # [M, reductions]: each row's reductions, kept for the backward")
+    arguments.append(f"{naming.STATISTICS},  # [M, statistics]: each row's statistics, kept for the backward")
     arguments.append(f"{naming.M}, {naming.N},  # rows (all leading dims) and columns (the last dim, reduced along)")
     arguments.append(f"{naming.M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
@@ -96,7 +96,8 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
 
 def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.backward
-    arguments = backward_arguments(plan, names, "1, M", [f"{naming.SAVED},  # the forward's reductions, [M, reductions]"])
+    statistics = f"{naming.STATISTICS},  # the forward's statistics, [M, statistics]"
+    arguments = backward_arguments(plan, names, "1, M", [statistics])
     arguments.append(f"{naming.ROWS_PER_PROGRAM}: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums")
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
@@ -212,20 +213,20 @@ class _Program:
         ]
         return lines
 
-    def _saved_stores(self, reductions) -> list[str]:
-        """The forward keeps each reduction per row for the backward."""
-        places = {s.name: k for k, s in enumerate(self.body.saved)}
-        count = len(self.body.saved)
+    def _statistics_stores(self, reductions) -> list[str]:
+        """The forward keeps each reduction per row for the backward: the row's statistics."""
+        places = {s.name: k for k, s in enumerate(self.body.statistics)}
+        count = len(self.body.statistics)
         return [
-            f"tl.store({_saved_row(count, places[r.symbol.name])}, tl.reshape({r.symbol.name}, (BLOCK_M,)), mask=rows < M)"
+            f"tl.store({_statistics_row(count, places[r.symbol.name])}, tl.reshape({r.symbol.name}, (BLOCK_M,)), mask=rows < M)"
             for r in reductions if r.symbol.name in places
         ]
 
-    def _saved_loads(self) -> list[str]:
-        """The backward's reductions of the forward, as the forward computed them."""
-        count = len(self.plan.forward.body.saved)
+    def _statistics_loads(self) -> list[str]:
+        """The forward's statistics the backward reads, as the forward computed them."""
+        count = len(self.plan.forward.body.statistics)
         return [
-            f"{symbol.name} = tl.load({_saved_row(count, k)}, mask=rows < M, other=0.0)[:, None]"
+            f"{symbol.name} = tl.load({_statistics_row(count, k)}, mask=rows < M, other=0.0)[:, None]"
             for symbol, k in self.body.loaded
         ]
 
@@ -248,7 +249,7 @@ class _Program:
     def one_tile(self, stores: list[str], columns_set: bool = False) -> list[str]:
         body = self.body
         lines = [] if columns_set else ["cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)"]
-        lines += self._saved_loads() + self._assignments(body.row_values)
+        lines += self._statistics_loads() + self._assignments(body.row_values)
         every = [r.value for r in body.reductions] + [e for _, e in body.results]
         lines += self._loads(*self._reads(every), first_col="0")
         emitted: set = set()
@@ -257,7 +258,7 @@ class _Program:
             emitted |= {t for t, _ in p.temps}
             for r in p.reductions:
                 lines.append(f"{r.symbol.name} = {_reduce(r.kind, self._value(r))}")
-            lines += self._saved_stores(p.reductions)
+            lines += self._statistics_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += self._assignments([t for t in body.final_temps if t[0] not in emitted])
         lines += self._assignments(body.results, triton_constant)
@@ -292,13 +293,13 @@ class _Program:
 
     def looped(self, stores: list[str], before: list[str], after: list[str], per_row: bool = False) -> list[str]:
         body = self.body
-        lines = self._saved_loads() + self._assignments(body.row_values)
+        lines = self._statistics_loads() + self._assignments(body.row_values)
         for p in body.passes:
             if any(r.running is not None for r in p.reductions):
                 lines += ["if ONLINE:", *_indent(self._pass_loop(p)), "else:", *_indent(self._two_loops(p))]
             else:
                 lines += self._pass_loop(p)
-            lines += self._saved_stores(p.reductions)
+            lines += self._statistics_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += before
         exprs = [e for _, e in body.results]
@@ -376,7 +377,7 @@ def _named_reductions(body: RowBody) -> RowBody:
     return RowBody(
         body.row_values,
         tuple(RowPass(p.temps, p.reductions, tuple((t, e) for t, e in p.row_values if t != e)) for p in body.passes),
-        body.final_temps, body.results, body.saved, body.loaded,
+        body.final_temps, body.results, body.statistics, body.loaded,
     )
 
 
@@ -398,10 +399,10 @@ def _accumulate(kind: str, tile: str, value: str) -> str:
     return f"{tile} += {value}"
 
 
-def _saved_row(count: int, k: int) -> str:
-    """Reduction k of each row in the [M, count] buffer of saved reductions."""
+def _statistics_row(count: int, k: int) -> str:
+    """Statistic k of each row in the [M, count] statistics buffer."""
     rows = "rows" if count == 1 else f"rows * {count}"
-    return f"saved_ptr + {rows}" + (f" + {k}" if k else "")
+    return f"{naming.STATISTICS} + {rows}" + (f" + {k}" if k else "")
 
 
 def _looped_gradient_stores(gradient, names: TritonNames) -> list[str]:
@@ -434,5 +435,5 @@ KIND = TritonKind(
     modules=("row_launch", "row_tuning", "tuning"),
     doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
         "reduced in registers, a wider one is swept once per level of nested reductions.",
-    reserved=frozenset({"first_col", naming.ONE_TILE, naming.SAVED, "ONLINE"}),
+    reserved=frozenset({"first_col", naming.ONE_TILE, naming.STATISTICS, "ONLINE"}),
 )

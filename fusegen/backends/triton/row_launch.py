@@ -1,7 +1,7 @@
 """The row kind's launches: its kernels take the pointwise kind's arguments (launch.py's
 _Bound names and orders them), then BLOCK_N and ONE_TILE, and a grid over rows only. The
-forward also writes each row's reductions to `saved` ([M, statistics]), which the backward
-reads."""
+forward also writes each row's statistics (its reductions, [M, statistics]), which the
+backward reads."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +11,7 @@ from fusegen.runtime.views import INT32_LIMIT
 
 from . import row_tuning, tuning
 from .launch import Kernels, Launch, PreparedBackward, Slot, _Bound, _launches, _Tile
-from .naming import BLOCK_M, BLOCK_N, ONE_TILE, ROWS_PER_PROGRAM, SAVED
+from .naming import BLOCK_M, BLOCK_N, ONE_TILE, ROWS_PER_PROGRAM, STATISTICS
 
 
 class RowKernels(Kernels):
@@ -26,17 +26,17 @@ class _BoundRows(_Bound):
         super().__init__(kernels, op)
         self.statistics = kernels.statistics
 
-    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, saved=None,
+    def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, statistics=None,
                 traced: bool = False) -> None:
-        if saved is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
-            saved = self._saved_buffer(call.problem)
-        super().forward(call, tensors, outputs, seed, tile, saved, traced)
+        if statistics is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
+            statistics = self._statistics_buffer(call.problem)
+        super().forward(call, tensors, outputs, seed, tile, statistics, traced)
 
-    def _saved_buffer(self, problem) -> torch.Tensor:
-        return torch.empty(self.op.saved_shape(problem), dtype=problem.compute_dtype, device=problem.device)
+    def _statistics_buffer(self, problem) -> torch.Tensor:
+        return torch.empty(self.op.statistics_shape(problem), dtype=problem.compute_dtype, device=problem.device)
 
-    def _extra_args(self, saved: int) -> dict:
-        return {SAVED: Slot(saved)}  # each row's reductions, [M, statistics]
+    def _extra_args(self, statistics_slot: int) -> dict:
+        return {STATISTICS: Slot(statistics_slot)}  # each row's statistics, [M, statistics]
 
     def _index_64(self, problem, views) -> bool:
         """Some offset reaches 2**31: in a tensor, or in the [M, statistics] buffer."""
@@ -56,15 +56,15 @@ class _BoundRows(_Bound):
                       lambda meta: (tuning.cdiv(m, meta[BLOCK_M]),), args, copies)
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None, saved=None, traced: bool = False) -> list[torch.Tensor]:
+                 rows_per_program: int | None = None, statistics=None, traced: bool = False) -> list[torch.Tensor]:
         problem = call.problem
-        if saved is None and self.statistics and problem.launches:
+        if statistics is None and self.statistics and problem.launches:
             # No forward's statistics at hand (tests launching the kernel): a forward makes them.
-            saved = self._saved_buffer(problem)
+            statistics = self._statistics_buffer(problem)
             outputs = [torch.empty(self.op.output_shape(problem, i), dtype=self.op.output_dtype(problem, i),
                                    device=problem.device) for i in range(len(self.op.outputs))]
-            self.forward(call, tensors, outputs, seed, tile=tile, saved=saved)
-        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, saved, traced)
+            self.forward(call, tensors, outputs, seed, tile=tile, statistics=statistics)
+        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, statistics, traced)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
                          rows_per_program: int | None = None, traced: bool = False) -> PreparedBackward:

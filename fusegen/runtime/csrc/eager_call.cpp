@@ -161,7 +161,7 @@ struct Source {
 // The backward of one kind of call for one kind of incoming gradients.
 struct PreparedBackward {
   bool launches = false;  // any gradient the kernel's
-  Launch launch;  // values: *inputs, *grads, *buffers (one per target), saved, seed
+  Launch launch;  // values: *inputs, *grads, *buffers (one per target), statistics, seed
   std::vector<Target> targets;  // one per gradient the kernel computes
   std::vector<Source> sources;  // one per input, in order
 };
@@ -180,8 +180,8 @@ struct Hooks {
 struct Prepared {
   int device = 0;
   std::vector<Buffer> outputs;
-  bool has_saved = false;
-  Buffer saved;
+  bool has_statistics = false;
+  Buffer statistics;  // each row's, kept for the backward
   Launch launch;
   // The Python PreparedCall: the Python backward goes through it, and it holds the compiled
   // kernels whose handles the launches use.
@@ -588,7 +588,7 @@ struct FUSEGEN_HIDDEN PreparedNode : fusegen::FastBackward {
       for (const auto& buffer : buffers) {
         addresses[n++] = address(buffer);
       }
-      addresses[n++] = saved.size() > inputs ? address(saved[inputs]) : 0;
+      addresses[n++] = saved.size() > inputs ? address(saved[inputs]) : 0;  // the statistics, if kept
       addresses[n++] = address(seed_);
       ensure_context(prepared_->device);
       launch(b.launch, addresses, stream, prepared_->hooks->name);
@@ -711,9 +711,9 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   for (const Buffer& b : call.outputs) {
     outputs.push_back(at::empty(b.shape, options.dtype(b.dtype)));
   }
-  at::Tensor saved;
-  if (call.has_saved) {
-    saved = at::empty(call.saved.shape, options.dtype(call.saved.dtype));
+  at::Tensor statistics;
+  if (call.has_statistics) {
+    statistics = at::empty(call.statistics.shape, options.dtype(call.statistics.dtype));
   }
   pybind11::object seed = pybind11::none();
   at::Tensor seed_tensor;
@@ -723,7 +723,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     seed_tensor = THPVariable_Unpack(seed.ptr());
   }
 
-  // Addresses in the order of the Python path's values: *tensors, *outputs, saved, seed.
+  // Addresses in the order of the Python path's values: *tensors, *outputs, statistics, seed.
   uint64_t addresses[kMaxParams];
   size_t n = 0;
   for (const auto& t : tensors) {
@@ -732,7 +732,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   for (const auto& t : outputs) {
     addresses[n++] = address(t);
   }
-  addresses[n++] = address(saved);
+  addresses[n++] = address(statistics);
   addresses[n++] = address(seed_tensor);
   launch(call.launch, addresses, stream, call.hooks->name);
 
@@ -746,8 +746,8 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     pybind11::tuple state = pybind11::make_tuple(calls.op, call.python, pybind11::bool_(in_place), params, seed);
     torch::autograd::variable_list inputs(tensors.begin(), tensors.end());
     torch::autograd::variable_list kept(tensors.begin(), tensors.end());
-    if (saved.defined()) {
-      kept.push_back(saved);
+    if (statistics.defined()) {
+      kept.push_back(statistics);
     }
     std::shared_ptr<fusegen::FastBackward> fast;
     if (!in_place) {
@@ -863,11 +863,11 @@ struct PlanRef {
   std::weak_ptr<Prepared> call;
 };
 
-// Registers the kind of `args`: outputs [(shape, dtype)], saved (shape, dtype) or None, the
+// Registers the kind of `args`: outputs [(shape, dtype)], statistics (shape, dtype) or None, the
 // launch (launch_of), the PreparedCall and the seed drawer or None. Returns the call's
 // handle, or None where `args` is not a call this path would take.
 pybind11::object register_call(const pybind11::object& function, const pybind11::tuple& args, int device,
-                               const pybind11::list& outputs, const pybind11::object& saved,
+                               const pybind11::list& outputs, const pybind11::object& statistics,
                                const pybind11::tuple& launch_form, pybind11::object prepared, pybind11::object seed) {
   Calls& calls = calls_from(function);
   Key key;
@@ -885,10 +885,10 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
   if (static_cast<Py_ssize_t>(call->outputs.size()) != calls.outputs) {
     throw std::invalid_argument("fusegen: register_call: wrong number of outputs");
   }
-  if (!saved.is_none()) {
-    auto pair = saved.cast<pybind11::tuple>();
-    call->has_saved = true;
-    call->saved = buffer_of(pair[0], pair[1]);
+  if (!statistics.is_none()) {
+    auto pair = statistics.cast<pybind11::tuple>();
+    call->has_statistics = true;
+    call->statistics = buffer_of(pair[0], pair[1]);
   }
   call->launch = launch_of(launch_form, tensors.size() + call->outputs.size() + 2);
   call->python = std::move(prepared);
