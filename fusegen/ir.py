@@ -109,10 +109,10 @@ class Dropout:
 
 @dataclass(frozen=True)
 class Reduce:
-    """A row reduction: `kind` (sum, mean, max, min) of `value` over the last dim, one value
+    """A row reduction: `op` (sum, mean, max, min) of `value` over the last dim, one value
     per row, broadcast back along it (torch's keepdim=True)."""
 
-    kind: str
+    op: str
     value: "Expr"
 
 
@@ -609,7 +609,7 @@ def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, in
     if isinstance(e, Dropout):
         return f"dropout({_unparse(e.value, names)[0]}, {e.p})", _ATOM
     if isinstance(e, Reduce):
-        return f"{e.kind}({_unparse(e.value, names)[0]})", _ATOM
+        return f"{e.op}({_unparse(e.value, names)[0]})", _ATOM
     raise TypeError(f"unknown IR node {type(e).__name__}")
 
 

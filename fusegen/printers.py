@@ -430,7 +430,7 @@ class EagerPrinter:
         if isinstance(e, ir.Dropout):
             return f"F.dropout({self._print(e.value)}, {self.names[e.p]}, training=training)"
         if isinstance(e, ir.Reduce):
-            method = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin"}[e.kind]
+            method = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin"}[e.op]
             return f"{self._operand(e.value)}.{method}(-1, keepdim=True)"
         raise TypeError(f"unknown IR node {type(e).__name__}")
 

@@ -46,7 +46,7 @@ SHIFT_OLD = sympy.Symbol("%old", real=True)
 @dataclass(frozen=True)
 class Reduction:
     symbol: sympy.Symbol
-    kind: str  # sum, mean, max or min
+    op: str  # sum, mean, max or min
     value: sympy.Expr  # the element expression reduced along the row
     # An online sum (softmax's Σ exp(x - max)): it reads the max (min) `running` of the same
     # pass, and is summed at the running value as it grows, each partial sum multiplied by
@@ -104,7 +104,7 @@ class RowProgram:
                 RowPass(
                     pairs(p.temps),
                     tuple(
-                        Reduction(r.symbol.xreplace(rename), r.kind, r.value.xreplace(rename),
+                        Reduction(r.symbol.xreplace(rename), r.op, r.value.xreplace(rename),
                                   None if r.running is None else r.running.xreplace(rename), r.rescale)
                         for r in p.reductions
                     ),
@@ -125,7 +125,7 @@ class RowProgram:
         for number, p in enumerate(self.passes, 1):
             out.append(f"# pass {number} along the row")
             out += [f"{s} = {e}" for s, e in p.temps]
-            out += [f"{r.symbol} = {r.kind}({r.value})" + (f"  # online, with {r.running}" if r.running is not None else "")
+            out += [f"{r.symbol} = {r.op}({r.value})" + (f"  # online, with {r.running}" if r.running is not None else "")
                     for r in p.reductions]
             out += [f"{s} = {e}" for s, e in p.row_values]
         out.append("# results, element by element")
@@ -152,14 +152,14 @@ class Reductions:
         self.found: list[Reduction] = []
         self._by_value: dict[tuple[str, sympy.Expr], sympy.Symbol] = {}
 
-    def add(self, kind: str, value: sympy.Expr) -> sympy.Expr:
+    def add(self, op: str, value: sympy.Expr) -> sympy.Expr:
         if not value.free_symbols & self.along:  # sum(x - x + t): constant along the row, once simplified
-            return value * WIDTH if kind == "sum" else value
-        key = (kind, value)
+            return value * WIDTH if op == "sum" else value
+        key = (op, value)
         if key not in self._by_value:
             symbol = sympy.Symbol(f"{REDUCTION_PREFIX}{len(self.found)}", real=True)
             self._by_value[key] = symbol
-            self.found.append(Reduction(symbol, kind, value))
+            self.found.append(Reduction(symbol, op, value))
         return self._by_value[key]
 
 
@@ -194,18 +194,18 @@ def backward(
     def weight(k: int) -> tuple[sympy.Expr, sympy.Basic | None]:
         if k not in weights:
             r = reductions[k]
-            if r.kind in ("max", "min"):
+            if r.op in ("max", "min"):
                 # Which elements are the extreme: compared with the extreme this kernel finds
                 # again from the same code, not the one in the forward's statistics (another kernel may
                 # round the element expression differently: x / t as x * (1 / t)).
                 extreme = sympy.Symbol(f"{EXTREME_PREFIX}{k}", real=True)
-                found.append(Reduction(extreme, r.kind, r.value))
+                found.append(Reduction(extreme, r.op, r.value))
                 ties = sympy.Symbol(f"{TIES_PREFIX}{k}", real=True)
                 at_extreme = sympy.Eq(r.value, extreme)
                 found.append(Reduction(ties, "sum", sympy.Piecewise((1, at_extreme), (0, True))))
                 weights[k] = (1 / ties, at_extreme)
             else:
-                weights[k] = (1 / WIDTH if r.kind == "mean" else sympy.Integer(1), None)
+                weights[k] = (1 / WIDTH if r.op == "mean" else sympy.Integer(1), None)
         return weights[k]
 
     def selected(k: int, expr: sympy.Expr) -> sympy.Expr:
@@ -299,9 +299,9 @@ def _closed_row_sum(expr: sympy.Expr, reductions: list[Reduction], elements: set
     (Σ = c·r_j, or c·N·r_j for a mean) or expr = α·e_j + β (α·Σe_j + β·N), with c, α and β
     constant along the row. None where expr needs a row sum of its own."""
     for r in reductions:
-        if r.kind not in ("sum", "mean"):
+        if r.op not in ("sum", "mean"):
             continue
-        total = r.symbol if r.kind == "sum" else WIDTH * r.symbol
+        total = r.symbol if r.op == "sum" else WIDTH * r.symbol
         ratio = sympy.cancel(expr / r.value)
         if not (ratio.free_symbols & elements):
             return ratio * total
@@ -333,7 +333,7 @@ def schedule(
     exprs = [r.value for r in reductions] + [e for _, e in row_values] + [e for _, e in results]
     temps, reduced = cse(exprs)
     n_red, n_row = len(reductions), len(row_values)
-    reductions = [Reduction(r.symbol, r.kind, e) for r, e in zip(reductions, reduced[:n_red])]
+    reductions = [Reduction(r.symbol, r.op, e) for r, e in zip(reductions, reduced[:n_red])]
     row_values = [(s, e) for (s, _), e in zip(row_values, reduced[n_red:n_red + n_row])]
     results = [(n, e) for (n, _), e in zip(results, reduced[n_red + n_row:])]
 
@@ -394,7 +394,7 @@ def schedule(
         by_level[at] = _dependency_order(by_level[at])
     # An online candidate that did not share its max's pass is an ordinary sum after it.
     reductions = [r if r.running is None or level[r.symbol] == level[r.running]
-                  else Reduction(r.symbol, r.kind, r.value) for r in reductions]
+                  else Reduction(r.symbol, r.op, r.value) for r in reductions]
     passes = []
     for p in range(1, passes_count + 1):
         # Online sums after the pass's other reductions: where the row is one tile, they are
@@ -420,7 +420,7 @@ def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[
     nothing else of the row, in a way that moving m multiplies every element by the same
     factor (exp(x - m): by exp(old - new)), made online: its value written out in full (the
     CSE temporaries read m, which the pass it joins does not have yet) and its rescale."""
-    extremes = {r.symbol: r.kind for r in reductions if r.kind in ("max", "min")}
+    extremes = {r.symbol: r.op for r in reductions if r.op in ("max", "min")}
     symbols = {r.symbol for r in reductions} | {s for s, _ in row_values}
     reading: dict[sympy.Symbol, bool] = {}  # whether a temp reads a reduction or row value, through others
 
@@ -433,7 +433,7 @@ def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[
     found = []
     for r in reductions:
         found.append(r)
-        if r.kind not in ("sum", "mean"):
+        if r.op not in ("sum", "mean"):
             continue
         full = r.value
         for _ in range(len(definitions) + 1):  # temps read temps: substitute until none reads a row symbol
@@ -455,7 +455,7 @@ def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[
             continue
         if not ((k > 0) if extremes[m] == "max" else (k < 0)):
             continue
-        found[-1] = Reduction(r.symbol, r.kind, full, m, rescale)
+        found[-1] = Reduction(r.symbol, r.op, full, m, rescale)
     return found
 
 

@@ -354,7 +354,7 @@ class _Lowering:
             value = self(e.value)
             return value * self.masks[e.stream] if self.masks is not None else value
         if isinstance(e, ir.Reduce):
-            return self.reductions.add(e.kind, self(e.value))
+            return self.reductions.add(e.op, self(e.value))
         raise TypeError(f"unknown IR node {type(e).__name__}")
 
     def _operand(self, e: ir.Expr) -> sympy.Basic:

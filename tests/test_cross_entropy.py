@@ -285,6 +285,6 @@ def test_one_pass_forward_and_no_row_sum_in_the_backward():
     simplified = cli.build_op(Path(__file__).resolve().parent.parent / "specs" / "cross_entropy.yaml").simplified
     forward, backward = simplified.forward, simplified.backward
     (only,) = forward.passes
-    assert sorted(r.kind for r in only.reductions) == ["max", "mean", "sum", "sum"]
-    assert [r.running is not None for r in only.reductions if r.kind == "sum"].count(True) == 1  # online
+    assert sorted(r.op for r in only.reductions) == ["max", "mean", "sum", "sum"]
+    assert [r.running is not None for r in only.reductions if r.op == "sum"].count(True) == 1  # online
     assert backward.passes == () and len(backward.loaded) == 2  # the max and Σ exp, kept by the forward

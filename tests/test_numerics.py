@@ -192,7 +192,7 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             mask = runtime.dropout_mask_reference(seed, problem, expr.stream, params[expr.p])
             return inner * mask.to(dtype)
         if isinstance(expr, ir.Reduce):  # as eager code writes it: x.sum(-1, keepdim=True), ...
-            reduce = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[expr.kind]
+            reduce = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[expr.op]
             return reduce(_tensor(value(expr.value), dtype), dim=-1, keepdim=True)
         raise TypeError(f"unknown IR node {expr!r}")
 

@@ -66,7 +66,7 @@ def test_a_reduction_written_twice_is_computed_once(tmp_path):
     op = _program(
         "name: op\ndoc: d\ninputs: {x: [..., N]}\noutputs:\n  y: exp(x - max(x)) / sum(exp(x - max(x)))\n", tmp_path
     )
-    assert [r.kind for r in op.forward.reductions] == ["max", "sum"]
+    assert [r.op for r in op.forward.reductions] == ["max", "sum"]
 
 
 def test_max_backward_counts_ties_where_its_adjoint_survives(tmp_path):
@@ -78,9 +78,9 @@ def test_shift_invariance_cancels_the_max_adjoint():
     """softmax(x) does not depend on the max it subtracts: the derived backward finds that
     adjoint exactly zero (no tie count, no extra row sum), and layer norm's Σ(x - mean) = 0."""
     softmax = simplify(build_ir(load_spec(ROOT / "specs" / "softmax.yaml")))
-    assert [r.kind for r in softmax.backward.reductions] == ["sum"]
+    assert [r.op for r in softmax.backward.reductions] == ["sum"]
     layernorm = simplify(build_ir(load_spec(ROOT / "specs" / "layernorm.yaml")))
-    assert [r.kind for r in layernorm.backward.reductions] == ["sum", "sum"]
+    assert [r.op for r in layernorm.backward.reductions] == ["sum", "sum"]
 
 
 # ---------------------------------------------------------------------------

@@ -26,23 +26,23 @@ class Row:
         return isinstance(op.forward, RowProgram)
 
     def symbol_names(self, namer: Namer, op: SimplifiedOp) -> dict[str, str]:
-        """Row symbols as the generated code names them: each forward reduction by its kind
+        """Row symbols as the generated code names them: each forward reduction by its op
         (mean0, max1), the backward's tie counts, row sums and adjoints (ties0, row_sum2,
         grad_mean0), and N in the compute type (row_width)."""
         forward, backward = op.forward, op.backward
         names = {WIDTH.name: namer.claim("row_width")}
-        kinds = {r.symbol.name: r.kind for r in forward.reductions}
+        ops = {r.symbol.name: r.op for r in forward.reductions}
         for r in (*forward.reductions, *backward.reductions):
             name = r.symbol.name
             if name in names:
                 continue
             if name.startswith(REDUCTION_PREFIX):
-                names[name] = namer.claim(f"{kinds[name]}{name[len(REDUCTION_PREFIX):]}")
+                names[name] = namer.claim(f"{ops[name]}{name[len(REDUCTION_PREFIX):]}")
             elif name.startswith(TIES_PREFIX):
                 names[name] = namer.claim(f"ties{name[len(TIES_PREFIX):]}")
             elif name.startswith(EXTREME_PREFIX):
                 k = name[len(EXTREME_PREFIX):]
-                names[name] = namer.claim(f"{kinds[REDUCTION_PREFIX + k]}{k}_again")
+                names[name] = namer.claim(f"{ops[REDUCTION_PREFIX + k]}{k}_again")
             elif name.startswith(ADJOINT_SUM_PREFIX):
                 names[name] = namer.claim(f"row_sum{name[len(ADJOINT_SUM_PREFIX):]}")
         for item in (*backward.row_values, *(v for p in backward.passes for v in p.row_values)):
@@ -89,7 +89,7 @@ class Row:
             for r in p.reductions:
                 value = statements(Body((), (("_", r.value),)), printer, torch_constant, elements)
                 text = value[-1][len("_ = "):]
-                lines += value[:-1] + [f"{r.symbol.name} = {_TORCH_REDUCTIONS[r.kind]}({text}, dim=-1, keepdim=True)"]
+                lines += value[:-1] + [f"{r.symbol.name} = {_TORCH_REDUCTIONS[r.op]}({text}, dim=-1, keepdim=True)"]
             lines += assign(p.row_values)
         lines += assign([t for t in body.final_temps if t[0] not in emitted])
         row_locals = {local for name, local in plan.outputs if name in plan.row_outputs}

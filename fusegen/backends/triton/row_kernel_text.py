@@ -159,7 +159,7 @@ class _Program:
         # Row values are [BLOCK_M, 1] tensors too: an expression of them needs no broadcast.
         self.tensors |= {r.symbol.name for r in self.body.reductions} | {s.name for s, _ in self.body.loaded}
         self.temps = {t.name: e for t, e in self.body.definitions}
-        self._kinds = {r.symbol.name: r.kind for r in self.body.reductions}
+        self._ops = {r.symbol.name: r.op for r in self.body.reductions}
         self._running = {r.running.name for r in self.body.reductions if r.running is not None}
         self.online = bool(self._running)
 
@@ -242,7 +242,7 @@ class _Program:
         text = self.printer.doprint(reduction.value)
         if not depends_on(reduction.value, self.temps, self.tensors):
             text = triton_constant(text)
-        return f"tl.where(in_bounds, {text}, {_NEUTRAL[reduction.kind]})"
+        return f"tl.where(in_bounds, {text}, {_NEUTRAL[reduction.op]})"
 
     # -- layouts ---------------------------------------------------------------------
 
@@ -257,7 +257,7 @@ class _Program:
             lines += self._assignments([t for t in p.temps if t[0] not in emitted])
             emitted |= {t for t, _ in p.temps}
             for r in p.reductions:
-                lines.append(f"{r.symbol.name} = {_reduce(r.kind, self._value(r))}")
+                lines.append(f"{r.symbol.name} = {_reduce(r.op, self._value(r))}")
             lines += self._statistics_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += self._assignments([t for t in body.final_temps if t[0] not in emitted])
@@ -273,7 +273,7 @@ class _Program:
 
     def _shifts(self, extreme: str, before: str, after: str) -> str:
         """A running max (min) before and after, as its online sums' shifts (kernel_lib.max_shifts)."""
-        return f"{'max' if self._kinds[extreme] == 'max' else 'min'}_shifts({before}, {after})"
+        return f"{'max' if self._ops[extreme] == 'max' else 'min'}_shifts({before}, {after})"
 
     def _online_terms(self, r: RowReduction, new: str, old: str) -> tuple[str, str]:
         """An online sum's rescale factor and value, at the shifts named `new` and `old`."""
@@ -288,7 +288,7 @@ class _Program:
         online = [r for r in p.reductions if r.running is not None]
         first = RowPass(p.temps, tuple(r for r in p.reductions if r.running is None), ())
         second = RowPass(_temps_read(p.temps, [r.value for r in online]),
-                         tuple(RowReduction(r.symbol, r.kind, r.value) for r in online), ())
+                         tuple(RowReduction(r.symbol, r.op, r.value) for r in online), ())
         return self._pass_loop(first) + self._pass_loop(second)
 
     def looped(self, stores: list[str], before: list[str], after: list[str], per_row: bool = False) -> list[str]:
@@ -323,7 +323,7 @@ class _Program:
         tiles = {r.symbol.name: self._tile(r, r.symbol.name in running) for r in p.reductions}
         for r in p.reductions:  # a running extreme is one per row: its sums' lanes share it
             shape = "(BLOCK_M, 1)" if r.symbol.name in running else "(BLOCK_M, BLOCK_N)"
-            lines.append(f"{tiles[r.symbol.name]} = tl.full({shape}, {_NEUTRAL[r.kind]}, {COMPUTE_DTYPE})")
+            lines.append(f"{tiles[r.symbol.name]} = tl.full({shape}, {_NEUTRAL[r.op]}, {COMPUTE_DTYPE})")
         lines += self._loop([r.value for r in p.reductions])
         lines += _indent(self._assignments(p.temps))
         for m in running:  # each row's extreme before this tile moves it
@@ -331,8 +331,8 @@ class _Program:
         for r in plain:
             value = self._value(r)
             if r.symbol.name in running:
-                value = _reduce(r.kind, value)
-            lines.append(f"    {_accumulate(r.kind, tiles[r.symbol.name], value)}")
+                value = _reduce(r.op, value)
+            lines.append(f"    {_accumulate(r.op, tiles[r.symbol.name], value)}")
         for m in running:
             before_name, shift, shift_before = names[m]
             lines.append(f"    {shift}, {shift_before} = {self._shifts(m, before_name, tiles[m])}")
@@ -342,9 +342,9 @@ class _Program:
             lines += [f"    {tile} *= {rescale}", f"    {tile} += {value}"]
         for r in plain:
             if r.symbol.name not in running:
-                lines.append(f"{r.symbol.name} = {_reduce(r.kind, tiles[r.symbol.name])}")
+                lines.append(f"{r.symbol.name} = {_reduce(r.op, tiles[r.symbol.name])}")
         for r in online:  # every lane's sum is at the row's final extreme already
-            lines.append(f"{r.symbol.name} = {_reduce(r.kind, tiles[r.symbol.name])}")
+            lines.append(f"{r.symbol.name} = {_reduce(r.op, tiles[r.symbol.name])}")
         return lines
 
 
@@ -381,20 +381,20 @@ def _named_reductions(body: RowBody) -> RowBody:
     )
 
 
-def _reduce(kind: str, tile: str) -> str:
+def _reduce(op: str, tile: str) -> str:
     """A [BLOCK_M, BLOCK_N] tile reduced along the row to [BLOCK_M, 1]."""
-    if kind == "max":
+    if op == "max":
         return f"row_max({tile})"
-    if kind == "min":
+    if op == "min":
         return f"row_min({tile})"
     total = f"row_sum({tile})"
-    return f"{total} / N" if kind == "mean" else total
+    return f"{total} / N" if op == "mean" else total
 
 
-def _accumulate(kind: str, tile: str, value: str) -> str:
-    if kind == "max":
+def _accumulate(op: str, tile: str, value: str) -> str:
+    if op == "max":
         return f"{tile} = maximum({tile}, {value})"
-    if kind == "min":
+    if op == "min":
         return f"{tile} = minimum({tile}, {value})"
     return f"{tile} += {value}"
 
