@@ -169,4 +169,9 @@ class OpPlan:
     def has_dropout(self) -> bool:
         return bool(self.masks)
 
+    @property
+    def forward_only(self) -> bool:
+        """No output has a gradient (a float8 q and its scale): no backward kernel, no autograd."""
+        return len(self.no_gradient) == len(self.outputs)
+
 

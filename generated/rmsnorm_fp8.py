@@ -111,41 +111,6 @@ def rmsnorm_fp8_kernel(
             )
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
-@triton.jit
-def rmsnorm_fp8_backward_kernel(
-    grad_q_ptr, grad_q_stride_m, grad_q_stride_n,  # incoming gradient of q
-    grad_scale_ptr, grad_scale_stride_m, grad_scale_stride_n,  # incoming gradient of scale
-    statistics_ptr,  # the forward's statistics, [M, statistics]
-    M, N, M_BUCKET,
-    eps: tl.float64,
-    INDEX_64: tl.constexpr,  # some offset reaches 2**31
-    COMPUTE_FP64: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
-    BLOCK_M: tl.constexpr,
-):
-    compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
-    if INDEX_64:
-        first_row = first_row.to(tl.int64)
-    # Scalar params in the compute type: a float is passed as fp64, an int as an int.
-    eps = tl.full((), eps, compute)
-    if ONE_TILE:
-        cols = indices(0, BLOCK_N, INDEX_64)
-        for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
-            rows = first_row + row_offset + tl.arange(0, BLOCK_M)
-            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-    else:
-        for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
-            rows = first_row + row_offset + tl.arange(0, BLOCK_M)
-            # The program's row of column sums is read back below: every thread's writes first.
-            tl.debug_barrier()
-            for first_col in range(0, N, BLOCK_N):
-                cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
-
-
 def _reference(problem, x, weight, eps):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     mean0 = torch.mean(x * x, dim=-1, keepdim=True)
@@ -168,8 +133,8 @@ _OP = runtime.FusedOp(
     output_dtypes={"q": "float8_e4m3fn", "scale": "float32"},
     no_gradient=("q", "scale"),  # outputs without a gradient
     kernels=row_launch.RowKernels(
-        rmsnorm_fp8_kernel, rmsnorm_fp8_backward_kernel, scalars=("eps",), backward_reads=(),
-        gradients=(), statistics=2,
+        rmsnorm_fp8_kernel, None, scalars=("eps",), backward_reads=(), gradients=(),
+        statistics=2,
     ),
     reference=_reference,
 )

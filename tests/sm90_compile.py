@@ -124,7 +124,8 @@ def compile_module(path: Path) -> list[str]:
     scalar_types = {p.name: _TRITON_SCALARS[p.type] for p in module._OP.params if hasattr(p, "type")}
     choices = {p.name.upper(): p.choices for p in module._OP.params if hasattr(p, "choices")}
     failures = []
-    for kernel_name in (f"{op}_kernel", f"{op}_backward_kernel"):
+    # A forward-only op (float8 outputs) has no backward kernel.
+    for kernel_name in (f"{op}_kernel", f"{op}_backward_kernel")[:1 if module._OP._forward_only else 2]:
         kernel = getattr(module, kernel_name)
         kernel = kernel.fn if isinstance(kernel, Autotuner) else kernel
         cases = variants(choices)

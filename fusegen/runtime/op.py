@@ -784,6 +784,8 @@ def _register_library_ops(op: FusedOp):
                           statistics)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
+    if op._forward_only:  # no output has a gradient: no backward op (nor kernel)
+        return forward_op, None
 
     # The backward op's own arguments start with '_', as spec names never do.
     extra = ((["bool training", "Tensor _seed"] if op.has_dropout else [])

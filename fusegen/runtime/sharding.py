@@ -367,7 +367,8 @@ def _register(op) -> None:
         return results
 
     op._forward_op.register_torch_dispatch(DTensor, forward_rule)
-    op._backward_op.register_torch_dispatch(DTensor, backward_rule)
+    if op._backward_op is not None:  # None: a forward-only op
+        op._backward_op.register_torch_dispatch(DTensor, backward_rule)
     _detach_in_place_rule(DTensor)
 
 

@@ -36,22 +36,24 @@ def render(plan: OpPlan) -> str:
                            tiles | {g for (name, _), g in zip(plan.outputs, plan.backward.incoming)
                                     if name not in plan.row_outputs})
     forward = with_argument_comments(kind.forward(plan, names, triton))
-    backward = with_argument_comments(kind.backward(plan, names, triton))
+    # A forward-only op (every output without a gradient: a float8 q and its scale) has none.
+    backward = None if plan.forward_only else with_argument_comments(kind.backward(plan, names, triton))
+    kernels = [forward] + ([backward] if backward else [])
     triton_helpers = [h for helper in plan.helpers for h in _triton_helpers(helper, names, triton)]
     kernel_code = "\n".join(
-        [*forward.lines, *backward.lines] + [line for h in triton_helpers for b in h.branches for line in b["lines"]]
+        [line for k in kernels for line in k.lines] + [line for h in triton_helpers for b in h.branches for line in b["lines"]]
     )
     context = dict(
         header=outdir.header_lines(plan.op, plan.spec_path),  # as outdir reads it back
         spec_sha256=plan.spec_sha256,
         face=face.face(plan, backend="Triton", class_name=module_class_name(plan.op), binding=kind.binding,
-                       kernel_names=(forward.name, backward.name), kernels_doc=kind.doc,
+                       kernel_names=(forward.name, backward.name if backward else "None"), kernels_doc=kind.doc,
                        kernel_keywords=_renamed(names)),
         kind_modules=kind.modules,
         uses_libdevice="libdevice." in kernel_code,
         kernel_lib_import=_kernel_lib_import([n for n in KERNEL_LIB_NAMES if re.search(rf"(?<![\w.]){n}\(", kernel_code)]),
         triton_helpers=triton_helpers,
-        kernels=[forward, backward],
+        kernels=kernels,
     )
     return format_module(_environment().get_template("op.py.jinja").render(**context))
 

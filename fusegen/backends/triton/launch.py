@@ -310,12 +310,12 @@ class _Bound:
         # Triton tunes and compiles on the first call per specialization; later calls go
         # straight to the binary.
         self._forward = CachedLauncher(kernels.forward)
-        self._backward = CachedLauncher(kernels.backward)
+        self._backward = CachedLauncher(kernels.backward) if kernels.backward else None  # None: forward only
         # What a traced graph records instead (graph_launcher); None under the CPU interpreter,
         # whose kernels a graph cannot record: the library ops stay opaque there.
         self.traceable = traceable(kernels.forward)
         self._graph_forward = GraphLauncher(kernels.forward) if self.traceable else None
-        self._graph_backward = GraphLauncher(kernels.backward) if self.traceable else None
+        self._graph_backward = GraphLauncher(kernels.backward) if self.traceable and kernels.backward else None
         self._chunks = [i.chunks for i in op.inputs]
         self._scalars = [params.index(name) for name in kernels.scalars]
         self._dropout = op._dropout_indices
@@ -324,7 +324,7 @@ class _Bound:
         self._gradients = [inputs.index(name) for name in kernels.gradients]
         self._one_per_row = [op.inputs[i].one_per_row for i in self._gradients]
         # Each value's parameter name (naming.py), and the kernels' order of them.
-        self._signatures = (_Signature(kernels.forward), _Signature(kernels.backward))
+        self._signatures = (_Signature(kernels.forward), _Signature(kernels.backward) if kernels.backward else None)
         self._input_names = [(names("pointer", i), names("stride_m", i), names("stride_n", i)) for i in inputs]
         self._incoming_names = [(names("incoming", o), names("incoming_stride_m", o), names("incoming_stride_n", o))
                                 for o in op.outputs]
