@@ -298,5 +298,7 @@ def public_signature(spec: OpSpec, has_dropout: bool) -> str:
 
 
 def op_signature(spec: OpSpec, has_dropout: bool) -> str:
-    """The op's own parameters: `reference`'s, and the backward's memory choice."""
-    return public_signature(spec, has_dropout) + ", inplace_backward=False"
+    """The op's own parameters: `reference`'s, and the backward's memory choice (none for a
+    forward-only op: no output has a gradient)."""
+    differentiable = any(b.differentiable for b in spec.outputs)
+    return public_signature(spec, has_dropout) + (", inplace_backward=False" if differentiable else "")

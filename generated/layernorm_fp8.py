@@ -2,7 +2,7 @@
 # spec sha256: 56b61aaeb44f5c7ee9990c2a7cc13fbe0bfd19eca18e346c173dc5733cbd9555
 """layernorm(x) * weight + bias as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
 
-    layernorm_fp8(x, weight, bias, eps=1e-05, *, out=None, inplace_backward=False)
+    layernorm_fp8(x, weight, bias, eps=1e-05, *, out=None)
     LayernormFp8(eps=1e-05)(x, weight, bias): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], weight [N], bias [N]
@@ -158,13 +158,13 @@ _OP = runtime.FusedOp(
 )
 
 
-def layernorm_fp8(x, weight, bias, eps=1e-05, *, out=None, inplace_backward=False):
+def layernorm_fp8(x, weight, bias, eps=1e-05, *, out=None):
     """layernorm(x) * weight + bias as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
 
     The fused Triton kernels (module docstring), forward only; under torch.compile, the
     torch.library op fusegen::layernorm_fp8.
     """
-    return _OP(x, weight, bias, eps, out=out, inplace_backward=inplace_backward)
+    return _OP(x, weight, bias, eps, out=out)
 
 
 class LayernormFp8(torch.nn.Module):
@@ -173,14 +173,13 @@ class LayernormFp8(torch.nn.Module):
     The op as a torch.nn.Module: forward(x, weight, bias)
     calls layernorm_fp8.
     Its params are fixed at construction, and checked then.
-    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, eps=1e-05, *, inplace_backward=False):
-        _OP.init_module(self, eps, inplace_backward=inplace_backward)
+    def __init__(self, eps=1e-05):
+        _OP.init_module(self, eps)
 
     def forward(self, x, weight, bias):
-        return _OP(x, weight, bias, self.eps, inplace_backward=self.inplace_backward)
+        return _OP(x, weight, bias, self.eps)
 
     def extra_repr(self):
         return _OP.module_repr(self)

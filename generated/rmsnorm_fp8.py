@@ -2,7 +2,7 @@
 # spec sha256: f42580b1f9ddc10077d5f291a985adb90c73a86c99aa95c8af8d9d7fcf2724b6
 """rmsnorm(x) * weight as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
 
-    rmsnorm_fp8(x, weight, eps=1e-06, *, out=None, inplace_backward=False)
+    rmsnorm_fp8(x, weight, eps=1e-06, *, out=None)
     RmsnormFp8(eps=1e-06)(x, weight): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., N], weight [N]
@@ -140,13 +140,13 @@ _OP = runtime.FusedOp(
 )
 
 
-def rmsnorm_fp8(x, weight, eps=1e-06, *, out=None, inplace_backward=False):
+def rmsnorm_fp8(x, weight, eps=1e-06, *, out=None):
     """rmsnorm(x) * weight as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
 
     The fused Triton kernels (module docstring), forward only; under torch.compile, the
     torch.library op fusegen::rmsnorm_fp8.
     """
-    return _OP(x, weight, eps, out=out, inplace_backward=inplace_backward)
+    return _OP(x, weight, eps, out=out)
 
 
 class RmsnormFp8(torch.nn.Module):
@@ -155,14 +155,13 @@ class RmsnormFp8(torch.nn.Module):
     The op as a torch.nn.Module: forward(x, weight)
     calls rmsnorm_fp8.
     Its params are fixed at construction, and checked then.
-    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, eps=1e-06, *, inplace_backward=False):
-        _OP.init_module(self, eps, inplace_backward=inplace_backward)
+    def __init__(self, eps=1e-06):
+        _OP.init_module(self, eps)
 
     def forward(self, x, weight):
-        return _OP(x, weight, self.eps, inplace_backward=self.inplace_backward)
+        return _OP(x, weight, self.eps)
 
     def extra_repr(self):
         return _OP.module_repr(self)

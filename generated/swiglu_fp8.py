@@ -2,7 +2,7 @@
 # spec sha256: 3f74fcebe93a899cf441b6f710618537119399c264b761261c6920759cfa904e
 """silu(a) * b (x = [a, b]) as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
 
-    swiglu_fp8(x, *, out=None, inplace_backward=False)
+    swiglu_fp8(x, *, out=None)
     SwigluFp8()(x): the same, as a torch.nn.Module
 
 Inputs (broadcast as torch broadcasts): x [..., 2N]
@@ -112,13 +112,13 @@ _OP = runtime.FusedOp(
 )
 
 
-def swiglu_fp8(x, *, out=None, inplace_backward=False):
+def swiglu_fp8(x, *, out=None):
     """silu(a) * b (x = [a, b]) as e4m3 q and per-row scale, y ~ q * scale (rowwise float8)
 
     The fused Triton kernels (module docstring), forward only; under torch.compile, the
     torch.library op fusegen::swiglu_fp8.
     """
-    return _OP(x, out=out, inplace_backward=inplace_backward)
+    return _OP(x, out=out)
 
 
 class SwigluFp8(torch.nn.Module):
@@ -126,14 +126,13 @@ class SwigluFp8(torch.nn.Module):
 
     The op as a torch.nn.Module: forward(x)
     calls swiglu_fp8.
-    inplace_backward=True: the eager backward may write gradients into inputs (module docstring).
     """
 
-    def __init__(self, *, inplace_backward=False):
-        _OP.init_module(self, inplace_backward=inplace_backward)
+    def __init__(self):
+        _OP.init_module(self, )
 
     def forward(self, x):
-        return _OP(x, inplace_backward=self.inplace_backward)
+        return _OP(x)
 
     def extra_repr(self):
         return _OP.module_repr(self)

@@ -5,6 +5,8 @@ no other output is forward only. The library's rmsnorm_fp8, layernorm_fp8 and sw
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -209,6 +211,11 @@ def test_norm_fp8_is_forward_only(name, device):
     for f in (fn, module.reference):
         q, scale = _call(name, f, x, weight, bias)
         assert not q.requires_grad and not scale.requires_grad and q.grad_fn is None
+    # Nothing generated for a backward it cannot have: no kernel, no library op, no option.
+    assert not hasattr(module, f"{name}_backward_kernel") and module._OP._backward_op is None
+    assert "inplace_backward" not in inspect.signature(fn).parameters
+    with pytest.raises(TypeError):
+        fn(x, inplace_backward=True)
 
 
 @pytest.mark.parametrize("name", LIBRARY)

@@ -36,13 +36,16 @@ def test_every_module_exports_its_class(op):
     cls = _class_of(op)
     assert issubclass(cls, torch.nn.Module) and cls.__name__ in op.module.__all__
     params = list(inspect.signature(cls).parameters.values())
-    # The spec's params, then the keyword-only opt-in of the backward's in-place gradients.
-    assert [(p.name, p.default) for p in params] == [(p.name, p.default) for p in op.spec.params] + [
-        ("inplace_backward", False)
-    ]
-    assert params[-1].kind is inspect.Parameter.KEYWORD_ONLY
+    # The spec's params, then the keyword-only opt-in of the backward's in-place gradients
+    # (none for a forward-only op: it has no backward).
+    forward_only = op.module._OP._forward_only
+    assert [(p.name, p.default) for p in params] == [(p.name, p.default) for p in op.spec.params] + (
+        [] if forward_only else [("inplace_backward", False)]
+    )
+    if not forward_only:
+        assert params[-1].kind is inspect.Parameter.KEYWORD_ONLY
     with pytest.raises(TypeError):
-        cls(*[p.default for p in op.spec.params], False)  # not by position
+        cls(*[p.default for p in op.spec.params], False)  # not by position (nor at all, forward only)
     forward = inspect.signature(cls.forward).parameters
     assert list(forward) == ["self", *op.input_names]
     # Ops without dropout have no training plumbing.

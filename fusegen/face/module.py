@@ -82,14 +82,17 @@ def face(plan: OpPlan, *, backend: str, class_name: str, binding: str, kernel_na
         class_doc=class_doc(plan),
         # The class's methods take the spec's names and read nothing global but _OP (spec
         # names never start with '_'), so those names need no renaming there.
+        # A forward-only op has no backward, so no inplace_backward either.
+        inplace_argument="" if plan.forward_only else ", inplace_backward=inplace_backward",
         init_signature=", ".join(["self"] + [f"{p.name}={p.default!r}" for p in params]
-                                 + ["*", "inplace_backward=False"]),
-        init_arguments=", ".join([p.name for p in params] + ["inplace_backward=inplace_backward"]),
+                                 + ([] if plan.forward_only else ["*", "inplace_backward=False"])),
+        init_arguments=", ".join([p.name for p in params]
+                                 + ([] if plan.forward_only else ["inplace_backward=inplace_backward"])),
         forward_signature=", ".join(["self"] + [i.name for i in plan.inputs]),
         module_call=", ".join(
             [i.name for i in plan.inputs] + [f"self.{p.name}" for p in params]
             + (["self.training", "None"] if plan.has_dropout else [])
-            + ["inplace_backward=self.inplace_backward"]
+            + ([] if plan.forward_only else ["inplace_backward=self.inplace_backward"])
         ),
         eager_doc=textwrap.wrap(
             "The op as a PyTorch user writes it, with torch.nn.functional ops"

@@ -101,7 +101,8 @@ def class_doc(plan: OpPlan) -> list[str]:
         lines.append("Its params are fixed at construction, and checked then.")
     if plan.has_dropout:
         lines.append("Dropout is on in train() mode and off in eval(); seeds come from torch's generator.")
-    lines.append("inplace_backward=True: the eager backward may write gradients into inputs (module docstring).")
+    if not plan.forward_only:
+        lines.append("inplace_backward=True: the eager backward may write gradients into inputs (module docstring).")
     return lines
 
 
