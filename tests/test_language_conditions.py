@@ -38,11 +38,53 @@ outputs:
   y: e / sum(e)
 """
 
+# Wheres decided by params alone: a branch in the kernels (one side computed; a number side
+# made a tile), nested, in the pointwise and the row kind.
+PARAM_BRANCHES = """\
+name: param_branches{kind}
+doc: wheres whose condition is a param's
+inputs:
+  x: [..., N]
+  s: [..., 1]
+params:
+  c: {{type: float, default: 0.0}}
+outputs:
+  y: where(c > 0, tanh(x / c) * c, where(c < -1, 1.0, x * s))
+"""
+
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory):
     folder = tmp_path_factory.mktemp("conditions")
-    return {"pointwise": build_and_import(folder, POINTWISE), "rows": build_and_import(folder, ROWS)}
+    rows = PARAM_BRANCHES.format(kind="_rows") + "  z: x * sum(where(c > 0, exp(x * c), x))\n"
+    return {"pointwise": build_and_import(folder, POINTWISE), "rows": build_and_import(folder, ROWS),
+            "branches": build_and_import(folder, PARAM_BRANCHES.format(kind="")),
+            "branches_rows": build_and_import(folder, rows)}
+
+
+def _branches_by_hand(x, s, c):
+    """The specs' outputs as Python picks a side: only that side computed, in float64."""
+    y = torch.tanh(x / c) * c if c > 0 else (x * 0 + 1 if c < -1 else x * s)
+    e = torch.exp(x * c) if c > 0 else x
+    return y, x * e.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("c", [0.0, 2.0, -3.0])
+@pytest.mark.parametrize("name", ["branches", "branches_rows"])
+def test_wheres_decided_by_params_take_one_side(ops, name, c, device):
+    """Every side taken at some c, values and gradients as float64 torch computes the side; at
+    c = 0 the side not taken divides by 0, and no NaN reaches the kernels' results."""
+    module = ops[name]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 24, generator=g, dtype=torch.float32)
+    s = torch.randn(3, 1, generator=g, dtype=torch.float32)
+    got = _run(getattr(module, f"param_{name}"), (x, s), device, c=c)
+    outputs = 2 if name == "branches_rows" else 1
+    want = _run(lambda a, b: _branches_by_hand(a, b, c)[:outputs], (x.double(), s.double()), "cpu")
+    assert len(got) == len(want)
+    for index, (g_, w) in enumerate(zip(got, want)):
+        assert torch.isfinite(g_).all(), f"result {index}"
+        torch.testing.assert_close(g_, w.float(), rtol=1e-5, atol=1e-6, msg=f"result {index}")
 
 
 def _run(fn, tensors, device, **kwargs):

@@ -24,6 +24,11 @@ UNUSUAL_SPECS = {
     "outputs:\n  y: x ** 1.5 + 2 ** x + x ** s + x ** n + rsqrt(x) + sqrt(x) + 0.5 ** s\n",
     "clamps": "inputs:\n  x: [..., N]\n  w: [..., 1]\noutputs:\n  y: where(x > 0, max(x, w), min(x, -w)) * 3\n  z: 2\n",
     "halves": "inputs:\n  x: [..., 2N]\n  b: [2N]\noutputs:\n  y: silu(chunk(x, 0)) * chunk(x, 1) + log(abs(chunk(b, 1)) + 1)\n",
+    # Wheres decided by params alone: a branch in the kernel, whose sides must have one type
+    # (a number side made a tile), nested, and beside a row value; the row kind too.
+    "param_branches": "inputs:\n  x: [..., N]\n  s: [..., 1]\nparams:\n  c: {type: float, default: 0.0}\n"
+    "outputs:\n  y: where(c > 0, tanh(x / c) * c, where(c < -1, 1.0, x * s))\n"
+    "  z: x - max(where(c > 0, exp(x * c), x))\n",
 }
 
 
