@@ -78,12 +78,12 @@ def cse(exprs: list[sympy.Expr]) -> tuple[list[tuple[sympy.Symbol, sympy.Expr]],
     temps = sympy.numbered_symbols(TEMPORARY_PREFIX, real=True)
     replacements, reduced = sympy.cse(exprs, symbols=temps)
     # A temporary that is only a number (2*sqrt(2/pi), -inf) reads better as the literal it prints to.
-    # A condition stays where it is used (a compare costs less than a register held across the
-    # body): a printer then sees which wheres a condition of params alone decides.
+    # A condition stays where it is used (one compare more where two wheres share it): a
+    # printer then sees which wheres a condition of params alone decides.
     inline = {}
     for t, e in replacements:
         e = e.xreplace(inline)
-        if is_literal(e) or isinstance(e, (sympy.logic.boolalg.Boolean, sympy.Rel)):
+        if is_literal(e) or isinstance(e, sympy.logic.boolalg.Boolean):
             inline[t] = e
     kept = [(t, e.xreplace(inline)) for t, e in replacements if t not in inline]
     return kept, [e.xreplace(inline) for e in reduced]

@@ -41,15 +41,8 @@ class ElementwisePrinter(CodePrinter):
     where = sqrt = rsqrt = power = ""
     column = ""  # the element's index along the row (the language's `col`)
 
-    def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset(),
-                 scalars=frozenset()):
+    def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset()):
         super().__init__()
-        # The params, by name: one number per call. A where whose condition reads only these
-        # takes one side for the whole call, and a target may compute only that side (`choose`):
-        # a kernel then spends nothing on softcap's tanh with softcap off. (The reference keeps
-        # torch.where: its params are 0-d tensors, and a Python branch on one would synchronize
-        # with the device and fail on meta tensors.)
-        self.scalars = frozenset(scalars)
         # A row kernel's row values (reductions and what is built from them, by name): a sum
         # subtracts them last, as torch's s - max(s) does, so that the backward's exp(mask - max
         # + x) is exp((mask + x) - max), <= 0 exactly as in the forward, not rounded past 0.
@@ -234,13 +227,9 @@ class ElementwisePrinter(CodePrinter):
         return text
 
     def choose(self, cond, if_true, if_false, false_text: str) -> str:
-        """where(cond, if_true, if_false), `if_false` already printed as `false_text`."""
+        """where(cond, if_true, if_false), `if_false` already printed as `false_text` (a target
+        may compute only the side taken: TritonPrinter)."""
         return f"{self.where}({self._print(cond)}, {self._print(if_true)}, {false_text})"
-
-    def decided_once(self, cond) -> bool:
-        """A condition of params (and numbers) alone: the same for every element of a call."""
-        names = {symbol.name for symbol in cond.free_symbols}
-        return bool(names) and names <= self.scalars
 
     def _print_Max(self, expr):
         return self._fold(expr.args, self.maximum)

@@ -61,7 +61,7 @@ def face(plan: OpPlan, *, backend: str, class_name: str, binding: str, kernel_na
     eager_helpers = [_eager_helper(helper) for helper in plan.helpers]
     public = [i.name for i in plan.inputs] + [p.name for p in params] + (["training", "seed"] if plan.has_dropout else [])
     twin = (f"Eager PyTorch twin of {op}: same arguments, same values" + (", same dropout mask" if plan.has_dropout else "")
-            + ("; differentiable, the oracle for the generated backward." if len(plan.no_gradient) < len(plan.outputs)
+            + ("; differentiable, the oracle for the generated backward." if not plan.forward_only
                else "."))
     context = dict(
         backend=backend,
@@ -70,7 +70,7 @@ def face(plan: OpPlan, *, backend: str, class_name: str, binding: str, kernel_na
         reference_doc=textwrap.wrap(twin, width=92),
         runs_doc=textwrap.wrap(
             f"The fused {backend} kernels (module docstring), "
-            f"{'differentiable' if len(plan.no_gradient) < len(plan.outputs) else 'forward only'}; under torch.compile, the "
+            f"{'differentiable' if not plan.forward_only else 'forward only'}; under torch.compile, the "
             f"torch.library op fusegen::{op}.", width=92),
         torch_helpers=torch_helpers,
         reference=KINDS[plan.kind].reference(plan, printer),

@@ -121,7 +121,7 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
     dtypes = dict(plan.output_dtypes)
     lines += wrap("Outputs: " + ", ".join(f"{name} [{', '.join(dims[name])}]" + (f" {dtypes[name]}" if name in dtypes else "")
                                           for name, _ in plan.outputs))
-    if plan.no_gradient and len(plan.no_gradient) < len(plan.outputs):
+    if plan.no_gradient and not plan.forward_only:
         lines += wrap("Without a gradient: " + ", ".join(name for name, _ in plan.outputs if name in plan.no_gradient))
     for p in plan.params:
         d = p.declaration
@@ -140,7 +140,7 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
     redraw = ", draws the dropout masks again from the seed" if plan.has_dropout else ""
     saved = ["the inputs"] + ["the seed tensor"] * plan.has_dropout + [kind.keeps.removeprefix(" and ")] * bool(kind.keeps)
     saved_text = saved[0] if len(saved) == 1 else f"{', '.join(saved[:-1])} and {saved[-1]}"
-    if len(plan.no_gradient) == len(plan.outputs):
+    if plan.forward_only:
         lines += wrap("Forward only: no output has a gradient, and the op puts no autograd node behind them.")
     else:
         lines += wrap(

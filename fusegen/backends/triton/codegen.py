@@ -18,7 +18,7 @@ from fusegen.kinds import KINDS
 from fusegen.plan import HelperPlan, OpPlan
 from fusegen.pyformat import format_module
 
-from .kernel_text import with_argument_comments
+from .kernel_text import per_row_incoming, with_argument_comments
 from .kinds import MODULE_IMPORTS, RESERVED_NAMES, TRITON_KINDS
 from .naming import KERNEL_LIB_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
@@ -32,9 +32,8 @@ def render(plan: OpPlan) -> str:
     kind = TRITON_KINDS[plan.kind]
     scalars = {p.local for kernel in (plan.forward, plan.backward) for p in kernel.scalars}
     tiles = {v.local for i in plan.inputs if i.layout.differentiable and not i.layout.one_per_row for v in i.values}
-    triton = TritonPrinter(names.triton_helpers, names.constexprs, KINDS[plan.kind].row_values(plan), scalars,
-                           tiles | {g for (name, _), g in zip(plan.outputs, plan.backward.incoming)
-                                    if name not in plan.row_outputs})
+    tiles |= set(plan.backward.incoming) - per_row_incoming(plan)
+    triton = TritonPrinter(names.triton_helpers, names.constexprs, KINDS[plan.kind].row_values(plan), scalars, tiles)
     forward = with_argument_comments(kind.forward(plan, names, triton))
     # A forward-only op (every output without a gradient: a float8 q and its scale) has none.
     backward = None if plan.forward_only else with_argument_comments(kind.backward(plan, names, triton))

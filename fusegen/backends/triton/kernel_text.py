@@ -176,6 +176,12 @@ def input_loads(i: InputPlan, n: InputNames) -> list[str]:
     return [load_line(value.local, n, chunk_columns(value.chunk), dtype) for value in i.values]
 
 
+def output_width(plan: OpPlan, output: str) -> str:
+    """An output's row length: N, or k * N for one of k parts side by side."""
+    parts = plan.parts_of(output)
+    return "N" if parts is None else f"{len(parts.values)} * N"
+
+
 def output_stores(plan: OpPlan, kernel: KernelPlan) -> list[str]:
     """The forward's stores of a tile: each output into its contiguous [M, N]; a concatenated
     output's parts side by side in its [M, k * N] (part k at cols + k * N)."""
@@ -185,10 +191,16 @@ def output_stores(plan: OpPlan, kernel: KernelPlan) -> list[str]:
         if parts is None:
             lines.append(f"store_tile({out}_ptr, {out}, rows, cols, N, in_bounds)")
             continue
-        width = f"{len(parts.values)} * N"
+        width = output_width(plan, name)
         lines += [f"store_tile({out}_ptr, {value}, rows, {chunk_columns(k)}, {width}, in_bounds)"
                   for k, value in enumerate(parts.values)]
     return lines
+
+
+def per_row_incoming(plan: OpPlan) -> frozenset[str]:
+    """The backward's incoming gradients of outputs with one value a row ([..., 1]): one value
+    a row too, loaded once a row (per_row_load_line), never a whole tile."""
+    return frozenset(g for (name, _), g in zip(plan.outputs, plan.backward.incoming) if name in plan.row_outputs)
 
 
 def incoming_values(plan: OpPlan, kernel: KernelPlan) -> list[tuple[str, str, int]]:

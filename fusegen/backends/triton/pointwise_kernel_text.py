@@ -23,6 +23,7 @@ from .kernel_text import (
     kernel_key,
     load_line,
     output_stores,
+    output_width,
     scalars_in_compute_type,
     shared_arguments,
     triton_constant,
@@ -35,7 +36,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     kernel = plan.forward
     arguments = [input_argument(i, names) for i in kernel.inputs]
     arguments += [
-        f"{names.output_pointer[name]},  # {name}, contiguous [M, {_width(plan, name)}]" for name, _ in plan.outputs
+        f"{names.output_pointer[name]},  # {name}, contiguous [M, {output_width(plan, name)}]" for name, _ in plan.outputs
     ]
     arguments.append(f"{M}, {N},  # rows (all leading dims) and columns (the last dim)")
     arguments.append(f"{M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
@@ -59,11 +60,6 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     lines += output_stores(plan, kernel)
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
                       "tuning.FORWARD")
-
-
-def _width(plan: OpPlan, output: str) -> str:
-    parts = plan.parts_of(output)
-    return "N" if parts is None else f"{len(parts.values)} * N"
 
 
 def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:

@@ -33,6 +33,7 @@ from .kernel_text import (
     kernel_key,
     input_loads,
     load_line,
+    per_row_incoming,
     per_row_load_line,
     width_text,
     scalars_in_compute_type,
@@ -162,6 +163,7 @@ class _Program:
         self._ops = {r.symbol.name: r.op for r in self.body.reductions}
         self._running = {r.running.name for r in self.body.reductions if r.running is not None}
         self.online = bool(self._running)
+        self._per_row_incoming = per_row_incoming(plan)
 
     # -- pieces ------------------------------------------------------------------
 
@@ -203,9 +205,8 @@ class _Program:
     def _loads(self, inputs, masks, incoming, first_col: str) -> list[str]:
         names = self.names
         lines = [line for i in inputs for line in input_loads(i, names.inputs[i.name])]
-        # An output with one value a row has one incoming gradient a row.
-        per_row = {g for (name, _), g in zip(self.plan.outputs, self.kernel.incoming) if name in self.plan.row_outputs}
-        lines += [(per_row_load_line if g in per_row else load_line)(g, names.incoming[g]) for g in incoming]
+        lines += [(per_row_load_line if g in self._per_row_incoming else load_line)(g, names.incoming[g])
+                  for g in incoming]
         lines += [
             f"{m.local} = dropout_or_ones(seed, rows, {first_col}, N, BLOCK_N, {m.stream}, {names.threshold[m.p.name]}, "
             f"{names.scale[m.p.name]}, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)"
