@@ -148,14 +148,18 @@ class FusedOp:
         # forward_ad's level: the C++ eager call sees a tangent only where gradients are on.
         if not compiling and out is None and forward_ad._current_level < 0:
             fast = self._native_calls
-            # The C++ call puts its node behind every output: not for outputs without a gradient.
-            if fast is not None and self._no_gradient and torch.is_grad_enabled() and any_requires_grad(
-                    args[:self._n_inputs]):
-                fast = None
-            if fast is not None:  # a call of a kind it knows: outputs (and autograd node) from C++
+            attaches = fast is not None and self._no_gradient and torch.is_grad_enabled() and any_requires_grad(
+                args[:self._n_inputs])
+            if attaches and self._forward_only:  # no output has a gradient: C++ attaches no node
+                with torch.no_grad():
+                    outputs = fast(args, inplace_backward)
+                if outputs is not None:
+                    return outputs
+            elif not attaches and fast is not None:  # a call of a kind it knows: outputs (and node) from C++
                 outputs = fast(args, inplace_backward)
                 if outputs is not None:
                     return outputs
+            # else the C++ call would put its node behind every output, also those without a gradient
         if not compiling and _is_tracing():  # a trace would keep the kernel's outputs as constants
             raise FusegenArgumentError(f"{self.name}(): torch.jit.trace is not supported; use torch.compile")
         _check_inplace_backward(self.name, inplace_backward)
