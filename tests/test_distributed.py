@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,20 +18,36 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
 
 
-def test_placements_values_gradients_and_dropout_masks_match_one_process(tmp_path):
-    # A process of its own, never imported here: the worker turns on Triton's interpreter
-    # for itself, which in this process would reach every kernel built after it (on a GPU too).
+def _run_ranks(tmp_path, world: int, *extra: str) -> None:
+    """tests/distributed_worker.py as `world` processes, one per rank; every one must succeed.
+    Processes of their own, the worker never imported here: it turns on Triton's interpreter
+    for itself, which in this process would reach every kernel built after it (on a GPU too)."""
     worker = Path(__file__).with_name("distributed_worker.py")
-    subprocess.run([sys.executable, str(worker), str(tmp_path / "init")], check=True, cwd=ROOT,
-                   env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}, timeout=600)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    ranks = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / "init"), str(rank), str(world), *extra],
+                              cwd=ROOT, env=env) for rank in range(world)]
+    deadline = time.monotonic() + 600
+    try:
+        # Until all are done, one fails (the others would wait in a collective) or time is up.
+        while any(rank.poll() is None for rank in ranks) and not any(rank.poll() for rank in ranks):
+            assert time.monotonic() < deadline, "the ranks ran past 600 s"
+            time.sleep(0.1)
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    assert [rank.returncode for rank in ranks] == [0] * world, [rank.returncode for rank in ranks]
+
+
+def test_placements_values_gradients_and_dropout_masks_match_one_process(tmp_path):
+    _run_ranks(tmp_path, 2)
 
 
 def test_a_two_by_two_mesh_matches_one_process(tmp_path):
     """Four processes on a 2 × 2 mesh (data parallel × tensor parallel): placements on both
     mesh dims, eager and compiled, dropout masks bit for bit (tests/distributed_worker.py run_2d)."""
-    worker = Path(__file__).with_name("distributed_worker.py")
-    subprocess.run([sys.executable, str(worker), str(tmp_path / "init"), "2d"], check=True, cwd=ROOT,
-                   env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}, timeout=600)
+    _run_ranks(tmp_path, 4, "2d")
 
 
 def test_plain_tensors_do_not_import_dtensor():

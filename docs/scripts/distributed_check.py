@@ -150,7 +150,10 @@ def main() -> None:
     # FSDP2: a small GPT-2 stack with generated ops, trained on 2 ranks (half the batch each)
     # against the same model on one device (the whole batch); dropout off, so the two see
     # the same computation.
-    size = dict(hidden=64, mlp=128, heads=2, layers=2, batch=4, seq=16, vocab=128) if CPU else \
+    # On the CPU as small as the checks allow (the interpreter's time grows with the rows): two
+    # blocks (one hands its pending residual add to the next), a sequence per rank, 4 tokens a
+    # rank under sequence parallelism.
+    size = dict(hidden=32, mlp=64, heads=2, layers=2, batch=2, seq=8, vocab=64) if CPU else \
         dict(hidden=512, mlp=2048, heads=8, layers=2, batch=8, seq=256, vocab=1024)
     ops = model_bench.fusegen_ops(model_bench.Path("generated"))
     steps = 3 if CPU else 10
