@@ -25,14 +25,15 @@ import triton.language as tl
 from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
-    add_gradient_partials, column_tile, indices, load_tile, row_sum, rsqrt_rn, store_column_sums,
-    store_gradient, store_tile,
+    add_gradient_partials, column_tile, indices, load_tile, row_sum, rsqrt_rn, split_leave,
+    split_program, split_share, split_shares, split_wait, store_column_sums, store_gradient,
+    store_tile,
 )
 
 __all__ = ["bias_layernorm", "BiasLayernorm", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "SPLITS"])
 @triton.jit
 def bias_layernorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -41,33 +42,48 @@ def bias_layernorm_kernel(
     beta_ptr, beta_stride_m, beta_stride_n,  # beta [N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
     BLOCK_M: tl.constexpr,
+    SHARES: tl.constexpr = 1,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    group, split = split_program(exchange_ptr, SPLITS)
+    rows = indices(group * BLOCK_M, BLOCK_M, INDEX_64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, compute)
     if ONE_TILE:
-        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
         gamma = load_tile(gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute)
         beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
         t0 = bias + x
         mean0 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
+        if SPLITS > 1:  # the row's parts' reductions, combined
+            split_share(mean0, exchange_ptr, rows, M, split, 0, SHARES, 0, SPLITS)
+            split_wait(exchange_ptr, group, 0, SPLITS)
+            mean0_shares = split_shares(exchange_ptr, rows, M, 0, SHARES, 0, SPLITS, BLOCK_N, "sum")
+            mean0 = row_sum(mean0_shares)
         tl.store(statistics_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = t0 - mean0
         mean1 = row_sum(tl.where(in_bounds, t1 * t1, 0.0)) / N
+        if SPLITS > 1:  # the row's parts' reductions, combined
+            split_share(mean1, exchange_ptr, rows, M, split, 1, SHARES, 0, SPLITS)
+            split_wait(exchange_ptr, group, 1, SPLITS)
+            mean1_shares = split_shares(exchange_ptr, rows, M, 1, SHARES, 0, SPLITS, BLOCK_N, "sum")
+            mean1 = row_sum(mean1_shares)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
         y = beta + rsqrt_rn(eps + mean1) * gamma * t1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
+        split_leave(exchange_ptr, group, 2, SPLITS)
     else:
         mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):

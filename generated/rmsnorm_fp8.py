@@ -23,14 +23,14 @@ import triton.language as tl
 from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
-    column_tile, indices, load_tile, maximum, minimum, row_max, row_sum, sqrt_rn, store_tile,
-    to_element,
+    column_tile, indices, load_tile, maximum, minimum, row_max, row_sum, split_leave, split_program,
+    split_share, split_shares, split_wait, sqrt_rn, store_tile, to_element,
 )
 
 __all__ = ["rmsnorm_fp8", "RmsnormFp8", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "SPLITS"])
 @triton.jit
 def rmsnorm_fp8_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -38,30 +38,44 @@ def rmsnorm_fp8_kernel(
     q_ptr,  # q, contiguous [M, N]
     scale_ptr,  # scale, contiguous [M, 1]
     statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
     BLOCK_M: tl.constexpr,
+    SHARES: tl.constexpr = 1,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    group, split = split_program(exchange_ptr, SPLITS)
+    rows = indices(group * BLOCK_M, BLOCK_M, INDEX_64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, compute)
     if ONE_TILE:
-        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         weight = load_tile(
             weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
         )
         mean0 = row_sum(tl.where(in_bounds, x * x, 0.0)) / N
+        if SPLITS > 1:  # the row's parts' reductions, combined
+            split_share(mean0, exchange_ptr, rows, M, split, 0, SHARES, 0, SPLITS)
+            split_wait(exchange_ptr, group, 0, SPLITS)
+            mean0_shares = split_shares(exchange_ptr, rows, M, 0, SHARES, 0, SPLITS, BLOCK_N, "sum")
+            mean0 = row_sum(mean0_shares)
         tl.store(statistics_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = sqrt_rn(eps + mean0)
         t0 = weight * x
         max1 = row_max(tl.where(in_bounds, tl.abs(t0) / tl.abs(t1), -float("inf")))
+        if SPLITS > 1:  # the row's parts' reductions, combined
+            split_share(max1, exchange_ptr, rows, M, split, 1, SHARES, 0, SPLITS)
+            split_wait(exchange_ptr, group, 1, SPLITS)
+            max1_shares = split_shares(exchange_ptr, rows, M, 1, SHARES, 0, SPLITS, BLOCK_N, "max")
+            max1 = row_max(max1_shares)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(max1, (BLOCK_M,)), mask=rows < M)
         t2 = maximum(max1, 1e-12)
         q = minimum(maximum(448.0 * t0 / (t1 * t2), -448.0), 448.0)
@@ -71,6 +85,7 @@ def rmsnorm_fp8_kernel(
             scale_ptr + rows[:, None] + cols[None, :] * 0,
             to_element(scale, scale_ptr.dtype.element_ty), mask=in_bounds & (cols[None, :] == 0),
         )
+        split_leave(exchange_ptr, group, 2, SPLITS)
     else:
         mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
         for first_col in range(0, N, BLOCK_N):

@@ -26,39 +26,59 @@ from fusegen import runtime
 from fusegen.backends.triton import row_launch, row_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     add_gradient_partials, column_tile, indices, load_tile, max_shifts, maximum, row_max, row_sum,
-    store_column_sums, store_gradient, store_tile,
+    split_leave, split_program, split_share, split_shares, split_wait, store_column_sums,
+    store_gradient, store_tile,
 )
 
 __all__ = ["softmax", "Softmax", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N"])
+@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "SPLITS"])
 @triton.jit
 def softmax_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     y_ptr,  # y, contiguous [M, N]
     statistics_ptr,  # [M, statistics]: each row's statistics, kept for the backward
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N,  # rows (all leading dims) and columns (the last dim, reduced along)
     M_BUCKET,  # M rounded up to a power of two: what tuning keys on
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
     BLOCK_M: tl.constexpr,
     ONLINE: tl.constexpr = True,  # looped: online sums in their max's pass, not one pass after
+    SHARES: tl.constexpr = 2,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)
+    group, split = split_program(exchange_ptr, SPLITS)
+    rows = indices(group * BLOCK_M, BLOCK_M, INDEX_64)
     if ONE_TILE:
-        cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)
+        cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         max0 = row_max(tl.where(in_bounds, x, -float("inf")))
         sum1 = row_sum(tl.where(in_bounds, libdevice.exp(x - max0), 0.0))
+        if SPLITS > 1:  # the row's parts' reductions, combined
+            split_share(max0, exchange_ptr, rows, M, split, 0, SHARES, 0, SPLITS)
+            split_share(sum1, exchange_ptr, rows, M, split, 0, SHARES, 1, SPLITS)
+            split_wait(exchange_ptr, group, 0, SPLITS)
+            max0_shares = split_shares(exchange_ptr, rows, M, 0, SHARES, 0, SPLITS, BLOCK_N, "max")
+            sum1_shares = split_shares(exchange_ptr, rows, M, 0, SHARES, 1, SPLITS, BLOCK_N, "sum")
+            max0 = row_max(max0_shares)
+            max0_shift, max0_shift_before = max_shifts(max0_shares, max0)
+            sum1 = row_sum(
+                tl.where(
+                    max0_shares == -float("inf"), 0.0,
+                    sum1_shares * libdevice.exp(-max0_shift + max0_shift_before),
+                ),
+            )
         tl.store(statistics_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
         t0 = libdevice.exp(x - max0)
         y = t0 / sum1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
+        split_leave(exchange_ptr, group, 1, SPLITS)
     else:
         if ONLINE:
             max0 = tl.full((BLOCK_M, 1), -float("inf"), compute)

@@ -81,6 +81,10 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = settings.get("INDEX_64", False)
             elif name == "ONE_TILE":
                 constexprs[name] = settings.get("ONE_TILE", True)
+            elif name == "SPLITS":  # a row forward split across programs (or not)
+                constexprs[name] = settings.get("SPLITS", 1)
+            elif name == "SHARES":  # the split's exchange: the kernel's own size
+                constexprs[name] = param.default
             elif name == "ONLINE":  # looped forwards with online sums: both forms
                 constexprs[name] = settings.get("ONLINE", True)
             elif name == "DROPOUT_WHOLE_GROUPS":
@@ -99,7 +103,10 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
             # Gradient sums are buffers in the accumulation type (an input's own gradient
             # may be written in full, in its dtype, when only the other flag applies).
             sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
-        elif name == "statistics_ptr":  # a row op's per-row statistics: in the compute type, as the runtime keeps them
+        elif name == "exchange_ptr" and settings.get("SPLITS", 1) == 1:  # no split: None, as the launcher passes it
+            sig[name] = "constexpr"
+            constexprs[name] = None
+        elif name in ("statistics_ptr", "exchange_ptr"):  # a row op's per-row statistics, a split's exchange: in the compute type, as the runtime keeps them
             sig[name] = "*fp64" if settings["COMPUTE_FP64"] else "*fp32"
         elif name in ("seed_ptr", "shard_ptr"):  # dropout's seed, and a shard's place: int64s on the device
             sig[name] = "*i64"
@@ -134,6 +141,8 @@ def compile_module(path: Path) -> list[str]:
             looped = [(pointer, {**settings, "ONE_TILE": False}) for pointer, settings in cases if pointer != "fp16"]
             if any(p.name == "ONLINE" for p in kernel.params):
                 looped += [(pointer, {**settings, "ONLINE": False}) for pointer, settings in looped]
+            if any(p.name == "SPLITS" for p in kernel.params):  # a forward: its row split, too
+                looped += [(pointer, {**settings, "SPLITS": 4}) for pointer, settings in cases if pointer != "fp16"]
             cases += looped
         for pointer, settings in cases:
             integer_inputs = {i.name: i.dtype for i in module._OP.inputs if getattr(i, "dtype", "float") != "float"}

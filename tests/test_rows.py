@@ -438,9 +438,10 @@ class _Module:
 @pytest.mark.gpu
 # The fast lane keeps one width past a tile (the loop); the full suite takes them all.
 @pytest.mark.parametrize("n", [1, 7, *(pytest.param(n, marks=pytest.mark.full_lane) for n in (4096,)), 16385,
-                               *(pytest.param(n, marks=pytest.mark.full_lane) for n in (65536, 262144))])
+                               *(pytest.param(n, marks=pytest.mark.full_lane) for n in (65536, 262144, 1 << 20))])
 def test_softmax_and_layernorm_at_any_width_on_gpu(n):
-    """Rows from 1 column to a vocabulary's: one tile up to 16384 (8192 backward), then the loop."""
+    """Rows from 1 column to a million: one tile up to 16384 (8192 backward), then the forward
+    split across programs (row_tuning.row_forward_layout) and the backward's loop."""
     m = 4
     for name in ("softmax", "layernorm"):
         op = op_by_name(name)

@@ -6,17 +6,22 @@ import json, os, sys
 from pathlib import Path
 import torch, triton
 import torch.nn.functional as F
+from fusegen.backends.triton import row_tuning
 from fusegen.bench.cases import load_bench_op
 
-CASES = [("softmax", torch.float32, 1024, 65536), ("log_softmax", torch.float32, 1024, 65536),
-         ("softmax", torch.bfloat16, 4096, 32768), ("rmsnorm", torch.bfloat16, 4096, 32768),
-         ("layernorm", torch.bfloat16, 4096, 32768), ("softmax", torch.float32, 256, 262144),
-         ("rmsnorm", torch.float32, 256, 262144), ("softmax", torch.bfloat16, 1024, 131072)]
+# Issue 30's shapes, for each of its ops.
+CASES = [(name, dtype, m, n) for dtype, m, n in ((torch.float32, 1024, 65536), (torch.float32, 256, 262144),
+                                                 (torch.bfloat16, 4096, 32768), (torch.bfloat16, 1024, 131072))
+         for name in ("softmax", "log_softmax", "rmsnorm", "layernorm")]
 import argparse
 parser = argparse.ArgumentParser()
 parser.add_argument("--ops", default=None)
 parser.add_argument("--old", default=None, help="a folder of generated modules to A/B against")
+parser.add_argument("--shapes", default=None, help="only these, e.g. float32:1024x65536,bfloat16:1024x131072")
 parser.add_argument("--json", default=None)
+parser.add_argument("--old-looped", action="store_true",
+                    help="the --old modules' forwards take the loop along the row where the split would run: "
+                         "an A/B of the layouts (pass a copy of generated/ as --old)")
 options = parser.parse_args()
 only = options.ops.split(",") if options.ops else None
 try:
@@ -38,8 +43,10 @@ def bench(fn, inputs, grad):
         y = fn(*inputs); y.backward(grad)
     b = triton.testing.do_bench(fb, warmup=25, rep=100, grad_to_none=inputs)
     return f, b
+shapes = set(options.shapes.split(",")) if options.shapes else None
 for name, dtype, m, n in CASES:
     if only and name not in only: continue
+    if shapes and f"{str(dtype)[6:]}:{m}x{n}" not in shapes: continue
     new = load_bench_op(name, Path("specs"), Path("generated"))
     old = load_bench_op(name, Path("specs"), Path(options.old)) if options.old else None
     torch.manual_seed(0)
@@ -54,10 +61,17 @@ for name, dtype, m, n in CASES:
     with torch.no_grad():
         want = EAGER[name](*[t.double() for t in inputs])
     for tag, fn in [("new", new.op)] + ([("old", old.op)] if old else []):
-        with torch.no_grad():
-            got = fn(*inputs)
-        r[tag + "_err"] = ((got.double() - want).abs().max() / want.abs().max()).item()
-        r[tag] = bench(fn, inputs, grad)
+        # --old-looped: the old copy's calls are prepared (so their layouts chosen) with no split.
+        layout = row_tuning.row_forward_layout
+        if tag == "old" and options.old_looped:
+            row_tuning.row_forward_layout = lambda n, m, device: (row_tuning.row_block_n(n), 1)
+        try:
+            with torch.no_grad():
+                got = fn(*inputs)
+            r[tag + "_err"] = ((got.double() - want).abs().max() / want.abs().max()).item()
+            r[tag] = bench(fn, inputs, grad)
+        finally:
+            row_tuning.row_forward_layout = layout
     torch._dynamo.reset()
     try:
         r["compile"] = bench(torch.compile(EAGER[name]), inputs, grad)

@@ -180,3 +180,61 @@ def patch_scalar_index() -> None:
 
     interpreter._patch_lang_tensor = patched
     _INDEX_PATCHED = True
+
+
+_COOPERATIVE_PATCHED = False
+
+
+def patch_cooperative_grid() -> None:
+    """A row split across programs (kernel_lib.split_program: SPLITS > 1) has its programs
+    wait for each other, which the interpreter's one-after-another grid would never let
+    finish: such a launch runs each program in its own thread (program_id per thread), as a
+    GPU runs them side by side. Other launches are left as they were."""
+    global _COOPERATIVE_PATCHED
+    if _COOPERATIVE_PATCHED:
+        return
+    import inspect
+    import threading
+
+    from triton.runtime import interpreter
+
+    local = threading.local()
+    builder = interpreter.InterpreterBuilder
+    builder.grid_idx = property(lambda self: getattr(local, "grid_idx", None),
+                                lambda self, value: setattr(local, "grid_idx", value))
+    call = interpreter.GridExecutor.__call__
+
+    def patched(self, *args, **kwargs):
+        named = dict(zip(inspect.getfullargspec(self.fn).args, args), **kwargs)
+        splits = named.get("SPLITS")
+        if not isinstance(splits, int) or splits <= 1:
+            return call(self, *args, **kwargs)
+        fn, threads, errors = self.fn, [], []
+
+        def program(grid_idx, program_args):
+            local.grid_idx = grid_idx
+            try:
+                fn(**program_args)
+            except BaseException as error:  # re-raised by the launch, as the one-thread grid would
+                errors.append(error)
+
+        def start(**program_args):
+            thread = threading.Thread(target=program, args=(local.grid_idx, program_args), daemon=True)
+            thread.start()
+            threads.append(thread)
+            x, y, z = interpreter.interpreter_builder.grid_dim
+            if len(threads) == x * y * z:  # the grid's last program
+                for t in threads:
+                    t.join()
+                if errors:
+                    raise errors[0]
+
+        start.__signature__ = inspect.signature(fn)  # what the executor binds the arguments by
+        self.fn = start
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            self.fn = fn
+
+    interpreter.GridExecutor.__call__ = patched
+    _COOPERATIVE_PATCHED = True

@@ -282,6 +282,82 @@ def row_sum(tile):
     return tl.sum(tile, axis=1, keep_dims=True)
 
 
+# -- a row split across programs ---------------------------------------------------------
+# A row too wide for one program's registers is split across SPLITS programs (a row group),
+# each holding its BLOCK_N columns on chip: each pass's reductions are combined through a
+# small zeroed buffer (`exchange_ptr`: a ticket, a counter per group, then each round's
+# shares), so the row is read once, as one tile is. The programs of a group wait for each
+# other, so a group must be on the GPU at once: tickets hand out groups in the order the
+# programs start (a started program is resident), and the launcher keeps SPLITS within the
+# GPU's multiprocessors. Both counters are left at 0, for the next launch (the autotuner's
+# reruns). Shares are stored per row, [rows, 2 rounds, shares a round, SPLITS]; a round's
+# buffer is reused two rounds on, when every program of the group has read it.
+
+
+@triton.jit
+def split_program(exchange_ptr, SPLITS: tl.constexpr):
+    """This program's row group (rows group * BLOCK_M, ...) and its split (columns
+    split * BLOCK_N, ...): program_id(0) and 0 where a row is one program's."""
+    # (Triton compiles what follows a return in an `if`: each case in its own branch.)
+    if SPLITS == 1:  # exchange_ptr is None
+        group, split = tl.program_id(0), 0
+    else:
+        counters = exchange_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        ticket = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
+        if ticket == tl.num_programs(0) - 1:  # the launch's last ticket taken
+            tl.atomic_xchg(counters, 0, sem="relaxed", scope="gpu")
+        group, split = ticket // SPLITS, ticket % SPLITS
+    return group, split
+
+
+@triton.jit
+def _shares_of(exchange_ptr, rows, M, ROUND: tl.constexpr, SHARES: tl.constexpr, k: tl.constexpr,
+               SPLITS: tl.constexpr):
+    """Where share k of each row's round ROUND starts: SPLITS values, one per split."""
+    base = exchange_ptr + (M + 1)  # past the ticket and the groups' counters
+    return base + ((rows[:, None] * 2 + ROUND % 2) * SHARES + k) * SPLITS
+
+
+@triton.jit
+def split_share(value, exchange_ptr, rows, M, split, ROUND: tl.constexpr, SHARES: tl.constexpr, k: tl.constexpr,
+          SPLITS: tl.constexpr):
+    """This split's value ([rows, 1]) of a round's reduction k, for the group to combine."""
+    tl.store(_shares_of(exchange_ptr, rows, M, ROUND, SHARES, k, SPLITS) + split, value, mask=rows[:, None] < M)
+
+
+@triton.jit
+def split_wait(exchange_ptr, group, ROUND: tl.constexpr, SPLITS: tl.constexpr):
+    """Waits until every program of the group has shared round ROUND's values."""
+    counter = exchange_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 1 + group
+    tl.debug_barrier()  # every thread's shares stored before the release
+    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+    while seen < (ROUND + 1) * SPLITS:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def split_shares(exchange_ptr, rows, M, ROUND: tl.constexpr, SHARES: tl.constexpr, k: tl.constexpr,
+                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, OP: tl.constexpr):
+    """A round's reduction k as every split shared it, read past the caches: the first SPLITS
+    columns of a [rows, BLOCK_N] tile, the rest the neutral element of OP ("max", "min",
+    "sum"). A tile's shape, so that what is combined from it has the tile's layout: from
+    [rows, SPLITS] the compiler would move the whole tile to another layout (H100: 6x slower)."""
+    parts = tl.arange(0, BLOCK_N)[None, :]
+    first = _shares_of(exchange_ptr, rows, M, ROUND, SHARES, k, SPLITS)
+    neutral = -float("inf") if OP == "max" else float("inf") if OP == "min" else 0.0
+    return tl.load(first + parts, mask=(rows[:, None] < M) & (parts < SPLITS), other=neutral, volatile=True)
+
+
+@triton.jit
+def split_leave(exchange_ptr, group, ROUNDS: tl.constexpr, SPLITS: tl.constexpr):
+    """After the last round: the group's last program out sets its counter back to 0."""
+    if SPLITS > 1:
+        counter = exchange_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 1 + group
+        if tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") == (ROUNDS + 1) * SPLITS - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
 # One config (nothing to tune: a few microseconds' work); autotuned only so that the
 # cached launcher, which launches autotuned kernels, can launch it without Triton's dispatch.
 @triton.autotune(configs=[triton.Config({"BLOCK_R": 32, "BLOCK_N": 128}, num_warps=4)], key=[])

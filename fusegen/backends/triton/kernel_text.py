@@ -74,9 +74,11 @@ def with_argument_comments(kernel: KernelText) -> KernelText:
     return kernel
 
 
-def kernel_key(plan: OpPlan, backward: bool) -> str:
-    """The autotuner's key: what a tuned config is kept for."""
-    key = ["M_BUCKET", "N"] + (["HAS_DROPOUT"] if plan.has_dropout else []) + (["ROWS_PER_PROGRAM"] if backward else [])
+def kernel_key(plan: OpPlan, backward: bool, layout: tuple[str, ...] = ()) -> str:
+    """The autotuner's key: what a tuned config is kept for (`layout`: a kind's arguments that
+    change the program's shape, which a config tuned for another would not fit)."""
+    key = ["M_BUCKET", "N", *layout] + (["HAS_DROPOUT"] if plan.has_dropout else []) + (
+        ["ROWS_PER_PROGRAM"] if backward else [])
     return "[" + ", ".join(f'"{k}"' for k in key) + "]"
 
 

@@ -26,6 +26,7 @@ from .interpreter import (
     is_interpreting,
     kernel_is_interpreted,
     patch_bfloat16_rounding,
+    patch_cooperative_grid,
     patch_libdevice,
     patch_scalar_index,
     quiet_numpy,
@@ -38,6 +39,7 @@ from .naming import (
     BLOCK_N,
     COMPUTE_FP64,
     DROPOUT_WHOLE_GROUPS,
+    EXCHANGE,
     HAS_DROPOUT,
     INDEX_64,
     M,
@@ -49,11 +51,13 @@ from .naming import (
     SEED,
     SHARD,
     SHARDED,
+    SPLITS,
     ParameterNames,
 )
 
 if is_interpreting():  # every generated module imports this one before its kernels run
     patch_bfloat16_rounding()
+    patch_cooperative_grid()
     patch_libdevice()
     patch_scalar_index()
 
@@ -96,9 +100,11 @@ class _Signature:
         self.parameters = tuple(kernel.arg_names)
         # The autotuner's tile: trailing parameters its configs give (or a given tile, `_Tile`),
         # and those with a default, which its pruner may set (row kernels' ONLINE).
-        self.tile = frozenset(name for config in getattr(kernel, "configs", ()) for name in config.kwargs) | {
-            name for name, p in inspect.signature(_python_function(kernel)).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+        parameters = inspect.signature(_python_function(kernel)).parameters
+        # Those with a default, by name (the row forward's SHARES: how big its exchange's rounds are).
+        self.defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+        self.tile = frozenset(name for config in getattr(kernel, "configs", ()) for name in config.kwargs) | set(
+            self.defaults)
 
     def ordered(self, values: dict) -> list:
         """The values, by parameter name, as the kernel takes them positionally."""
@@ -126,6 +132,19 @@ class Slot:
         self.index = index
 
 
+class Zeroed:
+    """A buffer of `numel` zeros in `dtype` a launch makes for itself each call (a split
+    row's exchange: kernel_lib.split_program), in a prepared argument list's place."""
+
+    __slots__ = ("numel", "dtype", "device")
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.numel, self.dtype, self.device = numel, dtype, device
+
+    def new(self) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+
 class Launch:
     """One kernel's launch for one kind of call (shapes, strides, dtypes, params, alignment),
     worked out once: the argument list with a `Slot` for each tensor that changes from call
@@ -137,11 +156,12 @@ class Launch:
     (outputs, gradient buffers, copies, seeds), which torch's allocator and the seed batches
     keep 16-byte aligned."""
 
-    __slots__ = ("_launcher", "_grid", "_template", "_slots", "_copies", "_constexprs", "_binary")
+    __slots__ = ("_launcher", "_grid", "_template", "_slots", "_zeroed", "_copies", "_constexprs", "_binary")
 
     def __init__(self, launcher, grid, template: list, copies: tuple = (), constexprs: dict | None = None):
         self._launcher, self._grid, self._template = launcher, grid, template
         self._slots = tuple((position, a.index) for position, a in enumerate(template) if type(a) is Slot)
+        self._zeroed = tuple((position, a) for position, a in enumerate(template) if type(a) is Zeroed)
         self._copies = copies  # (value index, problem, chunks): a broadcast whose [M, N] view is a copy
         self._constexprs = constexprs or {}
         self._binary = None
@@ -157,7 +177,7 @@ class Launch:
         """This launch for a compiled caller (`Binary.native_form`; slots index the values as
         `launch(values)` takes them), or None: before the first launch, or where a call does
         more than launch one binary (a broadcast view copied per call, a given tile)."""
-        if self._binary is None or self._copies or self._constexprs:
+        if self._binary is None or self._copies or self._constexprs or self._zeroed:
             return None
         return self._binary.native_form(self._template, dict(self._slots))
 
@@ -167,6 +187,7 @@ class Launch:
             for i, problem, chunks in self._copies:
                 values[i] = view_2d(values[i], problem, chunks)[0]
         args = self._template.copy()
+        zeroed = [(position, buffer.new()) for position, buffer in self._zeroed]  # alive past the launch
         binary = self._binary
         if binary is not None and torch._C._cuda_getDevice() == binary.device and not hooks_active():
             # Addresses, not tensors: Triton's C launcher then skips asking the driver about
@@ -174,10 +195,14 @@ class Launch:
             for position, i in self._slots:
                 value = values[i]
                 args[position] = None if value is None else value.data_ptr()
+            for position, buffer in zeroed:
+                args[position] = buffer.data_ptr()
             binary(args)
             return
         for position, i in self._slots:
             args[position] = values[i]
+        for position, buffer in zeroed:
+            args[position] = buffer
         self._binary = self._launcher.launch(self._grid, args, self._constexprs)
 
 
@@ -336,7 +361,7 @@ class _Bound:
                                  names("column_sums", name)) for name in kernels.gradients]
         # Two values of one name in a kernel would leave one out, unseen by the signature's check.
         common = [M, N, M_BUCKET, SEED, SHARD, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED, INDEX_64, COMPUTE_FP64,
-                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, STATISTICS, *self._scalar_names, *self._choice_names,
+                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, STATISTICS, EXCHANGE, SPLITS, *self._scalar_names, *self._choice_names,
                   *(name for pair in self._dropout_names for name in pair)]
         forward = [*common, *self._output_names, *(name for triple in self._input_names for name in triple)]
         backward = [*common, *(name for i in self._reads for name in self._input_names[i]),

@@ -10,8 +10,8 @@ from fusegen.plan import OpPlan
 # The kernel_lib helpers a generated module may import (each module imports those it calls).
 KERNEL_LIB_NAMES = (
     "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_per_row", "load_tile", "max_shifts",
-    "maximum", "min_shifts", "minimum", "row_max", "row_min", "row_sum", "rsqrt_rn", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile",
-    "to_element",
+    "maximum", "min_shifts", "minimum", "row_max", "row_min", "row_sum", "rsqrt_rn",
+    "split_leave", "split_program", "split_share", "split_shares", "split_wait", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile", "to_element",
 )
 
 # What every generated module imports (each kind adds its own modules: kinds.py).
@@ -38,6 +38,7 @@ HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED = "HAS_DROPOUT", "DROPOUT_WHOLE_GROUP
 INDEX_64, COMPUTE_FP64 = "INDEX_64", "COMPUTE_FP64"
 ROWS_PER_PROGRAM, BLOCK_M, BLOCK_N = "ROWS_PER_PROGRAM", "BLOCK_M", "BLOCK_N"
 STATISTICS, ONE_TILE = "statistics_ptr", "ONE_TILE"  # the row kernels' (row_kernel_text.py)
+EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a row forward's split (kernel_lib.split_program)
 
 
 # The parameters named for a spec's input, output or param: what each is wanted as, from

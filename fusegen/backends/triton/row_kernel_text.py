@@ -50,6 +50,13 @@ _TAIL_ARGUMENTS = [
     f"{naming.ONE_TILE}: tl.constexpr,  # {naming.BLOCK_N} >= {naming.N}",
     f"{naming.BLOCK_M}: tl.constexpr,",
 ]
+# The forward's: a row too wide for one program may be split across several (kernel_lib).
+_FORWARD_TAIL_ARGUMENTS = [
+    f"{naming.BLOCK_N}: tl.constexpr,  # a program's tile: the row or its split's part ({naming.ONE_TILE}), or a step",
+    f"{naming.ONE_TILE}: tl.constexpr,  # {naming.BLOCK_N} * {naming.SPLITS} >= {naming.N}",
+    f"{naming.SPLITS}: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)",
+    f"{naming.BLOCK_M}: tl.constexpr,",
+]
 _NEUTRAL = {"sum": "0.0", "mean": "0.0", "max": '-float("inf")', "min": 'float("inf")'}
 
 
@@ -61,14 +68,17 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         for name, _ in plan.outputs
     ]
     arguments.append(f"{naming.STATISTICS},  # [M, statistics]: each row's statistics, kept for the backward")
+    arguments.append(f"{naming.EXCHANGE},  # a split row's tickets, counters and shares (zeroed), else None")
     arguments.append(f"{naming.M}, {naming.N},  # rows (all leading dims) and columns (the last dim, reduced along)")
     arguments.append(f"{naming.M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
-    arguments += _TAIL_ARGUMENTS
+    arguments += _FORWARD_TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
     if program.online:
         # The autotuner's choice; a tile given by hand (tests) takes the default.
         arguments.append("ONLINE: tl.constexpr = True,  # looped: online sums in their max's pass, not one pass after")
+    # How big a round of a split row's exchange is: what the launcher sizes its buffer by.
+    arguments.append(f"{naming.SHARES}: tl.constexpr = {program.shares},  # a split row's values a round")
     stores = []
     dtypes = dict(plan.output_dtypes)
     for (name, _), out in zip(plan.outputs, kernel.outputs):
@@ -84,14 +94,15 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
             stores.append(f"store_tile({out}_ptr, {out}, rows, cols, N, in_bounds)")
     lines = [
         COMPUTE_LINE,
-        "rows = indices(tl.program_id(0) * BLOCK_M, BLOCK_M, INDEX_64)",
+        "group, split = split_program(exchange_ptr, SPLITS)",
+        "rows = indices(group * BLOCK_M, BLOCK_M, INDEX_64)",
         *program.prologue(),
         "if ONE_TILE:",
-        *_indent(program.one_tile(stores)),
+        *_indent(program.one_tile(stores, split=True)),
         "else:",
         *_indent(program.looped(stores, [], [], per_row=set(plan.row_outputs) >= {n for n, _ in plan.outputs})),
     ]
-    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False), arguments, lines,
+    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=(naming.SPLITS,)), arguments, lines,
                       "row_tuning.ROW_FORWARD_ONLINE" if program.online else "row_tuning.ROW_FORWARD")
 
 
@@ -164,6 +175,7 @@ class _Program:
         self._running = {r.running.name for r in self.body.reductions if r.running is not None}
         self.online = bool(self._running)
         self._per_row_incoming = per_row_incoming(plan)
+        self.shares = max((len(p.reductions) for p in self.body.passes), default=0)
 
     # -- pieces ------------------------------------------------------------------
 
@@ -247,23 +259,61 @@ class _Program:
 
     # -- layouts ---------------------------------------------------------------------
 
-    def one_tile(self, stores: list[str], columns_set: bool = False) -> list[str]:
+    def one_tile(self, stores: list[str], columns_set: bool = False, split: bool = False) -> list[str]:
+        """The program's rows in one tile; `split`: or its split's part of them (SPLITS > 1),
+        each pass's reductions then combined across the group (kernel_lib.split_program)."""
         body = self.body
-        lines = [] if columns_set else ["cols, in_bounds = column_tile(rows, 0, M, N, BLOCK_N, INDEX_64)"]
+        first_col = "split * BLOCK_N" if split else "0"
+        lines = [] if columns_set else [f"cols, in_bounds = column_tile(rows, {first_col}, M, N, BLOCK_N, INDEX_64)"]
         lines += self._statistics_loads() + self._assignments(body.row_values)
         every = [r.value for r in body.reductions] + [e for _, e in body.results]
-        lines += self._loads(*self._reads(every), first_col="0")
+        lines += self._loads(*self._reads(every), first_col=first_col)
         emitted: set = set()
-        for p in body.passes:
+        for round_, p in enumerate(body.passes):
             lines += self._assignments([t for t in p.temps if t[0] not in emitted])
             emitted |= {t for t, _ in p.temps}
             for r in p.reductions:
                 lines.append(f"{r.symbol.name} = {_reduce(r.op, self._value(r))}")
+            if split and p.reductions:
+                lines += self._combined(p, round_)
+                emitted -= _temps_reading(body.definitions, {r.symbol for r in p.reductions})  # read the part's
             lines += self._statistics_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += self._assignments([t for t in body.final_temps if t[0] not in emitted])
         lines += self._assignments(body.results, triton_constant)
+        if split and body.passes:
+            stores = stores + [f"split_leave(exchange_ptr, group, {len(body.passes)}, SPLITS)"]
         return lines + stores
+
+    def _combined(self, p: RowPass, round_: int) -> list[str]:
+        """A split row's pass: each program's reductions over its part shared, then the
+        row's combined from them (its online sums rescaled to the row's extreme), in place
+        of the part's."""
+        shared = {r.symbol.name: self.names.claim_once(f"{r.symbol.name}_shares", f"{r.symbol.name}_shares")
+                  for r in p.reductions}
+        lines = [f"split_share({r.symbol.name}, exchange_ptr, rows, M, split, {round_}, SHARES, {k}, SPLITS)"
+                 for k, r in enumerate(p.reductions)]
+        lines.append(f"split_wait(exchange_ptr, group, {round_}, SPLITS)")
+        lines += [f'{shared[r.symbol.name]} = split_shares(exchange_ptr, rows, M, {round_}, SHARES, {k}, SPLITS, BLOCK_N, '
+                  f'"{"sum" if r.op == "mean" else r.op}")'
+                  for k, r in enumerate(p.reductions)]
+        online = [r for r in p.reductions if r.running is not None]
+        for r in p.reductions:  # the extremes online sums run at come first
+            if r.running is None:
+                lines.append(f"{r.symbol.name} = {_reduce(r.op, shared[r.symbol.name], mean_of_parts=True)}")
+        for m in dict.fromkeys(r.running.name for r in online):
+            shift, shift_before = (self.names.claim_once(f"{m}_{what}", f"{m}_{what}") for what in ("shift", "shift_before"))
+            lines.append(f"{shift}, {shift_before} = {self._shifts(m, shared[m], m)}")
+        for r in online:
+            m = r.running.name
+            at = {SHIFT_NEW: sympy.Symbol(self.names.claim_once(f"{m}_shift", f"{m}_shift")),
+                  SHIFT_OLD: sympy.Symbol(self.names.claim_once(f"{m}_shift_before", f"{m}_shift_before"))}
+            rescale = self.printer.doprint(r.rescale.xreplace(at))
+            # A part wholly at the far end (every x -inf under a max) adds nothing; its own sum,
+            # taken at that extreme, is NaN.
+            empty = f"{shared[m]} == {_NEUTRAL[self._ops[m]]}"
+            lines.append(f"{r.symbol.name} = row_sum(tl.where({empty}, 0.0, {shared[r.symbol.name]} * {rescale}))")
+        return ["if SPLITS > 1:  # the row's parts' reductions, combined", *_indent(lines)]
 
     def _loop(self, exprs) -> list[str]:
         return [
@@ -382,14 +432,24 @@ def _named_reductions(body: RowBody) -> RowBody:
     )
 
 
-def _reduce(op: str, tile: str) -> str:
-    """A [BLOCK_M, BLOCK_N] tile reduced along the row to [BLOCK_M, 1]."""
+def _reduce(op: str, tile: str, mean_of_parts: bool = False) -> str:
+    """A [BLOCK_M, BLOCK_N] tile reduced along the row to [BLOCK_M, 1]; `mean_of_parts`: a
+    split row's parts' means (each over the row's N already) summed."""
     if op == "max":
         return f"row_max({tile})"
     if op == "min":
         return f"row_min({tile})"
     total = f"row_sum({tile})"
-    return f"{total} / N" if op == "mean" else total
+    return f"{total} / N" if op == "mean" and not mean_of_parts else total
+
+
+def _temps_reading(definitions, symbols: set) -> set:
+    """The temporaries that read these symbols, directly or through others."""
+    reading = set(symbols)
+    for target, expr in definitions:
+        if expr.free_symbols & reading:
+            reading.add(target)
+    return reading - set(symbols)
 
 
 def _accumulate(op: str, tile: str, value: str) -> str:
@@ -436,5 +496,6 @@ KIND = TritonKind(
     modules=("row_launch", "row_tuning", "tuning"),
     doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
         "reduced in registers, a wider one is swept once per level of nested reductions.",
-    reserved=frozenset({"first_col", naming.ONE_TILE, naming.STATISTICS, "ONLINE"}),
+    reserved=frozenset({"first_col", naming.ONE_TILE, naming.STATISTICS, "ONLINE", naming.EXCHANGE, naming.SPLITS,
+                        naming.SHARES, "group", "split"}),
 )

@@ -10,8 +10,8 @@ from fusegen.runtime import GradTarget, needs_int64
 from fusegen.runtime.views import INT32_LIMIT
 
 from . import row_tuning, tuning
-from .launch import Kernels, Launch, PreparedBackward, Slot, _Bound, _launches, _Tile
-from .naming import BLOCK_M, BLOCK_N, ONE_TILE, ROWS_PER_PROGRAM, STATISTICS
+from .launch import Kernels, Launch, PreparedBackward, Slot, Zeroed, _Bound, _launches, _Tile
+from .naming import BLOCK_M, BLOCK_N, EXCHANGE, ONE_TILE, ROWS_PER_PROGRAM, SHARES, SPLITS, STATISTICS
 
 
 class RowKernels(Kernels):
@@ -27,10 +27,11 @@ class _BoundRows(_Bound):
         self.statistics = kernels.statistics
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, statistics=None,
-                traced: bool = False) -> None:
+                traced: bool = False, splits: int = 1) -> None:
         if statistics is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
             statistics = self._statistics_buffer(call.problem)
-        super().forward(call, tensors, outputs, seed, tile, statistics, traced)
+        if _launches(call.problem, traced):
+            self.prepare_forward(call, tensors, tile, traced, splits)((*tensors, *outputs, statistics, seed))
 
     def _statistics_buffer(self, problem) -> torch.Tensor:
         return torch.empty(self.op.statistics_shape(problem), dtype=problem.compute_dtype, device=problem.device)
@@ -42,18 +43,26 @@ class _BoundRows(_Bound):
         """Some offset reaches 2**31: in a tensor, or in the [M, statistics] buffer."""
         return needs_int64(problem, views) or problem.m * self.statistics >= INT32_LIMIT
 
-    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False) -> Launch:
+    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False,
+                        splits: int = 1) -> Launch:
+        """`splits` with a `tile`: its rows split across that many programs (tests reach the
+        split layout so; otherwise row_tuning.row_forward_layout chooses)."""
         problem = call.problem
         m, n = problem.m, problem.n
         args, copies = self._forward_args(call, tensors, traced)
-        block_n = tile[1] if tile is not None else row_tuning.row_block_n(n)
+        block_n, splits = (tile[1], splits) if tile is not None else row_tuning.row_forward_layout(n, m, problem.device)
         # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
-        args[BLOCK_N], args[ONE_TILE] = block_n, bool(block_n >= n)
+        args[BLOCK_N], args[SPLITS], args[ONE_TILE] = block_n, splits, bool(block_n * splits >= n)
+        # A split row's exchange: a ticket, a counter per row group, two rounds of shares per row.
+        shares = self._signatures[0].defaults.get(SHARES, 0)
+        args[EXCHANGE] = None if splits == 1 else Zeroed(
+            m + 1 + 2 * m * shares * splits, problem.compute_dtype, problem.device)
         args = self._signatures[0].ordered(args)
         if tile is not None:
-            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]),), args, copies, {BLOCK_M: tile[0]})
+            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]) * splits,), args, copies,
+                          {BLOCK_M: tile[0]})
         return Launch(self._graph_forward if traced else self._forward,
-                      lambda meta: (tuning.cdiv(m, meta[BLOCK_M]),), args, copies)
+                      lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * splits,), args, copies)
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
                  rows_per_program: int | None = None, statistics=None, traced: bool = False) -> list[torch.Tensor]:

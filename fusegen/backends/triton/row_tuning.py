@@ -3,6 +3,7 @@ that keep those that fit a problem, and the backward's rows per program. What ev
 shares (the autotuner, M's bucket, size hints) is tuning.py's."""
 from __future__ import annotations
 
+import torch
 import triton
 
 from .interpreter import is_interpreting
@@ -13,6 +14,7 @@ from .tuning import (
     MIN_ROWS_PER_PROGRAM,
     Space,
     cdiv,
+    m_bucket,
     size_hint,
 )
 
@@ -44,6 +46,38 @@ def row_block_n(n: int, backward: bool = False) -> int:
     if width <= (ONE_TILE_LIMIT_BACKWARD if backward else ONE_TILE_LIMIT):
         return width
     return ROW_STEP_BACKWARD if backward else ROW_STEP
+
+
+# A forward row wider than ONE_TILE_LIMIT is split across programs that each hold one part of
+# it in registers (kernel_lib.split_program: the row read once, as one tile is) where the GPU
+# can hold a row group's programs at once; else looped. H100, softmax (prototype, pair
+# exchange): split fp32 (1024, 65536) 0.93 of copy with 8192-wide parts, fp32 (256, 262144)
+# 0.89 with 32768, bf16 (1024, 131072) 0.74 with 16384; looped 0.60-0.65. About eight parts a
+# row did best, fewer programs a round costing less than the exchange's wait.
+SPLIT_PARTS = 8
+SPLIT_PART = (8192, 32768)  # a part's width, within these
+SPLIT_PROGRAMS = 512  # at least this many programs in all (few rows): narrower parts
+
+
+def row_forward_layout(n: int, m: int, device) -> tuple[int, int]:
+    """(BLOCK_N, SPLITS) for a row forward: the whole row in one tile, split into SPLITS parts
+    of BLOCK_N columns, or (SPLITS = 1, BLOCK_N < N) looped along the row."""
+    block_n = row_block_n(n)
+    if block_n >= size_hint(n) or is_interpreting():
+        return block_n, 1
+    n, m = size_hint(n), m_bucket(m)  # by what tuning keys on: one layout a tuned key
+    low, high = SPLIT_PART
+    part = min(high, max(low, triton.next_power_of_2(cdiv(n, SPLIT_PARTS))))
+    while part > low and m * cdiv(n, part) < SPLIT_PROGRAMS:
+        part //= 2
+    splits = triton.next_power_of_2(cdiv(n, part))
+    if splits > _multiprocessors(device):  # a group's programs must all be on the GPU at once
+        return block_n, 1
+    return part, splits
+
+
+def _multiprocessors(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _row_configs(configs, m: int, block_n: int, max_block_m: int):

@@ -1,0 +1,84 @@
+"""A row forward split across programs (row_kernel_text's split layout, kernel_lib.split_program):
+each program holds one part of its rows, and each pass's reductions are combined through the
+exchange buffer, the row read once. On the CPU the interpreter runs such a launch's programs
+side by side (interpreter.patch_cooperative_grid), so the layout is tested at small widths
+by forcing it; the H100 suite reaches it by width (test_rows' widest rows)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusegen.backends.triton import row_tuning
+from fusegen.backends.triton.row_launch import _BoundRows
+from tests.helpers import ShapeCase, _seed_of, all_ops, as_tuple, call_of, make_inputs, params_for
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's inf - inf in masked lanes
+
+ROW_OPS = [op for op in all_ops() if isinstance(op.module._OP.kernels, _BoundRows)]
+# (BLOCK_M, BLOCK_N, SPLITS) over 37 columns: four parts, the last partly past N; eight,
+# three of them wholly past N (a part with nothing to reduce); one tile, the baseline.
+SPLIT_LAYOUTS = [(2, 16, 4), (1, 8, 8)]
+ONE_TILE = (4, 64, 1)
+
+
+def _forward(op, tensors, params, layout, device):
+    fused = op.module._OP
+    call = call_of(op, tensors, params, training=True, seed=9)
+    problem = call.problem
+    outputs = [torch.full(fused.output_shape(problem, i), float("nan"), device=device).to(fused.output_dtype(problem, i))
+               for i in range(len(fused.outputs))]
+    statistics = torch.full(fused.statistics_shape(problem), float("nan"), dtype=problem.compute_dtype, device=device)
+    block_m, block_n, splits = layout
+    fused.kernels.forward(call, tuple(tensors[n] for n in op.input_names), outputs, _seed_of(call),
+                          tile=(block_m, block_n), statistics=statistics, splits=splits)
+    return outputs, statistics
+
+
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS, ids=lambda t: f"{t[0]}x{t[1]}x{t[2]}")
+@pytest.mark.parametrize("op", ROW_OPS, ids=str)
+def test_a_split_row_computes_what_one_tile_does(op, layout, device):
+    """fp64 inputs (the split sums in another order: a few ulps), every library row op: the
+    outputs, and the statistics the backward reads, against one tile's; float8 outputs alike
+    bit for bit (their scale's rounding never meets a float8 step at fp64)."""
+    tensors = make_inputs(op, ShapeCase("split", (5,), 37), dtype=torch.float64, device=device, seed=4)
+    params = params_for(op, p=0.3)
+    outputs, statistics = _forward(op, tensors, params, layout, device)
+    want, want_statistics = _forward(op, tensors, params, ONE_TILE, device)
+    for name, got, expected in zip(op.output_names, outputs, want):
+        if not expected.is_floating_point() or expected.element_size() == 1:
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), name
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14, msg=name)
+    torch.testing.assert_close(statistics, want_statistics, rtol=1e-12, atol=1e-14)
+
+
+def test_online_sums_combine_where_the_parts_maxima_differ(device):
+    """softmax with each part's maximum far from the others' (a row rising by 40 a part): a
+    part's sum is rescaled by exp(its max - the row's) when combined; fp32 against torch."""
+    from tests.helpers import op_by_name
+
+    op = op_by_name("softmax")
+    x = torch.randn(3, 64, device=device) + torch.arange(64, device=device).div(16, rounding_mode="floor") * 40
+    x[1, :16] = -float("inf")  # a part with nothing but -inf
+    (y,), _ = _forward(op, {"x": x}, {}, (1, 16, 4), device)
+    torch.testing.assert_close(y, torch.softmax(x, -1), rtol=1e-6, atol=1e-30)
+
+
+def test_the_split_layout_is_chosen_by_width_and_the_gpus_size(monkeypatch):
+    """Past one tile a row is split into about eight parts of 8192 to 32768 columns, narrower
+    where few rows leave the GPU idle, and never into more parts than the GPU has
+    multiprocessors (a group's programs wait for each other): then the loop along the row."""
+    monkeypatch.setattr(row_tuning, "is_interpreting", lambda: False)
+    monkeypatch.setattr(row_tuning, "_multiprocessors", lambda device: 132)
+    layout = row_tuning.row_forward_layout
+    assert layout(8192, 4096, None) == (8192, 1)  # one tile
+    assert layout(65536, 1024, None) == (8192, 8)
+    assert layout(262144, 256, None) == (32768, 8)
+    assert layout(131072, 1024, None) == (16384, 8)
+    assert layout(262144, 4, None) == (8192, 32)  # four rows: more, narrower parts
+    assert layout(100000, 1024, None) == (16384, 8)  # parts in powers of two, the last partly past N
+    assert layout(1 << 20, 4, None) == (8192, 128)
+    assert layout(1 << 21, 4, None) == (16384, 128)
+    assert layout(1 << 23, 4, None) == (row_tuning.ROW_STEP, 1)  # 256 parts: more than the GPU holds
+    monkeypatch.setattr(row_tuning, "_multiprocessors", lambda device: 16)
+    assert layout(262144, 4, None) == (row_tuning.ROW_STEP, 1)
