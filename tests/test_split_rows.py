@@ -65,9 +65,10 @@ def test_online_sums_combine_where_the_parts_maxima_differ(device):
 
 
 def test_the_split_layout_is_chosen_by_width_and_the_gpus_size(monkeypatch):
-    """Past one tile a row is split into about eight parts of 8192 to 32768 columns, narrower
-    where few rows leave the GPU idle, and never into more parts than the GPU has
-    multiprocessors (a group's programs wait for each other): then the loop along the row."""
+    """Past one tile a float32 row is split into about eight parts of 8192 to 32768 columns,
+    narrower where few rows leave the GPU idle or a program loads several tiles, and never into
+    more parts than the GPU has multiprocessors (a group's programs wait for each other): then,
+    and for 16-bit inputs (measured slower split), the loop along the row."""
     monkeypatch.setattr(row_tuning, "is_interpreting", lambda: False)
     monkeypatch.setattr(row_tuning, "_multiprocessors", lambda device: 132)
     layout = row_tuning.row_forward_layout
@@ -80,5 +81,7 @@ def test_the_split_layout_is_chosen_by_width_and_the_gpus_size(monkeypatch):
     assert layout(1 << 20, 4, None) == (8192, 128)
     assert layout(1 << 21, 4, None) == (16384, 128)
     assert layout(1 << 23, 4, None) == (row_tuning.ROW_STEP, 1)  # 256 parts: more than the GPU holds
+    assert layout(262144, 256, None, tiles=3) == (16384, 16)  # three tiles a program: narrower parts
+    assert layout(65536, 1024, None, narrow=True) == (row_tuning.ROW_STEP, 1)  # a bf16 input: the loop
     monkeypatch.setattr(row_tuning, "_multiprocessors", lambda device: 16)
     assert layout(262144, 4, None) == (row_tuning.ROW_STEP, 1)

@@ -50,7 +50,12 @@ class _BoundRows(_Bound):
         problem = call.problem
         m, n = problem.m, problem.n
         args, copies = self._forward_args(call, tensors, traced)
-        block_n, splits = (tile[1], splits) if tile is not None else row_tuning.row_forward_layout(n, m, problem.device)
+        if tile is not None:
+            block_n = tile[1]
+        else:  # the layout: by the row's width, the tiles a program loads and their dtypes
+            tiles = sum(not i.one_per_row for i in self.op.inputs)
+            narrow = any(t.is_floating_point() and t.element_size() < 4 for t in tensors)
+            block_n, splits = row_tuning.row_forward_layout(n, m, problem.device, tiles, narrow)
         # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
         args[BLOCK_N], args[SPLITS], args[ONE_TILE] = block_n, splits, bool(block_n * splits >= n)
         # A split row's exchange: a ticket, a counter per row group, two rounds of shares per row.

@@ -50,23 +50,30 @@ def row_block_n(n: int, backward: bool = False) -> int:
 
 # A forward row wider than ONE_TILE_LIMIT is split across programs that each hold one part of
 # it in registers (kernel_lib.split_program: the row read once, as one tile is) where the GPU
-# can hold a row group's programs at once; else looped. H100, softmax (prototype, pair
-# exchange): split fp32 (1024, 65536) 0.93 of copy with 8192-wide parts, fp32 (256, 262144)
-# 0.89 with 32768, bf16 (1024, 131072) 0.74 with 16384; looped 0.60-0.65. About eight parts a
-# row did best, fewer programs a round costing less than the exchange's wait.
+# can hold a row group's programs at once; else looped. About eight parts a row did best
+# (fewer programs a round wait less). H100, split against looped, ms forward: fp32 (1024,
+# 65536) softmax 0.211 / 0.281, rmsnorm 0.211 / 0.278, layernorm 0.291 / 0.367 (8192-wide
+# parts); fp32 (256, 262144) softmax 0.230 / 0.296, rmsnorm 0.255 / 0.284 (32768), but
+# layernorm 1.136 / 0.373 (three 32768-wide tiles a program: too many registers); bf16 (1024,
+# 131072) slower split at every op (0.33-0.46 / 0.28-0.37: the shares' float32 tile and the
+# bf16 input's take different layouts, and the compiler moves the tile between them). So:
+# float32 inputs only, and at most SPLIT_VALUES values of the inputs' tiles a program.
 SPLIT_PARTS = 8
 SPLIT_PART = (8192, 32768)  # a part's width, within these
+SPLIT_VALUES = 65536  # a part's width times the tiles a program loads, at most
 SPLIT_PROGRAMS = 512  # at least this many programs in all (few rows): narrower parts
 
 
-def row_forward_layout(n: int, m: int, device) -> tuple[int, int]:
+def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = False) -> tuple[int, int]:
     """(BLOCK_N, SPLITS) for a row forward: the whole row in one tile, split into SPLITS parts
-    of BLOCK_N columns, or (SPLITS = 1, BLOCK_N < N) looped along the row."""
+    of BLOCK_N columns, or (SPLITS = 1, BLOCK_N < N) looped along the row. `tiles`: the [..., N]
+    inputs a program loads; `narrow`: some input is 16-bit (not split, as measured above)."""
     block_n = row_block_n(n)
-    if block_n >= size_hint(n) or is_interpreting():
+    if block_n >= size_hint(n) or is_interpreting() or narrow:
         return block_n, 1
     n, m = size_hint(n), m_bucket(m)  # by what tuning keys on: one layout a tuned key
     low, high = SPLIT_PART
+    high = max(low, min(high, triton.next_power_of_2(SPLIT_VALUES // max(tiles, 1) + 1) // 2))
     part = min(high, max(low, triton.next_power_of_2(cdiv(n, SPLIT_PARTS))))
     while part > low and m * cdiv(n, part) < SPLIT_PROGRAMS:
         part //= 2
