@@ -53,8 +53,8 @@ def add_rmsnorm_kernel(
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
     SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
-    SHARES: tl.constexpr = 1,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     group, split = split_program(exchange_ptr, SPLITS)
@@ -281,7 +281,7 @@ _OP = runtime.FusedOp(
     kernels=row_launch.RowKernels(
         add_rmsnorm_kernel, add_rmsnorm_backward_kernel, scalars=("eps",),
         backward_reads=("x", "residual", "weight"), gradients=("x", "residual", "weight"),
-        statistics=1,
+        statistics=1, shares=1,
     ),
     reference=_reference,
 )

@@ -69,8 +69,8 @@ def bias_dropout_add_layernorm_kernel(
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
     SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
-    SHARES: tl.constexpr = 1,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     group, split = split_program(exchange_ptr, SPLITS)
@@ -441,7 +441,7 @@ _OP = runtime.FusedOp(
     kernels=row_launch.RowKernels(
         bias_dropout_add_layernorm_kernel, bias_dropout_add_layernorm_backward_kernel,
         scalars=("eps",), backward_reads=("x", "bias", "residual", "weight"),
-        gradients=("x", "bias", "residual", "weight", "norm_bias"), statistics=2,
+        gradients=("x", "bias", "residual", "weight", "norm_bias"), statistics=2, shares=1,
     ),
     reference=_reference,
 )

@@ -59,9 +59,9 @@ def cross_entropy_kernel(
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
     SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
     ONLINE: tl.constexpr = True,  # looped: online sums in their max's pass, not one pass after
-    SHARES: tl.constexpr = 4,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     group, split = split_program(exchange_ptr, SPLITS)
@@ -349,7 +349,7 @@ _OP = runtime.FusedOp(
     kernels=row_launch.RowKernels(
         cross_entropy_kernel, cross_entropy_backward_kernel,
         scalars=("ignore_index", "label_smoothing", "z_loss", "softcap"),
-        backward_reads=("x", "target"), gradients=("x",), statistics=4,
+        backward_reads=("x", "target"), gradients=("x",), statistics=4, shares=4,
     ),
     reference=_reference,
 )

@@ -50,8 +50,8 @@ def layernorm_kernel(
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
     SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
-    SHARES: tl.constexpr = 1,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     group, split = split_program(exchange_ptr, SPLITS)
@@ -265,6 +265,7 @@ _OP = runtime.FusedOp(
     kernels=row_launch.RowKernels(
         layernorm_kernel, layernorm_backward_kernel, scalars=("eps",),
         backward_reads=("x", "weight"), gradients=("x", "weight", "bias"), statistics=2,
+        shares=1,
     ),
     reference=_reference,
 )

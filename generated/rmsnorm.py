@@ -49,8 +49,8 @@ def rmsnorm_kernel(
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
     SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
-    SHARES: tl.constexpr = 1,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     group, split = split_program(exchange_ptr, SPLITS)
@@ -209,7 +209,7 @@ _OP = runtime.FusedOp(
     outputs=("y",),
     kernels=row_launch.RowKernels(
         rmsnorm_kernel, rmsnorm_backward_kernel, scalars=("eps",),
-        backward_reads=("x", "weight"), gradients=("x", "weight"), statistics=1,
+        backward_reads=("x", "weight"), gradients=("x", "weight"), statistics=1, shares=1,
     ),
     reference=_reference,
 )

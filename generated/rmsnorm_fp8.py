@@ -47,8 +47,8 @@ def rmsnorm_fp8_kernel(
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
     SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
-    SHARES: tl.constexpr = 1,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     group, split = split_program(exchange_ptr, SPLITS)
@@ -149,7 +149,7 @@ _OP = runtime.FusedOp(
     no_gradient=("q", "scale"),  # outputs without a gradient
     kernels=row_launch.RowKernels(
         rmsnorm_fp8_kernel, None, scalars=("eps",), backward_reads=(), gradients=(),
-        statistics=2,
+        statistics=2, shares=1,
     ),
     reference=_reference,
 )

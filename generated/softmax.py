@@ -47,9 +47,9 @@ def softmax_kernel(
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
     SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
     ONLINE: tl.constexpr = True,  # looped: online sums in their max's pass, not one pass after
-    SHARES: tl.constexpr = 2,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     group, split = split_program(exchange_ptr, SPLITS)
@@ -203,7 +203,7 @@ _OP = runtime.FusedOp(
     outputs=("y",),
     kernels=row_launch.RowKernels(
         softmax_kernel, softmax_backward_kernel, backward_reads=("x",), gradients=("x",),
-        statistics=2,
+        statistics=2, shares=2,
     ),
     reference=_reference,
 )

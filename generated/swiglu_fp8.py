@@ -45,8 +45,8 @@ def swiglu_fp8_kernel(
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
     SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
-    SHARES: tl.constexpr = 1,  # a split row's values a round
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     group, split = split_program(exchange_ptr, SPLITS)
@@ -117,7 +117,7 @@ _OP = runtime.FusedOp(
     output_dtypes={"q": "float8_e4m3fn", "scale": "float32"},
     no_gradient=("q", "scale"),  # outputs without a gradient
     kernels=row_launch.RowKernels(
-        swiglu_fp8_kernel, None, backward_reads=(), gradients=(), statistics=1,
+        swiglu_fp8_kernel, None, backward_reads=(), gradients=(), statistics=1, shares=1,
     ),
     reference=_reference,
 )

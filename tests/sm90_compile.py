@@ -83,8 +83,8 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = settings.get("ONE_TILE", True)
             elif name == "SPLITS":  # a row forward split across programs (or not)
                 constexprs[name] = settings.get("SPLITS", 1)
-            elif name == "SHARES":  # the split's exchange: the kernel's own size
-                constexprs[name] = param.default
+            elif name == "SHARES":  # the split's exchange: its values a round (any count compiles alike)
+                constexprs[name] = 2
             elif name == "ONLINE":  # looped forwards with online sums: both forms
                 constexprs[name] = settings.get("ONLINE", True)
             elif name == "DROPOUT_WHOLE_GROUPS":

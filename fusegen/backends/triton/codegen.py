@@ -47,7 +47,7 @@ def render(plan: OpPlan) -> str:
         spec_sha256=plan.spec_sha256,
         face=face.face(plan, backend="Triton", class_name=module_class_name(plan.op), binding=kind.binding,
                        kernel_names=(forward.name, backward.name if backward else "None"), kernels_doc=kind.doc,
-                       kernel_keywords=_renamed(names)),
+                       kernel_keywords=(*kind.keywords(plan), *_renamed(names))),
         kind_modules=kind.modules,
         uses_libdevice="libdevice." in kernel_code,
         kernel_lib_import=_kernel_lib_import([n for n in KERNEL_LIB_NAMES if re.search(rf"(?<![\w.]){n}\(", kernel_code)]),

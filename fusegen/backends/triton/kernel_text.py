@@ -59,6 +59,8 @@ class TritonKind:
     reserved: frozenset[str] = frozenset()
     # The backend's modules the generated module imports (its binding's and tuning spaces').
     modules: tuple[str, ...] = ("launch", "tuning")
+    # Its binding's own keywords in the module's declaration ("name=value"), from the plan.
+    keywords: Callable[[OpPlan], tuple[str, ...]] = lambda plan: ()
 
 
 def with_argument_comments(kernel: KernelText) -> KernelText:

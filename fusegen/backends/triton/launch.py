@@ -50,6 +50,7 @@ from .naming import (
     STATISTICS,
     SEED,
     SHARD,
+    SHARES,
     SHARDED,
     SPLITS,
     ParameterNames,
@@ -100,11 +101,9 @@ class _Signature:
         self.parameters = tuple(kernel.arg_names)
         # The autotuner's tile: trailing parameters its configs give (or a given tile, `_Tile`),
         # and those with a default, which its pruner may set (row kernels' ONLINE).
-        parameters = inspect.signature(_python_function(kernel)).parameters
-        # Those with a default, by name (the row forward's SHARES: how big its exchange's rounds are).
-        self.defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
-        self.tile = frozenset(name for config in getattr(kernel, "configs", ()) for name in config.kwargs) | set(
-            self.defaults)
+        self.tile = frozenset(name for config in getattr(kernel, "configs", ()) for name in config.kwargs) | {
+            name for name, p in inspect.signature(_python_function(kernel)).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
     def ordered(self, values: dict) -> list:
         """The values, by parameter name, as the kernel takes them positionally."""
@@ -361,7 +360,7 @@ class _Bound:
                                  names("column_sums", name)) for name in kernels.gradients]
         # Two values of one name in a kernel would leave one out, unseen by the signature's check.
         common = [M, N, M_BUCKET, SEED, SHARD, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED, INDEX_64, COMPUTE_FP64,
-                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, STATISTICS, EXCHANGE, SPLITS, *self._scalar_names, *self._choice_names,
+                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, STATISTICS, EXCHANGE, SPLITS, SHARES, *self._scalar_names, *self._choice_names,
                   *(name for pair in self._dropout_names for name in pair)]
         forward = [*common, *self._output_names, *(name for triple in self._input_names for name in triple)]
         backward = [*common, *(name for i in self._reads for name in self._input_names[i]),

@@ -55,6 +55,7 @@ _FORWARD_TAIL_ARGUMENTS = [
     f"{naming.BLOCK_N}: tl.constexpr,  # a program's tile: the row or its split's part ({naming.ONE_TILE}), or a step",
     f"{naming.ONE_TILE}: tl.constexpr,  # {naming.BLOCK_N} * {naming.SPLITS} >= {naming.N}",
     f"{naming.SPLITS}: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)",
+    f"{naming.SHARES}: tl.constexpr,  # a split row's values a round (its widest pass's reductions)",
     f"{naming.BLOCK_M}: tl.constexpr,",
 ]
 _NEUTRAL = {"sum": "0.0", "mean": "0.0", "max": '-float("inf")', "min": 'float("inf")'}
@@ -77,8 +78,6 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
     if program.online:
         # The autotuner's choice; a tile given by hand (tests) takes the default.
         arguments.append("ONLINE: tl.constexpr = True,  # looped: online sums in their max's pass, not one pass after")
-    # How big a round of a split row's exchange is: what the launcher sizes its buffer by.
-    arguments.append(f"{naming.SHARES}: tl.constexpr = {program.shares},  # a split row's values a round")
     stores = []
     dtypes = dict(plan.output_dtypes)
     for (name, _), out in zip(plan.outputs, kernel.outputs):
@@ -175,7 +174,6 @@ class _Program:
         self._running = {r.running.name for r in self.body.reductions if r.running is not None}
         self.online = bool(self._running)
         self._per_row_incoming = per_row_incoming(plan)
-        self.shares = max((len(p.reductions) for p in self.body.passes), default=0)
 
     # -- pieces ------------------------------------------------------------------
 
@@ -399,6 +397,12 @@ class _Program:
         return lines
 
 
+def split_shares_count(plan: OpPlan) -> int:
+    """A split row forward's values a round: its widest pass's reductions (the launcher sizes
+    the exchange by it: `shares=` in the module's RowKernels)."""
+    return max((len(p.reductions) for p in plan.forward.body.passes), default=0)
+
+
 def _temps_read(temps, exprs) -> tuple:
     """The temporaries these expressions read, directly or through others, in order."""
     wanted, pending = set(), [s for e in exprs for s in e.free_symbols]
@@ -493,6 +497,7 @@ KIND = TritonKind(
     forward=row_kernel,
     backward=row_backward_kernel,
     binding="row_launch.RowKernels",
+    keywords=lambda plan: (f"shares={split_shares_count(plan)}",),
     modules=("row_launch", "row_tuning", "tuning"),
     doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
         "reduced in registers, a wider one is swept once per level of nested reductions.",

@@ -15,7 +15,12 @@ from .naming import BLOCK_M, BLOCK_N, EXCHANGE, ONE_TILE, ROWS_PER_PROGRAM, SHAR
 
 
 class RowKernels(Kernels):
-    """Row kernels (row_kernel_text.py), as a generated module declares them."""
+    """Row kernels (row_kernel_text.py), as a generated module declares them; `shares`: the
+    forward's values a round where a row is split across programs."""
+
+    def __init__(self, *args, shares: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shares = shares
 
     def bind(self, op) -> "_BoundRows":
         return _BoundRows(self, op)
@@ -25,6 +30,7 @@ class _BoundRows(_Bound):
     def __init__(self, kernels: Kernels, op):
         super().__init__(kernels, op)
         self.statistics = kernels.statistics
+        self.shares = kernels.shares
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, statistics=None,
                 traced: bool = False, splits: int = 1) -> None:
@@ -59,9 +65,9 @@ class _BoundRows(_Bound):
         # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
         args[BLOCK_N], args[SPLITS], args[ONE_TILE] = block_n, splits, bool(block_n * splits >= n)
         # A split row's exchange: a ticket, a counter per row group, two rounds of shares per row.
-        shares = self._signatures[0].defaults.get(SHARES, 0)
+        args[SHARES] = self.shares
         args[EXCHANGE] = None if splits == 1 else Zeroed(
-            m + 1 + 2 * m * shares * splits, problem.compute_dtype, problem.device)
+            m + 1 + 2 * m * self.shares * splits, problem.compute_dtype, problem.device)
         args = self._signatures[0].ordered(args)
         if tile is not None:
             return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]) * splits,), args, copies,
