@@ -1,10 +1,13 @@
 """The text of an op's row kernels (plan kinds ROW and ROW_BACKWARD): a program owns BLOCK_M
 whole rows and runs the plan's RowBody over them.
 
-Two layouts of the same program, chosen per call by the ONE_TILE constexpr:
+Layouts of the same program, chosen per call by the ONE_TILE and SPLITS constexprs:
 
 - ONE_TILE (the row fits one BLOCK_N tile): the inputs are loaded once, and every pass of the
   program is straight-line code over the same registers;
+- ONE_TILE with SPLITS > 1 (the forward): the same code over one part of the row, each of
+  SPLITS programs holding one, each pass's reductions combined across them (kernel_lib.
+  split_program), so the row is read once still;
 - otherwise each pass is a loop along the row, BLOCK_N columns at a time, that loads what the
   pass reads and accumulates its reductions in [BLOCK_M, BLOCK_N] tiles (reduced along the
   row after the loop), then a last loop computes and stores the results.
@@ -500,7 +503,8 @@ KIND = TritonKind(
     keywords=lambda plan: (f"shares={split_shares_count(plan)}",),
     modules=("row_launch", "row_tuning", "tuning"),
     doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded once and "
-        "reduced in registers, a wider one is swept once per level of nested reductions.",
+        "reduced in registers; a wider float32 row's forward is split across programs that each hold a part and "
+        "combine their reductions, and other wide rows are swept once per level of nested reductions.",
     reserved=frozenset({"first_col", naming.ONE_TILE, naming.STATISTICS, "ONLINE", naming.EXCHANGE, naming.SPLITS,
                         naming.SHARES, "group", "split"}),
 )
