@@ -9,9 +9,10 @@ from fusegen.plan import OpPlan
 
 # The kernel_lib helpers a generated module may import (each module imports those it calls).
 KERNEL_LIB_NAMES = (
-    "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_per_row", "load_tile", "max_shifts",
-    "maximum", "min_shifts", "minimum", "row_max", "row_min", "row_sum", "rsqrt_rn",
-    "split_leave", "split_program", "split_share", "split_shares", "split_wait", "sqrt_rn", "store_column_sums", "store_gradient", "store_tile", "to_element",
+    "add_gradient_partials", "column_tile", "dropout_mask", "dropout_or_ones", "indices", "load_per_row",
+    "load_tile", "max_shifts", "maximum", "min_shifts", "minimum", "row_max", "row_min", "row_sum", "rsqrt_rn",
+    "split_leave", "split_program", "split_share", "split_shares", "split_wait", "sqrt_rn", "store_column_sums",
+    "store_gradient", "store_tile", "to_element",
 )
 
 # What every generated module imports (each kind adds its own modules: kinds.py).
