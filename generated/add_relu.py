@@ -96,8 +96,13 @@ def add_relu_backward_kernel(
             grad_other_ptr, grad_other, grad_other_sum, rows, cols, N, in_bounds, NEEDS_GRAD_OTHER,
             SUM_GRAD_OTHER,
         )
-    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
-    store_column_sums(grad_other_ptr, grad_other_sum, cols, N, N, NEEDS_GRAD_OTHER, SUM_GRAD_OTHER)
+    store_column_sums(
+        grad_x_ptr, grad_x_sum, tl.program_id(0), cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X
+    )
+    store_column_sums(
+        grad_other_ptr, grad_other_sum, tl.program_id(0), cols, N, N, NEEDS_GRAD_OTHER,
+        SUM_GRAD_OTHER,
+    )
 
 
 def _reference(problem, x, other):

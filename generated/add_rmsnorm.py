@@ -113,7 +113,7 @@ def add_rmsnorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "ROWS_PER_PROGRAM"])
 @triton.jit
 def add_rmsnorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -126,6 +126,7 @@ def add_rmsnorm_backward_kernel(
     grad_residual_ptr,
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
     statistics_ptr,  # the forward's statistics, [M, statistics]
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N, M_BUCKET,
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -136,19 +137,22 @@ def add_rmsnorm_backward_kernel(
     # weight is broadcast along rows
     NEEDS_GRAD_WEIGHT: tl.constexpr, SUM_GRAD_WEIGHT: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    group, split = split_program(exchange_ptr, SPLITS)
+    first_row = group * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, compute)
     row_width = tl.full((), N, compute)
     if ONE_TILE:
-        cols = indices(0, BLOCK_N, INDEX_64)
+        cols = indices(split * BLOCK_N, BLOCK_N, INDEX_64)
         grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         grad_residual_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
@@ -174,6 +178,16 @@ def add_rmsnorm_backward_kernel(
             grad_mean0 = row_sum(
                 tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0)
             )
+            if SPLITS > 1:  # the row's parts' reductions, combined
+                split_share(
+                    grad_mean0, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 0,
+                    SPLITS,
+                )
+                split_wait(exchange_ptr, group, row_offset // BLOCK_M, SPLITS)
+                grad_mean0_shares = split_shares(
+                    exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
+                )
+                grad_mean0 = row_sum(grad_mean0_shares)
             t2 = rsqrt_rn(t1) * grad_y
             t3 = grad_h + grad_mean0 * (2 * residual + 2 * x) / row_width + t2 * weight
             grad_x = t3
@@ -190,13 +204,15 @@ def add_rmsnorm_backward_kernel(
                 grad_weight_ptr, grad_weight, grad_weight_sum, rows, cols, N, in_bounds,
                 NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT,
             )
-        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(grad_x_ptr, grad_x_sum, group, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
         store_column_sums(
-            grad_residual_ptr, grad_residual_sum, cols, N, N, NEEDS_GRAD_RESIDUAL, SUM_GRAD_RESIDUAL
+            grad_residual_ptr, grad_residual_sum, group, cols, N, N, NEEDS_GRAD_RESIDUAL,
+            SUM_GRAD_RESIDUAL,
         )
         store_column_sums(
-            grad_weight_ptr, grad_weight_sum, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
+            grad_weight_ptr, grad_weight_sum, group, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
         )
+        split_leave(exchange_ptr, group, ROWS_PER_PROGRAM // BLOCK_M, SPLITS)
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)

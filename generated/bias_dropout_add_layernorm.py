@@ -179,7 +179,7 @@ def bias_dropout_add_layernorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def bias_dropout_add_layernorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -196,6 +196,7 @@ def bias_dropout_add_layernorm_backward_kernel(
     # gradient of norm_bias: [M, N]; with SUM_GRAD_NORM_BIAS, column sums [programs, N]
     grad_norm_bias_ptr,
     statistics_ptr,  # the forward's statistics, [M, statistics]
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N, M_BUCKET,
     eps: tl.float64,
     dropout_threshold_p, dropout_scale_p: tl.float64,
@@ -215,12 +216,15 @@ def bias_dropout_add_layernorm_backward_kernel(
     # norm_bias is broadcast along rows
     NEEDS_GRAD_NORM_BIAS: tl.constexpr, SUM_GRAD_NORM_BIAS: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    group, split = split_program(exchange_ptr, SPLITS)
+    first_row = group * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
@@ -229,7 +233,7 @@ def bias_dropout_add_layernorm_backward_kernel(
     row_width = tl.full((), N, compute)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read
     if ONE_TILE:
-        cols = indices(0, BLOCK_N, INDEX_64)
+        cols = indices(split * BLOCK_N, BLOCK_N, INDEX_64)
         grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         grad_residual_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
@@ -257,8 +261,8 @@ def bias_dropout_add_layernorm_backward_kernel(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
             dropout_mask0 = dropout_or_ones(
-                seed, rows, 0, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, HAS_DROPOUT,
-                DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+                seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
             t1 = dropout_mask0 * (bias + x)
             t2 = residual + t1 - mean0
@@ -268,6 +272,24 @@ def bias_dropout_add_layernorm_backward_kernel(
                 tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0)
             )
             grad_mean0 = row_sum(tl.where(in_bounds, -t4, 0.0))
+            if SPLITS > 1:  # the row's parts' reductions, combined
+                split_share(
+                    grad_mean1, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 0,
+                    SPLITS,
+                )
+                split_share(
+                    grad_mean0, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 1,
+                    SPLITS,
+                )
+                split_wait(exchange_ptr, group, row_offset // BLOCK_M, SPLITS)
+                grad_mean1_shares = split_shares(
+                    exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
+                )
+                grad_mean0_shares = split_shares(
+                    exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 1, SPLITS, BLOCK_N, "sum"
+                )
+                grad_mean1 = row_sum(grad_mean1_shares)
+                grad_mean0 = row_sum(grad_mean0_shares)
             t7 = grad_mean1 * t5
             t6 = grad_mean0 * t5
             t8 = (
@@ -298,18 +320,22 @@ def bias_dropout_add_layernorm_backward_kernel(
                 grad_norm_bias_ptr, grad_norm_bias, grad_norm_bias_sum, rows, cols, N, in_bounds,
                 NEEDS_GRAD_NORM_BIAS, SUM_GRAD_NORM_BIAS,
             )
-        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
-        store_column_sums(grad_bias_ptr, grad_bias_sum, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS)
+        store_column_sums(grad_x_ptr, grad_x_sum, group, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
         store_column_sums(
-            grad_residual_ptr, grad_residual_sum, cols, N, N, NEEDS_GRAD_RESIDUAL, SUM_GRAD_RESIDUAL
+            grad_bias_ptr, grad_bias_sum, group, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
         )
         store_column_sums(
-            grad_weight_ptr, grad_weight_sum, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
+            grad_residual_ptr, grad_residual_sum, group, cols, N, N, NEEDS_GRAD_RESIDUAL,
+            SUM_GRAD_RESIDUAL,
         )
         store_column_sums(
-            grad_norm_bias_ptr, grad_norm_bias_sum, cols, N, N, NEEDS_GRAD_NORM_BIAS,
+            grad_weight_ptr, grad_weight_sum, group, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
+        )
+        store_column_sums(
+            grad_norm_bias_ptr, grad_norm_bias_sum, group, cols, N, N, NEEDS_GRAD_NORM_BIAS,
             SUM_GRAD_NORM_BIAS,
         )
+        split_leave(exchange_ptr, group, ROWS_PER_PROGRAM // BLOCK_M, SPLITS)
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
@@ -443,7 +469,7 @@ _OP = runtime.FusedOp(
     kernels=row_launch.RowKernels(
         bias_dropout_add_layernorm_kernel, bias_dropout_add_layernorm_backward_kernel,
         scalars=("eps",), backward_reads=("x", "bias", "residual", "weight"),
-        gradients=("x", "bias", "residual", "weight", "norm_bias"), statistics=2, shares=1,
+        gradients=("x", "bias", "residual", "weight", "norm_bias"), statistics=2, shares=2,
     ),
     reference=_reference,
 )

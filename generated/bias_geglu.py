@@ -162,15 +162,20 @@ def bias_geglu_backward_kernel(
             grad_bias_ptr, grad_bias_chunk1, grad_bias_chunk1_sum, rows, cols + N, 2 * N, in_bounds,
             NEEDS_GRAD_BIAS, SUM_GRAD_BIAS,
         )
-    store_column_sums(grad_x_ptr, grad_x_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X)
     store_column_sums(
-        grad_x_ptr, grad_x_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X
+        grad_x_ptr, grad_x_chunk0_sum, tl.program_id(0), cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X
     )
     store_column_sums(
-        grad_bias_ptr, grad_bias_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
+        grad_x_ptr, grad_x_chunk1_sum, tl.program_id(0), cols + N, 2 * N, 2 * N, NEEDS_GRAD_X,
+        SUM_GRAD_X,
     )
     store_column_sums(
-        grad_bias_ptr, grad_bias_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
+        grad_bias_ptr, grad_bias_chunk0_sum, tl.program_id(0), cols, N, 2 * N, NEEDS_GRAD_BIAS,
+        SUM_GRAD_BIAS,
+    )
+    store_column_sums(
+        grad_bias_ptr, grad_bias_chunk1_sum, tl.program_id(0), cols + N, 2 * N, 2 * N,
+        NEEDS_GRAD_BIAS, SUM_GRAD_BIAS,
     )
 
 

@@ -135,8 +135,12 @@ def bias_gelu_backward_kernel(
             grad_bias_ptr, grad_bias, grad_bias_sum, rows, cols, N, in_bounds, NEEDS_GRAD_BIAS,
             SUM_GRAD_BIAS,
         )
-    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
-    store_column_sums(grad_bias_ptr, grad_bias_sum, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS)
+    store_column_sums(
+        grad_x_ptr, grad_x_sum, tl.program_id(0), cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X
+    )
+    store_column_sums(
+        grad_bias_ptr, grad_bias_sum, tl.program_id(0), cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
+    )
 
 
 def _activation_torch(x, choice):

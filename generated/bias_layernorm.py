@@ -120,7 +120,7 @@ def bias_layernorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "ROWS_PER_PROGRAM"])
 @triton.jit
 def bias_layernorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -132,6 +132,7 @@ def bias_layernorm_backward_kernel(
     grad_gamma_ptr,  # gradient of gamma: [M, N]; with SUM_GRAD_GAMMA, column sums [programs, N]
     grad_beta_ptr,  # gradient of beta: [M, N]; with SUM_GRAD_BETA, column sums [programs, N]
     statistics_ptr,  # the forward's statistics, [M, statistics]
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N, M_BUCKET,
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -141,19 +142,22 @@ def bias_layernorm_backward_kernel(
     NEEDS_GRAD_GAMMA: tl.constexpr, SUM_GRAD_GAMMA: tl.constexpr,  # gamma is broadcast along rows
     NEEDS_GRAD_BETA: tl.constexpr, SUM_GRAD_BETA: tl.constexpr,  # beta is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    group, split = split_program(exchange_ptr, SPLITS)
+    first_row = group * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, compute)
     row_width = tl.full((), N, compute)
     if ONE_TILE:
-        cols = indices(0, BLOCK_N, INDEX_64)
+        cols = indices(split * BLOCK_N, BLOCK_N, INDEX_64)
         grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         grad_bias_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         grad_gamma_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
@@ -180,6 +184,24 @@ def bias_layernorm_backward_kernel(
                 tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * gamma * grad_y * t1 / t0, 0.0)
             )
             grad_mean0 = row_sum(tl.where(in_bounds, -t3, 0.0))
+            if SPLITS > 1:  # the row's parts' reductions, combined
+                split_share(
+                    grad_mean1, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 0,
+                    SPLITS,
+                )
+                split_share(
+                    grad_mean0, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 1,
+                    SPLITS,
+                )
+                split_wait(exchange_ptr, group, row_offset // BLOCK_M, SPLITS)
+                grad_mean1_shares = split_shares(
+                    exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
+                )
+                grad_mean0_shares = split_shares(
+                    exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 1, SPLITS, BLOCK_N, "sum"
+                )
+                grad_mean1 = row_sum(grad_mean1_shares)
+                grad_mean0 = row_sum(grad_mean0_shares)
             t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias + 2 * x - 2 * mean0) + t3
             grad_x = t5
             grad_bias = t5
@@ -200,12 +222,17 @@ def bias_layernorm_backward_kernel(
                 grad_beta_ptr, grad_beta, grad_beta_sum, rows, cols, N, in_bounds, NEEDS_GRAD_BETA,
                 SUM_GRAD_BETA,
             )
-        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
-        store_column_sums(grad_bias_ptr, grad_bias_sum, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS)
+        store_column_sums(grad_x_ptr, grad_x_sum, group, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
         store_column_sums(
-            grad_gamma_ptr, grad_gamma_sum, cols, N, N, NEEDS_GRAD_GAMMA, SUM_GRAD_GAMMA
+            grad_bias_ptr, grad_bias_sum, group, cols, N, N, NEEDS_GRAD_BIAS, SUM_GRAD_BIAS
         )
-        store_column_sums(grad_beta_ptr, grad_beta_sum, cols, N, N, NEEDS_GRAD_BETA, SUM_GRAD_BETA)
+        store_column_sums(
+            grad_gamma_ptr, grad_gamma_sum, group, cols, N, N, NEEDS_GRAD_GAMMA, SUM_GRAD_GAMMA
+        )
+        store_column_sums(
+            grad_beta_ptr, grad_beta_sum, group, cols, N, N, NEEDS_GRAD_BETA, SUM_GRAD_BETA
+        )
+        split_leave(exchange_ptr, group, ROWS_PER_PROGRAM // BLOCK_M, SPLITS)
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
@@ -299,7 +326,7 @@ _OP = runtime.FusedOp(
     kernels=row_launch.RowKernels(
         bias_layernorm_kernel, bias_layernorm_backward_kernel, scalars=("eps",),
         backward_reads=("x", "bias", "gamma"), gradients=("x", "bias", "gamma", "beta"),
-        statistics=2, shares=1,
+        statistics=2, shares=2,
     ),
     reference=_reference,
 )

@@ -88,7 +88,9 @@ def leaky_relu_backward_kernel(
         grad_x_sum = store_gradient(
             grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
         )
-    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+    store_column_sums(
+        grad_x_ptr, grad_x_sum, tl.program_id(0), cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X
+    )
 
 
 def _reference(problem, x, slope):

@@ -93,7 +93,7 @@ def rmsnorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "ROWS_PER_PROGRAM"])
 @triton.jit
 def rmsnorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -102,6 +102,7 @@ def rmsnorm_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_weight_ptr,  # gradient of weight: [M, N]; with SUM_GRAD_WEIGHT, column sums [programs, N]
     statistics_ptr,  # the forward's statistics, [M, statistics]
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N, M_BUCKET,
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
@@ -110,19 +111,22 @@ def rmsnorm_backward_kernel(
     # weight is broadcast along rows
     NEEDS_GRAD_WEIGHT: tl.constexpr, SUM_GRAD_WEIGHT: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    group, split = split_program(exchange_ptr, SPLITS)
+    first_row = group * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     eps = tl.full((), eps, compute)
     row_width = tl.full((), N, compute)
     if ONE_TILE:
-        cols = indices(0, BLOCK_N, INDEX_64)
+        cols = indices(split * BLOCK_N, BLOCK_N, INDEX_64)
         grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         grad_weight_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
@@ -140,6 +144,16 @@ def rmsnorm_backward_kernel(
             grad_mean0 = row_sum(
                 tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0)
             )
+            if SPLITS > 1:  # the row's parts' reductions, combined
+                split_share(
+                    grad_mean0, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 0,
+                    SPLITS,
+                )
+                split_wait(exchange_ptr, group, row_offset // BLOCK_M, SPLITS)
+                grad_mean0_shares = split_shares(
+                    exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
+                )
+                grad_mean0 = row_sum(grad_mean0_shares)
             t1 = rsqrt_rn(t0) * grad_y
             grad_x = 2 * grad_mean0 * x / row_width + t1 * weight
             grad_weight = t1 * x
@@ -150,10 +164,11 @@ def rmsnorm_backward_kernel(
                 grad_weight_ptr, grad_weight, grad_weight_sum, rows, cols, N, in_bounds,
                 NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT,
             )
-        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(grad_x_ptr, grad_x_sum, group, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
         store_column_sums(
-            grad_weight_ptr, grad_weight_sum, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
+            grad_weight_ptr, grad_weight_sum, group, cols, N, N, NEEDS_GRAD_WEIGHT, SUM_GRAD_WEIGHT
         )
+        split_leave(exchange_ptr, group, ROWS_PER_PROGRAM // BLOCK_M, SPLITS)
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)

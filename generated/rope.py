@@ -151,22 +151,28 @@ def rope_backward_kernel(
             grad_sine_ptr, grad_sine_chunk1, grad_sine_chunk1_sum, rows, cols + N, 2 * N, in_bounds,
             NEEDS_GRAD_SINE, SUM_GRAD_SINE,
         )
-    store_column_sums(grad_x_ptr, grad_x_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X)
     store_column_sums(
-        grad_x_ptr, grad_x_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X
+        grad_x_ptr, grad_x_chunk0_sum, tl.program_id(0), cols, N, 2 * N, NEEDS_GRAD_X, SUM_GRAD_X
     )
     store_column_sums(
-        grad_cosine_ptr, grad_cosine_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_COSINE, SUM_GRAD_COSINE
+        grad_x_ptr, grad_x_chunk1_sum, tl.program_id(0), cols + N, 2 * N, 2 * N, NEEDS_GRAD_X,
+        SUM_GRAD_X,
     )
     store_column_sums(
-        grad_cosine_ptr, grad_cosine_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_COSINE,
-        SUM_GRAD_COSINE,
+        grad_cosine_ptr, grad_cosine_chunk0_sum, tl.program_id(0), cols, N, 2 * N,
+        NEEDS_GRAD_COSINE, SUM_GRAD_COSINE,
     )
     store_column_sums(
-        grad_sine_ptr, grad_sine_chunk0_sum, cols, N, 2 * N, NEEDS_GRAD_SINE, SUM_GRAD_SINE
+        grad_cosine_ptr, grad_cosine_chunk1_sum, tl.program_id(0), cols + N, 2 * N, 2 * N,
+        NEEDS_GRAD_COSINE, SUM_GRAD_COSINE,
     )
     store_column_sums(
-        grad_sine_ptr, grad_sine_chunk1_sum, cols + N, 2 * N, 2 * N, NEEDS_GRAD_SINE, SUM_GRAD_SINE
+        grad_sine_ptr, grad_sine_chunk0_sum, tl.program_id(0), cols, N, 2 * N, NEEDS_GRAD_SINE,
+        SUM_GRAD_SINE,
+    )
+    store_column_sums(
+        grad_sine_ptr, grad_sine_chunk1_sum, tl.program_id(0), cols + N, 2 * N, 2 * N,
+        NEEDS_GRAD_SINE, SUM_GRAD_SINE,
     )
 
 

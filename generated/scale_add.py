@@ -113,8 +113,13 @@ def scale_add_backward_kernel(
                 )
             else:
                 store_tile(grad_scale_ptr, grad_scale, rows, cols, N, in_bounds)
-    store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
-    store_column_sums(grad_scale_ptr, grad_scale_sum, cols, N, N, NEEDS_GRAD_SCALE, SUM_GRAD_SCALE)
+    store_column_sums(
+        grad_x_ptr, grad_x_sum, tl.program_id(0), cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X
+    )
+    store_column_sums(
+        grad_scale_ptr, grad_scale_sum, tl.program_id(0), cols, N, N, NEEDS_GRAD_SCALE,
+        SUM_GRAD_SCALE,
+    )
 
 
 def _reference(problem, x, scale, residual):

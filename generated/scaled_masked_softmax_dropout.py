@@ -162,7 +162,7 @@ def scaled_masked_softmax_dropout_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
 @triton.jit
 def scaled_masked_softmax_dropout_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -171,6 +171,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     grad_mask_ptr,  # gradient of mask: [M, N]; with SUM_GRAD_MASK, column sums [programs, N]
     statistics_ptr,  # the forward's statistics, [M, statistics]
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N, M_BUCKET,
     scale: tl.float64,
     dropout_threshold_p, dropout_scale_p: tl.float64,
@@ -184,12 +185,15 @@ def scaled_masked_softmax_dropout_backward_kernel(
     NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
     NEEDS_GRAD_MASK: tl.constexpr, SUM_GRAD_MASK: tl.constexpr,  # mask is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    group, split = split_program(exchange_ptr, SPLITS)
+    first_row = group * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
@@ -197,7 +201,7 @@ def scaled_masked_softmax_dropout_backward_kernel(
     dropout_scale_p = tl.full((), dropout_scale_p, compute)
     seed = tl.load(seed_ptr) if HAS_DROPOUT else 0  # without dropout, not read
     if ONE_TILE:
-        cols = indices(0, BLOCK_N, INDEX_64)
+        cols = indices(split * BLOCK_N, BLOCK_N, INDEX_64)
         grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         grad_mask_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
@@ -211,12 +215,22 @@ def scaled_masked_softmax_dropout_backward_kernel(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
             dropout_mask0 = dropout_or_ones(
-                seed, rows, 0, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p, HAS_DROPOUT,
-                DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+                seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
             )
             t0 = libdevice.exp(mask + scale * x - max0)
             t1 = dropout_mask0 * grad_y * t0
             grad_sum1 = row_sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0))
+            if SPLITS > 1:  # the row's parts' reductions, combined
+                split_share(
+                    grad_sum1, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 0,
+                    SPLITS,
+                )
+                split_wait(exchange_ptr, group, row_offset // BLOCK_M, SPLITS)
+                grad_sum1_shares = split_shares(
+                    exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
+                )
+                grad_sum1 = row_sum(grad_sum1_shares)
             t2 = grad_sum1 * t0
             t3 = t1 / sum1
             grad_x = scale * t2 + scale * t3
@@ -228,8 +242,11 @@ def scaled_masked_softmax_dropout_backward_kernel(
                 grad_mask_ptr, grad_mask, grad_mask_sum, rows, cols, N, in_bounds, NEEDS_GRAD_MASK,
                 SUM_GRAD_MASK,
             )
-        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
-        store_column_sums(grad_mask_ptr, grad_mask_sum, cols, N, N, NEEDS_GRAD_MASK, SUM_GRAD_MASK)
+        store_column_sums(grad_x_ptr, grad_x_sum, group, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(
+            grad_mask_ptr, grad_mask_sum, group, cols, N, N, NEEDS_GRAD_MASK, SUM_GRAD_MASK
+        )
+        split_leave(exchange_ptr, group, ROWS_PER_PROGRAM // BLOCK_M, SPLITS)
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)

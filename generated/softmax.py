@@ -117,28 +117,32 @@ def softmax_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])
+@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "ROWS_PER_PROGRAM"])
 @triton.jit
 def softmax_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
     grad_y_ptr, grad_y_stride_m, grad_y_stride_n,  # incoming gradient of y
     grad_x_ptr,  # gradient of x: [M, N]; with SUM_GRAD_X, column sums [programs, N]
     statistics_ptr,  # the forward's statistics, [M, statistics]
+    exchange_ptr,  # a split row's tickets, counters and shares (zeroed), else None
     M, N, M_BUCKET,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
     NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
-    BLOCK_N: tl.constexpr,  # the row's tile: all of it (ONE_TILE), or one step along it
-    ONE_TILE: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
+    ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N
+    SPLITS: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)
+    SHARES: tl.constexpr,  # a split row's values a round (its widest pass's reductions)
     BLOCK_M: tl.constexpr,
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    first_row = tl.program_id(0) * ROWS_PER_PROGRAM
+    group, split = split_program(exchange_ptr, SPLITS)
+    first_row = group * ROWS_PER_PROGRAM
     if INDEX_64:
         first_row = first_row.to(tl.int64)
     if ONE_TILE:
-        cols = indices(0, BLOCK_N, INDEX_64)
+        cols = indices(split * BLOCK_N, BLOCK_N, INDEX_64)
         grad_x_sum = tl.zeros((BLOCK_M, BLOCK_N), compute)
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)
@@ -152,11 +156,22 @@ def softmax_backward_kernel(
             t0 = libdevice.exp(x - max0)
             t1 = grad_y * t0
             grad_sum1 = row_sum(tl.where(in_bounds, -t1 / (sum1 * sum1), 0.0))
+            if SPLITS > 1:  # the row's parts' reductions, combined
+                split_share(
+                    grad_sum1, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 0,
+                    SPLITS,
+                )
+                split_wait(exchange_ptr, group, row_offset // BLOCK_M, SPLITS)
+                grad_sum1_shares = split_shares(
+                    exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
+                )
+                grad_sum1 = row_sum(grad_sum1_shares)
             grad_x = grad_sum1 * t0 + t1 / sum1
             grad_x_sum = store_gradient(
                 grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
             )
-        store_column_sums(grad_x_ptr, grad_x_sum, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        store_column_sums(grad_x_ptr, grad_x_sum, group, cols, N, N, NEEDS_GRAD_X, SUM_GRAD_X)
+        split_leave(exchange_ptr, group, ROWS_PER_PROGRAM // BLOCK_M, SPLITS)
     else:
         for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):
             rows = first_row + row_offset + tl.arange(0, BLOCK_M)

@@ -90,3 +90,36 @@ def test_the_split_layout_is_chosen_by_width_and_the_gpus_size(monkeypatch):
     assert layout(65536, 1024, None, narrow=True) == (row_tuning.ROW_STEP, 1)  # a bf16 input: the loop
     monkeypatch.setattr(row_tuning, "_multiprocessors", lambda device: 16)
     assert layout(262144, 4, None) == (row_tuning.ROW_STEP, 1)
+
+
+def _backward(op, tensors, params, grads, layout, device):
+    fused = op.module._OP
+    call = call_of(op, tensors, params, training=True, seed=9)
+    needs = [through is None and t.is_floating_point() for through, t in zip(fused._passthrough, tensors.values())]
+    block_m, block_n, splits = layout
+    return fused.kernels.backward(call, tuple(tensors[n] for n in op.input_names), grads, needs, _seed_of(call),
+                                  tile=(block_m, block_n), rows_per_program=4, splits=splits)
+
+
+# One op of each shape of backward (the interpreter's waiting threads are slow): one round a
+# row block; two, with [N] gradients summed over rows; an integer input; dropout's masks by part.
+BACKWARD_OPS = ["softmax", "layernorm", "cross_entropy", "layernorm_dropout_add"]
+
+
+@pytest.mark.parametrize("op", [op for op in ROW_OPS if op.name in BACKWARD_OPS], ids=str)
+def test_a_split_row_backward_computes_what_one_tile_does(op, device):
+    """The backward split across four programs a row (the last part partly past N), over two
+    row blocks a program (rounds go on counting): every gradient, [N] weights' sums included,
+    against one tile's, fp64."""
+    tensors = make_inputs(op, ShapeCase("split", (7,), 37), dtype=torch.float64, device=device, seed=5)
+    params = params_for(op, p=0.3)
+    g = torch.Generator().manual_seed(6)
+    fused = op.module._OP
+    problem = call_of(op, tensors, params, training=True, seed=9).problem
+    grads = tuple(torch.randn(fused.output_shape(problem, i), generator=g, dtype=torch.float64).to(device)
+                  for i in range(len(fused.outputs)))
+    got = _backward(op, tensors, params, grads, (2, 16, 4), device)
+    want = _backward(op, tensors, params, grads, ONE_TILE, device)
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -106,12 +106,12 @@ def store_gradient(ptr, value, sums, rows, cols, width, in_bounds, NEEDS: tl.con
 
 
 @triton.jit
-def store_column_sums(ptr, sums, cols, end, width, NEEDS: tl.constexpr, SUM: tl.constexpr):
-    """With NEEDS and SUM, the program's sums reduced across rows into its row of a
+def store_column_sums(ptr, sums, row, cols, end, width, NEEDS: tl.constexpr, SUM: tl.constexpr):
+    """With NEEDS and SUM, the program's sums reduced across rows into its `row` of a
     [programs, width] buffer of partial sums (summed across programs after the kernel, in a
     fixed order: no atomics); the columns before `end` (N, or chunk k's (k + 1) * N)."""
     if NEEDS and SUM:
-        tl.store(ptr + tl.program_id(0) * width + cols, tl.sum(sums, axis=0), mask=cols < end)
+        tl.store(ptr + row * width + cols, tl.sum(sums, axis=0), mask=cols < end)
 
 
 @triton.jit
@@ -311,23 +311,23 @@ def split_program(exchange_ptr, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _shares_of(exchange_ptr, rows, M, ROUND: tl.constexpr, SHARES: tl.constexpr, k: tl.constexpr,
-               SPLITS: tl.constexpr):
+def _shares_of(exchange_ptr, rows, M, ROUND, SHARES: tl.constexpr, k: tl.constexpr, SPLITS: tl.constexpr):
     """Where share k of each row's round ROUND starts: SPLITS values, one per split."""
     base = exchange_ptr + (M + 1)  # past the ticket and the groups' counters
     return base + ((rows[:, None] * 2 + ROUND % 2) * SHARES + k) * SPLITS
 
 
 @triton.jit
-def split_share(value, exchange_ptr, rows, M, split, ROUND: tl.constexpr, SHARES: tl.constexpr, k: tl.constexpr,
-          SPLITS: tl.constexpr):
+def split_share(value, exchange_ptr, rows, M, split, ROUND, SHARES: tl.constexpr, k: tl.constexpr,
+                SPLITS: tl.constexpr):
     """This split's value ([rows, 1]) of a round's reduction k, for the group to combine."""
     tl.store(_shares_of(exchange_ptr, rows, M, ROUND, SHARES, k, SPLITS) + split, value, mask=rows[:, None] < M)
 
 
 @triton.jit
-def split_wait(exchange_ptr, group, ROUND: tl.constexpr, SPLITS: tl.constexpr):
-    """Waits until every program of the group has shared round ROUND's values."""
+def split_wait(exchange_ptr, group, ROUND, SPLITS: tl.constexpr):
+    """Waits until every program of the group has shared round ROUND's values (rounds count
+    from 0 across the launch: a backward's row blocks go on counting)."""
     counter = exchange_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 1 + group
     tl.debug_barrier()  # every thread's shares stored before the release
     seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
@@ -337,8 +337,8 @@ def split_wait(exchange_ptr, group, ROUND: tl.constexpr, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def split_shares(exchange_ptr, rows, M, ROUND: tl.constexpr, SHARES: tl.constexpr, k: tl.constexpr,
-                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, OP: tl.constexpr):
+def split_shares(exchange_ptr, rows, M, ROUND, SHARES: tl.constexpr, k: tl.constexpr, SPLITS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, OP: tl.constexpr):
     """A round's reduction k as every split shared it, read past the caches: the first SPLITS
     columns of a [rows, BLOCK_N] tile, the rest the neutral element of OP ("max", "min",
     "sum"). A tile's shape, so that what is combined from it has the tile's layout: from
@@ -350,7 +350,7 @@ def split_shares(exchange_ptr, rows, M, ROUND: tl.constexpr, SHARES: tl.constexp
 
 
 @triton.jit
-def split_leave(exchange_ptr, group, ROUNDS: tl.constexpr, SPLITS: tl.constexpr):
+def split_leave(exchange_ptr, group, ROUNDS, SPLITS: tl.constexpr):
     """After the last round: the group's last program out sets its counter back to 0."""
     if SPLITS > 1:
         counter = exchange_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 1 + group

@@ -226,8 +226,9 @@ def scalars_in_compute_type(plan: OpPlan, kernel: KernelPlan, names: TritonNames
     ]
 
 
-def gradient_stores(gradient: GradientPlan, names: TritonNames) -> list[str]:
-    """One tile's gradient of an input: stored, or added to the program's sums (store_gradient)."""
+def gradient_stores(gradient: GradientPlan, names: TritonNames, column_tile: str = "tl.program_id(1)") -> list[str]:
+    """One tile's gradient of an input: stored, or added to the program's sums (store_gradient);
+    a [..., 1] input's row sums by `column_tile`, the tile's place along the row."""
     name = gradient.input.name
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
     if not gradient.one_per_row:
@@ -243,19 +244,20 @@ def gradient_stores(gradient: GradientPlan, names: TritonNames) -> list[str]:
         f"        {accumulator} += tl.where(in_bounds, {value}, 0.0)",
         f"    elif {names.column_sums[name]}:",
         "        # This column tile's part of each row's sum: [column tiles, M], summed after.",
-        f"        tl.store({pointer} + tl.program_id(1) * M + rows, tl.sum(tl.where(in_bounds, {value}, 0.0), axis=1), "
+        f"        tl.store({pointer} + {column_tile} * M + rows, tl.sum(tl.where(in_bounds, {value}, 0.0), axis=1), "
         "mask=rows < M)",
         "    else:",
         f"        store_tile({pointer}, {value}, rows, cols, {width}, in_bounds)",
     ]
 
 
-def gradient_sums(gradient: GradientPlan, names: TritonNames) -> list[str]:
-    """After the program's rows: its sums of a row-broadcast input's gradient, reduced and stored."""
+def gradient_sums(gradient: GradientPlan, names: TritonNames, program: str = "tl.program_id(0)") -> list[str]:
+    """After the program's rows: its sums of a row-broadcast input's gradient, reduced and stored
+    in the `program`'s row of partial sums."""
     name = gradient.input.name
     pointer, width = names.gradient_pointer[name], width_text(gradient.input)
     return [
-        f"store_column_sums({pointer}, {names.accumulator[v]}, {chunk_columns(k)}, {chunk_end(k)}, {width}, "
+        f"store_column_sums({pointer}, {names.accumulator[v]}, {program}, {chunk_columns(k)}, {chunk_end(k)}, {width}, "
         f"{names.needs[name]}, {names.sums[name]})"
         for k, v in enumerate(gradient.values)
     ]

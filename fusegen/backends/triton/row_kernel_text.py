@@ -48,19 +48,15 @@ from .naming import TritonNames
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
 # The signature's names are naming.py's, which launch.py passes the values by.
+# A row too wide for one program may be split across several (kernel_lib.split_program).
 _TAIL_ARGUMENTS = [
-    f"{naming.BLOCK_N}: tl.constexpr,  # the row's tile: all of it ({naming.ONE_TILE}), or one step along it",
-    f"{naming.ONE_TILE}: tl.constexpr,  # {naming.BLOCK_N} >= {naming.N}",
-    f"{naming.BLOCK_M}: tl.constexpr,",
-]
-# The forward's: a row too wide for one program may be split across several (kernel_lib).
-_FORWARD_TAIL_ARGUMENTS = [
     f"{naming.BLOCK_N}: tl.constexpr,  # a program's tile: the row or its split's part ({naming.ONE_TILE}), or a step",
     f"{naming.ONE_TILE}: tl.constexpr,  # {naming.BLOCK_N} * {naming.SPLITS} >= {naming.N}",
     f"{naming.SPLITS}: tl.constexpr,  # programs that share a row (a power of two; 1: each owns its rows)",
     f"{naming.SHARES}: tl.constexpr,  # a split row's values a round (its widest pass's reductions)",
     f"{naming.BLOCK_M}: tl.constexpr,",
 ]
+_EXCHANGE_ARGUMENT = f"{naming.EXCHANGE},  # a split row's tickets, counters and shares (zeroed), else None"
 _NEUTRAL = {"sum": "0.0", "mean": "0.0", "max": '-float("inf")', "min": 'float("inf")'}
 
 
@@ -72,11 +68,11 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         for name, _ in plan.outputs
     ]
     arguments.append(f"{naming.STATISTICS},  # [M, statistics]: each row's statistics, kept for the backward")
-    arguments.append(f"{naming.EXCHANGE},  # a split row's tickets, counters and shares (zeroed), else None")
+    arguments.append(_EXCHANGE_ARGUMENT)
     arguments.append(f"{naming.M}, {naming.N},  # rows (all leading dims) and columns (the last dim, reduced along)")
     arguments.append(f"{naming.M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
-    arguments += _FORWARD_TAIL_ARGUMENTS
+    arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
     if program.online:
         # The autotuner's choice; a tile given by hand (tests) takes the default.
@@ -100,7 +96,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         "rows = indices(group * BLOCK_M, BLOCK_M, INDEX_64)",
         *program.prologue(),
         "if ONE_TILE:",
-        *_indent(program.one_tile(stores, split=True)),
+        *_indent(program.one_tile(stores + [f"split_leave(exchange_ptr, group, {program.rounds}, SPLITS)"], split=True)),
         "else:",
         *_indent(program.looped(stores, [], [], per_row=set(plan.row_outputs) >= {n for n, _ in plan.outputs})),
     ]
@@ -111,22 +107,26 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
 def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
     kernel = plan.backward
     statistics = f"{naming.STATISTICS},  # the forward's statistics, [M, statistics]"
-    arguments = backward_arguments(plan, names, "1, M", [statistics])
+    arguments = backward_arguments(plan, names, "1, M", [statistics, _EXCHANGE_ARGUMENT])
     arguments.append(f"{naming.ROWS_PER_PROGRAM}: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums")
     arguments += _TAIL_ARGUMENTS
     program = _Program(plan, kernel, names, printer)
-    # One tile: [N]-like gradients summed in registers over the program's rows, stored after.
-    one_tile = ["cols = indices(0, BLOCK_N, INDEX_64)"]
+    # One tile (or a split row's part): [N]-like gradients summed in registers over the
+    # program's rows, stored after; a split row's rounds go on counting from row block to block.
+    passes = program.rounds
+    blocks = "row_offset // BLOCK_M" + (f" * {passes}" if passes > 1 else "")  # rounds before this row block
+    one_tile = ["cols = indices(split * BLOCK_N, BLOCK_N, INDEX_64)"]
     one_tile += [
         f"{names.accumulator[v]} = tl.zeros((BLOCK_M, BLOCK_N), {COMPUTE_DTYPE})" for g in kernel.gradients for v in g.values
     ]
-    stores = [line for g in kernel.gradients for line in gradient_stores(g, names)]
+    stores = [line for g in kernel.gradients for line in gradient_stores(g, names, column_tile="split")]
     one_tile += [
         "for row_offset in range(0, ROWS_PER_PROGRAM, BLOCK_M):",
         "    rows = first_row + row_offset + tl.arange(0, BLOCK_M)",
         "    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
-        *_indent(program.one_tile(stores, columns_set=True)),
-        *[line for g in kernel.gradients for line in gradient_sums(g, names)],
+        *_indent(program.one_tile(stores, columns_set=True, split=True, first_round=blocks)),
+        *[line for g in kernel.gradients for line in gradient_sums(g, names, program="group")],
+        f"split_leave(exchange_ptr, group, {blocks.replace('row_offset', 'ROWS_PER_PROGRAM')}, SPLITS)",
     ]
     # Looped: each tile's share of an [N]-like gradient is added to the program's row of sums.
     looped_stores, before, after = [], [], []
@@ -149,7 +149,8 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
     ]
     lines = [
         COMPUTE_LINE,
-        "first_row = tl.program_id(0) * ROWS_PER_PROGRAM",
+        "group, split = split_program(exchange_ptr, SPLITS)",
+        "first_row = group * ROWS_PER_PROGRAM",
         "if INDEX_64:",
         "    first_row = first_row.to(tl.int64)",
         *program.prologue(),
@@ -158,7 +159,8 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         "else:",
         *_indent(looped),
     ]
-    return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True), arguments, lines,
+    return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True, layout=(naming.SPLITS,)), arguments,
+                      lines,
                       "row_tuning.ROW_BACKWARD")
 
 
@@ -177,6 +179,7 @@ class _Program:
         self._running = {r.running.name for r in self.body.reductions if r.running is not None}
         self.online = bool(self._running)
         self._per_row_incoming = per_row_incoming(plan)
+        self.rounds = sum(1 for p in self.body.passes if p.reductions)  # a split row's exchanges, a row
 
     # -- pieces ------------------------------------------------------------------
 
@@ -260,9 +263,11 @@ class _Program:
 
     # -- layouts ---------------------------------------------------------------------
 
-    def one_tile(self, stores: list[str], columns_set: bool = False, split: bool = False) -> list[str]:
+    def one_tile(self, stores: list[str], columns_set: bool = False, split: bool = False,
+                 first_round: str = "") -> list[str]:
         """The program's rows in one tile; `split`: or its split's part of them (SPLITS > 1),
-        each pass's reductions then combined across the group (kernel_lib.split_program)."""
+        each pass's reductions then combined across the group (kernel_lib.split_program), in
+        rounds numbered from `first_round` (an expression; 0 if empty)."""
         body = self.body
         first_col = "split * BLOCK_N" if split else "0"
         lines = [] if columns_set else [f"cols, in_bounds = column_tile(rows, {first_col}, M, N, BLOCK_N, INDEX_64)"]
@@ -270,23 +275,23 @@ class _Program:
         every = [r.value for r in body.reductions] + [e for _, e in body.results]
         lines += self._loads(*self._reads(every), first_col=first_col)
         emitted: set = set()
-        for round_, p in enumerate(body.passes):
+        round_ = 0  # a round for each pass with reductions
+        for p in body.passes:
             lines += self._assignments([t for t in p.temps if t[0] not in emitted])
             emitted |= {t for t, _ in p.temps}
             for r in p.reductions:
                 lines.append(f"{r.symbol.name} = {_reduce(r.op, self._value(r))}")
             if split and p.reductions:
-                lines += self._combined(p, round_)
+                lines += self._combined(p, f"{first_round} + {round_}" if first_round and round_ else first_round or str(round_))
+                round_ += 1
                 emitted -= _temps_reading(body.definitions, {r.symbol for r in p.reductions})  # read the part's
             lines += self._statistics_stores(p.reductions)
             lines += self._assignments(p.row_values)
         lines += self._assignments([t for t in body.final_temps if t[0] not in emitted])
         lines += self._assignments(body.results, triton_constant)
-        if split and body.passes:
-            stores = stores + [f"split_leave(exchange_ptr, group, {len(body.passes)}, SPLITS)"]
         return lines + stores
 
-    def _combined(self, p: RowPass, round_: int) -> list[str]:
+    def _combined(self, p: RowPass, round_: str) -> list[str]:
         """A split row's pass: each program's reductions over its part shared, then the
         row's combined from them (its online sums rescaled to the row's extreme), in place
         of the part's."""
@@ -401,9 +406,10 @@ class _Program:
 
 
 def split_shares_count(plan: OpPlan) -> int:
-    """A split row forward's values a round: its widest pass's reductions (the launcher sizes
-    the exchange by it: `shares=` in the module's RowKernels)."""
-    return max((len(p.reductions) for p in plan.forward.body.passes), default=0)
+    """A split row's values a round: the widest pass's reductions, forward or backward (the
+    launcher sizes the exchange by it: `shares=` in the module's RowKernels)."""
+    kernels = [plan.forward] + ([] if plan.forward_only else [plan.backward])
+    return max((len(p.reductions) for k in kernels for p in k.body.passes), default=0)
 
 
 def _temps_read(temps, exprs) -> tuple:

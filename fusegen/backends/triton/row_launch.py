@@ -39,6 +39,15 @@ class _BoundRows(_Bound):
         if _launches(call.problem, traced):
             self.prepare_forward(call, tensors, tile, traced, splits)((*tensors, *outputs, statistics, seed))
 
+    def _exchange(self, problem, groups: int, splits: int) -> Zeroed | None:
+        """A split row's exchange (kernel_lib.split_program): a ticket, a counter per row group,
+        two rounds of shares per row; kernel_lib finds the shares past M + 1 counters."""
+        if splits == 1:
+            return None
+        m = problem.m
+        assert groups <= m
+        return Zeroed(m + 1 + 2 * m * self.shares * splits, problem.compute_dtype, problem.device)
+
     def _statistics_buffer(self, problem) -> torch.Tensor:
         return torch.empty(self.op.statistics_shape(problem), dtype=problem.compute_dtype, device=problem.device)
 
@@ -64,10 +73,8 @@ class _BoundRows(_Bound):
             block_n, splits = row_tuning.row_forward_layout(n, m, problem.device, tiles, narrow)
         # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
         args[BLOCK_N], args[SPLITS], args[ONE_TILE] = block_n, splits, bool(block_n * splits >= n)
-        # A split row's exchange: a ticket, a counter per row group, two rounds of shares per row.
         args[SHARES] = self.shares
-        args[EXCHANGE] = None if splits == 1 else Zeroed(
-            m + 1 + 2 * m * self.shares * splits, problem.compute_dtype, problem.device)
+        args[EXCHANGE] = self._exchange(problem, m, splits)
         args = self._signatures[0].ordered(args)
         if tile is not None:
             return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]) * splits,), args, copies,
@@ -76,7 +83,8 @@ class _BoundRows(_Bound):
                       lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * splits,), args, copies)
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None, statistics=None, traced: bool = False) -> list[torch.Tensor]:
+                 rows_per_program: int | None = None, statistics=None, traced: bool = False,
+                 splits: int = 1) -> list[torch.Tensor]:
         problem = call.problem
         if statistics is None and self.statistics and problem.launches:
             # No forward's statistics at hand (tests launching the kernel): a forward makes them.
@@ -84,27 +92,37 @@ class _BoundRows(_Bound):
             outputs = [torch.empty(self.op.output_shape(problem, i), dtype=self.op.output_dtype(problem, i),
                                    device=problem.device) for i in range(len(self.op.outputs))]
             self.forward(call, tensors, outputs, seed, tile=tile, statistics=statistics)
-        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, statistics, traced)
+        prepared = self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program, traced, splits)
+        return prepared(tensors, grads, seed, statistics)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
-                         rows_per_program: int | None = None, traced: bool = False) -> PreparedBackward:
+                         rows_per_program: int | None = None, traced: bool = False,
+                         splits: int = 1) -> PreparedBackward:
         problem = call.problem
         m, n = problem.m, problem.n
+        if tile is not None:
+            block_n = tile[1]
+        else:  # as the forward's, for the tiles the backward loads (a [..., 1] gradient: never split)
+            tiles = len(self._reads) + len(self.op.outputs)
+            narrow = any(t.is_floating_point() and t.element_size() < 4 for t in (*tensors, *grads))
+            per_row = any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row))
+            block_n, splits = row_tuning.row_backward_layout(n, m, problem.device, tiles, narrow or per_row)
         summed = self._sums_over_rows(problem, tensors, needs)
         # Many rows a program only where a gradient is summed over rows: fewer partial sums.
         rows = rows_per_program or row_tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)
         # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
         targets = [
-            GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), 1, self._chunks[i], one) if needs[i] else None
+            GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), splits, self._chunks[i], one) if needs[i] else None
             for i, one in zip(self._gradients, self._one_per_row)
         ]
         if not _launches(problem, traced):
             return PreparedBackward(None, targets, self._gradients)
         args, copies = self._backward_args(call, tensors, grads, targets, traced)
-        block_n = tile[1] if tile is not None else row_tuning.row_block_n(n, backward=True)
-        args[ROWS_PER_PROGRAM], args[BLOCK_N], args[ONE_TILE] = rows, block_n, bool(block_n >= n)
+        args[ROWS_PER_PROGRAM], args[BLOCK_N], args[ONE_TILE] = rows, block_n, bool(block_n * splits >= n)
+        args[SPLITS], args[SHARES] = splits, self.shares
+        args[EXCHANGE] = self._exchange(problem, tuning.cdiv(m, rows), splits)
         args = self._signatures[1].ordered(args)
-        grid = (tuning.cdiv(m, rows),)
+        grid = (tuning.cdiv(m, rows) * splits,)
         if tile is not None:
             launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {BLOCK_M: tile[0]})
         else:

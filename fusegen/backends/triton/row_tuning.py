@@ -83,6 +83,21 @@ def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = Fa
     return part, splits
 
 
+# The backward's split is built and CPU-tested, but not yet measured on a GPU: it stays off
+# until it is (a split part holds the incoming gradient's tile and the input's, and more).
+SPLIT_BACKWARD = False
+
+
+def row_backward_layout(n: int, m: int, device, tiles: int = 2, narrow: bool = False) -> tuple[int, int]:
+    """(BLOCK_N, SPLITS) for a row backward, as row_forward_layout's (SPLITS = 1 while
+    SPLIT_BACKWARD is off)."""
+    block_n = row_block_n(n, backward=True)
+    if not SPLIT_BACKWARD or block_n >= size_hint(n) or is_interpreting() or narrow:
+        return block_n, 1
+    part, splits = row_forward_layout(n, m, device, tiles, narrow)
+    return (part, splits) if splits > 1 else (block_n, 1)
+
+
 def _multiprocessors(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
