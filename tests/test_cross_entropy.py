@@ -160,7 +160,7 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(device):
         loss.sum().backward()
         return seen[0], logits, x0.grad
 
-    step(True)  # on a GPU the first call of a kind tunes: never in place
+    step(True)  # on a GPU the first call with a call key tunes: never in place
     grad, logits, grad_x0 = step(True)
     want, _, want_x0 = step(False)
     assert grad.data_ptr() == logits.data_ptr() and want.data_ptr() != logits.data_ptr()

@@ -1,6 +1,6 @@
 """The eager call in C++ (fusegen/runtime/csrc/eager_call.cpp) against the Python path.
 
-A call of a kind the Python path has launched once (same shapes, strides, dtypes, device,
+A call whose call key the Python path has launched once (same shapes, strides, dtypes, device,
 alignment and params) is keyed, allocated and launched in C++. Its key must tell apart
 every pair of calls the Python key (runtime.prepared.call_key) tells apart, and its launch
 must pack each kernel parameter as Triton's own launcher does: both are checked here on
@@ -55,7 +55,7 @@ def _variants(device):
 
     return [
         base,
-        but(x=torch.randn(4, 8, generator=g).to(device)),  # new data, same kind: the same key
+        but(x=torch.randn(4, 8, generator=g).to(device)),  # new data, the same call key
         but(seed=5), but(seed=7), but(seed=torch.tensor(3)),  # explicit seeds: one key (checked per call)
         but(p=0.2), but(p=1), but(p=True), but(training=False), but(training=1),
         but(activation="gelu_tanh"), but(activation="relu"), but(activation="gelu_tanh_but_longer"),
@@ -198,16 +198,16 @@ def test_every_op_bit_for_bit_with_the_python_path(op, grad, calls_of, device, m
         patch.setattr(PreparedCall, "offer_native", lambda self, args: None)
         python = [_step(op, s, device, grad) for s in (1, 2)]
     fused.forget_native_calls()
-    _step(op, 1, device, grad)  # the Python path launches this kind once, then offers it
+    _step(op, 1, device, grad)  # the Python path launches this call key once, then offers it
     calls = calls_of(fused)
     before = calls_of.module.counts(calls)
-    assert before[0] == 1, "the kind of call was not registered"
+    assert before[0] == 1, "the call key was not registered"
     ours = [_step(op, s, device, grad) for s in (1, 2)]
     after = calls_of.module.counts(calls)
     assert after[1] == before[1] + 2  # both forwards took the C++ path
     if grad and not fused._forward_only and not any(i.one_per_row for i in fused.inputs):
         # No gradient summed by torch (a [..., 1] input's): the first call's backward
-        # (through Python) registered its kind, and both later ones ran in C++.
+        # (through Python) registered its backward key, and both later ones ran in C++.
         assert after[2] == before[2] + 2
     for a, b in zip(python, ours):
         for x, y in zip(a, b):
@@ -216,7 +216,7 @@ def test_every_op_bit_for_bit_with_the_python_path(op, grad, calls_of, device, m
 
 @pytest.mark.gpu
 def test_dropout_seeds_taken_in_cpp_are_the_python_paths(calls_of, device, monkeypatch):
-    """Without an explicit seed, a dropout call of a registered kind takes its seed from the
+    """Without an explicit seed, a dropout call with a registered call key takes its seed from the
     standing batch in C++, which the Python path's calls take theirs from too, so its masks
     are the Python path's: across a batch's end, another random op in between and
     torch.manual_seed, and in the backward, which reads the forward's seed long after."""
@@ -244,7 +244,7 @@ def test_dropout_seeds_taken_in_cpp_are_the_python_paths(calls_of, device, monke
         patch.setattr(PreparedCall, "offer_native", lambda self, args: None)
         python = run()
     fused.forget_native_calls()
-    op.fn(x.clone().requires_grad_(True), b, r, 0.3).sum().backward()  # registers the kind and its backward
+    op.fn(x.clone().requires_grad_(True), b, r, 0.3).sum().backward()  # registers the call key and its backward
     calls = calls_of(fused)
     before = calls_of.module.counts(calls)
     ours = run()
@@ -257,7 +257,7 @@ def test_dropout_seeds_taken_in_cpp_are_the_python_paths(calls_of, device, monke
 
 @pytest.mark.gpu
 def test_threads_take_seeds_in_cpp_and_python_without_sharing_one(calls_of, device):
-    """Threads calling a registered dropout kind at once (seeds taken in C++, under its lock;
+    """Threads calling a dropout op with a registered call key at once (seeds taken in C++, under its lock;
     each thread's first call sets its driver context up) and one calling through the
     Python path (out=): every call drops its own elements."""
     import threading
@@ -463,9 +463,9 @@ def test_a_call_through_cpp_keeps_no_tensor_alive(calls_of, device):
 
 
 @pytest.mark.gpu
-def test_a_forgotten_kind_of_call_is_freed(calls_of, device):
+def test_a_forgotten_call_key_is_freed(calls_of, device):
     """The plan in C++ holds its PreparedCall, which holds the plan only weakly: once the op
-    forgets its kinds of call (as a full cache does), nothing keeps either alive."""
+    forgets its call keys (as a full cache does), nothing keeps either alive."""
     import gc
     import weakref
 

@@ -34,7 +34,7 @@ def _step(device, in_place: bool, dtype=torch.float32, module: bool = False):
 @pytest.mark.parametrize("module", [False, True], ids=["function", "module"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_same_gradients_and_the_inputs_memory_reused(device, dtype, module):
-    _step(device, True, dtype, module)  # on a GPU the first call of a kind tunes: never in place
+    _step(device, True, dtype, module)  # on a GPU the first call with a call key tunes: never in place
     grad_h, grad_x0, grad_w, h = _step(device, True, dtype, module)
     expected_h, expected_x0, expected_w, _ = _step(device, False, dtype, module)
     assert grad_h.data_ptr() == h.data_ptr()  # the gradient lives where h was
@@ -69,7 +69,7 @@ def test_a_later_use_of_the_overwritten_input_fails_loudly(device):
     """exp saves its output for its backward, which runs after swiglu's: with the output's
     memory holding swiglu's gradient, autograd must refuse rather than compute with it."""
     x0 = _randn(4, 32, seed=8, device=device).requires_grad_(True)
-    SWIGLU.swiglu(torch.exp(x0)).sum().backward()  # on a GPU the first call of a kind tunes
+    SWIGLU.swiglu(torch.exp(x0)).sum().backward()  # on a GPU the first call with a call key tunes
     x0.grad = None
     h = torch.exp(x0)
     y = SWIGLU.swiglu(h, inplace_backward=True)
@@ -89,7 +89,7 @@ def test_inplace_backward_takes_only_a_bool(device):
 
 @pytest.mark.gpu
 def test_no_write_in_place_while_tuning_and_less_memory_after():
-    """The first call of a kind tunes: several runs on the same buffers, so nothing in place
+    """The first call with a call key tunes: several runs on the same buffers, so nothing in place
     then; later calls take no new buffer for the gradient."""
     module = SWIGLU
     module.swiglu_backward_kernel.cache.clear()
@@ -139,7 +139,7 @@ def test_an_input_whose_gradient_is_not_asked_for_keeps_its_values(device, node,
     inp0 = _randn(4, 32, seed=2, device=device).requires_grad_(True)
     bias = _randn(32, seed=3, device=device)
     g = _randn(4, 32, seed=4, device=device)
-    for _ in range(3):  # the first call of a kind tunes (never in place); later ones may write
+    for _ in range(3):  # the first call with a call key tunes (never in place); later ones may write
         x, inp = x0 * 1, inp0 * 1  # no leaves: either may take its gradient in place
         y = op.add_mul_activation(x, inp, bias, 2.0, "silu", inplace_backward=True)
         (gx,) = torch.autograd.grad(y, x, g)
@@ -162,7 +162,7 @@ def test_autograd_grad_of_a_leaf_alone_keeps_the_other_inputs_values(device, nod
     x0 = _randn(4, 32, seed=1, device=device).requires_grad_(True)
     w = _randn(32, seed=2, device=device).requires_grad_(True)
     b = _randn(32, seed=3, device=device).requires_grad_(True)
-    for _ in range(3):  # the first call of a kind tunes (never in place); later ones may write
+    for _ in range(3):  # the first call with a call key tunes (never in place); later ones may write
         x = x0 * 1
         kept = x.detach().clone()
         if name == "layernorm":

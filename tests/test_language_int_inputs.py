@@ -258,7 +258,7 @@ def test_native_eager_call_takes_int_inputs(ops, use_node):
     results = {}
     for node in ("python", "native"):
         use_node(node)
-        for _ in range(3):  # the first of a kind in Python, the later ones in C++
+        for _ in range(3):  # the first with a call key in Python, the later ones in C++
             xs = x.clone().requires_grad_(True)
             loss, logit = module.ce_int(xs, target)
             (grad,) = torch.autograd.grad((loss, logit), xs, (torch.ones_like(loss), torch.ones_like(logit)))

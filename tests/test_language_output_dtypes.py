@@ -269,7 +269,7 @@ def test_bad_specs_are_one_line_file_line_errors(tmp_path, text, message):
 
 @pytest.mark.gpu
 def test_native_eager_call_allocates_each_outputs_dtype(use_node):
-    """The C++ eager call allocates q in float8 and scale in float32 (from the kind's
+    """The C++ eager call allocates q in float8 and scale in float32 (from the call key's
     registration), and gives a forward-only op's outputs no node even with inputs that require grad."""
     module, fn = _library("rmsnorm_fp8")
     x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16)
@@ -277,7 +277,7 @@ def test_native_eager_call_allocates_each_outputs_dtype(use_node):
     results = {}
     for node in ("python", "native"):
         use_node(node)
-        for _ in range(3):  # the first of a kind in Python, the later ones in C++
+        for _ in range(3):  # the first with a call key in Python, the later ones in C++
             q, scale = fn(x, weight)
         assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
         results[node] = (q, scale)

@@ -125,7 +125,7 @@ def test_an_unchecked_triton_launches_through_tritons_own_path(monkeypatch):
     op = op_by_name("bias_gelu")
     launcher = op.module._OP.kernels._forward
     before = dict(launcher._entries)
-    x, bias = torch.randn(3, 4111, device="cuda"), torch.randn(4111, device="cuda")  # a kind of call new here
+    x, bias = torch.randn(3, 4111, device="cuda"), torch.randn(4111, device="cuda")  # a call key new here
     with pytest.warns(UserWarning, match="launcher was not checked"):
         y = op.fn(x, bias)
     torch.testing.assert_close(y, op.module.reference(x, bias))
@@ -139,12 +139,12 @@ def test_an_unchecked_triton_launches_through_tritons_own_path(monkeypatch):
 @pytest.mark.parametrize("n", [1, 7, 1000])
 def test_one_value_per_row_gradient_is_summed_in_the_kernel(monkeypatch, device, n):
     module = op_by_name("scale_add").module
-    kinds = []
+    broadcasts = []
     of = runtime.GradTarget.of
 
     def spy(*args, **kwargs):
         target = of(*args, **kwargs)
-        kinds.append(target.broadcast)
+        broadcasts.append(target.broadcast)
         return target
 
     monkeypatch.setattr(runtime.GradTarget, "of", spy)
@@ -162,7 +162,7 @@ def test_one_value_per_row_gradient_is_summed_in_the_kernel(monkeypatch, device,
     torch.testing.assert_close(scale.grad, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, grad_y * scale.detach(), rtol=1e-12, atol=1e-12)
     # n == 1: scale is as big as the output, so its gradient is written in full.
-    assert kinds[-1] == ("full" if n == 1 else "columns")
+    assert broadcasts[-1] == ("full" if n == 1 else "columns")
 
 
 def test_zero_before_trials_zeros_buffers_and_skips_gradients_not_asked_for():

@@ -260,7 +260,7 @@ def test_names_like_the_class_are_the_users(tmp_path, device):
 
 @pytest.mark.parametrize("node", ["python", "native"])
 def test_torch_jit_trace_is_refused_in_one_line(node, device, use_node):
-    """A trace would keep the kernel's outputs as constants; it is refused, on a kind of call
+    """A trace would keep the kernel's outputs as constants; it is refused, on a call key
     seen before too (the prepared path, the eager call in C++)."""
     use_node(node)
     from generated.bias_gelu import BiasGelu

@@ -237,11 +237,11 @@ def test_an_error_in_the_backward_keeps_its_type(use_native, device, monkeypatch
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_forward_mode_ad_runs_the_reference(use_native, device, requires_grad):
     """With the C++ node and eager call in use, a tangent is carried (by the reference), not
-    dropped: also for a kind of call the eager call in C++ already knows."""
+    dropped: also for a call key the eager call in C++ already knows."""
     op = op_by_name("bias_gelu")
     x, bias = torch.randn(4, 8, device=device), torch.randn(8, device=device)
     tangent = torch.randn(4, 8, device=device)
-    op.fn(x.requires_grad_(requires_grad), bias)  # this kind of call, known from now on
+    op.fn(x.requires_grad_(requires_grad), bias)  # this call key, known from now on
     expected = torch.func.jvp(lambda x: op.reference(x, bias), (x.detach(),), (tangent,))
     with fwAD.dual_level():
         primal, out_tangent = fwAD.unpack_dual(op.fn(fwAD.make_dual(x, tangent), bias))

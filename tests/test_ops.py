@@ -627,7 +627,7 @@ def test_an_input_that_feeds_only_unused_outputs_gets_no_gradient(op, used, node
     grads = {}
     for fn in (op.fn, op.module.reference):
         leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors.values()]
-        for _ in range(2):  # the second call of a kind may take the eager call in C++
+        for _ in range(2):  # the second call with a call key may take the eager call in C++
             for leaf in leaves:
                 leaf.grad = None
             outputs = as_tuple(fn(*leaves, **kwargs))
@@ -702,7 +702,7 @@ def test_inputs_with_the_same_gradient_share_one_tensor(name, node, device, use_
     fp32 = [torch.float32] * len(shapes)
     _, leaves = step(shapes, fp32, backwards=2)  # the op on the leaves themselves, two backwards
     assert leaves[0].grad.data_ptr() != leaves[1].grad.data_ptr()
-    for _ in range(2):  # the first call of a kind tunes: no write in place
+    for _ in range(2):  # the first call with a call key tunes: no write in place
         seen, _ = step(shapes, fp32, in_place=True)
     assert seen[0] is seen[1]  # one tensor
     seen, _ = step(shapes, [torch.float32, torch.bfloat16] + fp32[2:], in_place=True)

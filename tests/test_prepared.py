@@ -1,5 +1,5 @@
-"""The prepared path (fusegen.runtime.prepared): a kind of call is checked and its launches
-worked out once; later calls of that kind launch with new data, and stay as correct and as
+"""The prepared path (fusegen.runtime.prepared): a call key's checks and launches are
+worked out once; later calls with that key launch with new data, and stay as correct and as
 strict as the first."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _randn(*shape, seed, device="cpu", dtype=torch.float32):
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(device)
 
 
-def test_a_kind_of_call_is_prepared_once_and_new_data_flows_through(device):
+def test_a_call_key_is_prepared_once_and_new_data_flows_through(device):
     op = SEED_OP._OP
     op._prepared.clear()
     for step in range(4):
@@ -35,7 +35,7 @@ def test_a_kind_of_call_is_prepared_once_and_new_data_flows_through(device):
     assert len(op._prepared) == 1  # explicit seeds are checked per call, not keyed
 
 
-def test_what_the_kernels_depend_on_makes_a_new_kind(device):
+def test_what_the_kernels_depend_on_makes_a_new_call_key(device):
     x = _randn(4, 32, seed=1, device=device)
     base = call_key((x,), 1, None)
     storage = _randn(4 * 32 + 4, seed=2, device=device)
@@ -53,7 +53,7 @@ def test_what_the_kernels_depend_on_makes_a_new_kind(device):
     assert call_key((x.as_subclass(Sub),), 1, None) is None
 
 
-def test_bad_arguments_fail_on_a_prepared_kind_too(device):
+def test_bad_arguments_fail_on_a_prepared_call_key_too(device):
     x, bias, residual = _randn(2, 8, seed=1, device=device), _randn(8, seed=2, device=device), _randn(2, 8, seed=3, device=device)
     SEED_OP.bias_gelu_dropout_add(x, bias, residual, p=0.1, seed=5)
     with pytest.raises(runtime.FusegenArgumentError, match="seed must be"):
@@ -97,10 +97,10 @@ def test_broadcasts_copied_per_call_take_each_calls_data(device):
         torch.testing.assert_close(op.scale_add(x, scale, residual), op.reference(x, scale, residual))
 
 
-def test_backward_kinds_follow_the_incoming_gradient(device):
-    """The backward is prepared per kind of incoming gradient: contiguous, then expanded
+def test_backward_keys_follow_the_incoming_gradient(device):
+    """The backward is prepared per backward key, here the incoming gradient's layout: contiguous, then expanded
     (y.sum().backward() gives a stride-0 gradient), then transposed."""
-    for grad_kind in ("contiguous", "expanded", "transposed", "contiguous"):
+    for grad_layout in ("contiguous", "expanded", "transposed", "contiguous"):
         x = _randn(6, 10, seed=7, device=device).requires_grad_(True)
         weight = _randn(10, seed=8, device=device).requires_grad_(True)
         bias = _randn(10, seed=9, device=device).requires_grad_(True)
@@ -109,7 +109,7 @@ def test_backward_kinds_follow_the_incoming_gradient(device):
             "contiguous": _randn(6, 10, seed=11, device=device),
             "expanded": torch.ones((), device=device).expand(6, 10),
             "transposed": _randn(10, 6, seed=12, device=device).t(),
-        }[grad_kind]
+        }[grad_layout]
         got = torch.autograd.grad(y, (x, weight, bias), grad)
         leaves = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
         truth = torch.autograd.grad(LAYERNORM.reference(*leaves), leaves, grad.double())
@@ -127,7 +127,7 @@ def test_prepared_cuda_launches_across_alignments_dtypes_and_shapes():
         for shape in ((3, 5), (2, 7, 33), (1, 128, 1024), (2, 64, 4099)):
             n, count = shape[-1], torch.Size(shape).numel()
             storage = torch.randn(2 * count + 8, device="cuda", dtype=dtype)
-            for offset in (0, 1, 0, 1):  # aligned, misaligned, and again: each a prepared kind
+            for offset in (0, 1, 0, 1):  # aligned, misaligned, and again: each a prepared call key
                 x = storage[offset:offset + count].view(shape)
                 bias = torch.randn(n, device="cuda", dtype=dtype)
                 residual = torch.randn(shape, device="cuda", dtype=dtype)
@@ -137,7 +137,7 @@ def test_prepared_cuda_launches_across_alignments_dtypes_and_shapes():
                     error = ((y.double() - expected).norm() / expected.norm()).item()
                     assert error < (1e-6 if dtype == torch.float32 else 1e-2), (dtype, shape, offset, seed, error)
     launches = [prepared._launch for prepared in op._prepared.values()]
-    assert all(launch._binary is not None for launch in launches), "a prepared kind never launched its binary"
+    assert all(launch._binary is not None for launch in launches), "a prepared call key never launched its binary"
 
 
 @pytest.mark.parametrize("limit", [0, 2**18])

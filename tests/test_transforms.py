@@ -225,8 +225,8 @@ def test_out_and_inplace_backward():
 
 def test_plain_calls_after_transforms_take_the_kernel_path(monkeypatch, use_node):
     """The checks leave ordinary calls alone: after transforms, and inside dual_level without
-    a tangent, a call launches the kernel through its prepared kind of call."""
-    use_node("python")  # counted in Python: the C++ eager call would launch known kinds itself
+    a tangent, a call launches the kernel through its call key's prepared launch."""
+    use_node("python")  # counted in Python: the C++ eager call would launch known call keys itself
     x, t = _randn(2, 8, dtype=torch.float32), _randn(2, 8, seed=1, dtype=torch.float32)
     vmap(gelu.gelu)(x.expand(2, 2, 8))
     jvp(gelu.gelu, (x,), (t,))

@@ -24,21 +24,22 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class PreparedForward(Protocol):
-    """The forward's launch for one kind of call (`BoundKernels.prepare_forward`), made once
-    and called for each call of that kind with new tensors; it holds no tensor between calls."""
+    """The forward's launch for one call key (`BoundKernels.prepare_forward`), made once
+    and called for each call with that key with new tensors; it holds no tensor between calls."""
 
     def __call__(self, values: tuple) -> None:
         """Launch on `(*tensors, *outputs, statistics, seed)`, writing the outputs (and `statistics`)."""
 
     def native_form(self) -> tuple | None:
         """This launch as the C++ eager call takes it (runtime.native, csrc/eager_call.cpp),
-        or None: then every call of this kind stays in Python."""
+        or None: then every call with this key stays in Python."""
 
 
 @runtime_checkable
 class PreparedBackward(Protocol):
-    """The backward's launch for one kind of call and incoming gradients
-    (`BoundKernels.prepare_backward`), made once and called per backward of that kind."""
+    """The backward's launch for one call key and backward key (the gradients asked for, the
+    incoming gradients' layout; `BoundKernels.prepare_backward`), made once and called per
+    backward with those keys."""
 
     def __call__(self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], seed: torch.Tensor | None,
                  statistics: torch.Tensor | None, in_place: bool = False) -> list[torch.Tensor]:
@@ -73,11 +74,11 @@ class BoundKernels(Protocol):
         them among `BackendKernels.gradients`), in input order, each in new memory."""
 
     def prepare_forward(self, call: Call, tensors: Sequence[torch.Tensor]) -> PreparedForward:
-        """The forward's launch for `call`'s kind (shapes, strides, dtypes, params) with these tensors."""
+        """The forward's launch for `call`'s call key (shapes, strides, dtypes, params) with these tensors."""
 
     def prepare_backward(self, call: Call, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                          needs: Sequence[bool]) -> PreparedBackward:
-        """The backward's launch for `call`'s kind, these incoming gradients' layout and `needs`."""
+        """The backward's launch for `call`'s call key, these incoming gradients' layout and `needs`."""
 
 
 @runtime_checkable

@@ -18,8 +18,8 @@ def sum_to_input(grad: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GradTarget:
-    """One input's gradient buffer, by how the input was broadcast (worked out once per kind
-    of call; `new_buffer` and `result` run per call):
+    """One input's gradient buffer, by how the input was broadcast (worked out once per call
+    key; `new_buffer` and `result` run per call):
 
     - same shape as the output ("full"): written in place, in the input's dtype;
     - broadcast along rows ("rows": bias [N] against [..., N]): per-program column sums in

@@ -1,5 +1,5 @@
 """fusegen's C++ extension, built once per machine and torch: the autograd node
-(csrc/autograd_node.cpp) and the eager call (csrc/eager_call.cpp: a call of a kind the
+(csrc/autograd_node.cpp) and the eager call (csrc/eager_call.cpp: a call whose call key the
 Python path has launched once, forward and backward, keyed, allocated and launched in C++;
 on the H100 host a forward then costs about what torch.add costs, docs/benchmarks.md).
 
@@ -276,7 +276,7 @@ def settled_off() -> bool:
 
 def eager_calls(*, inputs: int, arguments: int, seed_position: int | None, outputs: int, name: str, op, backward):
     """A new eager call in C++ for `op` (csrc/eager_call.cpp): `calls(args, inplace_backward)`
-    gives the outputs of a call of a registered kind (`inputs` tensors first, `arguments` in
+    gives the outputs of a call with a registered call key (`inputs` tensors first, `arguments` in
     all), with its autograd node `name`, or None. None where the extension is not in use.
     `backward`: the node's Python backward."""
     module = _state.module if _state.module is not None else _settle()
@@ -291,7 +291,7 @@ def eager_calls(*, inputs: int, arguments: int, seed_position: int | None, outpu
 
 
 def forget_calls() -> None:
-    """Every op drops its eager call in C++ and its prepared kinds of call, so that the next
+    """Every op drops its eager call in C++ and the call keys it prepared, so that the next
     calls see the extension as it is now (tests turn it off and on)."""
     for op in list(_ops_with_calls):
         op.forget_native_calls()
@@ -299,13 +299,13 @@ def forget_calls() -> None:
 
 
 def register_call(calls, args: tuple, device: int, outputs: list, statistics, launch: tuple, prepared, seed):
-    """Registers the kind of call `args` is with `calls` (see csrc/eager_call.cpp); its C++ half (Prepared),
+    """Registers the call key of `args` with `calls` (see csrc/eager_call.cpp); its C++ half (Prepared),
     to register backwards with, or None."""
     return _state.module.register_call(calls, args, device, outputs, statistics, launch, prepared, seed)
 
 
 def register_backward(prepared, needs: tuple, grads: tuple, launch: tuple | None, targets: list, sources: list) -> None:
-    """Registers a backward of a registered kind of call (see csrc/eager_call.cpp)."""
+    """Registers a backward of a registered call key (see csrc/eager_call.cpp)."""
     _state.module.register_backward(prepared, list(needs), grads, launch, targets, sources)
 
 

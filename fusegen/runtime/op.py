@@ -130,7 +130,7 @@ class FusedOp:
         self._seed_position = self._n_inputs + self._n_params + 1 if self.has_dropout else None
         # Its C++ autograd node's name (grad_fn.name(), profiles): unlike the library ops' names.
         self._node_name = "Fusegen" + "".join(part.capitalize() for part in name.split("_")) + "Backward"
-        # The eager call in C++ (runtime.native.eager_calls), made when the first kind of call
+        # The eager call in C++ (runtime.native.eager_calls), made when the first call key
         # is offered to it (PreparedCall.offer_native); None before, or without the extension.
         self._native_calls = None
         self._reference_body = reference
@@ -155,7 +155,7 @@ class FusedOp:
                     outputs = fast(args, inplace_backward)
                 if outputs is not None:
                     return outputs
-            elif not attaches and fast is not None:  # a call of a kind it knows: outputs (and node) from C++
+            elif not attaches and fast is not None:  # a call with a key it knows: outputs (and node) from C++
                 outputs = fast(args, inplace_backward)
                 if outputs is not None:
                     return outputs
@@ -195,10 +195,10 @@ class FusedOp:
         return self.reference(*args, out=out)
 
     def prepare(self, args: tuple) -> PreparedCall | None:
-        """This kind of call's checks, views and launches, worked out on its first call
+        """The checks, views and launches of `args`' call key, worked out on its first call
         (fusegen.runtime.prepared); None for arguments that take the full path every call."""
         # One key per process: the C++ eager call's where the extension is in use (so the
-        # kinds of call prepared here are the kinds it registers), else Python's.
+        # call keys prepared here are the keys it registers), else Python's.
         calls = self._native_calls
         if calls is None and not native.settled_off():
             calls = self.native_calls()
@@ -223,7 +223,7 @@ class FusedOp:
         return self._native_calls
 
     def forget_native_calls(self) -> None:
-        """Drop the eager call in C++ and the kinds of call prepared so far (which were offered
+        """Drop the eager call in C++ and the call keys prepared so far (which were offered
         to it): for a process that turns the extension off or on (tests)."""
         self._native_calls = None
         self._prepared.clear()
@@ -335,8 +335,8 @@ class FusedOp:
     def backward(self, grads: tuple, args: tuple, seed, needs: tuple[bool, ...], statistics=None,
                  prepared: PreparedCall | None = None, in_place: bool = False) -> list:
         """Every input's gradient (None where not needed) from the outputs' gradients.
-        `prepared`: the forward's kind of call, when it had one; `in_place`: inputs' memory
-        may take their gradients."""
+        `prepared`: the PreparedCall of the forward's call key, when it had one; `in_place`:
+        inputs' memory may take their gradients."""
         tensors = args[: len(self.inputs)]
         kernel_needs, sources = self.gradient_sources(needs, tensors)
         kernel_grads = iter(())
@@ -519,8 +519,8 @@ except (AttributeError, KeyError):  # another torch: its own apply
 
 
 def _autograd_apply(op: FusedOp, prepared: PreparedCall | None, in_place: bool, *args):
-    """The forward with its autograd node: fusegen's C++ node (runtime.native) for a call of
-    a prepared kind, else the Python Function. (Under torch.func transforms and with
+    """The forward with its autograd node: fusegen's C++ node (runtime.native) for a call with
+    a prepared call key, else the Python Function. (Under torch.func transforms and with
     forward-mode tangents, FusedOp.__call__ runs the reference instead.)"""
     if _compiled_autograd_enabled():
         # The Python Function, which compiled autograd traces; never in place there (what
@@ -606,7 +606,7 @@ def _compiled_autograd_enabled() -> bool:
 
 def _native_backward(state: tuple, needs: tuple, saved: tuple, grads: tuple) -> tuple:
     """The C++ node's backward (runtime.native): one gradient or None per input. The first
-    of each kind is offered to the C++ eager call, which then runs the later ones."""
+    with each backward key is offered to the C++ eager call, which then runs the later ones."""
     op, prepared, in_place, params, seed = state
     if in_place and torch._C._current_graph_task_id() == -1:
         # Called outside the engine (the node called directly): `needs` are the node's edges,
@@ -694,9 +694,9 @@ def _library_op(name: str, impl, arguments: list[str], returns: str, traced: boo
     parameters = []
     for argument in arguments:
         argument, _, default = argument.partition("=")
-        kind, parameter = argument.rsplit(" ", 1)
+        schema_type, parameter = argument.rsplit(" ", 1)
         parameters.append(inspect.Parameter(parameter, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                            annotation=_ANNOTATIONS[kind],
+                                            annotation=_ANNOTATIONS[schema_type],
                                             default=None if default == "None" else inspect.Parameter.empty))
     results = returns.strip("()").split(", ")
     returned = _ANNOTATIONS[returns] if len(results) == 1 else tuple[tuple(_ANNOTATIONS[r] for r in results)]

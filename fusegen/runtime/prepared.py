@@ -1,9 +1,9 @@
-"""An eager call's path, worked out once per kind of call.
+"""An eager call's path, worked out once per call key.
 
-A training loop calls an op with a few kinds of argument over and over: the same shapes,
+A training loop makes the same few calls to an op over and over: the same shapes,
 strides, dtypes and params, new data. Everything the checks, views and launch arguments
 decide depends on those alone, so `FusedOp.prepare` keys a `PreparedCall` on them
-(`call_key`) and a call of a known kind goes straight to allocating its outputs and
+(`call_key`) and a call with a known key goes straight to allocating its outputs and
 launching (docs/benchmarks.md has what that saves).
 
 What the key does not see takes the full path every time: tensor subclasses (torch.compile's
@@ -39,9 +39,9 @@ def call_key(args: tuple, tensors: int, seed_position: int | None) -> tuple | No
         if position == seed_position:
             key.append(value is None)
             continue
-        kind = type(value)
-        if kind is float or kind is int or kind is str or kind is bool or value is None:
-            key.append((kind, value))  # the type too: True == 1, and a bool p is refused
+        value_type = type(value)
+        if value_type is float or value_type is int or value_type is str or value_type is bool or value is None:
+            key.append((value_type, value))  # the type too: True == 1, and a bool p is refused
         else:
             return None
     return tuple(key)
@@ -54,8 +54,8 @@ def _draw_seed(name: str, device: torch.device, seed, eager: bool = True) -> tor
 
 
 class PreparedCall:
-    """One kind of call to one op: its checked `Call`, output shapes, the forward kernel's
-    launch and the backward's, by the kind of incoming gradient."""
+    """One call key of one op: its checked `Call`, output shapes, the forward kernel's
+    launch and the backward's, by backward key (`_backward_key`)."""
 
     __slots__ = ("op", "call", "_tensors", "_outputs", "_statistics_shape", "_launch", "_backwards", "_offered",
                  "_native_prepared", "_offered_backwards", "__weakref__")
@@ -94,8 +94,8 @@ class PreparedCall:
         return outputs, seed, statistics
 
     def offer_native(self, args: tuple) -> None:
-        """Hand this kind of call, once launched, to the op's eager call in C++ (runtime.native,
-        csrc/eager_call.cpp), which then takes the later calls of its kind. Offered once:
+        """Hand this call key, once launched, to the op's eager call in C++ (runtime.native,
+        csrc/eager_call.cpp), which then takes the later calls with this key. Offered once:
         a launch it cannot make (a broadcast view copied per call, scratch memory) stays here."""
         self._offered = True
         calls = self.op.native_calls()
@@ -121,9 +121,9 @@ class PreparedCall:
         return prepared(tensors, grads, seed, statistics, in_place)
 
     def offer_backward(self, needs, grads: tuple, tensors: tuple) -> None:
-        """After a backward of this kind of call (not in place) ran through Python, hand its
-        kind of incoming gradients to the C++ eager call, whose nodes then run the later
-        ones (csrc/eager_call.cpp). Offered once; one it cannot run stays in Python: a
+        """After a backward of this call key (not in place) ran through Python, hand its
+        backward key to the C++ eager call, whose nodes then run the later backwards with
+        that key (csrc/eager_call.cpp). Offered once; one it cannot run stays in Python: a
         gradient summed by torch, an output's gradient summed to a broadcast input."""
         if self._native_prepared is None or torch.is_grad_enabled():
             return
@@ -153,7 +153,7 @@ class PreparedCall:
 
 
 def _backward_key(needs, grads: tuple) -> tuple:
-    """A backward's kind: the gradients asked for and the incoming gradients' layout."""
+    """A backward's key: the gradients asked for and the incoming gradients' layout."""
     key = [tuple(needs)]
     for g in grads:
         key.append((g.shape, g.stride(), g.dtype, g.data_ptr() & 15))

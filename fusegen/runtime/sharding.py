@@ -124,7 +124,7 @@ _REGISTERED: set = set()  # the ops whose library ops carry DTensor rules
 
 @dataclass(frozen=True)
 class _ShardedCall:
-    """How one kind of DTensor call runs: its placements and its shard's place."""
+    """How the DTensor calls with one DTensor call key run: their placements and their shard's place."""
 
     mesh: object
     placements: tuple  # P: the output's, one per mesh dim
@@ -135,8 +135,8 @@ class _ShardedCall:
 
 
 def _sharded_call(op, tensors) -> _ShardedCall:
-    """A DTensor call worked out (placements, the shard's place), kept per kind of call
-    (shapes, placements, mesh): working it out anew took about a third of a DTensor call's
+    """A DTensor call worked out (placements, the shard's place), kept per DTensor call
+    key (shapes, placements, mesh): working it out anew took about a third of a DTensor call's
     host time."""
     from torch.distributed.tensor import DTensor
 

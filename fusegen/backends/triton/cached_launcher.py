@@ -17,7 +17,7 @@ bools by value; the constexprs by value; the current device. The grid function m
 depend only on those values and the config (the generated launchers' grids do).
 
 `launch` returns the `Binary` it ran: a caller that knows its next calls have the same key
-(launch.Launch, prepared once per kind of call) launches that directly, without the key.
+(launch.Launch, prepared once per call key) launches that directly, without the key.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ class Binary:
         slot in them takes: (function handle, grid, num_warps, num_ctas, shared memory,
         cooperative, pdl, params), each param as Triton's launcher passes it: (slot, 0) for a
         tensor's address, (-1, bits) for a fixed value packed as its type. None where that
-        launcher does more (scratch memory) or a param is of a kind it does not pack."""
+        launcher does more (scratch memory) or a param is of a type it does not pack."""
         run = self._compiled.run
         if self._launch is run:  # scratch memory: Triton's Python launcher allocates it
             return None
@@ -177,17 +177,17 @@ class Binary:
         if len(signature) != len(values):
             return None
         params = []
-        for position, (kind, value) in enumerate(zip(signature, values)):
-            if kind == "constexpr":
+        for position, (triton_type, value) in enumerate(zip(signature, values)):
+            if triton_type == "constexpr":
                 continue
-            if not isinstance(kind, str):  # a tuple: Triton flattens it; these kernels have none
+            if not isinstance(triton_type, str):  # a tuple: Triton flattens it; these kernels have none
                 return None
             if position in slots:
-                if not kind.startswith("*"):
+                if not triton_type.startswith("*"):
                     return None
                 params.append((slots[position], 0))
                 continue
-            bits = _packed(kind, value)
+            bits = _packed(triton_type, value)
             if bits is None:
                 return None
             params.append((-1, bits))
@@ -200,20 +200,20 @@ _INT_BITS = {"i1": 8, "i8": 8, "u1": 8, "u8": 8, "i16": 16, "u16": 16, "i32": 32
 _FLOAT_FORMATS = {"fp16": "<e", "fp32": "<f", "f32": "<f", "fp64": "<d"}
 
 
-def _packed(kind: str, value) -> int | None:
+def _packed(triton_type: str, value) -> int | None:
     """A fixed param's bits as Triton's launcher packs its type (triton/backends/nvidia/
-    driver.py: ty_to_cpp, pack_fp16/bf16/fp32/fp64); None for a kind it takes otherwise
+    driver.py: ty_to_cpp, pack_fp16/bf16/fp32/fp64); None for a type it takes otherwise
     (a pointer, a tensor descriptor) or a value that does not fit."""
     if type(value) not in (int, float, bool):
         return None
-    if kind in _INT_BITS:
+    if triton_type in _INT_BITS:
         if type(value) is float:
             return None
-        return int(value) & ((1 << _INT_BITS[kind]) - 1)
-    if kind == "bf16":  # Triton truncates the fp32 value
+        return int(value) & ((1 << _INT_BITS[triton_type]) - 1)
+    if triton_type == "bf16":  # Triton truncates the fp32 value
         bits = _packed("fp32", value)
         return None if bits is None else bits >> 16
-    layout = _FLOAT_FORMATS.get(kind)
+    layout = _FLOAT_FORMATS.get(triton_type)
     if layout is None:
         return None
     try:

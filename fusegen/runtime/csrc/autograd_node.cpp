@@ -5,7 +5,7 @@
 // (fresh tensors the forward kernel wrote), with an edge to each input and `saved` kept as
 // saved variables (version-checked, released after the backward, saved-tensor hooks
 // applied). Its backward first tries the C++ backward it was given (eager_call.cpp: a call
-// of a kind whose backward is registered), else calls the Python `backward(state, needs,
+// whose call key and backward key are registered), else calls the Python `backward(state, needs,
 // saved, grads)` once, with the GIL, and takes one gradient (or None) per input back. What
 // is gone is the Python Function's context object, its argument processing and its
 // wrapping of outputs and saved tensors.

@@ -1,18 +1,19 @@
-// fusegen's eager call in C++: a generated op's forward and backward, for kinds of call it
+// fusegen's eager call in C++: a generated op's forward and backward, for the call keys it
 // has seen.
 //
-// The first call of each kind (shapes, strides, dtypes, device, 16-byte alignment, params)
+// The first call with each call key (shapes, strides, dtypes, device, 16-byte alignment, params)
 // takes the Python path (fusegen.runtime.op): it checks the arguments, tunes and compiles
-// the kernel, and then registers the kind here (PreparedCall.offer_native): the outputs to
+// the kernel, and then registers the call key here (PreparedCall.offer_native): the outputs to
 // allocate and the kernel's launch, each parameter as Triton's own launcher passes it. A
-// later call of that kind is keyed, allocated, launched (cuLaunchKernelEx) and given its
+// later call with that key is keyed, allocated, launched (cuLaunchKernelEx) and given its
 // autograd node (autograd_node.cpp) here, without running Python; one with dropout takes
 // the next seed of the device's batch (take_seed: the batches are this file's, and Python's
-// eager calls take their seeds here too; Python checks an explicit seed). Likewise the first backward of each kind of incoming gradients
-// registers its launch and where each gradient comes from (PreparedCall.offer_backward,
-// after the Python backward ran), and later ones run in the node.
+// eager calls take their seeds here too; Python checks an explicit seed). Likewise the first backward
+// with each backward key (the gradients asked for, the incoming gradients' layout) registers its
+// launch and where each gradient comes from (PreparedCall.offer_backward, after the Python
+// backward ran), and later ones run in the node.
 // Anything else returns None before doing anything, and the caller takes the Python path:
-// a kind not registered, a tensor subclass or wrapper, a torch.func transform, a dispatch
+// a call key not registered, a tensor subclass or wrapper, a torch.func transform, a dispatch
 // mode, torch.jit.trace, compiled autograd, forward-mode AD (Python calls in here only
 // outside forward_ad.dual_level; with gradients on a tangent is checked here too), an explicit seed without
 // dropout (Python checks it), a Triton launch hook (profilers), another device.
@@ -103,7 +104,7 @@ void check(CUresult result, const char* what) {
   }
 }
 
-// -- a registered kind of call ---------------------------------------------------------
+// -- a registered call key -------------------------------------------------------------
 
 // One kernel parameter as Triton's launcher passes it: the address of values[slot] (a
 // tensor per call; null for None), or fixed bits packed as the parameter's type (little
@@ -158,7 +159,8 @@ struct Source {
   int index = 0;  // the kernel's target, the output whose gradient passes through, the earlier input
 };
 
-// The backward of one kind of call for one kind of incoming gradients.
+// The backward of one call key for one backward key (the gradients asked for, the incoming
+// gradients' layout).
 struct PreparedBackward {
   bool launches = false;  // any gradient the kernel's
   Launch launch;  // values: *inputs, *grads, *buffers (one per target), statistics, seed
@@ -176,7 +178,7 @@ struct Hooks {
   std::atomic<uint64_t> backward_hits{0};  // backwards run here (for tests)
 };
 
-// The C++ half of a runtime.prepared.PreparedCall: one kind of call, ready to launch.
+// The C++ half of a runtime.prepared.PreparedCall: one call key's launch, ready to go.
 struct Prepared {
   int device = 0;
   std::vector<Buffer> outputs;
@@ -196,7 +198,7 @@ struct Prepared {
 constexpr size_t kCacheSize = 1024;  // as the Python path's (runtime.prepared.CACHE_SIZE)
 constexpr size_t kMaxParams = 128;
 
-// One op's registered kinds of call, and what its calls need from Python.
+// One op's registered call keys, and what its calls need from Python.
 struct FUSEGEN_HIDDEN Calls {
   Py_ssize_t inputs = 0;        // tensor arguments, first
   Py_ssize_t arguments = 0;     // all positional arguments
@@ -531,7 +533,7 @@ bool current_stream(const Hooks& hooks, int device, CUstream& stream) {
   return true;
 }
 
-// A call's backward without Python, where its kind of incoming gradients is registered.
+// A call's backward without Python, where its backward key is registered.
 struct FUSEGEN_HIDDEN PreparedNode : fusegen::FastBackward {
   PreparedNode(std::shared_ptr<Prepared> call, at::Tensor seed) : prepared_(std::move(call)), seed_(std::move(seed)) {}
 
@@ -770,7 +772,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
 }
 
 PyMethodDef kCallDef = {"eager_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(eager_call)),
-                        METH_FASTCALL, "A fusegen op's call of a registered kind, or None (see eager_call.cpp)."};
+                        METH_FASTCALL, "A fusegen op's call with a registered call key, or None (see eager_call.cpp)."};
 
 void release(PyObject* capsule) {
   Calls* calls = calls_of(capsule);
@@ -863,7 +865,7 @@ struct PlanRef {
   std::weak_ptr<Prepared> call;
 };
 
-// Registers the kind of `args`: outputs [(shape, dtype)], statistics (shape, dtype) or None, the
+// Registers the call key of `args`: outputs [(shape, dtype)], statistics (shape, dtype) or None, the
 // launch (launch_of), the PreparedCall and the seed drawer or None. Returns the call's
 // handle, or None where `args` is not a call this path would take.
 pybind11::object register_call(const pybind11::object& function, const pybind11::tuple& args, int device,
@@ -1001,14 +1003,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return fusegen::attach(std::move(backward), std::move(state), std::move(name), inputs, outputs, saved);
       },
       "Put a fusegen autograd node behind `outputs` (autograd_node.cpp).");
-  pybind11::class_<PlanRef>(m, "PlanRef", "A registered kind of call, held weakly (eager_call.cpp).");
+  pybind11::class_<PlanRef>(m, "PlanRef", "A registered call key's Prepared, held weakly (eager_call.cpp).");
   m.def("new_calls", &new_calls, "A new op's eager call (see eager_call.cpp's head).");
-  m.def("register_call", &register_call, "Register the kind of call `args` is (see eager_call.cpp).");
-  m.def("register_backward", &register_backward, "Register a backward of a registered kind of call.");
+  m.def("register_call", &register_call, "Register the call key of `args` (see eager_call.cpp).");
+  m.def("register_backward", &register_backward, "Register a backward of a registered call key.");
   m.def("call_key", &call_key, "The key of a call, or None (for tests).");
   m.def("configure_seeds", &configure_seeds, "Seeds per batch and their exclusive bound (runtime.dropout's).");
   m.def("take_seed", [](int device) { return pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(next_seed(device))); },
         "The device's next eager seed, a one-element int64 tensor (see eager_call.cpp's eager seeds).");
   m.def("standing_seeds", &standing_seeds, "(batch, seeds taken) of the device's standing batch, or None (for tests).");
-  m.def("counts", &counts, "(kinds registered, forward calls taken, backwards taken, seeds taken) of an op's eager call.");
+  m.def("counts", &counts, "(call keys registered, forward calls taken, backwards taken, seeds taken) of an op's eager call.");
 }

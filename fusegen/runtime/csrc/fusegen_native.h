@@ -20,8 +20,8 @@
 
 namespace fusegen {
 
-// A backward the node may run without Python (eager_call.cpp's, for a call of a registered
-// kind): true with one gradient per input in `out` (undefined where not needed), or false,
+// A backward the node may run without Python (eager_call.cpp's, for a call with a registered
+// call key): true with one gradient per input in `out` (undefined where not needed), or false,
 // touching nothing: the Python backward then runs.
 struct FUSEGEN_HIDDEN FastBackward {
   virtual ~FastBackward() = default;
