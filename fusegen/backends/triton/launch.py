@@ -2,7 +2,7 @@
 
 `_Bound` names each value it passes (an input's pointer and strides, an output's pointer,
 M, N, the params, the seed, the flags...) by the kernel parameter it is for, and orders
-them by name, from the kernel's own signature (`arg_names`), once per kind of call: the
+them by name, from the kernel's own signature (`arg_names`), once per call key: the
 order has one owner, the kernel text. The names come from naming.py, as the kernel text
 writes them: its constants (M, SEED, HAS_DROPOUT...) and, for what a spec names,
 ParameterNames (WANTED, and the generated module's `renamed` where a clash made the namer
@@ -145,13 +145,13 @@ class Zeroed:
 
 
 class Launch:
-    """One kernel's launch for one kind of call (shapes, strides, dtypes, params, alignment),
+    """One kernel's launch for one call key (shapes, strides, dtypes, params, alignment),
     worked out once: the argument list with a `Slot` for each tensor that changes from call
     to call, the grid, and after the first launch the binary itself. `launch(values)` fills
     the slots and launches; it holds no tensor between calls.
 
     Launching the remembered binary directly is safe because everything its key depends on
-    is fixed by the kind of call, except the alignment of tensors allocated per call
+    is fixed by the call key, except the alignment of tensors allocated per call
     (outputs, gradient buffers, copies, seeds), which torch's allocator and the seed batches
     keep 16-byte aligned."""
 
@@ -190,7 +190,7 @@ class Launch:
         binary = self._binary
         if binary is not None and torch._C._cuda_getDevice() == binary.device and not hooks_active():
             # Addresses, not tensors: Triton's C launcher then skips asking the driver about
-            # each pointer (the devices were checked when this kind of call was prepared).
+            # each pointer (the devices were checked when this call key was prepared).
             for position, i in self._slots:
                 value = values[i]
                 args[position] = None if value is None else value.data_ptr()
@@ -241,9 +241,9 @@ def _sum_partials(target: GradTarget) -> Launch | None:
 
 
 class PreparedBackward:
-    """The backward kernel's launch for one kind of call, and where it writes each gradient:
-    `prepared(tensors, grads, seed, statistics)` gives the gradients of the inputs it was
-    prepared for, in input order.
+    """The backward kernel's launch for one call key and backward key, and where it writes
+    each gradient: `prepared(tensors, grads, seed, statistics)` gives the gradients of the
+    inputs it was prepared for, in input order.
 
     `in_place`: an input's gradient may be written into the input's own memory (the
     generated ops' inplace_backward=True), where that is safe for this call: its gradient
@@ -393,7 +393,7 @@ class _Bound:
         prepared = self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program, traced)
         return prepared(tensors, grads, seed, statistics)
 
-    # -- preparing: once per kind of call ------------------------------------------------
+    # -- preparing: once per call key ------------------------------------------------------
 
     @staticmethod
     def _views(problem, tensors, chunks, values, names, traced: bool = False):
