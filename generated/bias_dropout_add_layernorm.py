@@ -179,7 +179,9 @@ def bias_dropout_add_layernorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
+@tuning.autotune(
+    row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
+)
 @triton.jit
 def bias_dropout_add_layernorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]

@@ -154,7 +154,9 @@ def layernorm_dropout_add_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])
+@tuning.autotune(
+    row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
+)
 @triton.jit
 def layernorm_dropout_add_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]

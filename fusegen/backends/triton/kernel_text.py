@@ -42,6 +42,11 @@ class KernelText:
     space: str  # the kernel's tuning.Space, as the module names it
     pre_hook: list[str] = field(default_factory=list)  # the autotuner's pre_hook argument, with its comment
 
+    @property
+    def autotune_on_one_line(self) -> bool:
+        """Whether `@tuning.autotune(space, key=...)` fits in 100 columns (else one argument line)."""
+        return not self.pre_hook and len(f"@tuning.autotune({self.space}, key={self.key})") <= 100
+
 
 @dataclass(frozen=True)
 class TritonKind:

@@ -104,7 +104,7 @@ class _BoundRows(_Bound):
             block_n = tile[1]
         else:  # as the forward's, for the tiles the backward loads (a [..., 1] gradient: never split)
             tiles = len(self._reads) + len(self.op.outputs)
-            narrow = any(t.is_floating_point() and t.element_size() < 4 for t in (*tensors, *grads))
+            narrow = any(t is not None and t.is_floating_point() and t.element_size() < 4 for t in (*tensors, *grads))
             per_row = any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row))
             block_n, splits = row_tuning.row_backward_layout(n, m, problem.device, tiles, narrow or per_row)
         summed = self._sums_over_rows(problem, tensors, needs)
