@@ -45,7 +45,7 @@ def test_a_split_row_computes_what_one_tile_does(op, layout, device):
     """fp64 inputs (the split sums in another order: a few ulps), every library row op: the
     outputs, and the statistics the backward reads, against one tile's; float8 outputs alike
     bit for bit (their scale's rounding never meets a float8 step at fp64)."""
-    tensors = make_inputs(op, ShapeCase("split", (5,), 37), dtype=torch.float64, device=device, seed=4)
+    tensors = make_inputs(op, ShapeCase("split", (3,), 37), dtype=torch.float64, device=device, seed=4)
     params = params_for(op, p=0.3)
     outputs, statistics = _forward(op, tensors, params, layout, device)
     want, want_statistics = _forward(op, tensors, params, ONE_TILE, device)
