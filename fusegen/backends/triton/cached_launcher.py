@@ -62,8 +62,6 @@ class CachedLauncher:
         self._entries: dict[tuple, tuple] = {}
         jit = kernel.fn
         self._arg_names = jit.arg_names
-        # Parameters left to their defaults (a row forward's SHARES): compiled with those values.
-        self._defaults = {p.name: p.default for p in getattr(jit, "params", ()) if p.has_default}
         # The interpreter's functions have no binary, hence no specialization to mirror.
         unspecialized = set() if self._interpreting else {
             name if isinstance(name, str) else jit.arg_names[name] for name in jit.do_not_specialize
@@ -110,7 +108,7 @@ class CachedLauncher:
         """The binary, grid and trailing constexprs of the call Triton just made."""
         if hasattr(compiled, "result"):  # an asynchronous compile's future
             compiled = compiled.result()
-        named = {**self._defaults, **dict(zip(self._arg_names, args)), **constexprs, **self.kernel.best_config.kwargs}
+        named = {**dict(zip(self._arg_names, args)), **constexprs, **self.kernel.best_config.kwargs}
         trailing = self._arg_names[len(args):]
         if compiled is None or any(name not in named for name in trailing):
             return None  # e.g. a parameter left to its default: keep Triton's path

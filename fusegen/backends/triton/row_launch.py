@@ -39,13 +39,12 @@ class _BoundRows(_Bound):
         if _launches(call.problem, traced):
             self.prepare_forward(call, tensors, tile, traced, splits)((*tensors, *outputs, statistics, seed))
 
-    def _exchange(self, problem, groups: int, splits: int) -> Zeroed | None:
-        """A split row's exchange (kernel_lib.split_program): a ticket, a counter per row group,
-        two rounds of shares per row; kernel_lib finds the shares past M + 1 counters."""
+    def _exchange(self, problem, splits: int) -> Zeroed | None:
+        """A split row's exchange (kernel_lib.split_program): a ticket, a counter per row group
+        (at most M groups), two rounds of shares per row; the shares start past M + 1 counters."""
         if splits == 1:
             return None
         m = problem.m
-        assert groups <= m
         return Zeroed(m + 1 + 2 * m * self.shares * splits, problem.compute_dtype, problem.device)
 
     def _statistics_buffer(self, problem) -> torch.Tensor:
@@ -74,7 +73,7 @@ class _BoundRows(_Bound):
         # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
         args[BLOCK_N], args[SPLITS], args[ONE_TILE] = block_n, splits, bool(block_n * splits >= n)
         args[SHARES] = self.shares
-        args[EXCHANGE] = self._exchange(problem, m, splits)
+        args[EXCHANGE] = self._exchange(problem, splits)
         args = self._signatures[0].ordered(args)
         if tile is not None:
             return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]) * splits,), args, copies,
@@ -120,7 +119,7 @@ class _BoundRows(_Bound):
         args, copies = self._backward_args(call, tensors, grads, targets, traced)
         args[ROWS_PER_PROGRAM], args[BLOCK_N], args[ONE_TILE] = rows, block_n, bool(block_n * splits >= n)
         args[SPLITS], args[SHARES] = splits, self.shares
-        args[EXCHANGE] = self._exchange(problem, tuning.cdiv(m, rows), splits)
+        args[EXCHANGE] = self._exchange(problem, splits)
         args = self._signatures[1].ordered(args)
         grid = (tuning.cdiv(m, rows) * splits,)
         if tile is not None:
