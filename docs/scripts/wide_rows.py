@@ -17,6 +17,8 @@ import argparse
 parser = argparse.ArgumentParser()
 parser.add_argument("--ops", default=None)
 parser.add_argument("--old", default=None, help="a folder of generated modules to A/B against")
+parser.add_argument("--old-looped-backward", action="store_true",
+                    help="the --old modules' backwards take the loop along the row (no row_tuning.SPLIT_BACKWARD)")
 parser.add_argument("--shapes", default=None, help="only these, e.g. float32:1024x65536,bfloat16:1024x131072")
 parser.add_argument("--json", default=None)
 parser.add_argument("--old-looped", action="store_true",
@@ -64,14 +66,16 @@ for name, dtype, m, n in CASES:
         # --old-looped: the old copy's calls are prepared (so their layouts chosen) with no split.
         layout = row_tuning.row_forward_layout
         if tag == "old" and options.old_looped:
-            row_tuning.row_forward_layout = lambda n, m, device: (row_tuning.row_block_n(n), 1)
+            row_tuning.row_forward_layout = lambda n, *rest, **keywords: (row_tuning.row_block_n(n), 1)
+        split_backward = row_tuning.SPLIT_BACKWARD
+        row_tuning.SPLIT_BACKWARD = split_backward and not (tag == "old" and options.old_looped_backward)
         try:
             with torch.no_grad():
                 got = fn(*inputs)
             r[tag + "_err"] = ((got.double() - want).abs().max() / want.abs().max()).item()
             r[tag] = bench(fn, inputs, grad)
         finally:
-            row_tuning.row_forward_layout = layout
+            row_tuning.row_forward_layout, row_tuning.SPLIT_BACKWARD = layout, split_backward
     torch._dynamo.reset()
     try:
         r["compile"] = bench(torch.compile(EAGER[name]), inputs, grad)

@@ -64,16 +64,18 @@ SPLIT_VALUES = 65536  # a part's width times the tiles a program loads, at most
 SPLIT_PROGRAMS = 512  # at least this many programs in all (few rows): narrower parts
 
 
-def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = False) -> tuple[int, int]:
+def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = False,
+                       values: int = SPLIT_VALUES) -> tuple[int, int]:
     """(BLOCK_N, SPLITS) for a row forward: the whole row in one tile, split into SPLITS parts
     of BLOCK_N columns, or (SPLITS = 1, BLOCK_N < N) looped along the row. `tiles`: the [..., N]
-    inputs a program loads; `narrow`: some input is 16-bit (not split, as measured above)."""
+    inputs a program loads; `narrow`: some input is 16-bit (not split, as measured above);
+    `values`: a program's tiles hold at most this many values."""
     block_n = row_block_n(n)
     if block_n >= size_hint(n) or is_interpreting() or narrow:
         return block_n, 1
     n, m = size_hint(n), m_bucket(m)  # by what tuning keys on: one layout a tuned key
     low, high = SPLIT_PART
-    high = max(low, min(high, triton.next_power_of_2(SPLIT_VALUES // max(tiles, 1) + 1) // 2))
+    high = max(low, min(high, triton.next_power_of_2(values // max(tiles, 1) + 1) // 2))
     part = min(high, max(low, triton.next_power_of_2(cdiv(n, SPLIT_PARTS))))
     while part > low and m * cdiv(n, part) < SPLIT_PROGRAMS:
         part //= 2
@@ -83,18 +85,23 @@ def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = Fa
     return part, splits
 
 
-# The backward's split is built and CPU-tested, but not yet measured on a GPU: it stays off
-# until it is (a split part holds the incoming gradient's tile and the input's, and more).
-SPLIT_BACKWARD = False
+# The backward splits as the forward, with fewer values a program (it holds the incoming
+# gradient's tile and the input's, and more). H100, split against looped, ms forward+backward
+# (forward split in both): fp32 (1024, 65536) softmax 0.520 / 0.722, log_softmax 0.497 /
+# 0.583, rmsnorm 0.562 / 0.728, layernorm 0.689 / 0.875 (8192-wide parts); fp32 (256, 262144)
+# softmax 0.736 / 1.298, log_softmax 0.593 / 0.976, rmsnorm 0.691 / 1.310 (16384-wide, three
+# tiles), layernorm 1.482 / 1.791 (16384-wide with four tiles: hence SPLIT_VALUES_BACKWARD).
+SPLIT_BACKWARD = True
+SPLIT_VALUES_BACKWARD = 49152
 
 
 def row_backward_layout(n: int, m: int, device, tiles: int = 2, narrow: bool = False) -> tuple[int, int]:
-    """(BLOCK_N, SPLITS) for a row backward, as row_forward_layout's (SPLITS = 1 while
+    """(BLOCK_N, SPLITS) for a row backward, as row_forward_layout's (SPLITS = 1 where
     SPLIT_BACKWARD is off)."""
     block_n = row_block_n(n, backward=True)
     if not SPLIT_BACKWARD or block_n >= size_hint(n) or is_interpreting() or narrow:
         return block_n, 1
-    part, splits = row_forward_layout(n, m, device, tiles, narrow)
+    part, splits = row_forward_layout(n, m, device, tiles, narrow, SPLIT_VALUES_BACKWARD)
     return (part, splits) if splits > 1 else (block_n, 1)
 
 
