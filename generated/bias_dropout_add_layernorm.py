@@ -44,7 +44,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["bias_dropout_add_layernorm", "BiasDropoutAddLayernorm", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "HAS_DROPOUT"])
 @triton.jit
 def bias_dropout_add_layernorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -180,7 +180,8 @@ def bias_dropout_add_layernorm_kernel(
 
 
 @tuning.autotune(
-    row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
+    row_tuning.ROW_BACKWARD,
+    key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
 )
 @triton.jit
 def bias_dropout_add_layernorm_backward_kernel(

@@ -35,7 +35,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["bias_layernorm", "BiasLayernorm", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "SPLITS"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "BLOCK_N", "SPLITS"])
 @triton.jit
 def bias_layernorm_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -120,7 +120,10 @@ def bias_layernorm_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "ROWS_PER_PROGRAM"])
+@tuning.autotune(
+    row_tuning.ROW_BACKWARD,
+    key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "ROWS_PER_PROGRAM"],
+)
 @triton.jit
 def bias_layernorm_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]

@@ -41,7 +41,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["cross_entropy", "CrossEntropy", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "SPLITS"])
+@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "BLOCK_N", "SPLITS"])
 @triton.jit
 def cross_entropy_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -202,7 +202,10 @@ def cross_entropy_kernel(
         )
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "ROWS_PER_PROGRAM"])
+@tuning.autotune(
+    row_tuning.ROW_BACKWARD,
+    key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "ROWS_PER_PROGRAM"],
+)
 @triton.jit
 def cross_entropy_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]

@@ -45,7 +45,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["layernorm_dropout_add", "LayernormDropoutAdd", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "HAS_DROPOUT"])
 @triton.jit
 def layernorm_dropout_add_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -155,7 +155,8 @@ def layernorm_dropout_add_kernel(
 
 
 @tuning.autotune(
-    row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
+    row_tuning.ROW_BACKWARD,
+    key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
 )
 @triton.jit
 def layernorm_dropout_add_backward_kernel(

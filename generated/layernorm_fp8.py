@@ -32,7 +32,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["layernorm_fp8", "LayernormFp8", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "SPLITS"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "BLOCK_N", "SPLITS"])
 @triton.jit
 def layernorm_fp8_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]

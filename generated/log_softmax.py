@@ -35,7 +35,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["log_softmax", "LogSoftmax", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "SPLITS"])
+@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "BLOCK_N", "SPLITS"])
 @triton.jit
 def log_softmax_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -117,7 +117,10 @@ def log_softmax_kernel(
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
-@tuning.autotune(row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "ROWS_PER_PROGRAM"])
+@tuning.autotune(
+    row_tuning.ROW_BACKWARD,
+    key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "ROWS_PER_PROGRAM"],
+)
 @triton.jit
 def log_softmax_backward_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]

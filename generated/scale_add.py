@@ -58,7 +58,8 @@ def scale_add_kernel(
 
 
 @tuning.autotune(
-    tuning.BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
+    tuning.BACKWARD,
+    key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"],
     # Row sums land one row per column tile, and tile widths differ between configs: every
     # trial, and the launch after tuning, starts from zeros.
     pre_hook=tuning.zero_before_trials("grad_scale_ptr"),

@@ -43,7 +43,10 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["scaled_masked_softmax_dropout", "ScaledMaskedSoftmaxDropout", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD_ONLINE, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT"])
+@tuning.autotune(
+    row_tuning.ROW_FORWARD_ONLINE,
+    key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "HAS_DROPOUT"],
+)
 @triton.jit
 def scaled_masked_softmax_dropout_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., N], as [M, N]
@@ -163,7 +166,8 @@ def scaled_masked_softmax_dropout_kernel(
 
 
 @tuning.autotune(
-    row_tuning.ROW_BACKWARD, key=["M_BUCKET", "N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
+    row_tuning.ROW_BACKWARD,
+    key=["M_BUCKET", "N", "BLOCK_N", "SPLITS", "HAS_DROPOUT", "ROWS_PER_PROGRAM"],
 )
 @triton.jit
 def scaled_masked_softmax_dropout_backward_kernel(

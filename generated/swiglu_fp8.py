@@ -32,7 +32,7 @@ from fusegen.backends.triton.kernel_lib import (
 __all__ = ["swiglu_fp8", "SwigluFp8", "reference", "eager"]
 
 
-@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "SPLITS"])
+@tuning.autotune(row_tuning.ROW_FORWARD, key=["M_BUCKET", "N", "BLOCK_N", "SPLITS"])
 @triton.jit
 def swiglu_fp8_kernel(
     x_ptr, x_stride_m, x_stride_n,  # x [..., 2N], as [M, 2 * N]

@@ -92,6 +92,27 @@ def test_the_split_layout_is_chosen_by_width_and_the_gpus_size(monkeypatch):
     assert layout(262144, 4, None) == (row_tuning.ROW_STEP, 1)
 
 
+def test_the_backward_and_16_bit_rows_take_their_layouts_by_the_values_a_program_holds(monkeypatch):
+    """A 16-bit row up to 32768 wide is one tile where a program's tiles hold at most 32768
+    values forward, 65536 backward; wider, or with more tiles, the loop. The backward splits as
+    the forward with at most 49152 values a program, and never where a gradient is one value a
+    row (not `splittable`)."""
+    monkeypatch.setattr(row_tuning, "is_interpreting", lambda: False)
+    monkeypatch.setattr(row_tuning, "_multiprocessors", lambda device: 132)
+    forward, backward = row_tuning.row_forward_layout, row_tuning.row_backward_layout
+    assert forward(32000, 16384, None, tiles=1, narrow=True) == (32768, 1)  # softmax, cross-entropy
+    assert forward(32768, 4096, None, tiles=2, narrow=True) == (row_tuning.ROW_STEP, 1)  # rmsnorm's weight too
+    assert forward(65536, 4096, None, tiles=1, narrow=True) == (row_tuning.ROW_STEP, 1)
+    assert backward(32768, 4096, None, tiles=2, narrow=True) == (32768, 1)
+    assert backward(32768, 4096, None, tiles=3, narrow=True) == (row_tuning.ROW_STEP_BACKWARD, 1)
+    assert backward(65536, 1024, None, tiles=3) == (8192, 8)
+    assert backward(262144, 256, None, tiles=3) == (16384, 16)
+    assert backward(262144, 256, None, tiles=4) == (8192, 32)  # four tiles: narrower parts
+    assert backward(65536, 1024, None, tiles=3, splittable=False) == (row_tuning.ROW_STEP_BACKWARD, 1)
+    monkeypatch.setattr(row_tuning, "SPLIT_BACKWARD", False)
+    assert backward(65536, 1024, None, tiles=3) == (row_tuning.ROW_STEP_BACKWARD, 1)
+
+
 def _backward(op, tensors, params, grads, layout, device):
     fused = op.module._OP
     call = call_of(op, tensors, params, training=True, seed=9)

@@ -44,7 +44,7 @@ class KernelText:
 
     @property
     def autotune_on_one_line(self) -> bool:
-        """Whether `@tuning.autotune(space, key=...)` fits in 100 columns (else one argument line)."""
+        """Whether `@tuning.autotune(space, key=...)` fits in 100 columns (else an argument a line)."""
         return not self.pre_hook and len(f"@tuning.autotune({self.space}, key={self.key})") <= 100
 
 

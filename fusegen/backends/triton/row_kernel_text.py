@@ -100,7 +100,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         "else:",
         *_indent(program.looped(stores, [], [], per_row=set(plan.row_outputs) >= {n for n, _ in plan.outputs})),
     ]
-    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=(naming.SPLITS,)), arguments, lines,
+    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=(naming.BLOCK_N, naming.SPLITS)), arguments, lines,
                       "row_tuning.ROW_FORWARD_ONLINE" if program.online else "row_tuning.ROW_FORWARD")
 
 
@@ -159,7 +159,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         "else:",
         *_indent(looped),
     ]
-    return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True, layout=(naming.SPLITS,)), arguments,
+    return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True, layout=(naming.BLOCK_N, naming.SPLITS)), arguments,
                       lines,
                       "row_tuning.ROW_BACKWARD")
 

@@ -48,6 +48,21 @@ def row_block_n(n: int, backward: bool = False) -> int:
     return ROW_STEP_BACKWARD if backward else ROW_STEP
 
 
+# A 16-bit row up to ONE_TILE_NARROW wide is one tile where the program's tiles (its [..., N]
+# inputs, the backward's outputs too) hold few enough values; wider tiles spill. H100, bf16
+# (4096, 32768), one tile against looped, ms: softmax forward 0.201 / 0.242, log_softmax 0.205
+# / 0.219, rmsnorm (two tiles) 0.197 / 0.194, layernorm (three) 0.392 / looped; forward+
+# backward softmax 0.517 / 0.666, log_softmax 0.489 / 0.577.
+ONE_TILE_NARROW = 32768
+ONE_TILE_NARROW_VALUES = 32768  # a forward program's tiles, at most
+ONE_TILE_NARROW_VALUES_BACKWARD = 65536
+
+
+def _narrow_one_tile(n: int, tiles: int, values: int) -> bool:
+    width = triton.next_power_of_2(size_hint(n))
+    return not is_interpreting() and ONE_TILE_LIMIT < width <= ONE_TILE_NARROW and width * tiles <= values
+
+
 # A forward row wider than ONE_TILE_LIMIT is split across programs that each hold one part of
 # it in registers (kernel_lib.split_program: the row read once, as one tile is) where the GPU
 # can hold a row group's programs at once; else looped. About eight parts a row did best
@@ -71,6 +86,8 @@ def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = Fa
     inputs a program loads; `narrow`: some input is 16-bit (not split, as measured above);
     `values`: a program's tiles hold at most this many values."""
     block_n = row_block_n(n)
+    if narrow and _narrow_one_tile(n, tiles, ONE_TILE_NARROW_VALUES):
+        return triton.next_power_of_2(size_hint(n)), 1
     if block_n >= size_hint(n) or is_interpreting() or narrow:
         return block_n, 1
     n, m = size_hint(n), m_bucket(m)  # by what tuning keys on: one layout a tuned key
@@ -89,17 +106,21 @@ def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = Fa
 # gradient's tile and the input's, and more). H100, split against looped, ms forward+backward
 # (forward split in both): fp32 (1024, 65536) softmax 0.520 / 0.722, log_softmax 0.497 /
 # 0.583, rmsnorm 0.562 / 0.728, layernorm 0.689 / 0.875 (8192-wide parts); fp32 (256, 262144)
-# softmax 0.736 / 1.298, log_softmax 0.593 / 0.976, rmsnorm 0.691 / 1.310 (16384-wide, three
-# tiles), layernorm 1.482 / 1.791 (16384-wide with four tiles: hence SPLIT_VALUES_BACKWARD).
+# softmax 0.542 / 1.299 (16384-wide parts; 0.736 at 32768: hence SPLIT_VALUES_BACKWARD),
+# rmsnorm 0.692 / 1.311, but layernorm 1.481 / 1.788 (the same layout as rmsnorm's, three
+# tiles: not yet explained; torch.compile 0.876).
 SPLIT_BACKWARD = True
 SPLIT_VALUES_BACKWARD = 49152
 
 
-def row_backward_layout(n: int, m: int, device, tiles: int = 2, narrow: bool = False) -> tuple[int, int]:
+def row_backward_layout(n: int, m: int, device, tiles: int = 2, narrow: bool = False,
+                        splittable: bool = True) -> tuple[int, int]:
     """(BLOCK_N, SPLITS) for a row backward, as row_forward_layout's (SPLITS = 1 where
-    SPLIT_BACKWARD is off)."""
+    SPLIT_BACKWARD is off, or where not `splittable`: some gradient is one value a row)."""
     block_n = row_block_n(n, backward=True)
-    if not SPLIT_BACKWARD or block_n >= size_hint(n) or is_interpreting() or narrow:
+    if narrow and _narrow_one_tile(n, tiles, ONE_TILE_NARROW_VALUES_BACKWARD):
+        return triton.next_power_of_2(size_hint(n)), 1
+    if not (SPLIT_BACKWARD and splittable) or block_n >= size_hint(n) or is_interpreting() or narrow:
         return block_n, 1
     part, splits = row_forward_layout(n, m, device, tiles, narrow, SPLIT_VALUES_BACKWARD)
     return (part, splits) if splits > 1 else (block_n, 1)
