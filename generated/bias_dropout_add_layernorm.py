@@ -16,10 +16,10 @@ Param p: float in [0.0, 1.0], default 0.1 (runtime: no recompilation).
 training=False, or every dropout p == 0, takes a kernel with no random numbers.
 seed=None draws the dropout seed from torch's default generator (torch.manual_seed).
 
-The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward) is loaded
-once and reduced in registers; a wider float32 row's forward is split across programs that
-each hold a part and combine their reductions, and other wide rows are swept once per level
-of nested reductions.
+The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward; a 16-bit
+row to 32768 where few tiles are loaded) is loaded once and reduced in registers; a wider
+float32 row is split across programs that each hold a part and combine their reductions, and
+other wide rows are swept once per level of nested reductions.
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
 per-row statistics, draws the dropout masks again from the seed and writes every input
 gradient in one pass. Saved for it: the inputs, the seed tensor and each row's statistics
