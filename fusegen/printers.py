@@ -41,8 +41,12 @@ class ElementwisePrinter(CodePrinter):
     where = sqrt = rsqrt = power = ""
     column = ""  # the element's index along the row (the language's `col`)
 
-    def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset()):
+    def __init__(self, helpers: dict | None = None, choices: dict | None = None, row_values=frozenset(),
+                 scalars=frozenset()):
         super().__init__()
+        # The params, by name: one number per call. A where whose condition reads only these
+        # takes one side for the whole call (`choose`, `decided_once`).
+        self.scalars = frozenset(scalars)
         # A row kernel's row values (reductions and what is built from them, by name): a sum
         # subtracts them last, as torch's s - max(s) does, so that the backward's exp(mask - max
         # + x) is exp((mask + x) - max), <= 0 exactly as in the forward, not rounded past 0.
@@ -231,6 +235,11 @@ class ElementwisePrinter(CodePrinter):
         may compute only the side taken: TritonPrinter)."""
         return f"{self.where}({self._print(cond)}, {self._print(if_true)}, {false_text})"
 
+    def decided_once(self, cond) -> bool:
+        """A condition of params (and numbers) alone: the same for every element of a call."""
+        names = {symbol.name for symbol in cond.free_symbols}
+        return bool(names) and names <= self.scalars
+
     def _print_Max(self, expr):
         return self._fold(expr.args, self.maximum)
 
@@ -325,6 +334,13 @@ class TorchPrinter(ElementwisePrinter):
 
     def converted(self, value):
         return f"{value}.to(problem.compute_dtype)"
+
+    def choose(self, cond, if_true, if_false, false_text):
+        # Decided by params (0-d tensors here): torch.where, differentiated along the side taken
+        # only, as the kernels compute only that side (runtime.reference says why).
+        if self.decided_once(cond):
+            return f"runtime.decided_where({self._print(cond)}, {self._print(if_true)}, {false_text})"
+        return super().choose(cond, if_true, if_false, false_text)
 
     def maximum(self, a, b):
         return f"torch.clamp_min({a}, {b})" if _is_number_text(b) else f"torch.maximum({a}, {b})"

@@ -319,8 +319,9 @@ def cross_entropy_backward_kernel(
 
 def _reference(problem, x, target, ignore_index, label_smoothing, z_loss, softcap):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
-    t1 = torch.where(
-        softcap > 0, torch.tanh(x * torch.where(softcap > 0, 1.0 / softcap, 1.0)) * softcap, x
+    t1 = runtime.decided_where(
+        softcap > 0,
+        torch.tanh(x * runtime.decided_where(softcap > 0, 1.0 / softcap, 1.0)) * softcap, x,
     )
     max0 = torch.amax(t1, dim=-1, keepdim=True)
     sum2 = torch.sum(

@@ -87,6 +87,46 @@ def test_wheres_decided_by_params_take_one_side(ops, name, c, device):
         torch.testing.assert_close(g_, w.float(), rtol=1e-5, atol=1e-6, msg=f"result {index}")
 
 
+@pytest.mark.parametrize("c", [0.0, 2.0, -3.0])
+@pytest.mark.parametrize("name", ["branches", "branches_rows"])
+def test_the_reference_and_torch_func_differentiate_the_side_taken(ops, name, c, device):
+    """The reference (the oracle, and what the op runs under torch.func) differentiates only
+    the side a param's where takes: at c = 0, x / c on the other side would send 0 * inf = NaN
+    back through torch.where. Gradients (autograd, torch.func.grad and vjp) and tangents (jvp)
+    as float64 torch computes the side; meta tensors keep their shapes."""
+    module = ops[name]
+    op, outputs = getattr(module, f"param_{name}"), 2 if name == "branches_rows" else 1
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 24, generator=g, dtype=torch.float32)
+    s = torch.randn(3, 1, generator=g, dtype=torch.float32)
+    want = _run(lambda a, b: _branches_by_hand(a, b, c)[:outputs], (x.double(), s.double()), "cpu")
+    got = _run(lambda a, b: module.reference(a, b, c=c), (x, s), device)
+    for index, (g_, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g_, w.float(), rtol=1e-5, atol=1e-6, msg=f"reference, result {index}")
+
+    def total(a, b):
+        outs = op(a, b, c=c)
+        return sum(o.sum() for o in (outs if isinstance(outs, tuple) else (outs,)))
+    xd, sd = x.to(device), s.to(device)
+    grads = torch.func.grad(total, argnums=(0, 1))(xd, sd)
+    x64, s64 = x.double().requires_grad_(True), s.double().requires_grad_(True)
+    want_grads = torch.autograd.grad(sum(o.sum() for o in _branches_by_hand(x64, s64, c)[:outputs]), (x64, s64),
+                                     allow_unused=True, materialize_grads=True)
+    for what, gr, w in zip(("x", "s"), grads, want_grads):
+        torch.testing.assert_close(gr.cpu(), w.float(), rtol=1e-5, atol=1e-6, msg=f"torch.func.grad, {what}")
+    tangent = torch.randn(3, 24, generator=g).to(device)
+    _, jvp = torch.func.jvp(lambda a: op(a, sd, c=c), (xd,), (tangent,))
+    jvp = jvp if isinstance(jvp, tuple) else (jvp,)
+    _, want_jvp = torch.func.jvp(lambda a: _branches_by_hand(a, s64.detach(), c)[:outputs], (x.double(),),
+                                 (tangent.cpu().double(),))
+    for index, (t, w) in enumerate(zip(jvp, want_jvp)):
+        torch.testing.assert_close(t.cpu(), w.float(), rtol=1e-5, atol=1e-6, msg=f"jvp, result {index}")
+    xm, sm = (t.to("meta").requires_grad_(True) for t in (x, s))
+    out = module.reference(xm, sm, c=c)
+    (out if outputs == 1 else out[0]).sum().backward()
+    assert xm.grad.shape == xm.shape and sm.grad.shape == sm.shape
+
+
 def _run(fn, tensors, device, **kwargs):
     leaves = [t.detach().clone().to(device).requires_grad_(True) for t in tensors]
     outs = fn(*leaves, **kwargs)

@@ -56,7 +56,8 @@ def face(plan: OpPlan, *, backend: str, class_name: str, binding: str, kernel_na
     op, params = plan.op, plan.params
     row_values = KINDS[plan.kind].row_values(plan)
     printer = TorchPrinter({(h.param.name, None): h.torch_name for h in plan.helpers},
-                           {p.name: p.local for p in params}, row_values)
+                           {p.name: p.local for p in params}, row_values,
+                           {p.local for kernel in (plan.forward, plan.backward) for p in kernel.scalars})
     torch_helpers = [_torch_helper(helper, printer) for helper in plan.helpers]
     eager_helpers = [_eager_helper(helper) for helper in plan.helpers]
     public = [i.name for i in plan.inputs] + [p.name for p in params] + (["training", "seed"] if plan.has_dropout else [])

@@ -7,6 +7,7 @@ from .dropout import check_seed, dropout_keep, dropout_mask_reference, dropout_s
 from .gradients import GradTarget, sum_to_input
 from .op import Call, FusedOp
 from .out import check_out_without_grad, output_buffer, write_out
+from .reference import decided_where
 from .views import needs_int64, view_2d
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "check_out_without_grad",
     "check_scalar",
     "check_seed",
+    "decided_where",
     "dropout_keep",
     "dropout_mask_reference",
     "dropout_scale",

@@ -33,13 +33,9 @@ class TritonPrinter(ElementwisePrinter):
     column = "cols[None, :]"  # every kind's kernels index a tile's columns by `cols` (naming.SHARED_NAMES)
 
     def __init__(self, helpers=None, choices=None, row_values=frozenset(), scalars=frozenset(), tiles=frozenset()):
-        super().__init__(helpers, choices, row_values)
-        # The params, by name: one number per call. A where whose condition reads only these
-        # takes one side for the whole call (`choose`): a kernel then spends nothing on
-        # softcap's tanh with softcap off. (The reference keeps torch.where: its params are 0-d
-        # tensors, and a Python branch on one would synchronize with the device and fail on
-        # meta tensors.)
-        self.scalars = frozenset(scalars)
+        # A where decided by params takes one side for the whole call (`choose`): a kernel then
+        # spends nothing on softcap's tanh with softcap off.
+        super().__init__(helpers, choices, row_values, scalars)
         # Values that are whole tiles in the compute type (inputs' and incoming gradients'
         # loads): an expression that reads one is such a tile too.
         self.tiles = frozenset(tiles)
@@ -60,11 +56,6 @@ class TritonPrinter(ElementwisePrinter):
                     for t, e, text in zip(sides, (if_true, if_false), (self._print(if_true), false_text)))
                 return f"({true_text} if {self._print(cond)} else {false_text})"
         return super().choose(cond, if_true, if_false, false_text)
-
-    def decided_once(self, cond) -> bool:
-        """A condition of params (and numbers) alone: the same for every element of a call."""
-        names = {symbol.name for symbol in cond.free_symbols}
-        return bool(names) and names <= self.scalars
 
     def _tile_of(self, expr) -> str | None:
         """A tile that `expr` reads (the first by name), if any."""
