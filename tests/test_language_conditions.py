@@ -56,7 +56,8 @@ outputs:
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory):
     folder = tmp_path_factory.mktemp("conditions")
-    rows = PARAM_BRANCHES.format(kind="_rows") + "  z: x * sum(where(c > 0, exp(x * c), x))\n"
+    rows = PARAM_BRANCHES.format(kind="_rows") + "  z: x * sum(where(c > 0, exp(x * c), x))\n" \
+        + "  m: x * max(where(c > 0, exp(x * c), x))\n"  # its backward's ties: (max == t) | (c <= 0)
     return {"pointwise": build_and_import(folder, POINTWISE), "rows": build_and_import(folder, ROWS),
             "branches": build_and_import(folder, PARAM_BRANCHES.format(kind="")),
             "branches_rows": build_and_import(folder, rows)}
@@ -66,7 +67,7 @@ def _branches_by_hand(x, s, c):
     """The specs' outputs as Python picks a side: only that side computed, in float64."""
     y = torch.tanh(x / c) * c if c > 0 else (x * 0 + 1 if c < -1 else x * s)
     e = torch.exp(x * c) if c > 0 else x
-    return y, x * e.sum(-1, keepdim=True)
+    return y, x * e.sum(-1, keepdim=True), x * e.amax(-1, keepdim=True)
 
 
 @pytest.mark.parametrize("c", [0.0, 2.0, -3.0])
@@ -79,7 +80,7 @@ def test_wheres_decided_by_params_take_one_side(ops, name, c, device):
     x = torch.randn(3, 24, generator=g, dtype=torch.float32)
     s = torch.randn(3, 1, generator=g, dtype=torch.float32)
     got = _run(getattr(module, f"param_{name}"), (x, s), device, c=c)
-    outputs = 2 if name == "branches_rows" else 1
+    outputs = 3 if name == "branches_rows" else 1
     want = _run(lambda a, b: _branches_by_hand(a, b, c)[:outputs], (x.double(), s.double()), "cpu")
     assert len(got) == len(want)
     for index, (g_, w) in enumerate(zip(got, want)):
@@ -95,7 +96,7 @@ def test_the_reference_and_torch_func_differentiate_the_side_taken(ops, name, c,
     back through torch.where. Gradients (autograd, torch.func.grad and vjp) and tangents (jvp)
     as float64 torch computes the side; meta tensors keep their shapes."""
     module = ops[name]
-    op, outputs = getattr(module, f"param_{name}"), 2 if name == "branches_rows" else 1
+    op, outputs = getattr(module, f"param_{name}"), 3 if name == "branches_rows" else 1
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 24, generator=g, dtype=torch.float32)
     s = torch.randn(3, 1, generator=g, dtype=torch.float32)

@@ -182,6 +182,28 @@ def patch_scalar_index() -> None:
     _INDEX_PATCHED = True
 
 
+_SPLAT_PATCHED = False
+
+
+def patch_splat_dtype() -> None:
+    """A 0-d comparison made a block (`(m == x) | (c <= 0)`, c a param): the interpreter keeps
+    a comparison's result typed as its operands (float) and splats it as floats, and NumPy's
+    `|` of bool and float fails. The block takes the result type's elements (bool)."""
+    global _SPLAT_PATCHED
+    if _SPLAT_PATCHED:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def patched(self, ret_ty, arg):
+        value = arg.data.reshape(-1)[0] if arg.data.ndim else arg.data
+        return interpreter.TensorHandle(np.full(ret_ty.shape, value, dtype=interpreter._get_np_dtype(ret_ty)),
+                                        ret_ty.scalar)
+
+    interpreter.InterpreterBuilder.create_splat = patched
+    _SPLAT_PATCHED = True
+
+
 _COOPERATIVE_PATCHED = False
 
 

@@ -29,6 +29,7 @@ from .interpreter import (
     patch_cooperative_grid,
     patch_libdevice,
     patch_scalar_index,
+    patch_splat_dtype,
     quiet_numpy,
 )
 from .cached_launcher import CachedLauncher, hooks_active
@@ -61,6 +62,7 @@ if is_interpreting():  # every generated module imports this one before its kern
     patch_cooperative_grid()
     patch_libdevice()
     patch_scalar_index()
+    patch_splat_dtype()
 
 
 class Kernels:
