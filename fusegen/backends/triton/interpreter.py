@@ -204,6 +204,34 @@ def patch_splat_dtype() -> None:
     _SPLAT_PATCHED = True
 
 
+_DOT_PATCHED = False
+
+
+def patch_bfloat16_dot() -> None:
+    """tl.dot of bf16 tiles: the interpreter holds bf16 as its bits (uint16) and multiplies
+    the bits (triton-lang/triton#11584). The tiles are widened to fp32 first, exactly, and
+    the product accumulates in the accumulator's type, as on the GPU."""
+    global _DOT_PATCHED
+    if _DOT_PATCHED:
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = patched
+    _DOT_PATCHED = True
+
+
 _COOPERATIVE_PATCHED = False
 
 

@@ -25,6 +25,7 @@ from .interpreter import (
     check_runs_off_cuda,
     is_interpreting,
     kernel_is_interpreted,
+    patch_bfloat16_dot,
     patch_bfloat16_rounding,
     patch_cooperative_grid,
     patch_libdevice,
@@ -58,6 +59,7 @@ from .naming import (
 )
 
 if is_interpreting():  # every generated module imports this one before its kernels run
+    patch_bfloat16_dot()
     patch_bfloat16_rounding()
     patch_cooperative_grid()
     patch_libdevice()
