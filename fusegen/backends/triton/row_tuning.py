@@ -107,8 +107,12 @@ def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = Fa
 # (forward split in both): fp32 (1024, 65536) softmax 0.520 / 0.722, log_softmax 0.497 /
 # 0.583, rmsnorm 0.562 / 0.728, layernorm 0.689 / 0.875 (8192-wide parts); fp32 (256, 262144)
 # softmax 0.542 / 1.299 (16384-wide parts; 0.736 at 32768: hence SPLIT_VALUES_BACKWARD),
-# rmsnorm 0.692 / 1.311, but layernorm 1.481 / 1.788 (the same layout as rmsnorm's, three
-# tiles: not yet explained; torch.compile 0.876).
+# rmsnorm 0.692 / 1.311, but layernorm 1.481 / 1.788 (torch.compile 0.876). ptxas on the sm_90
+# code says why: layernorm's backward at 16384-wide parts spills (124-296 bytes at 8-32 warps),
+# rmsnorm's not at 32 warps, and neither at 8192. A cap of 32768 values would give both 8192-
+# wide parts at that width: to be measured before it changes. (The forwards' 32768-wide parts
+# spill too, 4-996 bytes at 32 warps: docs/scripts/row_registers.py; parts of at most 16384
+# are the next A/B.)
 SPLIT_BACKWARD = True
 SPLIT_VALUES_BACKWARD = 49152
 
