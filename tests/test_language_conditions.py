@@ -115,6 +115,10 @@ def test_the_reference_and_torch_func_differentiate_the_side_taken(ops, name, c,
                                      allow_unused=True, materialize_grads=True)
     for what, gr, w in zip(("x", "s"), grads, want_grads):
         torch.testing.assert_close(gr.cpu(), w.float(), rtol=1e-5, atol=1e-6, msg=f"torch.func.grad, {what}")
+    _, pullback = torch.func.vjp(lambda a, b: op(a, b, c=c), xd, sd)
+    ones = tuple(torch.ones_like(o) for o in want[:outputs]) if outputs > 1 else torch.ones_like(want[0])
+    for what, gr, w in zip(("x", "s"), pullback(_to(ones, device)), want_grads):
+        torch.testing.assert_close(gr.cpu(), w.float(), rtol=1e-5, atol=1e-6, msg=f"torch.func.vjp, {what}")
     tangent = torch.randn(3, 24, generator=g).to(device)
     _, jvp = torch.func.jvp(lambda a: op(a, sd, c=c), (xd,), (tangent,))
     jvp = jvp if isinstance(jvp, tuple) else (jvp,)
@@ -126,6 +130,10 @@ def test_the_reference_and_torch_func_differentiate_the_side_taken(ops, name, c,
     out = module.reference(xm, sm, c=c)
     (out if outputs == 1 else out[0]).sum().backward()
     assert xm.grad.shape == xm.shape and sm.grad.shape == sm.shape
+
+
+def _to(value, device):
+    return tuple(t.float().to(device) for t in value) if isinstance(value, tuple) else value.float().to(device)
 
 
 def _run(fn, tensors, device, **kwargs):

@@ -37,7 +37,8 @@ def kernel(a, weight, bias, residual, y, config):
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     gemm_kernels.tanh_epilogue_kernel[grid](
         a, *a.stride(), b, *b.stride(), bias, residual, *residual.stride(), y, m, n, k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, INDEX_64=y.numel() >= 2**31,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        INDEX_64=max(t.numel() for t in (a, weight, residual, y)) >= 2**31,
         INPUT_PRECISION="ieee", num_warps=warps, num_stages=stages)
     return y
 
@@ -65,6 +66,9 @@ for shape in options.shapes.split(","):
             timed[config] = (triton.testing.do_bench(lambda: kernel(a, weight, bias, residual, y, config)), error)
         except Exception as exc:  # out of shared memory, say: reported, not fatal
             print(f"{shape} {config}: {type(exc).__name__}: {str(exc)[:120]}")
+    if not timed:
+        print(f"{shape}: no config ran")
+        continue
     best = min(timed, key=lambda c: timed[c][0])
     row.update(fused=timed[best][0], fused_error=timed[best][1], fused_config=list(best),
                configs={str(c): t for c, (t, _) in timed.items()})

@@ -37,9 +37,12 @@ def registers(name: str, which: str, block_n: int, splits: int, warps=(8, 16, 32
                                   target=sm90_compile.H100, options={"num_warps": count})
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
             ptx.write(compiled.asm["ptx"])
-        report = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx.name, "-o", os.devnull],
-                                capture_output=True, text=True).stderr
+        done = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx.name, "-o", os.devnull],
+                              capture_output=True, text=True)
         os.unlink(ptx.name)
+        if done.returncode != 0:
+            raise RuntimeError(f"ptxas failed on {name}'s {which}: {done.stderr[-500:]}")
+        report = done.stderr
         registers = re.search(r"Used (\d+) registers", report).group(1)
         spills = re.search(r"(\d+) bytes spill stores", report).group(1)
         found.append(f"{count} warps: {registers} registers, {spills} B spilled")

@@ -16,7 +16,12 @@ __all__ = ["decided_where"]
 
 
 def decided_where(cond: torch.Tensor, if_true, if_false):
-    """torch.where(cond, if_true, if_false), differentiated only along the side `cond` takes."""
+    """torch.where(cond, if_true, if_false), differentiated only along the side `cond` takes.
+    Traced by torch.compile, torch.where itself: Dynamo takes no autograd.Function with a jvp,
+    and under fake tensors the side is not known anyway (there a side not taken whose
+    derivative is infinite still gives NaN, as before)."""
+    if torch.compiler.is_compiling():
+        return torch.where(cond, if_true, if_false)
     return _DecidedWhere.apply(cond, if_true, if_false)
 
 
