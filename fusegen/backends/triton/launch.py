@@ -364,7 +364,8 @@ class _Bound:
                                  names("column_sums", name)) for name in kernels.gradients]
         # Two values of one name in a kernel would leave one out, unseen by the signature's check.
         common = [M, N, M_BUCKET, SEED, SHARD, HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED, INDEX_64, COMPUTE_FP64,
-                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, STATISTICS, EXCHANGE, SPLITS, SHARES, *self._scalar_names, *self._choice_names,
+                  ROWS_PER_PROGRAM, BLOCK_N, ONE_TILE, STATISTICS, EXCHANGE, SPLITS, SHARES, *self._scalar_names,
+                  *self._choice_names,
                   *(name for pair in self._dropout_names for name in pair)]
         forward = [*common, *self._output_names, *(name for triple in self._input_names for name in triple)]
         backward = [*common, *(name for i in self._reads for name in self._input_names[i]),
@@ -382,19 +383,21 @@ class _Bound:
     # -- the calls that tests and the slow path make: prepare, then launch once ---------
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, statistics=None,
-                traced: bool = False) -> None:
+                traced: bool = False, **layout) -> None:
         """`tile` (BLOCK_M, BLOCK_N): launch the kernel itself with that tile, not the
-        autotuner (tests use it to check every tile computes the same). Pointwise kernels
-        keep nothing for the backward: `statistics` is None. `traced`: the tensors are a traced
-        graph's (fake): the launch is recorded in the graph (graph_launcher)."""
+        autotuner (tests use it to check every tile computes the same); `layout`: a kind's
+        other choices with it (a row kind's `splits`). Pointwise kernels keep nothing for the
+        backward: `statistics` is None. `traced`: the tensors are a traced graph's (fake): the
+        launch is recorded in the graph (graph_launcher)."""
         if _launches(call.problem, traced):
-            self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, statistics, seed))
+            self.prepare_forward(call, tensors, tile, traced, **layout)((*tensors, *outputs, statistics, seed))
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
-                 rows_per_program: int | None = None, statistics=None, traced: bool = False) -> list[torch.Tensor]:
+                 rows_per_program: int | None = None, statistics=None, traced: bool = False,
+                 **layout) -> list[torch.Tensor]:
         """The gradients of the inputs flagged in `needs` (a flag per input), in input order,
         each in a new buffer."""
-        prepared = self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program, traced)
+        prepared = self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program, traced, **layout)
         return prepared(tensors, grads, seed, statistics)
 
     # -- preparing: once per call key ------------------------------------------------------

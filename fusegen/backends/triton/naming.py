@@ -39,7 +39,7 @@ HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED = "HAS_DROPOUT", "DROPOUT_WHOLE_GROUP
 INDEX_64, COMPUTE_FP64 = "INDEX_64", "COMPUTE_FP64"
 ROWS_PER_PROGRAM, BLOCK_M, BLOCK_N = "ROWS_PER_PROGRAM", "BLOCK_M", "BLOCK_N"
 STATISTICS, ONE_TILE = "statistics_ptr", "ONE_TILE"  # the row kernels' (row_kernel_text.py)
-EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a row forward's split (kernel_lib.split_program)
+EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a split row's (kernel_lib.split_program)
 
 
 # The parameters named for a spec's input, output or param: what each is wanted as, from

@@ -5,9 +5,9 @@ Layouts of the same program, chosen per call by the ONE_TILE and SPLITS constexp
 
 - ONE_TILE (the row fits one BLOCK_N tile): the inputs are loaded once, and every pass of the
   program is straight-line code over the same registers;
-- ONE_TILE with SPLITS > 1 (the forward): the same code over one part of the row, each of
-  SPLITS programs holding one, each pass's reductions combined across them (kernel_lib.
-  split_program), so the row is read once still;
+- ONE_TILE with SPLITS > 1: the same code over one part of the row, each of SPLITS programs
+  holding one, each pass's reductions combined across them (kernel_lib.split_program), so the
+  row is read once still, forward and backward;
 - otherwise each pass is a loop along the row, BLOCK_N columns at a time, that loads what the
   pass reads and accumulates its reductions in [BLOCK_M, BLOCK_N] tiles (reduced along the
   row after the loop), then a last loop computes and stores the results.
@@ -56,6 +56,8 @@ _TAIL_ARGUMENTS = [
     f"{naming.SHARES}: tl.constexpr,  # a split row's values a round (its widest pass's reductions)",
     f"{naming.BLOCK_M}: tl.constexpr,",
 ]
+# What else the tuned config is kept for: a config tuned for another tile would not fit.
+_LAYOUT = (naming.BLOCK_N, naming.SPLITS)
 _EXCHANGE_ARGUMENT = f"{naming.EXCHANGE},  # a split row's tickets, counters and shares (zeroed), else None"
 _NEUTRAL = {"sum": "0.0", "mean": "0.0", "max": '-float("inf")', "min": 'float("inf")'}
 
@@ -100,7 +102,7 @@ def row_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> Kern
         "else:",
         *_indent(program.looped(stores, [], [], per_row=set(plan.row_outputs) >= {n for n, _ in plan.outputs})),
     ]
-    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=(naming.BLOCK_N, naming.SPLITS)), arguments, lines,
+    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=_LAYOUT), arguments, lines,
                       "row_tuning.ROW_FORWARD_ONLINE" if program.online else "row_tuning.ROW_FORWARD")
 
 
@@ -159,8 +161,7 @@ def row_backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter
         "else:",
         *_indent(looped),
     ]
-    return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True, layout=(naming.BLOCK_N, naming.SPLITS)), arguments,
-                      lines,
+    return KernelText(f"{plan.op}_backward_kernel", kernel_key(plan, backward=True, layout=_LAYOUT), arguments, lines,
                       "row_tuning.ROW_BACKWARD")
 
 
@@ -307,13 +308,13 @@ class _Program:
         for r in p.reductions:  # the extremes online sums run at come first
             if r.running is None:
                 lines.append(f"{r.symbol.name} = {_reduce(r.op, shared[r.symbol.name], mean_of_parts=True)}")
-        for m in dict.fromkeys(r.running.name for r in online):
-            shift, shift_before = (self.names.claim_once(f"{m}_{what}", f"{m}_{what}") for what in ("shift", "shift_before"))
+        shifts = {m: tuple(self.names.claim_once(f"{m}_{what}", f"{m}_{what}") for what in ("shift", "shift_before"))
+                  for m in dict.fromkeys(r.running.name for r in online)}
+        for m, (shift, shift_before) in shifts.items():
             lines.append(f"{shift}, {shift_before} = {self._shifts(m, shared[m], m)}")
         for r in online:
             m = r.running.name
-            at = {SHIFT_NEW: sympy.Symbol(self.names.claim_once(f"{m}_shift", f"{m}_shift")),
-                  SHIFT_OLD: sympy.Symbol(self.names.claim_once(f"{m}_shift_before", f"{m}_shift_before"))}
+            at = {SHIFT_NEW: sympy.Symbol(shifts[m][0]), SHIFT_OLD: sympy.Symbol(shifts[m][1])}
             rescale = self.printer.doprint(r.rescale.xreplace(at))
             # A part wholly at the far end (every x -inf under a max) adds nothing; its own sum,
             # taken at that extreme, is NaN.

@@ -16,7 +16,8 @@ from .naming import BLOCK_M, BLOCK_N, EXCHANGE, ONE_TILE, ROWS_PER_PROGRAM, SHAR
 
 class RowKernels(Kernels):
     """Row kernels (row_kernel_text.py), as a generated module declares them; `shares`: the
-    forward's values a round where a row is split across programs."""
+    values a round where a row is split across programs (the widest pass's reductions, forward
+    or backward: row_kernel_text.split_shares_count)."""
 
     def __init__(self, *args, shares: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -36,8 +37,7 @@ class _BoundRows(_Bound):
                 traced: bool = False, splits: int = 1) -> None:
         if statistics is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
             statistics = self._statistics_buffer(call.problem)
-        if _launches(call.problem, traced):
-            self.prepare_forward(call, tensors, tile, traced, splits)((*tensors, *outputs, statistics, seed))
+        super().forward(call, tensors, outputs, seed, tile, statistics, traced, splits=splits)
 
     def _exchange(self, problem, splits: int) -> Zeroed | None:
         """A split row's exchange (kernel_lib.split_program): a ticket, a counter per row group
@@ -91,8 +91,8 @@ class _BoundRows(_Bound):
             outputs = [torch.empty(self.op.output_shape(problem, i), dtype=self.op.output_dtype(problem, i),
                                    device=problem.device) for i in range(len(self.op.outputs))]
             self.forward(call, tensors, outputs, seed, tile=tile, statistics=statistics)
-        prepared = self.prepare_backward(call, tensors, grads, needs, tile, rows_per_program, traced, splits)
-        return prepared(tensors, grads, seed, statistics)
+        return super().backward(call, tensors, grads, needs, seed, tile, rows_per_program, statistics, traced,
+                                splits=splits)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
                          rows_per_program: int | None = None, traced: bool = False,
