@@ -24,7 +24,11 @@ parser.add_argument("--json", default=None)
 parser.add_argument("--old-looped", action="store_true",
                     help="the --old modules' forwards take the loop along the row where the split would run: "
                          "an A/B of the layouts (pass a copy of generated/ as --old)")
+parser.add_argument("--old-tuning", default=None,
+                    help="row_tuning constants the --old modules run under, e.g. "
+                         "'SPLIT_PART=(8192,16384);SPLIT_VALUES_BACKWARD=32768' (an A/B of the constants)")
 options = parser.parse_args()
+old_tuning = dict(item.split("=", 1) for item in options.old_tuning.split(";")) if options.old_tuning else {}
 only = options.ops.split(",") if options.ops else None
 try:
     from liger_kernel.ops.softmax import LigerSoftmaxFunction
@@ -69,6 +73,10 @@ for name, dtype, m, n in CASES:
             row_tuning.row_forward_layout = lambda n, *rest, **keywords: (row_tuning.row_block_n(n), 1)
         split_backward = row_tuning.SPLIT_BACKWARD
         row_tuning.SPLIT_BACKWARD = split_backward and not (tag == "old" and options.old_looped_backward)
+        saved = {key: getattr(row_tuning, key) for key in old_tuning}
+        if tag == "old":
+            for key, value in old_tuning.items():
+                setattr(row_tuning, key, eval(value))
         try:
             with torch.no_grad():
                 got = fn(*inputs)
@@ -76,6 +84,8 @@ for name, dtype, m, n in CASES:
             r[tag] = bench(fn, inputs, grad)
         finally:
             row_tuning.row_forward_layout, row_tuning.SPLIT_BACKWARD = layout, split_backward
+            for key, value in saved.items():
+                setattr(row_tuning, key, value)
     torch._dynamo.reset()
     try:
         r["compile"] = bench(torch.compile(EAGER[name]), inputs, grad)
