@@ -284,8 +284,9 @@ BUILTIN_NAMES = frozenset({*LITERALS, "col"})
 
 # Built into the language rather than the registry: `where` takes a comparison,
 # `dropout` is stochastic, `chunk(x, i)` names part of an input and `take(x, target)` is sugar
-# for a row sum (x at column target), so none is a plain sympy function of its arguments.
-BUILTINS = {"where": 3, "dropout": 2, "chunk": 2, "take": 2}
+# for a row sum (x at column target), and `T(w)` transposes a matmul's right operand
+# (`x @ T(weight)`, nn.Linear's [N, K] weight), so none is a plain sympy function of its arguments.
+BUILTINS = {"where": 3, "dropout": 2, "chunk": 2, "take": 2, "T": 1}
 
 # Row reductions over the last dim: one value per row ([..., 1], broadcast back along it).
 # max and min with two arguments stay the elementwise functions above, as in torch.

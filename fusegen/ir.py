@@ -13,7 +13,7 @@ from typing import Union
 
 from .errors import SpecError
 from .functions import BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS, known_function_names
-from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, OpSpec, ScalarParam
+from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, InputSpec, OpSpec, ScalarParam
 
 # Bounds on one expression, intermediates inlined: later stages recurse over the whole tree.
 MAX_DEPTH = 64
@@ -116,7 +116,26 @@ class Reduce:
     value: "Expr"
 
 
-Expr = Union[Const, InputRef, ChunkRef, Col, ParamRef, Unary, Binary, Compare, Logic, Call, ChoiceCall, Where, Dropout, Reduce]
+@dataclass(frozen=True)
+class MatMul:
+    """`a @ b` (b [K, N]) or `a @ T(b)` (b [N, K], nn.Linear's weight) of two float inputs, a
+    [..., K]: the product [..., N], which a gemm kernel forms before the elementwise rest (its
+    epilogue) reads it as it reads an input, under the value name PRODUCT."""
+
+    a: str
+    b: str
+    transposed: bool
+
+    @property
+    def text(self) -> str:
+        return f"{self.a} @ T({self.b})" if self.transposed else f"{self.a} @ {self.b}"
+
+
+# The product's value name in simplify and plan building: no spec name has a '@'.
+PRODUCT = "@product"
+
+Expr = Union[Const, InputRef, ChunkRef, Col, ParamRef, Unary, Binary, Compare, Logic, Call, ChoiceCall, Where, Dropout,
+             Reduce, MatMul]
 CONDITIONS = (Compare, Logic)
 
 
@@ -132,10 +151,22 @@ class OpIR:
     # Concatenated outputs (`y: [a, b]`): (spec name, parts); `outputs` holds each part as a
     # value of its own, y[0], y[1] (part_name), in order.
     output_parts: tuple[tuple[str, int], ...] = ()
+    matmul: MatMul | None = None  # the op's one matmul, if any
 
     @property
     def has_reductions(self) -> bool:
         return _has_reductions(self.outputs)
+
+    @property
+    def epilogue_inputs(self) -> tuple[InputSpec, ...]:
+        """What the elementwise code reads: the spec's inputs, a matmul's operands replaced by
+        its product (value name PRODUCT, [..., N])."""
+        if self.matmul is None:
+            return self.spec.inputs
+        m, by_name = self.matmul, {i.name: i for i in self.spec.inputs}
+        a, b = by_name[m.a], by_name[m.b]
+        product = InputSpec(PRODUCT, (*a.dims[:-1], b.dims[0] if m.transposed else b.dims[1]), a.line)
+        return (product, *(i for i in self.spec.inputs if i.name not in (m.a, m.b)))
 
 
 _BINARY_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
@@ -183,8 +214,9 @@ def build_ir(spec: OpSpec) -> OpIR:
                             "supported yet in an op with row reductions (sum, mean, max, min)")
         row_outputs = frozenset(name for name, expr in outputs if row_constant(expr, scope.dims))
     lets = tuple((name, let.expr) for name, let in scope.lets.items())
+    matmul = _check_matmul(spec, scope, outputs)
     return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets, row_outputs=row_outputs,
-                output_parts=output_parts)
+                output_parts=output_parts, matmul=matmul)
 
 
 def part_name(output: str, index: int) -> str:
@@ -225,6 +257,9 @@ class _Scope:
         # an outer dropout before the dropouts inside its argument.
         self.dropouts: list[Dropout] = []
         self.used: set[str] = set()
+        self.read: set[str] = set()  # inputs read elementwise (not as a matmul's operand)
+        self.matmuls: dict[MatMul, Binding] = {}  # each matmul, with the first binding writing it
+        self._binding: Binding | None = None
         # Depth and size of the tree being built, intermediates counted in full: they are
         # inlined, and later stages (sympy, printers) recurse over the whole tree.
         self._nodes = 0
@@ -232,6 +267,7 @@ class _Scope:
 
     def parse(self, binding: Binding) -> _Let:
         self._nodes = self._depth = 0
+        self._binding = binding
         # A YAML block scalar may spread an expression over lines: newlines are spaces.
         text = " ".join(binding.text.split("\n"))
         try:
@@ -280,6 +316,8 @@ class _Scope:
                 raise _Located(f"'{_snippet(node)}': inf takes no arithmetic; use it in comparisons, where's "
                                "branches, max, min and clamp")
             return Binary(_BINARY_OPS[type(node.op)], left, right)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            return self._matmul(node)
         if isinstance(node, ast.BinOp) and type(node.op) in _LOGIC_OPS:
             return Logic(_LOGIC_OPS[type(node.op)], (self._condition(node.left, d), self._condition(node.right, d)))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
@@ -333,6 +371,7 @@ class _Scope:
                     f"... chunk({name}, {self.chunks[name] - 1})"
                 )
             self.used.add(name)
+            self.read.add(name)
             if name in self.bools:  # a condition: where(mask, x, 0.0), ~mask, mask & (x > 0)
                 return Compare("!=", InputRef(name), Const(0))
             return InputRef(name)
@@ -385,6 +424,8 @@ class _Scope:
             raise _Located(f"{name}() takes 1 argument (a row reduction) or 2 (elementwise), got {len(node.args)}")
         if name == "chunk":
             return self._chunk(node)
+        if name == "T":
+            raise _Located("T(...) transposes a matmul's right operand: write x @ T(weight), weight [N, K]")
         if name == "take":
             return self._take(node, depth)
         if name in FUNCTIONS:
@@ -453,6 +494,37 @@ class _Scope:
         self.used.add(target.id)
         return Reduce("sum", Where(Compare("==", Col(), InputRef(target.id)), value, Const(0.0)))
 
+    def _matmul(self, node: ast.BinOp) -> MatMul:
+        """`a @ b` or `a @ T(b)`: a [..., K] and b [K, N] (or [N, K] under T), float inputs."""
+        usage = "@ multiplies two inputs, as x @ weight (weight [K, N]) or x @ T(weight) (weight [N, K])"
+        right, transposed = node.right, False
+        if (isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "T"
+                and len(right.args) == 1 and not right.keywords):
+            right, transposed = right.args[0], True
+        if not (isinstance(node.left, ast.Name) and isinstance(right, ast.Name)):
+            raise _Located(f"'{_snippet(node)}': {usage}")
+        for name in (node.left.id, right.id):
+            if name not in self.inputs:
+                raise _Located(f"'{_snippet(node)}': '{name}' is not an input; {usage}")
+            if name in self.bools or name in self.integers or self.chunks[name] > 1:
+                raise _Located(f"'{_snippet(node)}': '{name}' must be a float input without chunks")
+        a, b = node.left.id, right.id
+        a_dims, b_dims = self.dims[a], self.dims[b]
+        if not a_dims or a_dims[-1] in ("1", "..."):
+            raise _Located(f"'{_snippet(node)}': '{a}' must have a named last dim, as [..., K]")
+        if len(b_dims) != 2 or "1" in b_dims or "..." in b_dims:
+            want = "[N, K]" if transposed else "[K, N]"
+            raise _Located(f"'{_snippet(node)}': '{b}' must have two named dims, as {want}")
+        k = b_dims[1] if transposed else b_dims[0]
+        if k != a_dims[-1]:
+            hint = " (nn.Linear's [N, K] weight is written x @ T(weight))" if not transposed and b_dims[1] == a_dims[-1] else ""
+            raise _Located(f"'{_snippet(node)}': {a}'s last dim {a_dims[-1]} is not {b}'s "
+                           f"{'last' if transposed else 'first'} dim {k}{hint}")
+        self.used |= {a, b}
+        matmul = MatMul(a, b, transposed)
+        self.matmuls.setdefault(matmul, self._binding)
+        return matmul
+
     def _chunk(self, node: ast.Call) -> ChunkRef:
         self._check_arity("chunk", len(node.args), BUILTINS["chunk"])
         source, index = node.args
@@ -504,6 +576,8 @@ def _row_shape(expr: Expr, dims: dict[str, tuple[str, ...]], memo: dict) -> tupl
             memo[key] = (bool(d) and d[-1] != "1", len(d) > 1 or (bool(d) and d[0] == "..."))
         elif isinstance(expr, Col):  # as an [N] input
             memo[key] = (True, False)
+        elif isinstance(expr, MatMul):  # [..., N]
+            memo[key] = (True, True)
         elif isinstance(expr, Reduce):
             memo[key] = (False, _row_shape(expr.value, dims, memo)[1])
         else:
@@ -548,6 +622,34 @@ def _check_all_used(spec: OpSpec, scope: _Scope) -> None:
             raise SpecError(spec.path, binding.line, f"intermediate '{binding.name}' is never used")
 
 
+def _check_matmul(spec: OpSpec, scope: _Scope, outputs) -> MatMul | None:
+    """An op takes one matmul, and (for now) no row reduction, dropout, col or output of
+    another dtype or in parts beside it; its operands are read only through it."""
+    if not scope.matmuls:
+        return None
+    (first, line), *others = [(m, b.line) for m, b in scope.matmuls.items()]
+    if others:
+        second, second_line = others[0]
+        raise SpecError(spec.path, second_line, f"an op takes one matmul: {second.text} here, {first.text} "
+                        f"at line {line}")
+    both = [n for n in (first.a, first.b) if n in scope.read]
+    if both:
+        raise SpecError(spec.path, line, f"'{both[0]}' is an operand of {first.text} and cannot also be read "
+                        "elementwise")
+    nodes = [node for _, expr in outputs for node in walk(expr)]
+    unsupported = [(Reduce, "row reductions (sum, mean, max, min, take)"), (Dropout, "dropout"), (Col, "col")]
+    for kind, what in unsupported:
+        if any(isinstance(node, kind) for node in nodes):
+            raise SpecError(spec.path, line, f"{what} in an op with a matmul ({first.text}) are not supported yet"
+                            if what.startswith("row") else f"{what} in an op with a matmul ({first.text}) is not "
+                            "supported yet")
+    for binding in spec.outputs:
+        if binding.parts or binding.dtype or not binding.differentiable:
+            raise SpecError(spec.path, binding.line, f"output '{binding.name}': a concatenated output or one of "
+                            f"its own dtype is not supported yet in an op with a matmul ({first.text})")
+    return first
+
+
 def _shorten(text: str) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -582,6 +684,8 @@ def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, in
         return f"chunk({e.name}, {e.index})", _ATOM
     if isinstance(e, Col):
         return "col", _ATOM
+    if isinstance(e, MatMul):
+        return e.text, _PRECEDENCE["*"]
     if isinstance(e, Unary):
         text, strength = _unparse(e.operand, names)
         return "-" + (text if strength >= _UNARY else f"({text})"), _UNARY

@@ -81,3 +81,17 @@ def in_range(value, low, high, low_open: bool = False, high_open: bool = False) 
     if low is not None and (value <= low if low_open else value < low):
         return False
     return high is None or (value < high if high_open else value <= high)
+
+
+@dataclass(frozen=True)
+class MatMul:
+    """An op's matmul `a @ b` (b [K, N]) or `a @ T(b)` (transposed: b [N, K], nn.Linear's
+    weight), by its operands' input names: its product [..., N] is what the rest of the op reads."""
+
+    a: str
+    b: str
+    transposed: bool
+
+    @property
+    def text(self) -> str:
+        return f"{self.a} @ T({self.b})" if self.transposed else f"{self.a} @ {self.b}"

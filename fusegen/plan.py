@@ -124,6 +124,22 @@ class HelperPlan:
 
 
 @dataclass(frozen=True)
+class MatmulPlan:
+    """The gemm kind's matmul, `a @ b` or `a @ T(b)`: its product is a value of the kernels'
+    bodies as an input is (`product`, [..., N]), formed by the forward kernel; the backward
+    forms its gradient g from the saved product (`saved`) or takes an output's incoming
+    gradient as g (`incoming`: the product passes through to that output), then a's and b's
+    gradients are matmuls of g."""
+
+    a: InputPlan
+    b: InputPlan
+    transposed: bool  # b is [N, K] (nn.Linear's weight), else [K, N]
+    product: InputPlan
+    saved: bool  # the backward body reads the product: the forward stores it
+    incoming: str | None  # the output whose incoming gradient is the product's, if any
+
+
+@dataclass(frozen=True)
 class OpPlan:
     op: str  # the op's name: its module's, its function's
     kind: str  # its kernels' kind, by its registered name (fusegen.kinds.KINDS)
@@ -160,6 +176,7 @@ class OpPlan:
     no_gradient: frozenset[str] = frozenset()
     # The outputs written as parts side by side along their last dim; the others are whole.
     output_parts: tuple[OutputParts, ...] = ()
+    matmul: MatmulPlan | None = None  # the gemm kind's
 
     def parts_of(self, output: str) -> OutputParts | None:
         """The output's parts, by its spec name; None for a whole output."""

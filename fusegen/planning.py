@@ -12,6 +12,8 @@ code only: public signatures keep the spec's names). See fusegen.names.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy
 
 from . import ir
@@ -21,7 +23,8 @@ from .functions import FUNCTIONS
 from .kinds import kind_of
 from .layout import Choice, Scalar
 from .names import PYTHON_BUILTINS, Namer
-from .plan import Body, GradientPlan, HelperPlan, InputPlan, KernelPlan, Mask, OpPlan, OutputParts, ParamPlan, Value
+from .plan import (Body, GradientPlan, HelperPlan, InputPlan, KernelPlan, Mask, MatmulPlan, OpPlan, OutputParts, ParamPlan,
+                   Value)
 from .printers import EagerPrinter
 from .rows import WIDTH
 from .simplify import Block, ChoiceHelper, SimplifiedOp, grad_output_name, value_names
@@ -40,14 +43,23 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     for item in (*spec.inputs, *spec.params, *spec.outputs):
         names[item.name] = namer.claim(item.name)
     symbols: dict[str, str] = {}  # simplify's symbol names → local names
-    inputs = []
-    for spec_input in spec.inputs:
+    matmul = op.ir.matmul
+    if matmul is not None:  # the product, a value of the kernels' bodies as an input is
+        names[ir.PRODUCT] = namer.claim("product")
+    planned = {}  # InputPlan of each input, and of the product
+    for spec_input in (*spec.inputs, *([op.ir.epilogue_inputs[0]] if matmul else [])):
         local = names[spec_input.name]
         values = []
         for k, value in enumerate(value_names(spec_input)):
             symbols[value] = local if spec_input.chunks == 1 else namer.claim(f"{local}_chunk{k}")
             values.append(Value(symbols[value], k))
-        inputs.append(InputPlan(spec_input.name, local, spec_input.layout, tuple(values)))
+        # The product is named by its local: a declaration's name (gemm_launch's), never a spec name.
+        name = local if spec_input.name == ir.PRODUCT else spec_input.name
+        layout = spec_input.layout if name == spec_input.name else replace(spec_input.layout, name=name)
+        planned[spec_input.name] = InputPlan(name, local, layout, tuple(values))
+    inputs = [planned[i.name] for i in spec.inputs]
+    # What the bodies read: the inputs, a matmul's operands replaced by its product.
+    epilogue = [planned[i.name] for i in op.ir.epilogue_inputs]
     dropout_ps = {d.p for d in op.ir.dropouts}
     params = []
     for p in spec.params:
@@ -75,7 +87,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     kernel_values = {g.input for g in op.gradients if g.passthrough_of is None}
     grad_locals = {
         value: namer.claim(f"grad_{symbols[value]}")
-        for spec_input in spec.inputs
+        for spec_input in op.ir.epilogue_inputs
         for value in value_names(spec_input)
         if value in kernel_values
     }
@@ -99,7 +111,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     choices = tuple(p for p in params if isinstance(p.declaration, Choice))
     width = symbols.get(WIDTH.name)  # a kind with rows names N
     forward = KernelPlan(
-        inputs=tuple(inputs),
+        inputs=tuple(i for i in epilogue if i is not planned.get(ir.PRODUCT)),  # the product it forms itself
         incoming=(),
         outputs=tuple(local for _, local in outputs),
         gradients=(),
@@ -113,20 +125,16 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     backward_symbols = op.backward.free_symbols()
     if op.backward_no_dropout is not None:
         backward_symbols |= op.backward_no_dropout.free_symbols()
-    spec_inputs = {i.name: i for i in spec.inputs}
+    read = list(zip(epilogue, op.ir.epilogue_inputs))  # (InputPlan, its spec input)
     gradients = tuple(
-        GradientPlan(
-            i,
-            tuple(grad_locals[n] for n in value_names(spec_inputs[i.name])),
-            i.layout.one_per_row,
-        )
-        for i in inputs
-        if any(n in kernel_values for n in value_names(spec_inputs[i.name]))
+        GradientPlan(i, tuple(grad_locals[n] for n in value_names(spec_input)), i.layout.one_per_row)
+        for i, spec_input in read
+        if any(n in kernel_values for n in value_names(spec_input))
     )
     backward = KernelPlan(
         inputs=tuple(
-            i for i in inputs
-            if any(sympy.Symbol(n, real=True) in backward_symbols for n in value_names(spec_inputs[i.name]))
+            i for i, spec_input in read
+            if any(sympy.Symbol(n, real=True) in backward_symbols for n in value_names(spec_input))
         ),
         incoming=tuple(incoming[name] for name, _ in outputs),
         outputs=(),
@@ -171,7 +179,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         masks=tuple(masks),
         forward=forward,
         backward=backward,
-        passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients if g.passthrough_of is not None),
+        passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients
+                          if g.passthrough_of is not None and g.input != ir.PRODUCT),
         same_gradient=tuple((g.input, g.same_as) for g in op.gradients if g.same_as is not None),
         gradient_reads=_gradient_reads(spec, op),
         eager=eager,
@@ -187,6 +196,12 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         ),
         output_dtypes=tuple((b.name, b.dtype) for b in spec.outputs if b.dtype is not None),
         no_gradient=frozenset(b.name for b in spec.outputs if not b.differentiable),
+        matmul=None if matmul is None else MatmulPlan(
+            planned[matmul.a], planned[matmul.b], matmul.transposed, planned[ir.PRODUCT],
+            saved=sympy.Symbol(ir.PRODUCT, real=True) in (op.backward.free_symbols() | (
+                op.backward_no_dropout.free_symbols() if op.backward_no_dropout else set())),
+            incoming=next((g.passthrough_of for g in op.gradients if g.input == ir.PRODUCT and g.passthrough_of), None),
+        ),
     )
 
 
@@ -203,6 +218,8 @@ def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[st
     # A part's incoming gradient is read from its output's.
     whole = {ir.part_name(name, k): name for name, count in op.ir.output_parts for k in range(count)}
     reads = {g.input: {whole.get(r, r) for r in g.reads} for g in op.gradients}
+    if op.ir.matmul is not None:  # the operands' gradients are the product's, multiplied
+        reads[op.ir.matmul.a] = reads[op.ir.matmul.b] = reads[ir.PRODUCT]
     every = [b.name for b in spec.outputs]
     result = []
     for spec_input in spec.inputs:

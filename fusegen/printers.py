@@ -408,6 +408,9 @@ class EagerPrinter:
             return f"{self.chunks[e.name]}[{e.index}]"
         if isinstance(e, ir.Col):
             return self.column
+        if isinstance(e, ir.MatMul):  # an atom: F.linear, or the parenthesized product
+            a, b = self.names[e.a], self.names[e.b]
+            return f"F.linear({a}, {b})" if e.transposed else f"({a} @ {b})"
         if isinstance(e, ir.Unary):
             return f"-{self._operand(e.operand)}"
         if isinstance(e, ir.Binary):

@@ -140,13 +140,16 @@ def grad_output_name(output: str) -> str:
 
 def simplify(op: ir.OpIR) -> SimplifiedOp:
     spec = op.spec
-    chunked = {n for i in spec.inputs if i.chunks > 1 for n in value_names(i)}
+    # What the expressions read: with a matmul, its product stands for its operands, and their
+    # gradients are the backend's (from the product's).
+    read = op.epilogue_inputs
+    chunked = {n for i in read if i.chunks > 1 for n in value_names(i)}
     # An input broadcast by its declaration ([N], [..., 1]) has its gradient summed: in the
     # backward kernel, which reads the incoming gradient anyway, not by torch, in a pass of its own.
-    chunked |= {i.name for i in spec.inputs if not i.has_ellipsis or i.dims[-1] == "1"}
-    inputs = {n: sympy.Symbol(n, real=True) for i in spec.inputs for n in value_names(i)}
+    chunked |= {i.name for i in read if not i.has_ellipsis or i.dims[-1] == "1"}
+    inputs = {n: sympy.Symbol(n, real=True) for i in read for n in value_names(i)}
     # Integer and bool inputs are read, never differentiated: no gradient is derived for them.
-    wrt = {n: s for n, s in inputs.items() if n not in {i.name for i in spec.inputs if i.dtype != "float"}}
+    wrt = {n: s for n, s in inputs.items() if n not in {i.name for i in read if i.dtype != "float"}}
     if not any(b.differentiable for b in spec.outputs):  # quantized outputs: the op has no gradient
         wrt = {}
     params = {p.name: sympy.Symbol(p.name, real=True) for p in spec.scalar_params}
@@ -162,7 +165,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
 
     grad_outputs = tuple(sympy.Symbol(grad_output_name(name), real=True) for name, _ in op.outputs)
     totals = {
-        has_dropout: _input_gradients(spec, outputs[has_dropout], wrt, grad_outputs) for has_dropout in (True, False)
+        has_dropout: _input_gradients(op, outputs[has_dropout], wrt, grad_outputs) for has_dropout in (True, False)
     }
     # A part of a concatenated output is never a whole tensor: no gradient passes it through.
     parts = {ir.part_name(name, k) for name, count in op.output_parts for k in range(count)}
@@ -176,7 +179,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
             else None,
         )
         for name in wrt
-    ), [totals[True], totals[False]], chunked)
+    ), [totals[True], totals[False]], chunked | {ir.PRODUCT})  # no input's gradient is the product's: g is no input
     gradients = tuple(
         replace(g, reads=_reads((totals[True][g.input], totals[False][g.input]), grad_outputs)) for g in gradients
     )
@@ -186,6 +189,9 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     }
 
     used = set().union(*(e.free_symbols for _, e in outputs[True] + outputs[False]))
+    if op.matmul is not None and inputs[ir.PRODUCT] not in used:
+        binding = spec.outputs[0]
+        raise SpecError(spec.path, binding.line, f"the product {op.matmul.text} simplifies away: no output reads it")
     used |= set().union(*(e.free_symbols for _, e in backward[True] + backward[False]))
     return SimplifiedOp(
         ir=op,
@@ -330,6 +336,8 @@ class _Lowering:
             return in_compute(self.symbols[e.name])
         if isinstance(e, (ir.InputRef, ir.ParamRef)):
             return self.symbols[e.name]
+        if isinstance(e, ir.MatMul):
+            return self.symbols[ir.PRODUCT]
         if isinstance(e, ir.ChunkRef):
             return self.symbols[chunk_name(e.name, e.index)]
         if isinstance(e, ir.Col):
@@ -387,14 +395,16 @@ def _shape(value: sympy.Expr) -> str:
     return "a power whose constant base or exponent"
 
 
-def _input_gradients(spec, outputs, inputs, grad_outputs) -> dict[str, sympy.Expr]:
-    """grad_input = Σ_outputs grad_output · ∂output/∂input, for every input."""
+def _input_gradients(op: ir.OpIR, outputs, inputs, grad_outputs) -> dict[str, sympy.Expr]:
+    """grad_input = Σ_outputs grad_output · ∂output/∂input, for every input (a matmul's product
+    as one)."""
+    spec = op.spec
     bindings = ir.output_bindings(spec)
     lines = {value: b.line for value, b in bindings.items()}
     differentiable = {value for value, b in bindings.items() if b.differentiable}  # the others send no gradient back
     shown = {n: n for n in inputs} | {
         n: f"chunk({i.name}, {k})" for i in spec.inputs if i.chunks > 1 for k, n in enumerate(value_names(i))
-    }
+    } | ({ir.PRODUCT: op.matmul.text} if op.matmul else {})
     totals = {}
     for name, symbol in inputs.items():
         terms = []

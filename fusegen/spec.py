@@ -6,6 +6,7 @@ parses them.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import keyword
 import math
@@ -483,7 +484,7 @@ def _parse(data: bytes, shown: str) -> OpSpec:
     params = _parse_params(doc.get("params"), lines.get("params", doc.line), names)
     lets = _parse_bindings(doc.get("let"), lines.get("let", doc.line), "let", "intermediate", names, required=False)
     outputs = _parse_bindings(doc["outputs"], lines["outputs"], "outputs", "output", names, required=True)
-    out_dims = _broadcast_dims(inputs)
+    out_dims = _output_dims(inputs, (*lets, *outputs))
     for binding in outputs:
         if binding.parts and not out_dims:
             raise _Located(binding.line, f"output '{binding.name}': a concatenated output needs a last dim, and the inputs have none")
@@ -727,6 +728,47 @@ def _expression_text(name: str, text: Any, what: str, line: int) -> str:
     if "#" in text:
         raise _Located(line, f"expression for '{name}' contains '#': comments are not allowed inside an expression")
     return text
+
+
+def _output_dims(inputs: tuple[InputSpec, ...], bindings) -> tuple[str, ...]:
+    """The output's dims: the inputs' broadcast, a matmul's product ([..., N]) standing for its
+    operands. A matmul written other than `a @ b` or `a @ T(b)` of inputs is ir's to refuse, with
+    its own message: the dims wait for it (none here)."""
+    products = [matmul_operands(b.text) for b in bindings]
+    if any(p is None for p in products):
+        return ()
+    by_name = {i.name: i for i in inputs}
+    operands, shapes = set(), []
+    for a, b, transposed in (m for found in products for m in found):
+        left, right = by_name.get(a), by_name.get(b)
+        if left is None or right is None or not left.dims or len(right.dims) != 2:
+            return ()
+        n = right.dims[0] if transposed else right.dims[1]
+        operands |= {a, b}
+        shapes.append(InputSpec(f"{a} @ {'T(' + b + ')' if transposed else b}", (*left.dims[:-1], n), left.line))
+    return _broadcast_dims(tuple(i for i in inputs if i.name not in operands) + tuple(shapes))
+
+
+def matmul_operands(text: str) -> list[tuple[str, str, bool]] | None:
+    """Each `a @ b` / `a @ T(b)` in an expression, as (a, b, transposed); None where some `@`
+    has other operands (or the text does not parse: ir says why)."""
+    if "@" not in text:
+        return []
+    try:
+        tree = ast.parse(" ".join(text.split("\n")), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            right, transposed = node.right, False
+            if (isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "T"
+                    and len(right.args) == 1 and not right.keywords):
+                right, transposed = right.args[0], True
+            if not (isinstance(node.left, ast.Name) and isinstance(right, ast.Name)):
+                return None
+            found.append((node.left.id, right.id, transposed))
+    return found
 
 
 def _broadcast_dims(inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:

@@ -136,7 +136,7 @@ CASES = [
     ("unknown_name", H + "inputs:\n  x: [N]\nparams:\n  alpha: {type: float, default: 1.0}\noutputs:\n  y: x * alpha + beta\n",
      "specs/x.yaml:8: unknown name 'beta' (known: alpha, x)"),
     ("unknown_function", H + "inputs:\n  x: [..., N]\n  bias: [N]\noutputs:\n  y: gelux(x + bias)\n",
-     "specs/x.yaml:7: unknown function 'gelux' (known: abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
+     "specs/x.yaml:7: unknown function 'gelux' (known: T, abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
     ("unknown_choice", H + "inputs:\n  x: [N]\nparams:\n  act: {choices: [relu, gelux], default: relu}\noutputs:\n  y: act(x)\n",
      "specs/x.yaml:6: param 'act': unknown function 'gelux' in choices (known: abs, clamp, cos, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, tanh)"),
     ("choice_not_a_name", H + "inputs:\n  x: [N]\nparams:\n  act: {choices: [relu, [gelu]], default: relu}\noutputs:\n  y: act(x)\n",
@@ -312,6 +312,26 @@ CASES = [
      "specs/x.yaml:6: sum() takes 1 argument, got 2"),
     ("reduction_name_as_input", H + "inputs:\n  mean: [..., N]\noutputs:\n  y: mean\n",
      "specs/x.yaml:4: input name 'mean' is the name of the function 'mean' of the expression language"),
+    # A matmul (issue 32): one an op, of inputs, its operands read through it only.
+    ("matmul_two", H + "inputs:\n  x: [..., K]\n  w: [N, K]\n  v: [N, K]\nlet:\n  h: x @ T(w)\n"
+     "outputs:\n  y: h * (x @ T(v))\n",
+     "specs/x.yaml:10: an op takes one matmul: x @ T(v) here, x @ T(w) at line 8"),
+    ("matmul_of_expression", H + "inputs:\n  x: [..., K]\n  w: [N, K]\noutputs:\n  y: (x + 1) @ T(w)\n",
+     "specs/x.yaml:7: '(x + 1) @ T(w)': @ multiplies two inputs, as x @ weight (weight [K, N]) or x @ T(weight) "
+     "(weight [N, K])"),
+    ("matmul_transpose_alone", H + "inputs:\n  x: [..., N]\n  w: [N, N]\noutputs:\n  y: x * T(w)\n",
+     "specs/x.yaml:7: T(...) transposes a matmul's right operand: write x @ T(weight), weight [N, K]"),
+    ("matmul_operand_read", H + "inputs:\n  x: [..., K]\n  w: [K, K]\noutputs:\n  y: x @ w + x\n",
+     "specs/x.yaml:7: 'x' is an operand of x @ w and cannot also be read elementwise"),
+    ("matmul_linear_layout", H + "inputs:\n  x: [..., K]\n  w: [N, K]\noutputs:\n  y: x @ w\n",
+     "specs/x.yaml:7: 'x @ w': x's last dim K is not w's first dim N (nn.Linear's [N, K] weight is written "
+     "x @ T(weight))"),
+    ("matmul_row_reduction", H + "inputs:\n  x: [..., K]\n  w: [N, K]\noutputs:\n  y: softmax_like(x)\n"
+     .replace("softmax_like(x)", "exp(x @ T(w)) / sum(exp(x @ T(w)))"),
+     "specs/x.yaml:7: row reductions (sum, mean, max, min, take) in an op with a matmul (x @ T(w)) are not "
+     "supported yet"),
+    ("matmul_name_t", H + "inputs:\n  T: [..., N]\noutputs:\n  y: T\n",
+     "specs/x.yaml:4: input name 'T' is the name of the function 'T' of the expression language"),
 ]
 
 

@@ -75,9 +75,9 @@ NAMES_CLASSES = {
     # the op's own arguments (spec.SIGNATURE_NAMES, self), which spec.py refuses for inputs and params
     "signature": ["seed", "training", "self", "out"],
     # RESERVED_NAMES: the kernels' arguments and constexprs as they are spelled, which the namer renames
-    "reserved": ["M", "N", "BLOCK_M"],
+    "reserved": ["M", "N", "BLOCK_M", "K"],  # K: the gemm kind's reduced dim
     # other kernel and module names, lower-case or unreserved: ctx, x, y, ...
-    "kernel_local": ["ctx", "x", "y", "z", "t", "g", "chunks", "meta", "K", "ACT", "ACT_CHOICES", "act_choices"],
+    "kernel_local": ["ctx", "x", "y", "z", "t", "g", "chunks", "meta", "ACT", "ACT_CHOICES", "act_choices"],
     # reserved constexprs lower-cased, which a choice param's upper-cased constexpr could hit
     "constexpr_lower": ["block_m", "block_n", "index_64", "compute_fp64", "has_dropout", "rows_per_program"],
     # names plan.py and TritonNames derive from the spec's (x_ptr, grad_x, NEEDS_GRAD_X, t0, ...)

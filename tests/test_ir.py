@@ -208,8 +208,8 @@ def test_walk_visits_parents_first(tmp_path):
 
 HOSTILE = [
     ("__import__('os').system('touch pwned')", "unsupported call: __import__('os').system('touch pwned') (call a function by its name)"),
-    ("__import__('os')", "unknown function '__import__' (known: abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
-    ("eval('1')", "unknown function 'eval' (known: abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
+    ("__import__('os')", "unknown function '__import__' (known: T, abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
+    ("eval('1')", "unknown function 'eval' (known: T, abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
     ("a.__class__", "unsupported syntax: a.__class__"),
     ("exp.__globals__", "unsupported syntax: exp.__globals__"),
     ("a[0]", "unsupported syntax: a[0]"),
@@ -267,7 +267,7 @@ def test_parsing_evaluates_nothing(tmp_path, monkeypatch):
 
 
 ERRORS = [
-    ("gelux(a)", "unknown function 'gelux' (known: abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
+    ("gelux(a)", "unknown function 'gelux' (known: T, abs, chunk, clamp, cos, dropout, erf, exp, expm1, floor, gelu, gelu_tanh, identity, leaky_relu, log, log1p, max, mean, min, quick_gelu, relu, round, rsqrt, sigmoid, sign, silu, sin, softplus, sqrt, squared_relu, sum, take, tanh, where)"),
     ("a + z", "unknown name 'z' (known: a, b, c, k, p, q)"),
     ("max()", "max() takes 1 argument (a row reduction) or 2 (elementwise), got 0"),
     ("min(a, b, a)", "min() takes 1 argument (a row reduction) or 2 (elementwise), got 3"),
@@ -288,7 +288,7 @@ ERRORS = [
     ("where(a is b, a, 0)", "only single comparisons (<, <=, >, >=, ==, !=) are supported"),
     ("a // b", "unsupported operator in a // b (supported: + - * / ** and comparisons, combined by & | ~)"),
     ("a % b", "unsupported operator in a % b (supported: + - * / ** and comparisons, combined by & | ~)"),
-    ("a @ b", "unsupported operator in a @ b (supported: + - * / ** and comparisons, combined by & | ~)"),
+    ("a @ b", "'a @ b': 'b' must have two named dims, as [K, N]"),
     ("a & b", "& | ~ combine conditions, and a is not one: write a comparison, as in (x > 0) & (y < 1)"),
     ("~a", "& | ~ combine conditions, and a is not one: write a comparison, as in (x > 0) & (y < 1)"),
     ("not a", "unsupported operator in not a: combine conditions with & | ~, each comparison in parentheses, as in (x > 0) & (x < 1)"),

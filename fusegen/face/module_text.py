@@ -44,6 +44,9 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
     if plan.no_gradient:
         no_gradient = [name for name, _ in plan.outputs if name in plan.no_gradient]
         lines.append(f"no_gradient={_strings(no_gradient)},  # outputs without a gradient")
+    if plan.matmul:
+        m = plan.matmul
+        lines.append(f'matmul=runtime.MatMul("{m.a.name}", "{m.b.name}", transposed={m.transposed}),  # its product: [..., N]')
     if plan.masks:
         lines.append(f"masks={_strings([m.p.name for m in plan.masks])},  # each dropout's p, by Philox stream")
     if plan.passthrough:

@@ -5,12 +5,12 @@ adds its module and one entry here, and its kernel text and launcher beside each
 module's Python face look a plan's kind up by name (`KINDS[plan.kind]`)."""
 from __future__ import annotations
 
-from . import pointwise, row
+from . import gemm, pointwise, row
 from .base import Kind, ReferenceBody
 
 __all__ = ["KINDS", "Kind", "ReferenceBody", "kind_of"]
 
-KINDS: dict[str, Kind] = {k.name: k for k in (pointwise.KIND, row.KIND)}
+KINDS: dict[str, Kind] = {k.name: k for k in (pointwise.KIND, row.KIND, gemm.KIND)}
 
 
 def kind_of(op) -> Kind:

@@ -76,7 +76,8 @@ def reference_signature(plan: OpPlan) -> tuple[str, str, set[str]]:
     """The reference's arguments, its return, and the locals that are tensors (the
     forward's values and masks): as every kind's reference takes and gives them."""
     kernel = plan.forward  # the reference computes what the forward kernel does, in torch
-    values = [v.local for i in kernel.inputs for v in i.values]
+    # With a matmul (the gemm kind) it takes the operands too, and forms the product first.
+    values = [v.local for i in (plan.inputs if plan.matmul else kernel.inputs) for v in i.values]
     arguments = ["problem", *values, *(p.local for p in plan.params)] + (["masks"] if plan.has_dropout else [])
     returns = []
     for (name, _), out in zip(plan.outputs, kernel.outputs):
@@ -84,4 +85,5 @@ def reference_signature(plan: OpPlan) -> tuple[str, str, set[str]]:
         # A concatenated output: its parts (each as broadcast as its own inputs) side by side.
         returns.append(out if parts is None else
                        f"torch.cat([part.expand(problem.shape) for part in {tuple_text(parts.values)}], dim=-1)")
-    return ", ".join(arguments), tuple_text(returns), set(values) | {m.local for m in kernel.masks}
+    tensors = set(values) | {m.local for m in kernel.masks} | ({plan.matmul.product.local} if plan.matmul else set())
+    return ", ".join(arguments), tuple_text(returns), tensors

@@ -17,7 +17,7 @@ class Pointwise:
     keeps = ""
 
     def matches(self, op: SimplifiedOp) -> bool:
-        return isinstance(op.forward, Block)
+        return isinstance(op.forward, Block) and op.ir.matmul is None
 
     def symbol_names(self, namer, op: SimplifiedOp) -> dict[str, str]:
         return {}  # every symbol is an input's, a param's, a mask's, a gradient's or a temporary

@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
-from ..layout import Input, in_range, range_text
+from ..layout import Input, MatMul, in_range, range_text
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # An integer or bool input's dtype, as its declaration names it (layout.INTEGER_DTYPES): exactly that one.
@@ -103,28 +103,30 @@ PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 CACHE_SIZE = 4096
 
 
-def broadcast_problem(op: str, inputs: tuple[Input, ...], tensors: tuple, cache: dict | None = None) -> Problem:
-    """Check tensors against the spec's dims and broadcast them as torch would. `cache`: the
-    op's problems already checked, by what the checks depend on (shapes, dtypes, devices):
-    this runs on every call, and a training loop repeats a few shapes."""
+def broadcast_problem(op: str, inputs: tuple[Input, ...], tensors: tuple, cache: dict | None = None,
+                      matmul: MatMul | None = None) -> Problem:
+    """Check tensors against the spec's dims and broadcast them as torch would (a matmul's
+    product [..., N] standing for its operands). `cache`: the op's problems already checked, by
+    what the checks depend on (shapes, dtypes, devices): this runs on every call, and a training
+    loop repeats a few shapes."""
     if cache is None:
-        return _check_and_broadcast(op, inputs, tensors)
+        return _check_and_broadcast(op, inputs, tensors, matmul)
     key = []
     for t in tensors:
         if type(t) not in PLAIN_TENSOR_TYPES:
-            return _check_and_broadcast(op, inputs, tensors)
+            return _check_and_broadcast(op, inputs, tensors, matmul)
         key.append((t.shape, t.dtype, t.device))
     key = tuple(key)
     problem = cache.get(key)
     if problem is None:
-        problem = _check_and_broadcast(op, inputs, tensors)
+        problem = _check_and_broadcast(op, inputs, tensors, matmul)
         if len(cache) >= CACHE_SIZE:
             cache.clear()
         cache[key] = problem
     return problem
 
 
-def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple) -> Problem:
+def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, matmul: MatMul | None = None) -> Problem:
     for spec, value in zip(inputs, tensors):
         if not isinstance(value, torch.Tensor):
             raise FusegenArgumentError(f"{op}(): {spec.name} must be a torch.Tensor, got {type(value).__name__}")
@@ -145,11 +147,19 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple) -> 
     value_shapes = [
         t.shape[:-1] + (t.shape[-1] // i.chunks,) if i.chunks > 1 else t.shape for i, t in zip(inputs, tensors)
     ]
+    if matmul is not None:
+        value_shapes = _with_product(op, inputs, tensors, value_shapes, matmul)
     try:
         shape = torch.broadcast_shapes(*value_shapes)
     except RuntimeError:
         shown = " and ".join(f"{i.name} {list(t.shape)}" for i, t in zip(inputs, tensors))
         raise FusegenArgumentError(f"{op}(): shapes do not broadcast: {shown}") from None
+    if matmul is not None and tuple(shape) != tuple(value_shapes[0]):
+        product = value_shapes[0]
+        name, tensor = next((i.name, t) for i, t in zip(inputs, tensors) if i.name not in (matmul.a, matmul.b)
+                            and torch.broadcast_shapes(t.shape, product) != product)
+        raise FusegenArgumentError(f"{op}(): {name} {list(tensor.shape)} broadcasts the product {matmul.text} "
+                                   f"{list(product)} to {list(shape)}")
     n = shape[-1] if len(shape) else 1
     # The product, not numel() // n: torch.Size.numel() makes a symbolic size (torch.compile's
     # dynamic shapes) a constant, which would recompile the graph for every sequence length.
@@ -159,6 +169,15 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple) -> 
     compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     has_data = device.type != "meta" and not any(is_fake(t) for t in tensors)
     return Problem(shape, m, n, out_dtype, compute_dtype, device, has_data)
+
+
+def _with_product(op: str, inputs, tensors, value_shapes: list, matmul: MatMul) -> list:
+    """The value shapes with the product's ([..., N]) first, in place of its operands'."""
+    names = [i.name for i in inputs]
+    a, b = tensors[names.index(matmul.a)], tensors[names.index(matmul.b)]
+    n = b.shape[0] if matmul.transposed else b.shape[1]
+    others = [s for name, s in zip(names, value_shapes) if name not in (matmul.a, matmul.b)]
+    return [a.shape[:-1] + (n,), *others]
 
 
 def _check_named_dims(op: str, inputs: tuple[Input, ...], tensors: tuple) -> None:

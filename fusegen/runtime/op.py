@@ -25,7 +25,7 @@ from .out import check_out_targets, check_out_without_grad, output_buffer, write
 from .backend import BackendKernels, BoundKernels
 from .prepared import CACHE_SIZE, PreparedCall, call_key
 from . import native, sharding
-from ..layout import Choice, Input, Scalar
+from ..layout import Choice, Input, MatMul, Scalar
 
 _SCHEMA_TYPES = {"float": "float", "int": "int"}
 
@@ -68,10 +68,14 @@ class FusedOp:
         gradient_reads: dict[str, tuple[str, ...]] | None = None,
         output_dtypes: dict[str, str] | None = None,
         no_gradient: tuple[str, ...] = (),
+        matmul: MatMul | None = None,
         kernels: BackendKernels,
         reference,
     ):
         self.name = name
+        # The op's matmul (the gemm kind): its product [..., N] is the problem, its operands
+        # are not broadcast; the product is what the forward keeps for the backward.
+        self.matmul = matmul
         self.inputs = inputs
         self.params = params
         self.outputs = outputs
@@ -114,6 +118,7 @@ class FusedOp:
         # to the prepared launch (_native_backward).
         self._kernel_only_backward = not self._has_same and all(p is None for p in self._passthrough)
         computed = set(kernels.gradients) | set(passthrough) | set(same_gradient)
+        computed |= {matmul.a, matmul.b} if matmul else set()  # from the product's gradient
         # Integer and bool inputs have none: they cannot require grad, so none is ever asked for.
         missing = [i.name for i in inputs if i.name not in computed and i.differentiable and not self._forward_only]
         if missing:  # a generated module out of step with its runtime
@@ -259,7 +264,7 @@ class FusedOp:
         for i, param, choices in self._choice_checks:
             if params[i] not in choices:
                 check_choice(name, param, params[i], choices)
-        problem = broadcast_problem(name, self.inputs, args[:n], self._problems)
+        problem = broadcast_problem(name, self.inputs, args[:n], self._problems, self.matmul)
         if problem.n == 0 and True in self._row_outputs:
             raise FusegenArgumentError(
                 f"{name}(): the last dim is empty, and an output with one value per row of an empty row is not defined"
@@ -306,7 +311,8 @@ class FusedOp:
                                      self.output_dtype(problem, i)) for i in range(count)]
         statistics = None
         if self.statistics:
-            statistics = torch.empty(self.statistics_shape(problem), dtype=problem.compute_dtype, device=problem.device)
+            statistics = torch.empty(self.statistics_shape(problem), dtype=self.statistics_dtype(problem),
+                                     device=problem.device)
         if traced:
             self.kernels.forward(call, tensors, outputs, seed, statistics=statistics, traced=True)
         elif problem.launches:  # not without elements, nor without data (meta or fake tensors)
@@ -315,8 +321,14 @@ class FusedOp:
 
     def statistics_shape(self, problem: Problem) -> tuple:
         """The row statistics kept for the backward: [..., statistics], one row per output row
-        (laid out as [M, statistics]; shaped so that a DTensor shard of the rows is one too)."""
-        return (*problem.shape[:-1], self.statistics)
+        (laid out as [M, statistics]; shaped so that a DTensor shard of the rows is one too);
+        with a matmul, its product (the problem's shape)."""
+        return tuple(problem.shape) if self.matmul is not None else (*problem.shape[:-1], self.statistics)
+
+    def statistics_dtype(self, problem: Problem) -> torch.dtype:
+        """Statistics in the compute dtype; a matmul's product in the outputs' (as autograd keeps
+        F.linear's output for the ops after it)."""
+        return problem.out_dtype if self.matmul is not None else problem.compute_dtype
 
     def output_shape(self, problem: Problem, index: int) -> tuple:
         """The problem's shape; for an output with one value per row, its last dim is 1; for one
@@ -758,11 +770,11 @@ def _register_library_ops(op: FusedOp):
     @forward_op.register_fake
     def _(*args):
         _refuse_tangents(op, args)
-        problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)], op._problems)
+        problem = broadcast_problem(op.name, op.inputs, args[: len(op.inputs)], op._problems, op.matmul)
         outputs = [torch.empty(op.output_shape(problem, i), dtype=op.output_dtype(problem, i), device=problem.device)
                    for i in range(len(op.outputs))]
         seed = [torch.empty((1,), dtype=torch.int64, device=problem.device)] if op.has_dropout else []
-        statistics = [torch.empty(op.statistics_shape(problem), dtype=problem.compute_dtype, device=problem.device)
+        statistics = [torch.empty(op.statistics_shape(problem), dtype=op.statistics_dtype(problem), device=problem.device)
                       ] if op.statistics else []
         return outputs[0] if single else (*outputs, *seed, *statistics)
 

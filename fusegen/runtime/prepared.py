@@ -57,8 +57,8 @@ class PreparedCall:
     """One call key of one op: its checked `Call`, output shapes, the forward kernel's
     launch and the backward's, by backward key (`_backward_key`)."""
 
-    __slots__ = ("op", "call", "_tensors", "_outputs", "_statistics_shape", "_launch", "_backwards", "_offered",
-                 "_native_prepared", "_offered_backwards", "__weakref__")
+    __slots__ = ("op", "call", "_tensors", "_outputs", "_statistics_shape", "_statistics_dtype", "_launch", "_backwards",
+                 "_offered", "_native_prepared", "_offered_backwards", "__weakref__")
 
     def __init__(self, op, call, tensors: tuple):
         problem = call.problem
@@ -66,6 +66,7 @@ class PreparedCall:
         self._tensors = len(tensors)
         self._outputs = [(op.output_shape(problem, i), op.output_dtype(problem, i)) for i in range(len(op.outputs))]
         self._statistics_shape = op.statistics_shape(problem) if op.statistics else None
+        self._statistics_dtype = op.statistics_dtype(problem)
         self._launch: PreparedForward | None = op.kernels.prepare_forward(call, tensors) if problem.launches else None
         self._backwards: dict[tuple, PreparedBackward] = {}
         self._offered = False  # to the op's eager call in C++ (offer_native)
@@ -86,7 +87,7 @@ class PreparedCall:
         outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._outputs]
         statistics = None
         if self._statistics_shape is not None:
-            statistics = torch.empty(self._statistics_shape, dtype=problem.compute_dtype, device=device)
+            statistics = torch.empty(self._statistics_shape, dtype=self._statistics_dtype, device=device)
         if self._launch is not None:
             self._launch((*args[:self._tensors], *outputs, statistics, seed))
             if not self._offered and eager:
@@ -105,7 +106,7 @@ class PreparedCall:
         problem = self.call.problem
         draw = functools.partial(_draw_seed, self.op.name, problem.device) if self.call.has_dropout else None
         outputs = self._outputs  # (shape, dtype) each: the C++ call allocates them so
-        statistics = None if self._statistics_shape is None else (self._statistics_shape, problem.compute_dtype)
+        statistics = None if self._statistics_shape is None else (self._statistics_shape, self._statistics_dtype)
         self._native_prepared = native.register_call(calls, args, problem.device.index, outputs, statistics, form, self,
                                                      draw)
 

@@ -92,6 +92,9 @@ def takes_dtensors(op, tensors) -> bool:
         if type(t) is not torch.Tensor:
             module = sys.modules.get(_DTENSOR_MODULE)
             if module is not None and isinstance(t, module.DTensor):
+                if op.matmul is not None:
+                    raise FusegenArgumentError(f"{op.name}(): DTensor inputs are not supported yet for an op with a "
+                                               f"matmul ({op.matmul.text})")
                 if op not in _REGISTERED:
                     if torch.compiler.is_compiling():
                         # Registering is a side effect that torch.compile's tracer cannot make.

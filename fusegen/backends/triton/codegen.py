@@ -33,6 +33,7 @@ def render(plan: OpPlan) -> str:
     scalars = {p.local for kernel in (plan.forward, plan.backward) for p in kernel.scalars}
     tiles = {v.local for i in plan.inputs if i.layout.differentiable and not i.layout.one_per_row for v in i.values}
     tiles |= set(plan.backward.incoming) - per_row_incoming(plan)
+    tiles |= {plan.matmul.product.local} if plan.matmul else set()
     triton = TritonPrinter(names.triton_helpers, names.constexprs, KINDS[plan.kind].row_values(plan), scalars, tiles)
     forward = with_argument_comments(kind.forward(plan, names, triton))
     # A forward-only op (every output without a gradient: a float8 q and its scale) has none.

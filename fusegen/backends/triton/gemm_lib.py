@@ -32,18 +32,24 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 @triton.jit
 def matmul_tile(a_ptr, a_stride_m, a_stride_k, b_ptr, b_stride_k, b_stride_n, tile_m, tile_n, M, N, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INDEX_64: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr):
-    """(rows, cols, acc): the output tile's row and column indices and a @ b there, in fp32,
-    along K in BLOCK_K steps (the last masked: zeros add nothing). a and b take one dtype;
-    INPUT_PRECISION as tl.dot's ("ieee" for fp32 as torch.mm computes it by default)."""
+                INPUT_PRECISION: tl.constexpr, FP64: tl.constexpr = False):
+    """(rows, cols, acc): the output tile's row and column indices and a @ b there, in fp32
+    (in fp64 with FP64: the operands converted), along K in BLOCK_K steps (the last masked:
+    zeros add nothing). Operands of two dtypes are multiplied in fp32; INPUT_PRECISION as
+    tl.dot's ("ieee" for fp32 as torch.mm computes it by default)."""
     rows = indices(tile_m * BLOCK_M, BLOCK_M, INDEX_64)
     cols = indices(tile_n * BLOCK_N, BLOCK_N, INDEX_64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_dtype: tl.constexpr = tl.float64 if FP64 else tl.float32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), acc_dtype)
     for first_k in range(0, K, BLOCK_K):
         ks = indices(first_k, BLOCK_K, INDEX_64)
         a = tl.load(a_ptr + rows[:, None] * a_stride_m + ks[None, :] * a_stride_k,
                     mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
         b = tl.load(b_ptr + ks[:, None] * b_stride_k + cols[None, :] * b_stride_n,
                     mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if FP64:
+            a, b = a.to(tl.float64), b.to(tl.float64)
+        elif a.dtype != b.dtype:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
     return rows, cols, acc

@@ -12,6 +12,7 @@ KernelSignatureError. The trailing parameters no value names are the autotuner's
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -165,7 +166,7 @@ class Launch:
         self._launcher, self._grid, self._template = launcher, grid, template
         self._slots = tuple((position, a.index) for position, a in enumerate(template) if type(a) is Slot)
         self._zeroed = tuple((position, a) for position, a in enumerate(template) if type(a) is Zeroed)
-        self._copies = copies  # (value index, problem, chunks): a broadcast whose [M, N] view is a copy
+        self._copies = copies  # (value index, remake): a value whose view is a copy, remade per call
         self._constexprs = constexprs or {}
         self._binary = None
 
@@ -187,8 +188,8 @@ class Launch:
     def __call__(self, values: tuple) -> None:
         if self._copies:
             values = list(values)
-            for i, problem, chunks in self._copies:
-                values[i] = view_2d(values[i], problem, chunks)[0]
+            for i, remake in self._copies:
+                values[i] = remake(values[i])
         args = self._template.copy()
         zeroed = [(position, buffer.new()) for position, buffer in self._zeroed]  # alive past the launch
         binary = self._binary
@@ -418,7 +419,7 @@ class _Bound:
                 continue
             view = view_2d(tensor, problem, chunk)
             if view[0] is not tensor:
-                copies.append((value, problem, chunk))
+                copies.append((value, functools.partial(_copied_view, problem=problem, chunks=chunk)))
             views.append(view)
             args[pointer], args[stride_m], args[stride_n] = Slot(value), view[1], view[2]
         return args, copies, views
@@ -535,6 +536,11 @@ class _Bound:
             launch = Launch(self._graph_backward if traced else self._backward,
                             lambda meta: (tuning.cdiv(m, rows), tuning.cdiv(n, meta[BLOCK_N])), args, copies)
         return PreparedBackward(launch, targets, self._gradients, traced)
+
+
+def _copied_view(tensor, problem, chunks):
+    """A broadcast tensor's [M, N] view where that is a copy (made per call)."""
+    return view_2d(tensor, problem, chunks)[0]
 
 
 def _launches(problem, traced: bool) -> bool:

@@ -39,6 +39,8 @@ HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, SHARDED = "HAS_DROPOUT", "DROPOUT_WHOLE_GROUP
 INDEX_64, COMPUTE_FP64 = "INDEX_64", "COMPUTE_FP64"
 ROWS_PER_PROGRAM, BLOCK_M, BLOCK_N = "ROWS_PER_PROGRAM", "BLOCK_M", "BLOCK_N"
 STATISTICS, ONE_TILE = "statistics_ptr", "ONE_TILE"  # the row kernels' (row_kernel_text.py)
+# The gemm kernels' (gemm_kernel_text.py): the reduced dim, the tile along it, the tiles' grouping.
+K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT = "K", "BLOCK_K", "GROUP_M", "INPUT_PRECISION", "FP64_PRODUCT"
 EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a split row's (kernel_lib.split_program)
 
 
@@ -53,6 +55,7 @@ WANTED = {
     "pointer": pointer,  # an input's, and its strides
     "stride_m": lambda base: f"{base}_stride_m",
     "stride_n": lambda base: f"{base}_stride_n",
+    "stride_k": lambda base: f"{base}_stride_k",  # a matmul operand's along K
     "output": pointer,  # an output's pointer
     "incoming": lambda output: pointer(f"grad_{output}"),  # an output's incoming gradient, and its strides
     "incoming_stride_m": lambda output: f"grad_{output}_stride_m",
@@ -103,10 +106,19 @@ class TritonNames:
 
     def __init__(self, plan: OpPlan):
         namer = Namer(plan.taken)
+        # A matmul's operands are read by the matmul only, its product as an input is (gemm kind).
+        matmul = plan.matmul
+        operands = (matmul.a, matmul.b) if matmul else ()
         self.inputs = {
             i.name: InputNames(namer.claim(pointer(i.local)), namer.claim(WANTED["stride_m"](i.local)),
                                 namer.claim(WANTED["stride_n"](i.local)))
-            for i in plan.inputs
+            for i in (*plan.inputs, *([matmul.product] if matmul else [])) if i not in operands
+        }
+        # An operand's pointer and its two strides: a [M, K] (stride_m, stride_k), b [K, N]
+        # (stride_k, stride_n; nn.Linear's [N, K] weight as its transpose).
+        self.operands = {
+            i.name: (namer.claim(pointer(i.local)), *(namer.claim(WANTED[s](i.local)) for s in strides))
+            for i, strides in zip(operands, (("stride_m", "stride_k"), ("stride_k", "stride_n")))
         }
         self.incoming = {
             g: InputNames(namer.claim(pointer(g)), namer.claim(WANTED["stride_m"](g)), namer.claim(WANTED["stride_n"](g)))
@@ -145,6 +157,8 @@ class TritonNames:
         plan, named = self._plan, {}
         for name, n in self.inputs.items():
             named.update({("pointer", name): n.pointer, ("stride_m", name): n.stride_m, ("stride_n", name): n.stride_n})
+        for (name, (ptr, *strides)), kinds in zip(self.operands.items(), (("stride_m", "stride_k"), ("stride_k", "stride_n"))):
+            named.update({("pointer", name): ptr, **{(kind, name): stride for kind, stride in zip(kinds, strides)}})
         for (output, _), incoming in zip(plan.outputs, plan.backward.incoming):
             n = self.incoming[incoming]
             named.update({("incoming", output): n.pointer, ("incoming_stride_m", output): n.stride_m,

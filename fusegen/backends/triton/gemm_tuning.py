@@ -1,0 +1,34 @@
+"""The gemm kind's tiles: Triton's matmul configurations for Hopper (BLOCK_M, BLOCK_N,
+BLOCK_K, stages, warps), from the research behind the kind (docs/design/gemm-research.md:
+Triton's tutorials, Inductor's mm configs), pruned to those that fit a problem; one small
+tile under the interpreter. The g kernel of the backward is pointwise and tunes as that kind."""
+from __future__ import annotations
+
+import triton
+
+from .interpreter import is_interpreting
+from .tuning import Space, size_hint
+
+GROUP_M = 8  # tile rows a group of programs walks down one tile column (gemm_lib.grouped_tile)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
+_TILES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4), (64, 256, 64, 4, 4),
+          (128, 128, 128, 3, 8), (64, 128, 64, 4, 4), (64, 64, 64, 3, 4), (32, 64, 32, 4, 4), (16, 64, 64, 4, 4)]
+FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": GROUP_M}, num_stages=s,
+                                 num_warps=w) for m, n, k, s, w in _TILES]
+SMALLEST = 16  # tl.dot's least size along each dim
+
+
+def prune_forward_configs(configs, named_args, **kwargs):
+    """Tiles not far past the problem along any dim (each at least tl.dot's 16); under the
+    interpreter one small tile, at most 32 by 32 by 16 (as few numpy steps as the shapes allow)."""
+    m, n, k = named_args["M_BUCKET"], size_hint(named_args["N"]), size_hint(named_args["K"])
+    fit = lambda size, cap: min(cap, max(SMALLEST, triton.next_power_of_2(max(size, 1))))  # noqa: E731
+    if is_interpreting():
+        return [triton.Config({"BLOCK_M": fit(m, 32), "BLOCK_N": fit(n, 32), "BLOCK_K": SMALLEST, "GROUP_M": 1})]
+    fitting = [c for c in configs if c.kwargs["BLOCK_M"] <= fit(m, 128) and c.kwargs["BLOCK_N"] <= fit(n, 256)
+               and c.kwargs["BLOCK_K"] <= fit(k, 128)]
+    return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+FORWARD = Space(FORWARD_CONFIGS, prune_forward_configs)

@@ -1,0 +1,219 @@
+"""The gemm kind (issue 32): `x @ T(weight)` (nn.Linear's [N, K] weight) or `x @ weight`
+([K, N]) with an elementwise epilogue, one forward kernel; the backward's g kernel (the
+epilogue's pointwise backward over the saved product) and torch.matmul for the operands.
+Through the interpreter at small sizes: values and gradients against float64 truth, fp64
+gradcheck, the reference and eager twins, layouts, meta tensors, out=, torch.compile,
+torch.func, and the errors a caller can meet."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusegen.runtime import FusegenArgumentError
+from tests.helpers import build_and_import, check_against_truth
+
+GELU = """\
+name: linear_gelu_add
+doc: y = gelu_tanh(x @ T(weight) + bias) + residual
+inputs: {x: [..., K], weight: [N, K], bias: [N], residual: [..., N]}
+outputs: {y: gelu_tanh(x @ T(weight) + bias) + residual}
+"""
+# The product passes through to y: no g kernel forms it, the incoming gradient is g.
+LINEAR = """\
+name: linear_bias
+doc: y = x @ T(weight) + bias
+inputs: {x: [..., K], weight: [N, K], bias: [N]}
+outputs: {y: x @ T(weight) + bias}
+"""
+# weight as [K, N], a scalar param, two outputs.
+KN = """\
+name: matmul_tanh
+doc: y = tanh(x @ weight) * scale, z = x @ weight
+inputs: {x: [..., K], weight: [K, N]}
+params: {scale: {type: float, default: 1.0}}
+outputs: {y: tanh(x @ weight) * scale, z: x @ weight}
+"""
+
+
+def _truth(name, x, w, *rest, scale=1.0):
+    if name == "linear_gelu_add":
+        b, r = rest
+        return (F.gelu(F.linear(x, w, b), approximate="tanh") + r,)
+    if name == "linear_bias":
+        return (F.linear(x, w, rest[0]),)
+    z = x @ w
+    return torch.tanh(z) * scale, z
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemm")
+    return {name: build_and_import(folder, text) for name, text in
+            (("linear_gelu_add", GELU), ("linear_bias", LINEAR), ("matmul_tanh", KN))}
+
+
+def _inputs(name, k, dtype, lead=(2, 3), n=7, scale=1.0):
+    weight = (n, k) if name != "matmul_tanh" else (k, n)
+    shapes = {"linear_gelu_add": [(*lead, k), weight, (n,), (*lead, n)], "linear_bias": [(*lead, k), weight, (n,)],
+              "matmul_tanh": [(*lead, k), weight]}[name]
+    return [(torch.randn(s, dtype=torch.float64) * scale).to(dtype).requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize("name", ["linear_gelu_add", "linear_bias", "matmul_tanh"])
+@pytest.mark.parametrize("k", [5, 40])  # a masked tail of K; three BLOCK_K steps
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_values_and_gradients_against_float64_truth(ops, name, k, dtype):
+    torch.manual_seed(k)
+    op = getattr(ops[name], name)
+    inputs = _inputs(name, k, dtype)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    truth = _truth(name, *exact)
+    got = op(*inputs)
+    got = got if isinstance(got, tuple) else (got,)
+    # bf16: against the error of the same computation in bf16 (the reference, in the compute dtype
+    # after bf16 inputs, and torch's own bf16 ops).
+    low = _truth(name, *[t.detach() for t in inputs]) if dtype == torch.bfloat16 else (None,) * len(truth)
+    for g, t, lo in zip(got, truth, low):
+        check_against_truth(g, t.detach(), lo, what=f"{name} {dtype}")
+    grads = [torch.randn_like(t) for t in truth]
+    torch.autograd.backward(got, [g.to(dtype) for g in grads])
+    torch.autograd.backward(truth, grads)
+    if dtype == torch.bfloat16:
+        low_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        torch.autograd.backward(_truth(name, *low_inputs), [g.to(dtype) for g in grads])
+    for i, (t, e) in enumerate(zip(inputs, exact)):
+        check_against_truth(t.grad, e.grad, low_inputs[i].grad if dtype == torch.bfloat16 else None,
+                            what=f"{name} {dtype} gradient {i}")
+
+
+@pytest.mark.parametrize("name", ["linear_gelu_add", "linear_bias", "matmul_tanh"])
+def test_reference_and_eager_are_the_truth(ops, name):
+    torch.manual_seed(1)
+    module = ops[name]
+    inputs = _inputs(name, 9, torch.float64)
+    truth = _truth(name, *inputs)
+    for twin in (module.reference, module.eager):
+        got = twin(*inputs)
+        for g, t in zip(got if isinstance(got, tuple) else (got,), truth):
+            torch.testing.assert_close(g, t)
+
+
+@pytest.mark.parametrize("name", ["linear_gelu_add", "linear_bias", "matmul_tanh"])
+def test_fp64_gradcheck(ops, name):
+    torch.manual_seed(2)
+    op = getattr(ops[name], name)
+    assert torch.autograd.gradcheck(op, tuple(_inputs(name, 6, torch.float64, lead=(3,), n=5)))
+
+
+@pytest.mark.parametrize("wanted", [(1,), (2,), (0,), (0, 3)])
+def test_only_some_gradients(ops, wanted):
+    """Only weight, only bias, only x, x and residual: the others stay None, the asked-for are right."""
+    torch.manual_seed(3)
+    x, w, b, r = _inputs("linear_gelu_add", 8, torch.float64)
+    inputs = [t.detach().requires_grad_(i in wanted) for i, t in enumerate((x, w, b, r))]
+    y = ops["linear_gelu_add"].linear_gelu_add(*inputs)
+    g = torch.randn_like(y)
+    y.backward(g)
+    exact = [t.detach().requires_grad_() for t in inputs]
+    _truth("linear_gelu_add", *exact)[0].backward(g)
+    for i, (t, e) in enumerate(zip(inputs, exact)):
+        if i in wanted:
+            torch.testing.assert_close(t.grad, e.grad)
+        else:
+            assert t.grad is None
+
+
+def test_layouts(ops):
+    """weight as a transposed view, x whose rows are no view (a permute: copied per call),
+    a non-contiguous residual, and the [K, N] weight as a transposed view too."""
+    torch.manual_seed(4)
+    op = ops["linear_gelu_add"].linear_gelu_add
+    x = torch.randn(3, 4, 2, dtype=torch.float64).permute(2, 0, 1).requires_grad_()  # [2, 3, K=4], no [M, K] view
+    x = x.detach().requires_grad_() if x.is_leaf else x
+    w = torch.randn(4, 7, dtype=torch.float64).t().requires_grad_()  # [N, K], strides (1, 7)
+    w = w.detach().t().t().requires_grad_() if w.is_leaf else w
+    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(7, 2, 3, dtype=torch.float64).permute(1, 2, 0).requires_grad_()
+    for _ in range(2):  # the second call takes the prepared launch, with its per-call copy
+        got = op(x, w, b, r)
+        torch.testing.assert_close(got, _truth("linear_gelu_add", x, w, b, r)[0])
+    kn = ops["matmul_tanh"].matmul_tanh
+    w_kn = torch.randn(7, 4, dtype=torch.float64).t()
+    y, z = kn(x.detach(), w_kn, scale=0.5)
+    torch.testing.assert_close(z, x.detach() @ w_kn)
+    torch.testing.assert_close(y, torch.tanh(x.detach() @ w_kn) * 0.5)
+
+
+def test_empty_and_one_row(ops):
+    op = ops["linear_gelu_add"].linear_gelu_add
+    x, w, b, r = _inputs("linear_gelu_add", 5, torch.float32, lead=(0, 3))
+    y = op(x, w, b, r)
+    assert y.shape == (0, 3, 7)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.abs().sum() == 0
+    x, w, b, r = _inputs("linear_gelu_add", 5, torch.float64, lead=(1,))
+    torch.testing.assert_close(op(x, w, b, r), _truth("linear_gelu_add", x, w, b, r)[0])
+
+
+def test_operands_of_two_dtypes(ops):
+    """Promoted as torch promotes the other inputs (F.linear itself refuses two dtypes): x bf16 and
+    weight fp32 multiply in fp32; an fp64 bias makes the product fp64, as the reference forms it."""
+    torch.manual_seed(6)
+    op = ops["linear_gelu_add"].linear_gelu_add
+    x, w, b, r = _inputs("linear_gelu_add", 12, torch.float32)
+    for inputs in ((x.bfloat16(), w, b, r), (x, w, b.double(), r)):
+        inputs = [t.detach().requires_grad_() for t in inputs]
+        got = op(*inputs)
+        exact = [t.detach().double().requires_grad_() for t in inputs]
+        truth = _truth("linear_gelu_add", *exact)[0]
+        assert got.dtype == torch.promote_types(torch.promote_types(inputs[0].dtype, inputs[1].dtype), inputs[2].dtype)
+        check_against_truth(got, truth.detach(), op(*[t.detach() for t in inputs]), what=str(got.dtype))
+        got.sum().backward()
+        truth.sum().backward()
+        for t, e in zip(inputs, exact):
+            assert t.grad.dtype == t.dtype
+            torch.testing.assert_close(t.grad.double(), e.grad, rtol=1e-2 if t.dtype == torch.bfloat16 else 1e-5,
+                                       atol=1e-2 if t.dtype == torch.bfloat16 else 1e-5)
+
+
+def test_meta_and_out(ops):
+    op = ops["linear_gelu_add"].linear_gelu_add
+    x, w, b, r = [t.detach().to("meta") for t in _inputs("linear_gelu_add", 5, torch.bfloat16)]
+    y = op(x, w, b.float(), r)
+    assert y.shape == (2, 3, 7) and y.dtype == torch.float32 and y.device.type == "meta"
+    x, w, b, r = [t.detach() for t in _inputs("linear_gelu_add", 5, torch.float64)]
+    out = torch.empty(2, 3, 7, dtype=torch.float64)
+    assert op(x, w, b, r, out=out) is out
+    torch.testing.assert_close(out, _truth("linear_gelu_add", x, w, b, r)[0])
+
+
+def test_torch_compile_and_func(ops):
+    torch.manual_seed(5)
+    op = ops["linear_gelu_add"].linear_gelu_add
+    inputs = _inputs("linear_gelu_add", 6, torch.float32)
+    compiled = torch.compile(op, fullgraph=True, backend="aot_eager")
+    got = compiled(*inputs)
+    want = op(*[t.detach() for t in inputs])
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    grads = [t.grad for t in inputs]
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    _truth("linear_gelu_add", *exact)[0].sum().backward()
+    for g, e in zip(grads, exact):
+        torch.testing.assert_close(g.double(), e.grad, rtol=1e-4, atol=1e-5)
+    x, w, b, r = [t.detach().double() for t in inputs]
+    dw = torch.func.grad(lambda w_: op(x, w_, b, r).sum())(w)
+    torch.testing.assert_close(dw, torch.func.grad(lambda w_: _truth("linear_gelu_add", x, w_, b, r)[0].sum())(w))
+
+
+def test_errors_name_the_arguments(ops):
+    op = ops["linear_gelu_add"].linear_gelu_add
+    x, w, b, r = [t.detach() for t in _inputs("linear_gelu_add", 5, torch.float32)]
+    with pytest.raises(FusegenArgumentError) as error:
+        op(x, torch.randn(7, 6), b, r)
+    assert str(error.value) == "linear_gelu_add(): x [2, 3, 5] and weight [7, 6] disagree on dim K (5 vs 6)"
+    with pytest.raises(FusegenArgumentError) as error:
+        op(x, w, b, torch.randn(4, 2, 3, 7))
+    assert str(error.value) == ("linear_gelu_add(): residual [4, 2, 3, 7] broadcasts the product x @ T(weight) "
+                                "[2, 3, 7] to [4, 2, 3, 7]")
