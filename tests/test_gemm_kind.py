@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fusegen.runtime import FusegenArgumentError
+from tests.conftest import DEVICE
 from tests.helpers import build_and_import, check_against_truth
 
 GELU = """\
@@ -57,7 +58,7 @@ def _inputs(name, k, dtype, lead=(2, 3), n=7, scale=1.0):
     weight = (n, k) if name != "matmul_tanh" else (k, n)
     shapes = {"linear_gelu_add": [(*lead, k), weight, (n,), (*lead, n)], "linear_bias": [(*lead, k), weight, (n,)],
               "matmul_tanh": [(*lead, k), weight]}[name]
-    return [(torch.randn(s, dtype=torch.float64) * scale).to(dtype).requires_grad_() for s in shapes]
+    return [(torch.randn(s, dtype=torch.float64) * scale).to(DEVICE, dtype).requires_grad_() for s in shapes]
 
 
 @pytest.mark.parametrize("name", ["linear_gelu_add", "linear_bias", "matmul_tanh"])
@@ -129,17 +130,16 @@ def test_layouts(ops):
     a non-contiguous residual, and the [K, N] weight as a transposed view too."""
     torch.manual_seed(4)
     op = ops["linear_gelu_add"].linear_gelu_add
-    x = torch.randn(3, 4, 2, dtype=torch.float64).permute(2, 0, 1).requires_grad_()  # [2, 3, K=4], no [M, K] view
-    x = x.detach().requires_grad_() if x.is_leaf else x
-    w = torch.randn(4, 7, dtype=torch.float64).t().requires_grad_()  # [N, K], strides (1, 7)
-    w = w.detach().t().t().requires_grad_() if w.is_leaf else w
-    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
-    r = torch.randn(7, 2, 3, dtype=torch.float64).permute(1, 2, 0).requires_grad_()
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    x = torch.randn(3, 4, 2, **f64).permute(2, 0, 1)  # [2, 3, K=4]: no [M, K] view
+    w = torch.randn(4, 7, **f64).t()  # [N, K], strides (1, 7)
+    b = torch.randn(7, **f64)
+    r = torch.randn(7, 2, 3, **f64).permute(1, 2, 0)
     for _ in range(2):  # the second call takes the prepared launch, with its per-call copy
         got = op(x, w, b, r)
         torch.testing.assert_close(got, _truth("linear_gelu_add", x, w, b, r)[0])
     kn = ops["matmul_tanh"].matmul_tanh
-    w_kn = torch.randn(7, 4, dtype=torch.float64).t()
+    w_kn = torch.randn(7, 4, **f64).t()
     y, z = kn(x.detach(), w_kn, scale=0.5)
     torch.testing.assert_close(z, x.detach() @ w_kn)
     torch.testing.assert_close(y, torch.tanh(x.detach() @ w_kn) * 0.5)
@@ -183,7 +183,7 @@ def test_meta_and_out(ops):
     y = op(x, w, b.float(), r)
     assert y.shape == (2, 3, 7) and y.dtype == torch.float32 and y.device.type == "meta"
     x, w, b, r = [t.detach() for t in _inputs("linear_gelu_add", 5, torch.float64)]
-    out = torch.empty(2, 3, 7, dtype=torch.float64)
+    out = torch.empty(2, 3, 7, dtype=torch.float64, device=DEVICE)
     assert op(x, w, b, r, out=out) is out
     torch.testing.assert_close(out, _truth("linear_gelu_add", x, w, b, r)[0])
 
@@ -192,7 +192,7 @@ def test_torch_compile_and_func(ops):
     torch.manual_seed(5)
     op = ops["linear_gelu_add"].linear_gelu_add
     inputs = _inputs("linear_gelu_add", 6, torch.float32)
-    compiled = torch.compile(op, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(op, fullgraph=True)
     got = compiled(*inputs)
     want = op(*[t.detach() for t in inputs])
     torch.testing.assert_close(got, want)
@@ -211,9 +211,9 @@ def test_errors_name_the_arguments(ops):
     op = ops["linear_gelu_add"].linear_gelu_add
     x, w, b, r = [t.detach() for t in _inputs("linear_gelu_add", 5, torch.float32)]
     with pytest.raises(FusegenArgumentError) as error:
-        op(x, torch.randn(7, 6), b, r)
+        op(x, torch.randn(7, 6, device=DEVICE), b, r)
     assert str(error.value) == "linear_gelu_add(): x [2, 3, 5] and weight [7, 6] disagree on dim K (5 vs 6)"
     with pytest.raises(FusegenArgumentError) as error:
-        op(x, w, b, torch.randn(4, 2, 3, 7))
+        op(x, w, b, torch.randn(4, 2, 3, 7, device=DEVICE))
     assert str(error.value) == ("linear_gelu_add(): residual [4, 2, 3, 7] broadcasts the product x @ T(weight) "
                                 "[2, 3, 7] to [4, 2, 3, 7]")

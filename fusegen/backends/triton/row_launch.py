@@ -105,7 +105,8 @@ class _BoundRows(_Bound):
             tiles = len(self._reads) + len(self.op.outputs)
             narrow = any(t is not None and t.is_floating_point() and t.element_size() < 4 for t in (*tensors, *grads))
             per_row = any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row))
-            block_n, splits = row_tuning.row_backward_layout(n, m, problem.device, tiles, narrow, not per_row)
+            block_n, splits = row_tuning.row_backward_layout(n, m, problem.device, tiles, narrow, not per_row,
+                                                             self.shares)
         summed = self._sums_over_rows(problem, tensors, needs)
         # Many rows a program only where a gradient is summed over rows: fewer partial sums.
         rows = rows_per_program or row_tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)

@@ -113,20 +113,28 @@ def row_forward_layout(n: int, m: int, device, tiles: int = 1, narrow: bool = Fa
 # wide parts at that width: to be measured before it changes. (The forwards' 32768-wide parts
 # spill too, 4-996 bytes at 32 warps: docs/scripts/row_registers.py; parts of at most 16384
 # are the next A/B.)
+# Measured since (eleventh session, same shape, one process): a cap of 32768 took layernorm
+# to 0.801 ms (compile 0.875) and rmsnorm to 0.824 (from 0.687): the cap follows the values a
+# program keeps per row, which the split's shares count (2 for layernorm, 1 for rmsnorm). With
+# 32768 for shares > 1 only (A/B, one process): layernorm fp32 (256, 262144) 0.802 / 1.483, and
+# softmax, log_softmax, rmsnorm, layernorm at fp32 (256, 262144) and (1024, 65536) within 0.3%.
 SPLIT_BACKWARD = True
 SPLIT_VALUES_BACKWARD = 49152
+SPLIT_VALUES_BACKWARD_SHARED = 32768  # a program exchanging two or more values a round (shares)
 
 
 def row_backward_layout(n: int, m: int, device, tiles: int = 2, narrow: bool = False,
-                        splittable: bool = True) -> tuple[int, int]:
+                        splittable: bool = True, shares: int = 1) -> tuple[int, int]:
     """(BLOCK_N, SPLITS) for a row backward, as row_forward_layout's (SPLITS = 1 where
-    SPLIT_BACKWARD is off, or where not `splittable`: some gradient is one value a row)."""
+    SPLIT_BACKWARD is off, or where not `splittable`: some gradient is one value a row);
+    `shares`: the values a split program exchanges a round (more registers per row)."""
     block_n = row_block_n(n, backward=True)
     if narrow and _narrow_one_tile(n, tiles, ONE_TILE_NARROW_VALUES_BACKWARD):
         return triton.next_power_of_2(size_hint(n)), 1
     if not (SPLIT_BACKWARD and splittable) or block_n >= size_hint(n) or is_interpreting() or narrow:
         return block_n, 1
-    part, splits = row_forward_layout(n, m, device, tiles, narrow, SPLIT_VALUES_BACKWARD)
+    values = SPLIT_VALUES_BACKWARD_SHARED if shares > 1 else SPLIT_VALUES_BACKWARD
+    part, splits = row_forward_layout(n, m, device, tiles, narrow, values)
     return (part, splits) if splits > 1 else (block_n, 1)
 
 
