@@ -72,7 +72,14 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
         if param.is_constexpr:
             sig[name] = "constexpr"
             if name in ("BLOCK_M", "ROWS_PER_PROGRAM"):
-                constexprs[name] = 2 if name == "BLOCK_M" else 4
+                # A gemm kernel's tl.dot takes tiles of 16 and more a side.
+                constexprs[name] = (64 if "BLOCK_K" in names else 2) if name == "BLOCK_M" else 4
+            elif name in ("BLOCK_K", "GROUP_M"):  # the gemm kind's (gemm_tuning)
+                constexprs[name] = 64 if name == "BLOCK_K" else 8
+            elif name == "INPUT_PRECISION":
+                constexprs[name] = "ieee"
+            elif name == "FP64_PRODUCT":
+                constexprs[name] = settings["COMPUTE_FP64"]
             elif name == "BLOCK_N":
                 constexprs[name] = 128
             elif name in settings:

@@ -147,6 +147,10 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
         p.name: (_float32(params[p.name]) if p.type == "float" and dtype != torch.float64 else params[p.name])
         for p in spec.scalar_params
     }
+    matmul = op_ir.matmul  # as eager code writes it: x @ weight.mT, in the inputs' dtype
+    if matmul is not None:
+        b = values.pop(matmul.b)
+        values["@"] = values.pop(matmul.a) @ (b.mT if matmul.transposed else b)
     shapes = [v.shape for value in values.values() for v in (value if isinstance(value, tuple) else (value,))]
     shape = torch.broadcast_shapes(*shapes)
     problem = SimpleNamespace(
@@ -163,6 +167,8 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             return values[expr.name]
         if isinstance(expr, ir.ChunkRef):
             return values[expr.name][expr.index]
+        if isinstance(expr, ir.MatMul):
+            return values["@"]
         if isinstance(expr, ir.ParamRef):
             return scalars[expr.name]
         if isinstance(expr, ir.Unary):

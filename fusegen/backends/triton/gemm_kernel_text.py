@@ -42,7 +42,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     arguments.append(f"{M}, {N}, {K},  # the product's rows (all leading dims), columns, and the dim summed over")
     arguments.append(f"{M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
-    arguments += [f"{FP64_PRODUCT}: tl.constexpr,  # fp64 operands: the product in fp64",
+    arguments += [f"{FP64_PRODUCT}: tl.constexpr,  # the fp64 compute dtype: the product in fp64 too",
                   f'{INPUT_PRECISION}: tl.constexpr,  # tl.dot\'s: "ieee" (fp32 as torch.mm), "tf32"',
                   f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,"]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {product}
@@ -50,8 +50,9 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         COMPUTE_LINE,
         f"tile_m, tile_n = gemm_lib.grouped_tile({M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})",
         f"rows, cols, {product} = gemm_lib.matmul_tile(",
-        f"    {a_ptr}, {a_stride_m}, {a_stride_k}, {b_ptr}, {b_stride_k}, {b_stride_n}, tile_m, tile_n, {M}, {N}, {K},",
-        f"    {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
+        f"    {a_ptr}, {a_stride_m}, {a_stride_k},",
+        f"    {b_ptr}, {b_stride_k}, {b_stride_n},",
+        f"    tile_m, tile_n, {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
         ")",
         f"{product} = {product}.to({COMPUTE_DTYPE})",
         "in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
