@@ -623,8 +623,8 @@ def _check_all_used(spec: OpSpec, scope: _Scope) -> None:
 
 
 def _check_matmul(spec: OpSpec, scope: _Scope, outputs) -> MatMul | None:
-    """An op takes one matmul, and (for now) no row reduction, dropout, col or output of
-    another dtype or in parts beside it; its operands are read only through it."""
+    """An op takes one matmul, and (for now) no row reduction, col or output of another dtype
+    or in parts beside it; its operands are read only through it."""
     if not scope.matmuls:
         return None
     (first, line), *others = [(m, b.line) for m, b in scope.matmuls.items()]
@@ -637,7 +637,7 @@ def _check_matmul(spec: OpSpec, scope: _Scope, outputs) -> MatMul | None:
         raise SpecError(spec.path, line, f"'{both[0]}' is an operand of {first.text} and cannot also be read "
                         "elementwise")
     nodes = [node for _, expr in outputs for node in walk(expr)]
-    unsupported = [(Reduce, "row reductions (sum, mean, max, min, take)"), (Dropout, "dropout"), (Col, "col")]
+    unsupported = [(Reduce, "row reductions (sum, mean, max, min, take)"), (Col, "col")]
     for kind, what in unsupported:
         if any(isinstance(node, kind) for node in nodes):
             raise SpecError(spec.path, line, f"{what} in an op with a matmul ({first.text}) are not supported yet"

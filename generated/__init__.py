@@ -22,7 +22,11 @@
 - layernorm_fp8: layernorm(x) * weight + bias as e4m3 q and per-row scale, y ~ q * scale (rowwise
   float8)
 - leaky_relu: y = x if x > 0 else slope * x
+- linear_bias_dropout_add: y = dropout(x @ weight.T + bias, p) + residual, weight as nn.Linear's
+  [N, K]
 - linear_bias_gelu: y = gelu_tanh(x @ weight.T + bias), weight as nn.Linear's [N, K]
+- linear_bias_gelu_dropout_add: y = dropout(gelu_tanh(x @ weight.T + bias), p) + residual, weight
+  as nn.Linear's [N, K]
 - log_softmax: y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
 - mish: y = x * tanh(softplus(x))
 - quick_gelu: y = x * sigmoid(1.702 * x)
@@ -59,7 +63,9 @@ OPS = (
     "layernorm_dropout_add",
     "layernorm_fp8",
     "leaky_relu",
+    "linear_bias_dropout_add",
     "linear_bias_gelu",
+    "linear_bias_gelu_dropout_add",
     "log_softmax",
     "mish",
     "quick_gelu",

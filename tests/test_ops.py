@@ -474,8 +474,9 @@ def test_dropout_masks_independent_of_tiles(op, n, device):
     seed = 2**33 + 12345  # above 32 bits: both halves of the Philox key matter
 
     # A row op's tile decides only whether a row is one tile or a loop, which sums in another
-    # order: the same masks (the same zeros), values equal up to that rounding.
-    rows_op = op.module._OP.statistics > 0
+    # order: the same masks (the same zeros), values equal up to that rounding; as a matmul's
+    # tile may sum K in another order.
+    rows_op = op.module._OP.statistics > 0 or op.module._OP.matmul is not None
     autotuned = _run(op.fn, tensors, with_seed(op, params, seed=seed))
     for block_m, block_n in ROW_TILES if rows_op else FORWARD_TILES:
         outs = launch_forward(op, tensors, params, seed, block_m, block_n)

@@ -31,7 +31,8 @@ class Gemm(Pointwise):
         body = super().reference(plan, printer)  # over the product, which it takes first
         m = plan.matmul
         product = f"{m.product.local} = {m.a.local} @ {m.b.local}{'.mT' if m.transposed else ''}"
-        return ReferenceBody(body.arguments, body.returns, body.dropout_lines, [product, *body.plain_lines], body.lines)
+        dropout = [product, *body.dropout_lines] if body.dropout_lines else []
+        return ReferenceBody(body.arguments, body.returns, dropout, [product, *body.plain_lines], body.lines)
 
     def sections(self, plan: OpPlan) -> list[tuple[str, list[str]]]:
         m = plan.matmul

@@ -61,7 +61,15 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         lines.append(f"store_tile({saved}, {product}, rows, cols, N, in_bounds)")
     lines += scalars_in_compute_type(plan, kernel, names)
     lines += [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
-    lines += statements(kernel.body, printer, triton_constant, tensors)
+    tensors |= {m.local for m in kernel.masks}
+    if kernel.body_no_dropout is not None:  # masks keyed by the product's flat index, as every kind's
+        lines += pointwise_kernel_text.branches(
+            ["seed = tl.load(seed_ptr)", *pointwise_kernel_text.mask_lines(plan, names, f"tile_n * {BLOCK_N}"),
+             *statements(kernel.body, printer, triton_constant, tensors)],
+            statements(kernel.body_no_dropout, printer, triton_constant, tensors),
+        )
+    else:
+        lines += statements(kernel.body, printer, triton_constant, tensors)
     lines += output_stores(plan, kernel)
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=(K,)), arguments, lines,
                       "gemm_tuning.FORWARD")

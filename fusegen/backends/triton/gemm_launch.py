@@ -64,7 +64,8 @@ class _BoundGemm(_Bound):
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int, int] | None = None, statistics=None,
                 traced: bool = False) -> None:
-        """`tile` (BLOCK_M, BLOCK_N, BLOCK_K): that tile, not the autotuner's (tests)."""
+        """`tile` (BLOCK_M, BLOCK_N[, BLOCK_K]): that tile, not the autotuner's (tests; each side at
+        least 16, as tl.dot takes it)."""
         problem = call.problem
         if statistics is None and self._saved:  # a caller with no backward to feed (tests)
             statistics = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
@@ -99,15 +100,23 @@ class _BoundGemm(_Bound):
         # torch.mm's default for fp32 (torch.backends.cuda.matmul.allow_tf32 off); tf32: later.
         args[INPUT_PRECISION] = "ieee"
         args = self._signatures[0].ordered(args)
-        if tile is not None:
-            grid = (tuning.cdiv(m, tile[0]) * tuning.cdiv(n, tile[1]),)
-            constexprs = {BLOCK_M: tile[0], BLOCK_N: tile[1], BLOCK_K: tile[2], GROUP_M: gemm_tuning.GROUP_M}
+        if tile is not None:  # (BLOCK_M, BLOCK_N[, BLOCK_K]), each at least tl.dot's 16
+            block_m, block_n, block_k = (max(gemm_tuning.SMALLEST, size) for size in (*tile, 16)[:3])
+            grid = (tuning.cdiv(m, block_m) * tuning.cdiv(n, block_n),)
+            constexprs = {BLOCK_M: block_m, BLOCK_N: block_n, BLOCK_K: block_k, GROUP_M: gemm_tuning.GROUP_M}
             return _GemmLaunch(_Tile(self.forward_kernel), grid, args, tuple(copies), constexprs)
         return _GemmLaunch(self._forward, lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * tuning.cdiv(n, meta[BLOCK_N]),),
                       args, tuple(copies))
 
     def backward(self, call, tensors, grads, needs, seed, statistics=None, traced: bool = False,
                  **layout) -> list[torch.Tensor]:
+        problem = call.problem
+        if statistics is None and self._saved and problem.launches:
+            # No forward's product at hand (tests launching the kernel): a forward makes it.
+            statistics = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+            outputs = [torch.empty(self.fused.output_shape(problem, i), dtype=self.fused.output_dtype(problem, i),
+                                   device=problem.device) for i in range(len(self.fused.outputs))]
+            self.forward(call, tensors, outputs, seed, statistics=statistics)
         return self.prepare_backward(call, tensors, grads, needs, **layout)(tensors, grads, seed, statistics)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,

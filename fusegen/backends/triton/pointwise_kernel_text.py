@@ -51,8 +51,8 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         *[line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])],
     ]
     if kernel.body_no_dropout is not None:
-        lines += _branches(
-            ["seed = tl.load(seed_ptr)", *_mask_lines(plan, names), *statements(kernel.body, printer, triton_constant, tensors)],
+        lines += branches(
+            ["seed = tl.load(seed_ptr)", *mask_lines(plan, names), *statements(kernel.body, printer, triton_constant, tensors)],
             statements(kernel.body_no_dropout, printer, triton_constant, tensors),
         )
     else:
@@ -88,8 +88,8 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
         load_line(value, names.incoming[incoming], chunk_columns(k)) for value, incoming, k in incoming_values(plan, kernel)
     ]
     if kernel.body_no_dropout is not None:
-        row += _branches(
-            _mask_lines(plan, names) + statements(kernel.body, printer, triton_constant, tensors),
+        row += branches(
+            mask_lines(plan, names) + statements(kernel.body, printer, triton_constant, tensors),
             statements(kernel.body_no_dropout, printer, triton_constant, tensors),
         )
     else:
@@ -112,14 +112,15 @@ def backward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) ->
                       "tuning.BACKWARD", pre_hook)
 
 
-def _branches(dropout: list[str], plain: list[str]) -> list[str]:
+def branches(dropout: list[str], plain: list[str]) -> list[str]:
     """The body with dropout's masks, and the one with no random numbers at all."""
     return ["if HAS_DROPOUT:", *indent(dropout), "else:", *indent(plain)]
 
 
-def _mask_lines(plan: OpPlan, names: TritonNames) -> list[str]:
+def mask_lines(plan: OpPlan, names: TritonNames, first_col: str = "tl.program_id(1) * BLOCK_N") -> list[str]:
+    """Each dropout's mask over the tile whose first column is `first_col`."""
     return [
-        f"{m.local} = dropout_mask(seed, rows, tl.program_id(1) * BLOCK_N, N, BLOCK_N, {m.stream}, "
+        f"{m.local} = dropout_mask(seed, rows, {first_col}, N, BLOCK_N, {m.stream}, "
         f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)"
         for m in plan.masks
     ]
