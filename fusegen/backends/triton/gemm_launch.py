@@ -46,9 +46,6 @@ class _Epilogue:
 class _BoundGemm(_Bound):
     def __init__(self, kernels: GemmKernels, op):
         super().__init__(kernels, _Epilogue(op, kernels.product))
-        # Slice one: a traced graph (torch.compile) keeps the op's library op opaque.
-        self.traceable = False
-        self._graph_forward = self._graph_backward = None
         matmul, names = op.matmul, [i.name for i in op.inputs]
         self.fused = op
         self._a, self._b, self._transposed = names.index(matmul.a), names.index(matmul.b), matmul.transposed
@@ -70,30 +67,37 @@ class _BoundGemm(_Bound):
         if statistics is None and self._saved:  # a caller with no backward to feed (tests)
             statistics = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
         if _launches(problem, traced):
-            self.prepare_forward(call, tensors, tile)((*tensors, *outputs, statistics, seed))
+            self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, statistics, seed))
 
     def prepare_forward(self, call, tensors, tile: tuple[int, int, int] | None = None, traced: bool = False) -> Launch:
+        """`traced`: the tensors are a traced graph's; the operands' [M, K] and [K, N] go into the
+        argument list themselves (reshaped as the graph records it), as _Bound's views do."""
         problem = call.problem
         m, n = problem.m, problem.n
         count, outputs = len(tensors), len(self.op.outputs)
         others = [tensors[k] for k in self._others]
-        args, copies, views = self._views(problem, others, self._chunks[1:], self._others, self._input_names[1:])
+        args, copies, views = self._views(problem, others, self._chunks[1:], self._others, self._input_names[1:],
+                                          traced)
         a, b = tensors[self._a], tensors[self._b]
         k = a.shape[-1]
-        a_2d, a_copy = _rows_of(a)
-        if a_copy:
-            copies.append((self._a, _copied_rows))
+        if traced:
+            a_2d, a_value, b_value = a.reshape(m, k), a.reshape(m, k), b
+        else:
+            a_2d, a_copy = _rows_of(a)
+            a_value, b_value = Slot(self._a), Slot(self._b)
+            if a_copy:
+                copies.append((self._a, _copied_rows))
         (a_ptr, a_stride_m, a_stride_k), (b_ptr, b_stride_k, b_stride_n) = self._operand_names
-        args[a_ptr], args[a_stride_m], args[a_stride_k] = Slot(self._a), a_2d.stride(0), a_2d.stride(1)
+        args[a_ptr], args[a_stride_m], args[a_stride_k] = a_value, a_2d.stride(0), a_2d.stride(1)
         b_strides = (b.stride(1), b.stride(0)) if self._transposed else (b.stride(0), b.stride(1))
-        args[b_ptr], (args[b_stride_k], args[b_stride_n]) = Slot(self._b), b_strides
+        args[b_ptr], (args[b_stride_k], args[b_stride_n]) = b_value, b_strides
         for j, name in enumerate(self._output_names):
             args[name] = Slot(count + j)
         if self._saved:
             args[self._product_pointer] = Slot(count + outputs)
-        args.update(self._common(call, Slot(count + outputs + 1)))
+        args.update(self._common(call, Slot(count + outputs + 1), traced))
         args[K] = k
-        reach = max(_reach(a_2d), _reach(b), m * n)
+        reach = max(_reach(a_2d), _reach(b), tuning.size_hint(m) * tuning.size_hint(n))
         args[INDEX_64] = self._index_64(problem, views) or reach >= INT32_LIMIT
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         args[FP64_PRODUCT] = problem.compute_dtype == torch.float64  # the product too, as the reference forms it
@@ -105,8 +109,9 @@ class _BoundGemm(_Bound):
             grid = (tuning.cdiv(m, block_m) * tuning.cdiv(n, block_n),)
             constexprs = {BLOCK_M: block_m, BLOCK_N: block_n, BLOCK_K: block_k, GROUP_M: gemm_tuning.GROUP_M}
             return _GemmLaunch(_Tile(self.forward_kernel), grid, args, tuple(copies), constexprs)
-        return _GemmLaunch(self._forward, lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * tuning.cdiv(n, meta[BLOCK_N]),),
-                      args, tuple(copies))
+        return _GemmLaunch(self._graph_forward if traced else self._forward,
+                           lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * tuning.cdiv(n, meta[BLOCK_N]),), args,
+                           tuple(copies))
 
     def backward(self, call, tensors, grads, needs, seed, statistics=None, traced: bool = False,
                  **layout) -> list[torch.Tensor]:
@@ -117,19 +122,23 @@ class _BoundGemm(_Bound):
             outputs = [torch.empty(self.fused.output_shape(problem, i), dtype=self.fused.output_dtype(problem, i),
                                    device=problem.device) for i in range(len(self.fused.outputs))]
             self.forward(call, tensors, outputs, seed, statistics=statistics)
-        return self.prepare_backward(call, tensors, grads, needs, **layout)(tensors, grads, seed, statistics)
+        # A traced launch holds its tensors (no slots): the product itself, not its layout.
+        prepared = self.prepare_backward(call, tensors, grads, needs, traced=traced,
+                                         product=statistics if traced else None, **layout)
+        return prepared(tensors, grads, seed, statistics)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
-                         rows_per_program: int | None = None, traced: bool = False) -> "_PreparedGemmBackward":
+                         rows_per_program: int | None = None, traced: bool = False,
+                         product: torch.Tensor | None = None) -> "_PreparedGemmBackward":
         problem = call.problem
         needs_g = needs[self._a] or needs[self._b]
         epilogue_needs = (needs_g and self._product_gradient is None, *(needs[k] for k in self._others))
-        # The g kernel is prepared for the product's layout: contiguous, [..., N], as the forward keeps it.
-        product = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+        if product is None:  # the g kernel is prepared for the product's layout: contiguous [..., N]
+            product = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
         epilogue = None
         if any(epilogue_needs):
             epilogue = super().prepare_backward(call, (product, *(tensors[k] for k in self._others)), grads,
-                                                epilogue_needs, tile, rows_per_program)
+                                                epilogue_needs, tile, rows_per_program, traced)
         return _PreparedGemmBackward(self, needs, epilogue, epilogue_needs[0])
 
 
@@ -196,5 +205,6 @@ def _rows(a: torch.Tensor) -> int:
 
 
 def _reach(t: torch.Tensor) -> int:
-    """The farthest element offset a kernel computes in `t`."""
-    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0) + 1
+    """The farthest element offset a kernel computes in `t` (by the size hints of a traced graph's)."""
+    hint = tuning.size_hint
+    return sum((hint(size) - 1) * hint(stride) for size, stride in zip(t.shape, t.stride()) if hint(size) > 0) + 1
