@@ -24,10 +24,11 @@ import triton
 import triton.language as tl
 
 from fusegen import runtime
-from fusegen.backends.triton import gemm_launch, gemm_lib, gemm_tuning, tuning
+from fusegen.backends.triton import gemm_launch, gemm_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     indices, load_tile, maximum, minimum, store_column_sums, store_gradient, store_tile,
 )
+from fusegen.backends.triton.gemm_lib import grouped_tile, matmul_tile
 
 __all__ = ["linear_bias_gelu", "LinearBiasGelu", "reference", "eager"]
 
@@ -49,8 +50,8 @@ def linear_bias_gelu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    tile_m, tile_n = gemm_lib.grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows, cols, product = gemm_lib.matmul_tile(
+    tile_m, tile_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows, cols, product = matmul_tile(
         x_ptr, x_stride_m, x_stride_k,
         weight_ptr, weight_stride_k, weight_stride_n,
         tile_m, tile_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, INDEX_64, INPUT_PRECISION, FP64_PRODUCT,

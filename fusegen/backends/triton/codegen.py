@@ -20,7 +20,7 @@ from fusegen.pyformat import format_module
 
 from .kernel_text import per_row_incoming, with_argument_comments
 from .kinds import MODULE_IMPORTS, RESERVED_NAMES, TRITON_KINDS
-from .naming import KERNEL_LIB_NAMES, TritonNames, module_class_name
+from .naming import GEMM_LIB_NAMES, KERNEL_LIB_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
 
 __all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "module_class_name", "render"]
@@ -51,7 +51,10 @@ def render(plan: OpPlan) -> str:
                        kernel_keywords=(*kind.keywords(plan), *_renamed(names))),
         kind_modules=kind.modules,
         uses_libdevice="libdevice." in kernel_code,
-        kernel_lib_import=_kernel_lib_import([n for n in KERNEL_LIB_NAMES if re.search(rf"(?<![\w.]){n}\(", kernel_code)]),
+        kernel_lib_import=[
+            line for library, names in (("kernel_lib", KERNEL_LIB_NAMES), ("gemm_lib", GEMM_LIB_NAMES))
+            for line in _kernel_lib_import(library, [n for n in names if re.search(rf"(?<![\w.]){n}\(", kernel_code)])
+        ],
         triton_helpers=triton_helpers,
         kernels=kernels,
     )
@@ -69,14 +72,14 @@ def _renamed(names: TritonNames) -> tuple[str, ...]:
     return (f"renamed={{\n{items}        }}",)
 
 
-def _kernel_lib_import(names: list[str]) -> list[str]:
-    """The kernel_lib helpers the kernels call, imported on one line where they fit."""
+def _kernel_lib_import(library: str, names: list[str]) -> list[str]:
+    """The `library`'s helpers the kernels call (kernel_lib, gemm_lib), imported on one line where they fit."""
     if not names:
         return []
-    line = f"from fusegen.backends.triton.kernel_lib import {', '.join(names)}"
+    line = f"from fusegen.backends.triton.{library} import {', '.join(names)}"
     if len(line) <= 100:
         return [line]
-    return ["from fusegen.backends.triton.kernel_lib import ("] + [
+    return [f"from fusegen.backends.triton.{library} import ("] + [
         "    " + line.lstrip() for line in textwrap.wrap(", ".join(names) + ",", width=96)
     ] + [")"]
 

@@ -48,8 +48,8 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     tensors = {v.local for i in kernel.inputs for v in i.values} | {product}
     lines = [
         COMPUTE_LINE,
-        f"tile_m, tile_n = gemm_lib.grouped_tile({M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})",
-        f"rows, cols, {product} = gemm_lib.matmul_tile(",
+        f"tile_m, tile_n = grouped_tile({M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})",
+        f"rows, cols, {product} = matmul_tile(",
         f"    {a_ptr}, {a_stride_m}, {a_stride_k},",
         f"    {b_ptr}, {b_stride_k}, {b_stride_n},",
         f"    tile_m, tile_n, {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
@@ -90,8 +90,8 @@ KIND = TritonKind(
     doc="The forward kernel multiplies in fp32 (fp64 for fp64 operands) on the tensor cores and runs the "
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
-    reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, "tile_m", "tile_n", "gemm_lib",
-                        "gemm_launch", "gemm_tuning"}),
-    modules=("gemm_launch", "gemm_lib", "gemm_tuning", "tuning"),
+    reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, "tile_m", "tile_n", "gemm_launch",
+                        "gemm_tuning"}),
+    modules=("gemm_launch", "gemm_tuning", "tuning"),
     keywords=_keywords,
 )

@@ -108,8 +108,8 @@ class _BoundGemm(_Bound):
             block_m, block_n, block_k = (max(gemm_tuning.SMALLEST, size) for size in (*tile, 16)[:3])
             grid = (tuning.cdiv(m, block_m) * tuning.cdiv(n, block_n),)
             constexprs = {BLOCK_M: block_m, BLOCK_N: block_n, BLOCK_K: block_k, GROUP_M: gemm_tuning.GROUP_M}
-            return _GemmLaunch(_Tile(self.forward_kernel), grid, args, tuple(copies), constexprs)
-        return _GemmLaunch(self._graph_forward if traced else self._forward,
+            return Launch(_Tile(self.forward_kernel), grid, args, tuple(copies), constexprs)
+        return Launch(self._graph_forward if traced else self._forward,
                            lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * tuning.cdiv(n, meta[BLOCK_N]),), args,
                            tuple(copies))
 
@@ -140,13 +140,6 @@ class _BoundGemm(_Bound):
             epilogue = super().prepare_backward(call, (product, *(tensors[k] for k in self._others)), grads,
                                                 epilogue_needs, tile, rows_per_program, traced)
         return _PreparedGemmBackward(self, needs, epilogue, epilogue_needs[0])
-
-
-class _GemmLaunch(Launch):
-    __slots__ = ()
-
-    def native_form(self) -> None:
-        return None  # slice one: the C++ eager call does not take gemm ops (their backward is Python's)
 
 
 class _PreparedGemmBackward:

@@ -15,8 +15,13 @@ KERNEL_LIB_NAMES = (
     "store_gradient", "store_tile", "to_element",
 )
 
+# The gemm_lib helpers a gemm kernel calls, imported by name as kernel_lib's are (Inductor
+# re-emits a kernel with the JIT functions it calls by name, not through a module attribute).
+GEMM_LIB_NAMES = ("grouped_tile", "matmul_tile")
+
 # What every generated module imports (each kind adds its own modules: kinds.py).
-MODULE_IMPORTS = frozenset({"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", *KERNEL_LIB_NAMES})
+MODULE_IMPORTS = frozenset({"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", *KERNEL_LIB_NAMES,
+                            *GEMM_LIB_NAMES})
 # Names every Triton module's code uses for itself (each kind adds its kernels' own: kinds.py).
 SHARED_NAMES = (
     MODULE_IMPORTS
