@@ -509,6 +509,8 @@ class _Scope:
             if name in self.bools or name in self.integers or self.chunks[name] > 1:
                 raise _Located(f"'{_snippet(node)}': '{name}' must be a float input without chunks")
         a, b = node.left.id, right.id
+        if a == b:  # its gradient would be the sum of two matmuls of g, which the backward does not form
+            raise _Located(f"'{_snippet(node)}': a matmul of an input with itself is not supported yet")
         a_dims, b_dims = self.dims[a], self.dims[b]
         if not a_dims or a_dims[-1] in ("1", "..."):
             raise _Located(f"'{_snippet(node)}': '{a}' must have a named last dim, as [..., K]")

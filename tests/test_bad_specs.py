@@ -330,6 +330,8 @@ CASES = [
      .replace("softmax_like(x)", "exp(x @ T(w)) / sum(exp(x @ T(w)))"),
      "specs/x.yaml:7: row reductions (sum, mean, max, min, take) in an op with a matmul (x @ T(w)) are not "
      "supported yet"),
+    ("matmul_of_itself", H + "inputs:\n  x: [N, N]\noutputs:\n  y: x @ T(x)\n",
+     "specs/x.yaml:6: 'x @ T(x)': a matmul of an input with itself is not supported yet"),
     ("matmul_name_t", H + "inputs:\n  T: [..., N]\noutputs:\n  y: T\n",
      "specs/x.yaml:4: input name 'T' is the name of the function 'T' of the expression language"),
 ]

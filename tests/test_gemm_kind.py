@@ -217,3 +217,28 @@ def test_errors_name_the_arguments(ops):
         op(x, w, b, torch.randn(4, 2, 3, 7, device=DEVICE))
     assert str(error.value) == ("linear_gelu_add(): residual [4, 2, 3, 7] broadcasts the product x @ T(weight) "
                                 "[2, 3, 7] to [4, 2, 3, 7]")
+
+
+GATED = """\
+name: linear_gated
+doc: y = (x @ T(weight)) * sigmoid(gate[0]) + gate[1], gate [..., 2N] in two chunks
+inputs: {gate: [..., 2N], x: [..., K], weight: [N, K]}
+outputs:
+  y: x @ T(weight) * sigmoid(chunk(gate, 0)) + chunk(gate, 1)
+"""
+
+
+def test_a_chunked_input_beside_the_product(tmp_path):
+    """Chunks are read beside the product, and a chunked input that broadcasts the product is
+    named in one line by its own shape."""
+    op = build_and_import(tmp_path, GATED).linear_gated
+    torch.manual_seed(7)
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    gate, x, w = torch.randn(2, 3, 14, **f64), torch.randn(2, 3, 5, **f64), torch.randn(7, 5, **f64)
+    want = F.linear(x, w) * torch.sigmoid(gate[..., :7]) + gate[..., 7:]
+    torch.testing.assert_close(op(gate, x, w), want)
+    with pytest.raises(FusegenArgumentError) as error:
+        op(torch.randn(4, 2, 3, 14, **f64), x, w)
+    assert str(error.value) == ("linear_gated(): gate [4, 2, 3, 14] broadcasts the product x @ T(weight) [2, 3, 7] "
+                                "to [4, 2, 3, 7]")
+

@@ -156,8 +156,9 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, mat
         raise FusegenArgumentError(f"{op}(): shapes do not broadcast: {shown}") from None
     if matmul is not None and tuple(shape) != tuple(value_shapes[0]):
         product = value_shapes[0]
-        name, tensor = next((i.name, t) for i, t in zip(inputs, tensors) if i.name not in (matmul.a, matmul.b)
-                            and torch.broadcast_shapes(t.shape, product) != product)
+        others = [(i.name, t) for i, t in zip(inputs, tensors) if i.name not in (matmul.a, matmul.b)]
+        name, tensor = next((name, t) for (name, t), shape in zip(others, value_shapes[1:])
+                            if torch.broadcast_shapes(shape, product) != product)
         raise FusegenArgumentError(f"{op}(): {name} {list(tensor.shape)} broadcasts the product {matmul.text} "
                                    f"{list(product)} to {list(shape)}")
     n = shape[-1] if len(shape) else 1

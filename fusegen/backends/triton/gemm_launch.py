@@ -97,8 +97,9 @@ class _BoundGemm(_Bound):
             args[self._product_pointer] = Slot(count + outputs)
         args.update(self._common(call, Slot(count + outputs + 1), traced))
         args[K] = k
-        reach = max(_reach(a_2d), _reach(b), tuning.size_hint(m) * tuning.size_hint(n))
-        args[INDEX_64] = self._index_64(problem, views) or reach >= INT32_LIMIT
+        # From the sizes themselves: in a graph traced with symbolic sizes each comparison is a guard.
+        args[INDEX_64] = bool(self._index_64(problem, views) or m * n >= INT32_LIMIT
+                              or _reach(a_2d) >= INT32_LIMIT or _reach(b) >= INT32_LIMIT)
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         args[FP64_PRODUCT] = problem.compute_dtype == torch.float64  # the product too, as the reference forms it
         # torch.mm's default for fp32 (torch.backends.cuda.matmul.allow_tf32 off); tf32: later.
@@ -161,9 +162,9 @@ class _PreparedGemmBackward:
         gradients = {}
         if needs[bound._a] or needs[bound._b]:
             a, b = tensors[bound._a], tensors[bound._b]
-            # In one dtype, as autograd of the reference's promoted product: bf16 operands and g
-            # stay bf16 (cuBLAS, fp32 accumulation); any fp64 makes it fp64.
-            dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), g.dtype)
+            # In the operands' dtype (promoted), as autograd casts g back for F.linear's: bf16
+            # operands take bf16 GEMMs (cuBLAS, fp32 accumulation) under an fp32 bias too.
+            dtype = torch.promote_types(a.dtype, b.dtype)
             g_2d, a_2d, b = _rows_of(g)[0].to(dtype), _rows_of(a)[0].to(dtype), b.to(dtype)
             if needs[bound._a]:
                 grad = g_2d @ b if bound._transposed else g_2d @ b.mT
@@ -197,7 +198,8 @@ def _rows(a: torch.Tensor) -> int:
     return math.prod(a.shape[:-1])
 
 
-def _reach(t: torch.Tensor) -> int:
-    """The farthest element offset a kernel computes in `t` (by the size hints of a traced graph's)."""
-    hint = tuning.size_hint
-    return sum((hint(size) - 1) * hint(stride) for size, stride in zip(t.shape, t.stride()) if hint(size) > 0) + 1
+def _reach(t: torch.Tensor):
+    """One past the farthest element offset a kernel computes in `t` (0 for no element)."""
+    if t.numel() == 0:
+        return 0
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
