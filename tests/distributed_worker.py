@@ -1,14 +1,19 @@
-"""One rank of test_distributed's CPU runs (gloo, a 1-D CPU device mesh, kernels on Triton's
-interpreter): generated ops on DTensors against the same ops on whole tensors in one process.
+"""The ranks of test_distributed's CPU runs (gloo, a 1-D CPU device mesh, kernels on Triton's
+interpreter), forked from one process: generated ops on DTensors against the same ops on
+whole tensors in one process.
 
-Every rank builds the same whole tensors (fixed generators), runs the op on them, then on
-DTensors made from them with a placement, and compares its shard of the outputs and the
-gathered gradients with the whole-tensor results: dropout masks bit for bit."""
+Every rank builds the same whole tensors (fixed generators); rank 0 runs the op on them and
+sends the results to the others; every rank runs it on DTensors made from them with a
+placement, and compares its shard of the outputs and the gathered gradients with the
+whole-tensor results: dropout masks bit for bit."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import traceback
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: this rank has no GPU
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: the ranks have no GPU
 
 import importlib  # noqa: E402
 
@@ -24,11 +29,18 @@ def _randn(shape, seed):
 
 
 def _check(name, fn, whole: dict, placements: dict, mesh, exact: bool, grad_seed: int):
-    """fn on whole tensors and on DTensors; outputs and input gradients must agree."""
-    leaves = {k: v.clone().requires_grad_(True) for k, v in whole.items()}
-    expected = fn(**leaves)
+    """fn on whole tensors and on DTensors; outputs and input gradients must agree. The whole
+    tensors' run is rank 0's, its results sent to the other ranks: each would compute the same
+    (and compile it, where fn is compiled), on the two cores that CI's ranks share."""
+    shared = [None, None]
+    if dist.get_rank() == 0:
+        leaves = {k: v.clone().requires_grad_(True) for k, v in whole.items()}
+        expected = fn(**leaves)
+        grad = _randn(expected.shape, grad_seed)
+        shared = [expected.detach(), torch.autograd.grad(expected, list(leaves.values()), grad)]
+    dist.broadcast_object_list(shared, src=0)
+    expected, expected_grads = shared
     grad = _randn(expected.shape, grad_seed)
-    expected_grads = torch.autograd.grad(expected, list(leaves.values()), grad)
     def placed(k):  # one placement per mesh dim
         placement = placements.get(k, (Replicate(),) * mesh.ndim)
         return list(placement) if isinstance(placement, tuple) else [placement]
@@ -173,9 +185,41 @@ def run_2d(rank: int, world: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # tests/test_distributed.py: python distributed_worker.py INIT_FILE RANK WORLD [2d]
-    import sys
+def fork_ranks(world: int, target, init_file: str) -> int:
+    """target(rank, world, init_file) in `world` forks of this process, one per rank; 0 when
+    every rank succeeds. A fork starts with torch, the ops and Dynamo imported (seconds of CPU
+    each, on CI's two cores, for a process that imports them itself); nothing has run here
+    yet, so the forks share no state that running leaves (OpenMP's threads among it). One
+    rank failing ends the others, which would wait for it in a collective."""
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # the rank
+            code = 1
+            try:
+                target(rank, world, init_file)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    failed = []
+    while pids:
+        pid, status = os.wait()
+        pids.remove(pid)
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed.append(pid)
+            for other in pids:
+                os.kill(other, signal.SIGKILL)
+    return 1 if failed else 0
 
-    # One process per rank, started by the test itself (no parent process importing torch
-    # only to spawn them: seconds on CI's two cores).
-    (run_2d if sys.argv[4:] == ["2d"] else run)(int(sys.argv[2]), int(sys.argv[3]), sys.argv[1])
+
+if __name__ == "__main__":  # tests/test_distributed.py: python distributed_worker.py INIT_FILE WORLD [2d]
+    import torch._dynamo  # noqa: F401  (torch.compile's: once, before the forks)
+
+    for _name in ("bias_gelu_dropout_add", "swiglu", "layernorm", "layernorm_dropout_add"):
+        importlib.import_module(f"generated.{_name}")
+    sys.exit(fork_ranks(int(sys.argv[2]), run_2d if sys.argv[3:] == ["2d"] else run, sys.argv[1]))

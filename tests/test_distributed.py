@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,26 +18,31 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
 
 
+def _run_forked(args: list, env: dict, capture: bool = False) -> subprocess.CompletedProcess:
+    """`args`, a process that forks the ranks, in a session of its own: past 600 s, or on an
+    interrupt, its ranks end with it (a rank left behind would wait in a collective)."""
+    pipe = subprocess.PIPE if capture else None
+    process = subprocess.Popen(args, cwd=ROOT, env=env, start_new_session=True, stdout=pipe, stderr=pipe, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the ranks ran past 600 s") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
 def _run_ranks(tmp_path, world: int, *extra: str) -> None:
-    """tests/distributed_worker.py as `world` processes, one per rank; every one must succeed.
-    Processes of their own, the worker never imported here: it turns on Triton's interpreter
-    for itself, which in this process would reach every kernel built after it (on a GPU too)."""
+    """tests/distributed_worker.py, which forks `world` processes, one per rank; every one must
+    succeed (one failing ends the others). The worker is never imported here: it turns on
+    Triton's interpreter for itself, which in this process would reach every kernel built
+    after it (on a GPU too)."""
     worker = Path(__file__).with_name("distributed_worker.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    ranks = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / "init"), str(rank), str(world), *extra],
-                              cwd=ROOT, env=env) for rank in range(world)]
-    deadline = time.monotonic() + 600
-    try:
-        # Until all are done, one fails (the others would wait in a collective) or time is up.
-        while any(rank.poll() is None for rank in ranks) and not any(rank.poll() for rank in ranks):
-            assert time.monotonic() < deadline, "the ranks ran past 600 s"
-            time.sleep(0.1)
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-                rank.wait()
-    assert [rank.returncode for rank in ranks] == [0] * world, [rank.returncode for rank in ranks]
+    done = _run_forked([sys.executable, str(worker), str(tmp_path / "init"), str(world), *extra], env)
+    assert done.returncode == 0, f"a rank failed (exit code {done.returncode}; its traceback above)"
 
 
 def test_placements_values_gradients_and_dropout_masks_match_one_process(tmp_path):
@@ -64,19 +69,45 @@ def test_plain_tensors_do_not_import_dtensor():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
 
 
+# python -c _FORKED_RANKS WORLD SCRIPT ARGS...: SCRIPT's main() on WORLD ranks (env://, as
+# torch.distributed.run starts them), forks of this process after it imported SCRIPT (torch,
+# the model benchmark, the ops: seconds of CPU a process, on CI's two cores).
+_FORKED_RANKS = """
+import importlib.util, os, socket, sys
+world, script = int(sys.argv[1]), sys.argv[2]
+sys.argv = sys.argv[2:]  # as the script sees them, importing it too
+spec = importlib.util.spec_from_file_location("distributed_check", script)
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+sys.path.insert(0, "tests")
+from distributed_worker import fork_ranks
+with socket.socket() as free:
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+
+def rank(rank, world, _):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    check.main()
+
+sys.exit(fork_ranks(world, rank, None))
+"""
+
+
 def test_fsdp2_trains_the_model_benchmark_stack_as_one_process_does(tmp_path):
     """docs/scripts/distributed_check.py on 2 CPU processes (gloo, the interpreter): FSDP2
     training of the model benchmark's GPT-2 stack, whose blocks hand a pending residual add to
     the next one, and FSDP2 × tensor parallel with dropout, eager and compiled, against the
     same model in one process."""
     report_path = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(ROOT / "docs" / "scripts" / "distributed_check.py"), "--cpu", "--json", str(report_path),
-                          # The shards eager and compiled are distributed_worker's (above); tensor
-                          # parallel without dropout is a subset of the run with it.
-                          "--parts", "fsdp,tp", "--tp-runs", "p=0.1,p=0.1 compiled"],
-                         cwd=ROOT, env=env, timeout=600, capture_output=True, text=True)
+    # One thread a rank, as torch.distributed.run sets; the ranks are forks of one process
+    # (_FORKED_RANKS), not torch.distributed.run's launcher and two processes of their own.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = _run_forked([sys.executable, "-c", _FORKED_RANKS, "2",
+                       str(ROOT / "docs" / "scripts" / "distributed_check.py"), "--cpu", "--json", str(report_path),
+                       # The shards eager and compiled are distributed_worker's (above); tensor
+                       # parallel without dropout is a subset of the run with it.
+                       "--parts", "fsdp,tp", "--tp-runs", "p=0.1,p=0.1 compiled"], env, capture=True)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(report_path.read_text())
     one, fsdp = report["fsdp"]["losses"]["one device"], report["fsdp"]["losses"]["fsdp2"]

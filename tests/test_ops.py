@@ -13,7 +13,7 @@ import torch
 
 from fusegen import runtime
 from fusegen.runtime import FusegenArgumentError
-from fusegen.backends.triton import interpreter, tuning
+from fusegen.backends.triton import interpreter, row_launch, tuning
 
 from tests.helpers import (
     LOW_PRECISION,
@@ -51,6 +51,7 @@ P = 0.3  # dropout probability where dropout is on
 # Forward shapes (numel <= ~4k): 1-D, 3-D, M = 1, N in {1, 17, 1000}.
 SHAPE_3D = ShapeCase("3d", lead=(2, 3), n=17)
 SHAPE_3D_BCAST = ShapeCase("3d-bcast", lead=(2, 3), n=17, layout="bcast")
+SHAPE_TALL = ShapeCase("tall", lead=(300,), n=3, other=2)  # several row tiles / backward programs
 FORWARD_SHAPES = [
     ShapeCase("1d", lead=(), n=17),
     SHAPE_3D,
@@ -59,9 +60,26 @@ FORWARD_SHAPES = [
     ShapeCase("m1-n1", lead=(1,), n=1, other=1),
     ShapeCase("n1000", lead=(2,), n=1000, other=2),
     SHAPE_3D_BCAST,
-    ShapeCase("tall", lead=(300,), n=3, other=2),  # several row tiles / backward programs
+    SHAPE_TALL,
     ShapeCase("0d", lead=(), n=None),  # only for specs whose output is all '...'
 ]
+# "tall" for a row op: a row program takes at most 16 rows (forward, and backward below
+# 16384 rows), so 40 rows are three programs, the last one partly masked (300 would be 19,
+# each a Python step on the interpreter, where a pointwise program takes up to 256 rows: 300
+# rows are two of those).
+SHAPE_TALL_ROWS = ShapeCase("tall", lead=(40,), n=3, other=2)
+
+
+def _is_row_op(op) -> bool:
+    """Of the row kind: its kernels (programs that own whole rows) are row_launch's."""
+    return type(op.module._OP.kernels).__module__ == row_launch.__name__
+
+
+def _for_op(op, case):
+    """The case as `op` runs it: "tall" is SHAPE_TALL_ROWS for a row op."""
+    return SHAPE_TALL_ROWS if case is SHAPE_TALL and _is_row_op(op) else case
+
+
 EMPTY_SHAPES = [
     ShapeCase("m0", lead=(0,), n=5, other=0),
     ShapeCase("n0", lead=(3,), n=0),
@@ -94,7 +112,8 @@ def _truth(op, tensors, kwargs, requires_grad=None):
 
 # Every choice on the 3-D shape, and every shape with default choices.
 FORWARD_CASES = [(op, c, SHAPE_3D) for op in OPS for c in choice_cases(op)] + [
-    (op, {}, case) for op in OPS for case in FORWARD_SHAPES if case is not SHAPE_3D and applies(op.spec, case)
+    (op, {}, _for_op(op, case)) for op in OPS for case in FORWARD_SHAPES
+    if case is not SHAPE_3D and applies(op.spec, _for_op(op, case))
 ]
 
 
@@ -295,9 +314,8 @@ def _check_gradients(op, tensors, got, truth, low=None, what=""):
 BACKWARD_CASES = (
     [(op, c, SHAPE_3D_BCAST, P) for op in OPS for c in choice_cases(op)]
     + [(op, {}, SHAPE_3D, 0.0) for op in OPS]
-    + [(op, {}, case, P) for op in OPS for case in (
-        ShapeCase("1d", lead=(), n=17), ShapeCase("tall", lead=(300,), n=3, other=2),
-        ShapeCase("m1-n1000", lead=(1,), n=1000, other=1))]
+    + [(op, {}, _for_op(op, case), P) for op in OPS for case in (
+        ShapeCase("1d", lead=(), n=17), SHAPE_TALL, ShapeCase("m1-n1000", lead=(1,), n=1000, other=1))]
 )
 
 
@@ -401,7 +419,11 @@ GRADCHECK_CASES = [(op, c) for op in OPS for c in choice_cases(op)]
 
 @pytest.mark.parametrize("op,choices", GRADCHECK_CASES, ids=[_ids(op, c) for op, c in GRADCHECK_CASES])
 def test_gradcheck_fp64(op, choices, device):
-    case = ShapeCase("tiny", lead=(2,), n=3, other=2, layout="bcast")
+    # Each output element costs gradcheck two backward launches (it checks reentrance too):
+    # rows of 2, of 3 for a row op (a layer norm of 2 is ±1 whatever its inputs); N % 4 != 0
+    # either way (dropout's per-element path); two rows, so that an [N] input's gradient is
+    # summed over rows.
+    case = ShapeCase("tiny", lead=(2,), n=3 if _is_row_op(op) else 2, other=2, layout="bcast")
     tensors = make_inputs(op, case, torch.float64, device, seed=11)
     params, kwargs = _kwargs(op, choices=choices)
     names = op.float_input_names  # integer inputs are held fixed
@@ -435,9 +457,10 @@ def test_double_backward_raises(op, device):
 
 @pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
 def test_backward_deterministic(op, device):
-    """Two backward runs give the same bits, row-broadcast (summed) gradients included (300
-    rows: two programs' partial sums under the interpreter, 256 rows each)."""
-    case = ShapeCase("tall-bcast", lead=(300,), n=5, other=2, layout="bcast")
+    """Two backward runs give the same bits, row-broadcast (summed) gradients included (a
+    pointwise op's 300 rows: two programs' partial sums under the interpreter, 256 rows each;
+    a row op's 40: three programs' of 16 rows, as SHAPE_TALL_ROWS)."""
+    case = ShapeCase("tall-bcast", lead=(40,) if _is_row_op(op) else (300,), n=5, other=2, layout="bcast")
     tensors = make_inputs(op, case, torch.float32, device)
     params, kwargs = _kwargs(op)
     needs = {n: n in op.float_input_names for n in op.input_names}
@@ -455,9 +478,37 @@ def _small(configs, limit=2048):
     return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= limit]
 
 
-FORWARD_TILES = sorted(set(_small(tuning.FORWARD_CONFIGS) + [(2, 16), (8, 8)]))
-BACKWARD_TILES = sorted(set(_small(tuning.BACKWARD_CONFIGS) + [(2, 16), (8, 8)]))
-ROW_TILES = [(2, 8), (4, 32)]  # row kernels: looped along a row of 20 or 22, and one tile
+DROPOUT_ROWS = 13  # test_dropout_masks_independent_of_tiles's problem: 13 rows of 20 or 22
+
+
+def _one_of_each_path(tiles):
+    """The tiles, but under the interpreter only the first of each path through the problem,
+    which is all a tile's shape decides there: a program of one row, of some of the rows (the
+    last program partly masked) or of all of them (BLOCK_M), and a column tile of that many
+    columns, narrower than the row (BLOCK_N: its groups of four), or of the whole row, masked.
+    Compiled for a GPU each tile is a kernel of its own: all of them run there."""
+    if not interpreter.is_interpreting():
+        return tiles
+    kept = {}
+    for block_m, block_n in tiles:
+        rows = "one" if block_m == 1 else "some" if block_m < DROPOUT_ROWS else "all"
+        kept.setdefault((rows, block_n if block_n < 20 else "whole"), (block_m, block_n))
+    return sorted(kept.values())
+
+
+def _rows_per_program(block_m: int) -> list[int]:
+    """The backward's rows per program: 16 (the runtime's fewest; all 13 rows in one program)
+    and twice that. Under the interpreter the second only for BLOCK_M = 16, where it is the one
+    that loops; narrower tiles loop over the same rows either way."""
+    rows = sorted({max(16, block_m), 2 * max(16, block_m)})
+    return rows if block_m >= 16 or not interpreter.is_interpreting() else rows[:1]
+
+
+FORWARD_TILES = _one_of_each_path(sorted(set(_small(tuning.FORWARD_CONFIGS) + [(2, 16), (8, 8)])))
+BACKWARD_TILES = _one_of_each_path(sorted(set(_small(tuning.BACKWARD_CONFIGS) + [(2, 16), (8, 8)])))
+# Row kernels: looped along a row of 20 or 22 (two programs of 8 rows forward, two steps of 8
+# in the backward's 16), and one tile.
+ROW_TILES = [(8, 8), (4, 32)]
 
 
 @pytest.mark.parametrize("n", [20, 22], ids=["n%4=0", "n%4=2"])
@@ -465,10 +516,11 @@ ROW_TILES = [(2, 8), (4, 32)]  # row kernels: looped along a row of 20 or 22, an
 def test_dropout_masks_independent_of_tiles(op, n, device):
     """The forward draws the same masks under every tile shape, and the backward, launched with
     other tiles than the forward, draws them again: gradients vanish exactly where it dropped.
-    With N % 4 != 0 groups of four straddle rows (the kernel's per-element path)."""
+    With N % 4 != 0 groups of four straddle rows (the kernel's per-element path). (Under the
+    interpreter, one tile shape of each path through the problem: _one_of_each_path.)"""
     # Small, so that 2048-element tiles stay cheap on the interpreter; still several
     # programs along both dims for the mid-sized tiles.
-    case = ShapeCase(f"13x{n}", lead=(13,), n=n, other=2, layout="bcast")
+    case = ShapeCase(f"{DROPOUT_ROWS}x{n}", lead=(DROPOUT_ROWS,), n=n, other=2, layout="bcast")
     tensors = make_inputs(op, case, torch.float32, device)
     params = params_for(op, p=0.5)
     seed = 2**33 + 12345  # above 32 bits: both halves of the Philox key matter
@@ -495,7 +547,7 @@ def test_dropout_masks_independent_of_tiles(op, n, device):
     truth = _truth_gradients(op, tensors, kwargs, needs, [grads_out[n] for n in op.output_names])
     first = None
     for block_m, block_n in ROW_TILES if rows_op else BACKWARD_TILES:
-        for rows in [16] if rows_op else sorted({max(16, block_m), 2 * max(16, block_m)}):
+        for rows in [16] if rows_op else _rows_per_program(block_m):
             grads = launch_backward(op, grads_out, tensors, params, seed, block_m, block_n, rows)
             assert grads, f"{op.name}: the backward kernel computes no gradient"
             what = f"{op.name} backward tile {block_m}x{block_n} rows/program {rows}"
