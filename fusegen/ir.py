@@ -13,6 +13,7 @@ from typing import Union
 
 from .errors import SpecError
 from .functions import BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS, known_function_names
+from .layout import MatMul  # a matmul node: `a @ b` / `a @ T(b)`, as the runtime declares it too
 from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, InputSpec, OpSpec, ScalarParam
 
 # Bounds on one expression, intermediates inlined: later stages recurse over the whole tree.
@@ -114,21 +115,6 @@ class Reduce:
 
     op: str
     value: "Expr"
-
-
-@dataclass(frozen=True)
-class MatMul:
-    """`a @ b` (b [K, N]) or `a @ T(b)` (b [N, K], nn.Linear's weight) of two float inputs, a
-    [..., K]: the product [..., N], which a gemm kernel forms before the elementwise rest (its
-    epilogue) reads it as it reads an input, under the value name PRODUCT."""
-
-    a: str
-    b: str
-    transposed: bool
-
-    @property
-    def text(self) -> str:
-        return f"{self.a} @ T({self.b})" if self.transposed else f"{self.a} @ {self.b}"
 
 
 # The product's value name in simplify and plan building: no spec name has a '@'.
