@@ -144,3 +144,81 @@ def test_a_split_row_backward_computes_what_one_tile_does(op, device):
     assert len(got) == len(want) > 0
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_the_layout_is_measured_on_the_first_launch_and_kept(monkeypatch, tmp_path, device):
+    """Where several layouts fit a row (row_tuning.forward_layouts, backward_layouts), the first
+    launch times each on the call's own values and keeps the fastest, also in Triton's cache: a
+    launch prepared later with nothing in memory (another process) runs it untimed. The call
+    returns the chosen layout's results, whichever ran before it (fp64 layernorm, forward and
+    backward, against one tile's and bit for bit across the two preparations)."""
+    from fusegen.backends.triton import layout_choice
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(layout_choice, "_kept", {})
+    layouts = [(16, 1), (16, 4), (64, 1)]  # looped (the rule's: first), split in four, one tile
+    monkeypatch.setattr(row_tuning, "forward_layouts", lambda *args: layouts)
+    monkeypatch.setattr(row_tuning, "backward_layouts", lambda *args: layouts)
+    ms = iter([3.0, 1.0, 2.0, 2.0, 3.0, 1.0])  # forward: the split fastest; backward: one tile
+
+    def timer(launch, values):
+        launch(values)
+        return next(ms)
+
+    op = next(op for op in ROW_OPS if op.name == "layernorm")
+    fused = op.module._OP
+    tensors = make_inputs(op, ShapeCase("split", (7,), 37), dtype=torch.float64, device=device, seed=5)
+    params = params_for(op)
+    call = call_of(op, tensors, params, training=True, seed=9)
+    problem = call.problem
+    inputs = tuple(tensors[n] for n in op.input_names)
+    g = torch.Generator().manual_seed(6)
+    grads = tuple(torch.randn(fused.output_shape(problem, i), generator=g, dtype=torch.float64).to(device)
+                  for i in range(len(fused.outputs)))
+    needs = [t.is_floating_point() for t in inputs]
+
+    def run():
+        outputs = [torch.full(fused.output_shape(problem, i), float("nan"), dtype=torch.float64, device=device)
+                   for i in range(len(fused.outputs))]
+        statistics = torch.full(fused.statistics_shape(problem), float("nan"), dtype=torch.float64, device=device)
+        forward = fused.kernels.prepare_forward(call, inputs)
+        forward((*inputs, *outputs, statistics, _seed_of(call)))
+        backward = fused.kernels.prepare_backward(call, inputs, grads, needs)
+        gradients = backward(inputs, grads, _seed_of(call), statistics)
+        return (forward.layout, backward._launch.layout), outputs, gradients
+
+    monkeypatch.setattr(layout_choice, "TIMER", timer)
+    chosen, outputs, gradients = run()
+    assert chosen == ((16, 4), (64, 1))
+    want, _ = _forward(op, tensors, params, ONE_TILE, device)
+    for got, expected in zip(outputs, want):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    for got, expected in zip(gradients, _backward(op, tensors, params, grads, ONE_TILE, device)):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+    monkeypatch.setattr(layout_choice, "_kept", {})  # a new process: only Triton's cache holds the choice
+
+    def no_timer(launch, values):
+        raise AssertionError("a kept layout timed again")
+
+    monkeypatch.setattr(layout_choice, "TIMER", no_timer)
+    again, outputs_again, gradients_again = run()
+    assert again == chosen
+    for a, b in zip((*outputs, *gradients), (*outputs_again, *gradients_again)):
+        assert torch.equal(a, b)
+
+
+def test_a_traced_launch_takes_the_kept_layout_else_the_rules(monkeypatch):
+    """Nothing can be timed on a traced graph's fake tensors: its launch takes the layout kept
+    for its key, else the first of the list (the rule's), and never one outside the list."""
+    from fusegen.backends.triton import layout_choice
+
+    monkeypatch.setattr(layout_choice, "_kept", {"k": (16, 4)})
+    built = []
+    build = lambda layout: built.append(layout) or layout  # noqa: E731
+    key = lambda digest: lambda: layout_choice.Key(digest, "a kernel")  # noqa: E731
+    assert layout_choice.choose([(16, 1), (16, 4)], build, key("k"), traced=True) == (16, 4)
+    assert layout_choice.choose([(16, 1), (32, 2)], build, key("k"), traced=True) == (16, 1)
+    monkeypatch.setattr(layout_choice, "kept", lambda key: None)
+    assert layout_choice.choose([(8, 1), (16, 4)], build, key("other"), traced=True) == (8, 1)
+    assert built == [(16, 4), (16, 1), (8, 1)]  # only the launch that runs is built (a symbolic N's guard)

@@ -6,7 +6,7 @@ import json, os, sys
 from pathlib import Path
 import torch, triton
 import torch.nn.functional as F
-from fusegen.backends.triton import row_tuning
+from fusegen.backends.triton import layout_choice, row_tuning
 from fusegen.bench.cases import load_bench_op
 
 # Issue 30's shapes, for each of its ops.
@@ -24,6 +24,8 @@ parser.add_argument("--json", default=None)
 parser.add_argument("--old-looped", action="store_true",
                     help="the --old modules' forwards take the loop along the row where the split would run: "
                          "an A/B of the layouts (pass a copy of generated/ as --old)")
+parser.add_argument("--old-rule", action="store_true",
+                    help="the --old modules run the rule's layout, not the measured one (layout_choice.MEASURE off)")
 parser.add_argument("--old-tuning", default=None,
                     help="row_tuning constants the --old modules run under, e.g. "
                          "'SPLIT_PART=(8192,16384);SPLIT_VALUES_BACKWARD=32768' (an A/B of the constants)")
@@ -73,6 +75,7 @@ for name, dtype, m, n in CASES:
             row_tuning.row_forward_layout = lambda n, *rest, **keywords: (row_tuning.row_block_n(n), 1)
         split_backward = row_tuning.SPLIT_BACKWARD
         row_tuning.SPLIT_BACKWARD = split_backward and not (tag == "old" and options.old_looped_backward)
+        layout_choice.MEASURE = not (tag == "old" and options.old_rule)
         saved = {key: getattr(row_tuning, key) for key in old_tuning}
         if tag == "old":
             for key, value in old_tuning.items():
@@ -84,6 +87,7 @@ for name, dtype, m, n in CASES:
             r[tag] = bench(fn, inputs, grad)
         finally:
             row_tuning.row_forward_layout, row_tuning.SPLIT_BACKWARD = layout, split_backward
+            layout_choice.MEASURE = True
             for key, value in saved.items():
                 setattr(row_tuning, key, value)
     torch._dynamo.reset()
@@ -101,5 +105,7 @@ for name, dtype, m, n in CASES:
     print(f"{name} {r['dtype']} {m}x{n} copy {copy:.4f} | " + " | ".join(f"{k} {fmt(v)}" for k, v in r.items() if k not in ("op", "dtype", "shape", "copy")), flush=True)
     del x, inputs, grad, y
     torch.cuda.empty_cache()
+for record in layout_choice.measured:  # each measured layout choice: the kernel, its shape, ms per layout
+    print("layout", record["label"], record["layout"], " ".join(f"{tuple(k)}:{v:.4f}" for k, v in record["ms"]))
 if options.json:
     json.dump(rows, open(options.json, "w"), indent=1)

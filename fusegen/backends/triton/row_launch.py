@@ -4,12 +4,14 @@ forward also writes each row's statistics (its reductions, [M, statistics]), whi
 backward reads."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fusegen.runtime import GradTarget, needs_int64
 from fusegen.runtime.views import INT32_LIMIT
 
-from . import row_tuning, tuning
+from . import layout_choice, row_tuning, tuning
 from .launch import Kernels, Launch, PreparedBackward, Slot, Zeroed, _Bound, _launches, _Tile
 from .naming import BLOCK_M, BLOCK_N, EXCHANGE, ONE_TILE, ROWS_PER_PROGRAM, SHARES, SPLITS, STATISTICS
 
@@ -60,24 +62,33 @@ class _BoundRows(_Bound):
     def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False,
                         splits: int = 1) -> Launch:
         """`splits` with a `tile`: its rows split across that many programs (tests reach the
-        split layout so; otherwise row_tuning.row_forward_layout chooses)."""
+        split layout so; otherwise the layout is measured among row_tuning.forward_layouts)."""
         problem = call.problem
         m, n = problem.m, problem.n
         args, copies = self._forward_args(call, tensors, traced)
+        args[SHARES] = self.shares
         if tile is not None:
-            block_n = tile[1]
-        else:  # the layout: by the row's width, the tiles a program loads and their dtypes
-            tiles = sum(not i.one_per_row for i in self.op.inputs)
-            narrow = any(t.is_floating_point() and t.element_size() < 4 for t in tensors)
-            block_n, splits = row_tuning.row_forward_layout(n, m, problem.device, tiles, narrow)
+            return self._forward_launch(args, copies, problem, (tile[1], splits), traced, tile[0])
+        # The candidates: by the row's width, the tiles a program loads and their dtypes.
+        tiles = sum(not i.one_per_row for i in self.op.inputs)
+        narrow = any(t.is_floating_point() and t.element_size() < 4 for t in tensors)
+        layouts = row_tuning.forward_layouts(n, m, problem.device, tiles, narrow)
+        return layout_choice.choose(
+            layouts, lambda layout: self._forward_launch(args, copies, problem, layout, traced),
+            lambda: layout_choice.key_of(self.forward_kernel, problem, tensors, layouts), traced)
+
+    def _forward_launch(self, args: dict, copies, problem, layout: tuple[int, int], traced: bool,
+                        block_m: int | None = None) -> Launch:
+        m, n = problem.m, problem.n
+        block_n, splits = layout
+        args = dict(args)
         # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
         args[BLOCK_N], args[SPLITS], args[ONE_TILE] = block_n, splits, bool(block_n * splits >= n)
-        args[SHARES] = self.shares
         args[EXCHANGE] = self._exchange(problem, splits)
         args = self._signatures[0].ordered(args)
-        if tile is not None:
-            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, tile[0]) * splits,), args, copies,
-                          {BLOCK_M: tile[0]})
+        if block_m is not None:
+            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, block_m) * splits,), args, copies,
+                          {BLOCK_M: block_m})
         return Launch(self._graph_forward if traced else self._forward,
                       lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * splits,), args, copies)
 
@@ -99,32 +110,45 @@ class _BoundRows(_Bound):
                          splits: int = 1) -> PreparedBackward:
         problem = call.problem
         m, n = problem.m, problem.n
+        per_row = any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row))
         if tile is not None:
-            block_n = tile[1]
+            layouts = [(tile[1], splits)]
         else:  # as the forward's, for the tiles the backward loads (a [..., 1] gradient: never split)
             tiles = len(self._reads) + len(self.op.outputs)
             narrow = any(t is not None and t.is_floating_point() and t.element_size() < 4 for t in (*tensors, *grads))
-            per_row = any(one and needs[i] for i, one in zip(self._gradients, self._one_per_row))
-            block_n, splits = row_tuning.row_backward_layout(n, m, problem.device, tiles, narrow, not per_row,
-                                                             self.shares)
+            layouts = row_tuning.backward_layouts(n, m, problem.device, tiles, narrow, not per_row, self.shares)
         summed = self._sums_over_rows(problem, tensors, needs)
         # Many rows a program only where a gradient is summed over rows: fewer partial sums.
         rows = rows_per_program or row_tuning.row_backward_rows_per_program(tuning.m_bucket(m), summed)
-        # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M].
+        # A program owns whole rows: a [..., 1] input's gradient is one row sum, [1, M] (a
+        # split's part of it where the tile given splits such a row: tests).
+        row_sums = layouts[0][1] if per_row else 1
         targets = [
-            GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), splits, self._chunks[i], one) if needs[i] else None
+            GradTarget.of(tensors[i], problem, tuning.cdiv(m, rows), row_sums, self._chunks[i], one)
+            if needs[i] else None
             for i, one in zip(self._gradients, self._one_per_row)
         ]
         if not _launches(problem, traced):
             return PreparedBackward(None, targets, self._gradients)
         args, copies = self._backward_args(call, tensors, grads, targets, traced)
-        args[ROWS_PER_PROGRAM], args[BLOCK_N], args[ONE_TILE] = rows, block_n, bool(block_n * splits >= n)
-        args[SPLITS], args[SHARES] = splits, self.shares
+        args[ROWS_PER_PROGRAM], args[SHARES] = rows, self.shares
+        build = functools.partial(self._backward_launch, args, copies, problem, rows, traced=traced,
+                                  block_m=None if tile is None else tile[0])
+        launch = layout_choice.choose(
+            layouts, build,
+            lambda: layout_choice.key_of(self.backward_kernel, problem, (*tensors, *grads), layouts, rows,
+                                         tuple(needs)), traced)
+        return PreparedBackward(launch, targets, self._gradients, traced)
+
+    def _backward_launch(self, args: dict, copies, problem, rows: int, layout: tuple[int, int], traced: bool,
+                         block_m: int | None = None) -> Launch:
+        m, n = problem.m, problem.n
+        block_n, splits = layout
+        args = dict(args)
+        args[BLOCK_N], args[ONE_TILE], args[SPLITS] = block_n, bool(block_n * splits >= n), splits
         args[EXCHANGE] = self._exchange(problem, splits)
         args = self._signatures[1].ordered(args)
         grid = (tuning.cdiv(m, rows) * splits,)
-        if tile is not None:
-            launch = Launch(_Tile(self.backward_kernel), grid, args, copies, {BLOCK_M: tile[0]})
-        else:
-            launch = Launch(self._graph_backward if traced else self._backward, grid, args, copies)
-        return PreparedBackward(launch, targets, self._gradients, traced)
+        if block_m is not None:
+            return Launch(_Tile(self.backward_kernel), grid, args, copies, {BLOCK_M: block_m})
+        return Launch(self._graph_backward if traced else self._backward, grid, args, copies)

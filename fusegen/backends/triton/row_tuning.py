@@ -138,6 +138,47 @@ def row_backward_layout(n: int, m: int, device, tiles: int = 2, narrow: bool = F
     return (part, splits) if splits > 1 else (block_n, 1)
 
 
+# The layout is measured (layout_choice.py): where a row is wider than one program's tile, the
+# rule's layout above and these alternatives are timed on a shape bucket's first launch and
+# the fastest kept. The rule's stays first: it runs wherever nothing can be timed.
+SPLIT_PART_CHOICES = (8192, 16384, 32768)
+
+
+def forward_layouts(n: int, m: int, device, tiles: int = 1, narrow: bool = False) -> list[tuple[int, int]]:
+    """The (BLOCK_N, SPLITS) layouts worth timing for a row forward (row_forward_layout's first)."""
+    rule = row_forward_layout(n, m, device, tiles, narrow)
+    if is_interpreting() or row_block_n(n) >= size_hint(n):
+        return [rule]
+    return _alternatives(rule, n, device, ROW_STEP, tiles, narrow, ONE_TILE_NARROW_VALUES, True)
+
+
+def backward_layouts(n: int, m: int, device, tiles: int = 2, narrow: bool = False, splittable: bool = True,
+                     shares: int = 1) -> list[tuple[int, int]]:
+    """The layouts worth timing for a row backward (row_backward_layout's first); never split
+    where not `splittable` (some gradient is one value a row)."""
+    rule = row_backward_layout(n, m, device, tiles, narrow, splittable, shares)
+    if is_interpreting() or row_block_n(n, backward=True) >= size_hint(n):
+        return [rule]
+    return _alternatives(rule, n, device, ROW_STEP_BACKWARD, tiles, narrow, ONE_TILE_NARROW_VALUES_BACKWARD,
+                         splittable and SPLIT_BACKWARD)
+
+
+def _alternatives(rule, n: int, device, step: int, tiles: int, narrow: bool, narrow_values: int,
+                  splittable: bool) -> list[tuple[int, int]]:
+    """The rule's layout, the loop, one 16-bit tile where it fits, and each split whose parts
+    hold at most SPLIT_VALUES values of the program's tiles and whose programs a row group the
+    GPU holds at once."""
+    width = triton.next_power_of_2(size_hint(n))
+    layouts = [rule, (step, 1)]
+    if narrow and _narrow_one_tile(n, tiles, narrow_values):
+        layouts.append((width, 1))
+    for part in SPLIT_PART_CHOICES if splittable else ():
+        splits = triton.next_power_of_2(cdiv(size_hint(n), part))
+        if 2 <= splits <= _multiprocessors(device) and part * max(tiles, 1) <= SPLIT_VALUES:
+            layouts.append((part, splits))
+    return list(dict.fromkeys(layouts))
+
+
 def _multiprocessors(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
