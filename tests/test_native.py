@@ -309,7 +309,10 @@ def test_a_half_written_build_is_never_loaded(built, tmp_path, monkeypatch):
 def test_a_killed_builds_lock_file_does_not_block_the_next_build(tmp_path, monkeypatch):
     """torch's build lock (cpp_extension's FileBaton, build/lock) outlives a build killed
     midway, and torch would wait on it forever; fusegen's own lock (an flock, let go when
-    its process ends) says that no build is running, so the leftover goes."""
+    its process ends) says that no build is running, so the leftover goes. The process that
+    built the extension sets it to own the eager seeds, as one that imports it does (it did
+    not: that process's dropout calls failed, "the eager seeds were not configured")."""
+    from fusegen.runtime.seeds import SEED_BATCH, SEED_LIMIT
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("FUSEGEN_CACHE_DIR", str(tmp_path))
@@ -319,7 +322,14 @@ def test_a_killed_builds_lock_file_does_not_block_the_next_build(tmp_path, monke
         work = directory / "build"
         work.mkdir(parents=True)
         (work / "lock").write_text("")  # left by a killed build
-        built = object()
+
+        class Built:
+            seeds = None
+
+            def configure_seeds(self, batch, high):
+                self.seeds = (batch, high)
+
+        built = Built()
 
         def load(name, sources, build_directory, **kwargs):  # as torch's: waits while the lock is there
             assert not (Path(build_directory) / "lock").exists(), "the build would wait forever"
@@ -329,6 +339,7 @@ def test_a_killed_builds_lock_file_does_not_block_the_next_build(tmp_path, monke
         monkeypatch.setattr(cpp_extension, "load", load)
         assert native._build(directory) is built
         assert native._built_file(directory).read_bytes() == b"library"
+        assert built.seeds == (SEED_BATCH, SEED_LIMIT - 1)
     finally:
         native.build_directory.cache_clear()
 

@@ -120,7 +120,12 @@ def _import(path: Path):
     spec = importlib.util.spec_from_file_location(_module_name(path.parent), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.configure_seeds(SEED_BATCH, SEED_LIMIT - 1)  # it owns the eager seed batches from now on
+    return _configured(module)
+
+
+def _configured(module):
+    """The extension, loaded or just built, set to own the eager seed batches from now on."""
+    module.configure_seeds(SEED_BATCH, SEED_LIMIT - 1)
     return module
 
 
@@ -220,7 +225,7 @@ def _build(directory: Path):
         partial = directory / (_library_name(directory) + f".{os.getpid()}.partial")
         shutil.copyfile(work / _library_name(directory), partial)
         os.replace(partial, built)
-        return module
+        return _configured(module)  # as an import's: the process that builds it draws seeds too
 
 
 @contextlib.contextmanager
