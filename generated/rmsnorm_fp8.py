@@ -11,8 +11,8 @@ Param eps: float ≥ 0.0, default 1e-06 (runtime: no recompilation).
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward; a 16-bit
 row to 32768 where few tiles are loaded) is loaded once and reduced in registers; a wider
-float32 row is split across programs that each hold a part and combine their reductions, and
-other wide rows are swept once per level of nested reductions.
+row runs the fastest layout timed on its shape's first launch: split across programs that
+each hold a part and combine their reductions, or swept once per level of nested reductions.
 Forward only: no output has a gradient, and the op puts no autograd node behind them.
 
 As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,

@@ -10,8 +10,8 @@ Outputs: y [..., N]
 
 The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward; a 16-bit
 row to 32768 where few tiles are loaded) is loaded once and reduced in registers; a wider
-float32 row is split across programs that each hold a part and combine their reductions, and
-other wide rows are swept once per level of nested reductions.
+row runs the fastest layout timed on its shape's first launch: split across programs that
+each hold a part and combine their reductions, or swept once per level of nested reductions.
 Backward: one fused kernel recomputes the forward from the saved inputs and the forward's
 per-row statistics and writes every input gradient in one pass. Saved for it: the inputs and
 each row's statistics (fp32, [..., statistics]), nothing else.

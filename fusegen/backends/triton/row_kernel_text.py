@@ -510,9 +510,9 @@ KIND = TritonKind(
     keywords=lambda plan: (f"shares={split_shares_count(plan)}",),
     modules=("row_launch", "row_tuning", "tuning"),
     doc="The Triton kernels own whole rows: a row up to 16384 wide (8192 in the backward; a 16-bit row to 32768 "
-        "where few tiles are loaded) is loaded once and reduced in registers; a wider float32 row is split across "
-        "programs that each hold a part and combine their reductions, and other wide rows are swept once per "
-        "level of nested reductions.",
+        "where few tiles are loaded) is loaded once and reduced in registers; a wider row runs the fastest "
+        "layout timed on its shape's first launch: split across programs that each hold a part and combine "
+        "their reductions, or swept once per level of nested reductions.",
     reserved=frozenset({"first_col", naming.ONE_TILE, naming.STATISTICS, "ONLINE", naming.EXCHANGE, naming.SPLITS,
                         naming.SHARES, "group", "split"}),
 )
