@@ -222,3 +222,38 @@ def test_a_traced_launch_takes_the_kept_layout_else_the_rules(monkeypatch):
     monkeypatch.setattr(layout_choice, "kept", lambda key: None)
     assert layout_choice.choose([(8, 1), (16, 4)], build, key("other"), traced=True) == (8, 1)
     assert built == [(16, 4), (16, 1), (8, 1)]  # only the launch that runs is built (a symbolic N's guard)
+
+
+def test_a_layout_the_gpu_cannot_run_is_passed_over(monkeypatch, tmp_path):
+    """A candidate whose kernel does not fit the GPU (Triton's OutOfResources) is timed as
+    never finishing, and another kept; the rule's own layout failing is the call's error."""
+    from triton.runtime.errors import OutOfResources
+
+    from fusegen.backends.triton import layout_choice
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(layout_choice, "_kept", {})
+    ran = []
+
+    class Launch:
+        settled = True
+
+        def __init__(self, layout):
+            self.layout = layout
+
+        def __call__(self, values):
+            ran.append(self.layout)
+
+    def timer(launch, values):
+        if launch.layout == (8, 4):
+            raise OutOfResources(300000, 232448, "shared memory")
+        return {(16, 1): 2.0, (32, 2): 1.0}[launch.layout]
+
+    monkeypatch.setattr(layout_choice, "TIMER", timer)
+    key = lambda digest: lambda: layout_choice.Key(digest, "a kernel")  # noqa: E731
+    chosen = layout_choice.choose([(16, 1), (8, 4), (32, 2)], Launch, key("0a" * 32), traced=False)
+    chosen(())
+    assert chosen.layout == (32, 2) and ran == [(32, 2)]
+    failing = layout_choice.choose([(8, 4), (16, 1)], Launch, key("0b" * 32), traced=False)
+    with pytest.raises(OutOfResources):
+        failing(())

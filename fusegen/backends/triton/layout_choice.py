@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 import triton
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 Layout = tuple[int, int]  # (BLOCK_N, SPLITS)
 
@@ -102,8 +104,9 @@ def choose(layouts: list[Layout], build: Callable[[Layout], object], key: Callab
 class ChosenLayout:
     """A launch that is one of several candidates' (`{layout: Launch}`, the rule's first),
     settled on its first call: the kept layout where there is one, else each timed on that
-    call's own values and the fastest kept; the chosen one then runs last, writing every
-    value the call returns (each layout writes the whole result). Inside a CUDA graph's capture nothing is timed: the
+    call's own values and the fastest kept (one the GPU cannot run, out of shared memory, is
+    passed over); the chosen one then runs last, writing every value the call returns (each
+    layout writes the whole result). Inside a CUDA graph's capture nothing is timed: the
     rule's layout, not kept."""
 
     __slots__ = ("_candidates", "_key", "_chosen")
@@ -136,7 +139,14 @@ class ChosenLayout:
         first = next(iter(self._candidates))
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return self._candidates[first]
-        times = {layout: TIMER(launch, values) for layout, launch in self._candidates.items()}
+        times = {}
+        for layout, launch in self._candidates.items():
+            try:
+                times[layout] = TIMER(launch, values)
+            except (OutOfResources, CompilationError):
+                if layout == first:
+                    raise  # the rule's layout: its error is the call's
+                times[layout] = float("inf")  # a candidate the GPU cannot run
         best = min(times, key=times.get)
         _keep(self._key, best, times)
         return self._candidates[best]
