@@ -210,13 +210,15 @@ def bias_dropout_add_layernorm_backward_kernel(
     SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
-    # residual is broadcast along rows
+    # summed over rows where x is broadcast along them
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,
+    # summed over rows where bias is broadcast along them
+    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,
+    # summed over rows where residual is broadcast along them
     NEEDS_GRAD_RESIDUAL: tl.constexpr, SUM_GRAD_RESIDUAL: tl.constexpr,
-    # weight is broadcast along rows
+    # summed over rows where weight is broadcast along them
     NEEDS_GRAD_WEIGHT: tl.constexpr, SUM_GRAD_WEIGHT: tl.constexpr,
-    # norm_bias is broadcast along rows
+    # summed over rows where norm_bias is broadcast along them
     NEEDS_GRAD_NORM_BIAS: tl.constexpr, SUM_GRAD_NORM_BIAS: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step

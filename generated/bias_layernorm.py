@@ -140,10 +140,14 @@ def bias_layernorm_backward_kernel(
     eps: tl.float64,
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
-    NEEDS_GRAD_GAMMA: tl.constexpr, SUM_GRAD_GAMMA: tl.constexpr,  # gamma is broadcast along rows
-    NEEDS_GRAD_BETA: tl.constexpr, SUM_GRAD_BETA: tl.constexpr,  # beta is broadcast along rows
+    # summed over rows where x is broadcast along them
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,
+    # summed over rows where bias is broadcast along them
+    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,
+    # summed over rows where gamma is broadcast along them
+    NEEDS_GRAD_GAMMA: tl.constexpr, SUM_GRAD_GAMMA: tl.constexpr,
+    # summed over rows where beta is broadcast along them
+    NEEDS_GRAD_BETA: tl.constexpr, SUM_GRAD_BETA: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N

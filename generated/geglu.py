@@ -102,7 +102,8 @@ def geglu_backward_kernel(
     ACTIVATION: tl.constexpr,  # activation
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
+    # summed over rows where x is broadcast along them
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,

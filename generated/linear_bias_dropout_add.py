@@ -41,7 +41,10 @@ from fusegen.backends.triton.gemm_lib import grouped_tile, matmul_tile
 __all__ = ["linear_bias_dropout_add", "LinearBiasDropoutAdd", "reference", "eager"]
 
 
-@tuning.autotune(gemm_tuning.FORWARD, key=["M_BUCKET", "N", "K", "HAS_DROPOUT"])
+@tuning.autotune(
+    gemm_tuning.FORWARD,
+    key=["M_BUCKET", "N", "K", "x_stride_k", "weight_stride_k", "HAS_DROPOUT"],
+)
 @triton.jit
 def linear_bias_dropout_add_kernel(
     x_ptr, x_stride_m, x_stride_k,  # x [..., K], as [M, K]
@@ -107,9 +110,10 @@ def linear_bias_dropout_add_backward_kernel(
     SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    # product is broadcast along rows
+    # summed over rows where product is broadcast along them
     NEEDS_GRAD_PRODUCT: tl.constexpr, SUM_GRAD_PRODUCT: tl.constexpr,
-    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,  # bias is broadcast along rows
+    # summed over rows where bias is broadcast along them
+    NEEDS_GRAD_BIAS: tl.constexpr, SUM_GRAD_BIAS: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,

@@ -188,8 +188,10 @@ def scaled_masked_softmax_dropout_backward_kernel(
     SHARDED: tl.constexpr,  # a DTensor's shard: masks keyed by the global flat index
     INDEX_64: tl.constexpr,  # some offset reaches 2**31
     COMPUTE_FP64: tl.constexpr,
-    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,  # x is broadcast along rows
-    NEEDS_GRAD_MASK: tl.constexpr, SUM_GRAD_MASK: tl.constexpr,  # mask is broadcast along rows
+    # summed over rows where x is broadcast along them
+    NEEDS_GRAD_X: tl.constexpr, SUM_GRAD_X: tl.constexpr,
+    # summed over rows where mask is broadcast along them
+    NEEDS_GRAD_MASK: tl.constexpr, SUM_GRAD_MASK: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # a multiple of BLOCK_M; fixed before launch: it sizes the sums
     BLOCK_N: tl.constexpr,  # a program's tile: the row or its split's part (ONE_TILE), or a step
     ONE_TILE: tl.constexpr,  # BLOCK_N * SPLITS >= N

@@ -145,6 +145,18 @@ def test_layouts(ops):
     torch.testing.assert_close(y, torch.tanh(x.detach() @ w_kn) * 0.5)
 
 
+def test_tuned_tiles_are_kept_per_operand_layout(ops):
+    """The forward's tuned tile is kept per M's bucket, N, K and each operand's stride along K
+    (1 for a row-major x and nn.Linear's weight, not for their transposes), as well as the
+    dtypes Triton's autotuner adds: a weight given transposed gets its own tuning."""
+    module = ops["linear_gelu_add"]
+    forward = module.linear_gelu_add_kernel
+    assert forward.keys[:3] == ["M_BUCKET", "N", "K"]
+    strides = forward.keys[3:]
+    assert len(strides) == 2 and all(k.endswith("stride_k") for k in strides)
+    assert {k.split("_stride")[0] for k in strides} == {"x", "weight"}
+
+
 def test_empty_and_one_row(ops):
     op = ops["linear_gelu_add"].linear_gelu_add
     x, w, b, r = _inputs("linear_gelu_add", 5, torch.float32, lead=(0, 3))

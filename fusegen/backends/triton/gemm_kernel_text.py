@@ -71,7 +71,10 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     else:
         lines += statements(kernel.body, printer, triton_constant, tensors)
     lines += output_stores(plan, kernel)
-    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=(K,)), arguments, lines,
+    # The operands' K strides too: a tile tuned for a row-major operand (stride 1 along K, as
+    # nn.Linear's weight) is not the one for its transpose.
+    layout = (K, a_stride_k, b_stride_k)
+    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines,
                       "gemm_tuning.FORWARD")
 
 

@@ -135,7 +135,8 @@ def backward_arguments(plan: OpPlan, names: TritonNames, row_sums: str, statisti
     for gradient in kernel.gradients:
         name = gradient.input.name
         # An input's two flags on one line: its gradient is wanted; it is broadcast along rows.
-        arguments.append(f"{names.needs[name]}: tl.constexpr, {names.sums[name]}: tl.constexpr,  # {name} is broadcast along rows")
+        arguments.append(f"{names.needs[name]}: tl.constexpr, {names.sums[name]}: tl.constexpr,"
+                         f"  # summed over rows where {name} is broadcast along them")
         if gradient.one_per_row:
             arguments.append(f"{names.column_sums[name]}: tl.constexpr,  # {name} is broadcast along columns")
     return arguments
