@@ -52,6 +52,32 @@ def test_interpreter_prunes_to_one_config(monkeypatch):
     assert len(tiles) == 1
 
 
+def test_an_interpreted_launch_patches_the_language_once_not_per_helper_call(device, monkeypatch):
+    """The interpreter patches triton.language for a launch; the kernels' helper calls
+    (kernel_lib's, dozens a program) take those patches (interpreter.patch_device_calls)
+    instead of scanning the modules again, about 1 ms each. Same values as before."""
+    if device != "cpu":
+        pytest.skip("the CPU interpreter's")
+    from triton.runtime import interpreter
+
+    op = op_by_name("layernorm")
+    scans, launches = [], []
+    scan, grid = interpreter._patch_builtin, interpreter.GridExecutor.__call__
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda pkg, *args: scans.append(pkg) or scan(pkg, *args))
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", lambda self, *a, **k: launches.append(1) or grid(self, *a, **k))
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    y = op.fn(x, w, b)
+    y.backward(torch.ones_like(y))
+    assert len(launches) >= 2 and len(scans) <= 12 * len(launches)  # 387 for these two before
+    expected = x.detach().clone().requires_grad_(True)
+    torch.testing.assert_close(y, op.reference(expected, w, b))
+    op.reference(expected, w, b).backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, expected.grad)
+    # Outside a launch the language is as it was: the launch undid its patches.
+    assert triton.language.tensor.__add__.__name__ == "__add__"
+
+
 # ---------------------------------------------------------------------------
 # CachedLauncher's key: it must tell apart every call Triton would compile differently
 
