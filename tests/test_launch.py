@@ -328,3 +328,23 @@ def test_signature_orders_values_by_name_and_leaves_the_tile_to_the_autotuner():
         signature.ordered({"a": 1, "FLAG": True, "b": 2, "BLOCK_N": 8})
     with pytest.raises(launch.KernelSignatureError, match=r"^k: value 'c' is for no parameter$"):
         signature.ordered({"a": 1, "FLAG": True, "b": 2, "c": 3})
+
+
+def test_running_a_generated_op_imports_no_code_generator():
+    """A process that imports and runs a generated op (forward and backward) loads torch, triton
+    and fusegen's runtime, not the code generator's sympy, YAML or Jinja, nor torch's symbolic
+    shapes (0.5-0.6 s of CPU a process)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, torch\nfrom generated.layernorm import layernorm\n"
+            "x = torch.ones(2, 4, requires_grad=True)\n"
+            "layernorm(x, torch.ones(4), torch.zeros(4)).sum().backward()\n"
+            "print(sorted(m for m in ('sympy', 'yaml', 'jinja2', 'fusegen.plan', 'fusegen.spec',\n"
+            "                         'torch.fx.experimental.symbolic_shapes') if m in sys.modules))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
