@@ -6,10 +6,10 @@ from __future__ import annotations
 import ast
 import textwrap
 import builtins
+import functools
 import os
 import symtable
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 import jinja2
@@ -20,16 +20,13 @@ from .spec import OpSpec
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 
 
+@functools.cache
 def _template_environment() -> jinja2.Environment:
     # A checkout has templates/ beside the package; an installed package carries them as
     # fusegen.templates (see pyproject.toml).
     if (_TEMPLATE_DIR / "init.py.jinja").is_file():
-        loader: jinja2.BaseLoader = jinja2.FileSystemLoader(str(_TEMPLATE_DIR))
-    else:
-        loader = jinja2.FunctionLoader(
-            lambda name: resources.files("fusegen.templates").joinpath(name).read_text(encoding="utf-8")
-        )
-    return templating.environment(loader)
+        return templating.environment(jinja2.FileSystemLoader(str(_TEMPLATE_DIR)))
+    return templating.package_environment("fusegen.templates")
 
 
 def render_starter_spec(name: str) -> str:

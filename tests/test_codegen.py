@@ -65,6 +65,25 @@ def test_check_names_stale_files(tmp_path, capsys):
     assert f"stale: {out / 'bias_gelu_dropout_add.py'}" in capsys.readouterr().err
 
 
+def test_templates_compile_once_a_process_and_reload_when_edited(tmp_path, monkeypatch):
+    from fusegen import templating
+
+    package = tmp_path / "templates_pkg"
+    (package / "templates").mkdir(parents=True)
+    (package / "__init__.py").write_text("", encoding="utf-8")
+    template = package / "templates" / "t.jinja"
+    template.write_text("one {{ x }}\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = templating.package_environment("templates_pkg", "templates")
+    assert templating.package_environment("templates_pkg", "templates") is env
+    first = env.get_template("t.jinja")
+    assert first.render(x=1) == "one 1\n" and env.get_template("t.jinja") is first  # compiled once
+    template.write_text("two {{ x }}\n", encoding="utf-8")
+    os.utime(template, (os.path.getmtime(template) + 5,) * 2)
+    assert env.get_template("t.jinja").render(x=2) == "two 2\n"
+    templating.package_environment.cache_clear()  # its package goes with tmp_path
+
+
 def test_write_only_when_changed(tmp_path):
     target = tmp_path / "m.py"
     assert write.write_if_changed(target, "a = 1\n") is True

@@ -52,6 +52,32 @@ def test_interpreter_prunes_to_one_config(monkeypatch):
     assert len(tiles) == 1
 
 
+def test_an_interpreted_launch_patches_the_language_once_not_per_helper_call(device, monkeypatch):
+    """The interpreter patches triton.language for a launch; the kernels' helper calls
+    (kernel_lib's, dozens a program) take those patches (interpreter.patch_device_calls)
+    instead of scanning the modules again, about 1 ms each. Same values as before."""
+    if device != "cpu":
+        pytest.skip("the CPU interpreter's")
+    from triton.runtime import interpreter
+
+    op = op_by_name("layernorm")
+    scans, launches = [], []
+    scan, grid = interpreter._patch_builtin, interpreter.GridExecutor.__call__
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda pkg, *args: scans.append(pkg) or scan(pkg, *args))
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", lambda self, *a, **k: launches.append(1) or grid(self, *a, **k))
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    y = op.fn(x, w, b)
+    y.backward(torch.ones_like(y))
+    assert len(launches) >= 2 and len(scans) <= 12 * len(launches)  # 387 for these two before
+    expected = x.detach().clone().requires_grad_(True)
+    torch.testing.assert_close(y, op.reference(expected, w, b))
+    op.reference(expected, w, b).backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, expected.grad)
+    # Outside a launch the language is as it was: the launch undid its patches.
+    assert triton.language.tensor.__add__.__name__ == "__add__"
+
+
 # ---------------------------------------------------------------------------
 # CachedLauncher's key: it must tell apart every call Triton would compile differently
 
@@ -302,3 +328,23 @@ def test_signature_orders_values_by_name_and_leaves_the_tile_to_the_autotuner():
         signature.ordered({"a": 1, "FLAG": True, "b": 2, "BLOCK_N": 8})
     with pytest.raises(launch.KernelSignatureError, match=r"^k: value 'c' is for no parameter$"):
         signature.ordered({"a": 1, "FLAG": True, "b": 2, "c": 3})
+
+
+def test_running_a_generated_op_imports_no_code_generator():
+    """A process that imports and runs a generated op (forward and backward) loads torch, triton
+    and fusegen's runtime, not the code generator's sympy, YAML or Jinja, nor torch's symbolic
+    shapes (0.5-0.6 s of CPU a process)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, torch\nfrom generated.layernorm import layernorm\n"
+            "x = torch.ones(2, 4, requires_grad=True)\n"
+            "layernorm(x, torch.ones(4), torch.zeros(4)).sum().backward()\n"
+            "print(sorted(m for m in ('sympy', 'yaml', 'jinja2', 'fusegen.plan', 'fusegen.spec',\n"
+            "                         'torch.fx.experimental.symbolic_shapes') if m in sys.modules))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

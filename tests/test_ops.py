@@ -17,6 +17,7 @@ from fusegen.backends.triton import interpreter, row_launch, tuning
 
 from tests.helpers import (
     LOW_PRECISION,
+    ROOT,
     Poison,
     ShapeCase,
     all_ops,
@@ -453,6 +454,54 @@ def test_double_backward_raises(op, device):
         pytest.skip("no gradient depends on the inputs")
     with pytest.raises(RuntimeError, match="double backward is not supported"):
         torch.autograd.grad(sum(g.sum() for g in kernel_grads), wanted, allow_unused=True)
+
+
+def _import_as(path, module_name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _double_backward(fn, device):
+    x = torch.randn(2, 3, 8, dtype=torch.float64, device=device, requires_grad=True)
+    (gx,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
+    torch.autograd.grad(gx.sum(), x)
+
+
+def test_one_module_under_two_names_shares_its_library_ops(tmp_path, device):
+    """generated.<op> and fusegen.ops.<op> are one file: the second import must not register
+    fusegen::<op> again, which would leave the first module's op calling a dispatcher entry
+    torch has freed (a crashed process, or another op called: an xdist worker died in
+    test_double_backward_raises, after fusegen.integrations.kernels_layers imported its ops)."""
+    text = (ROOT / "generated" / "quick_gelu.py").read_text(encoding="utf-8").replace("quick_gelu", "quick_gelu_twice")
+    (tmp_path / "quick_gelu_twice.py").write_text(text, encoding="utf-8")
+    first = _import_as(tmp_path / "quick_gelu_twice.py", "quick_gelu_twice")
+    second = _import_as(tmp_path / "quick_gelu_twice.py", "again.quick_gelu_twice")
+    assert second._OP is not first._OP
+    assert second._OP._forward_op is first._OP._forward_op and second._OP._backward_op is first._OP._backward_op
+    for module in (first, second):
+        with pytest.raises(RuntimeError, match="fusegen::quick_gelu_twice: double backward is not supported"):
+            _double_backward(module.quick_gelu_twice, device)
+
+
+def test_an_op_registered_again_with_other_code_refuses_in_one_line(tmp_path, device):
+    """An op rebuilt and imported again under its name: torch keeps the new registration only,
+    and the earlier module's op says so where it would call the dropped one."""
+    text = (ROOT / "generated" / "quick_gelu.py").read_text(encoding="utf-8").replace("quick_gelu", "quick_gelu_edited")
+    (tmp_path / "old.py").write_text(text, encoding="utf-8")
+    (tmp_path / "new.py").write_text(text + "# rebuilt\n", encoding="utf-8")
+    old = _import_as(tmp_path / "old.py", "old_quick_gelu_edited")
+    new = _import_as(tmp_path / "new.py", "new_quick_gelu_edited")
+    with pytest.raises(RuntimeError, match=r"^fusegen::quick_gelu_edited: this op \(from old_quick_gelu_edited\) was "
+                                           r"registered again by new_quick_gelu_edited"):
+        _double_backward(old.quick_gelu_edited, device)
+    with pytest.raises(RuntimeError, match="fusegen::quick_gelu_edited: double backward is not supported"):
+        _double_backward(new.quick_gelu_edited, device)
+    x = torch.randn(2, 8, dtype=torch.float64, device=device)
+    torch.testing.assert_close(old.quick_gelu_edited(x), new.reference(x))  # eager calls need no library op
 
 
 @pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass
-from importlib import resources
 
 import jinja2
 
@@ -131,7 +130,4 @@ def _eager_helper(helper: HelperPlan) -> Helper:
 
 
 def _environment() -> jinja2.Environment:
-    loader = jinja2.FunctionLoader(
-        lambda name: resources.files("fusegen.face").joinpath("templates", name).read_text(encoding="utf-8")
-    )
-    return templating.environment(loader)
+    return templating.package_environment("fusegen.face", "templates")

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib
 import inspect
 import re
 import sys
@@ -69,6 +68,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .loading import load_ops as _load_ops
 
 OPS = ("norms", "mlps", "residuals")
 
@@ -211,31 +212,6 @@ def _grouped(pairs) -> list[tuple[tuple[str, str], int]]:
         key = (label, re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name) or "(the model)")
         counts[key] = counts.get(key, 0) + 1
     return list(counts.items())
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading the generated ops
-
-
-def _load_ops(names: set[str], generated: str | Path | None) -> dict[str, Callable]:
-    """Each named op function, from a folder of generated modules: `generated`, else the
-    checkout's generated/ beside the fusegen package in use, else the installed `fusegen.ops`."""
-    if generated is None:
-        beside = Path(__file__).resolve().parent.parent.parent / "generated"
-        if not all((beside / f"{name}.py").is_file() for name in names):
-            # Installed from a wheel: generated/ is fusegen.ops. (A checkout takes its own
-            # generated/ first, so that its ops always match the fusegen/runtime it imported.)
-            return {name: getattr(importlib.import_module(f"fusegen.ops.{name}"), name) for name in sorted(names)}
-        generated = beside
-    folder = Path(generated).resolve()
-    missing = [name for name in sorted(names) if not (folder / f"{name}.py").is_file()]
-    if missing:
-        raise FileNotFoundError(f"patch(): no generated module {', '.join(missing)} in {folder}; run `fusegen build`")
-    # Imported as `<folder name>.<op>` with its parent on sys.path, as fusegen.bench does, so
-    # that a process importing `generated.<op>` elsewhere (the tests) shares the module.
-    if str(folder.parent) not in sys.path:
-        sys.path.insert(0, str(folder.parent))
-    return {name: getattr(importlib.import_module(f"{folder.name}.{name}"), name) for name in sorted(names)}
 
 
 # ---------------------------------------------------------------------------------------------

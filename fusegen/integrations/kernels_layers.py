@@ -10,14 +10,16 @@ rounding, on the tensors it fuses; on any other it calls the module's own forwar
 (`type(self).forward`: `kernels` replaces the forward of the instance, not of its class).
 
 Imported by the repository's `__init__.py` when `kernels` loads it; it imports torch and the
-ops, and nothing of `kernels` or transformers.
+ops (fusegen.integrations.loading), and nothing of `kernels` or transformers.
 """
 import torch
 
-from fusegen.ops.gelu import gelu
-from fusegen.ops.gelu_tanh import gelu_tanh
-from fusegen.ops.quick_gelu import quick_gelu
-from fusegen.ops.rmsnorm import rmsnorm
+from fusegen.integrations.loading import load_ops
+
+# A checkout's own generated/ (as `generated.<op>`, the module the tests and patch() import),
+# else the installed fusegen.ops.
+_OPS = load_ops({"gelu", "gelu_tanh", "quick_gelu", "rmsnorm"}, caller="fusegen.integrations.kernels_layers")
+gelu, gelu_tanh, quick_gelu, rmsnorm = _OPS["gelu"], _OPS["gelu_tanh"], _OPS["quick_gelu"], _OPS["rmsnorm"]
 
 __all__ = ["RMSNorm", "GeLU", "GeluTanh", "NewGELU", "QuickGELU"]
 

@@ -150,7 +150,7 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, mat
     if matmul is not None:
         value_shapes = _with_product(op, inputs, tensors, value_shapes, matmul)
     try:
-        shape = torch.broadcast_shapes(*value_shapes)
+        shape = _broadcast_shapes(value_shapes)
     except RuntimeError:
         shown = " and ".join(f"{i.name} {list(t.shape)}" for i, t in zip(inputs, tensors))
         raise FusegenArgumentError(f"{op}(): shapes do not broadcast: {shown}") from None
@@ -170,6 +170,22 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, mat
     compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     has_data = device.type != "meta" and not any(is_fake(t) for t in tensors)
     return Problem(shape, m, n, out_dtype, compute_dtype, device, has_data)
+
+
+def _broadcast_shapes(shapes: list) -> torch.Size:
+    """torch.broadcast_shapes; for sizes that are all ints, worked out here: torch's imports
+    torch.fx's symbolic shapes and sympy on its first call (about half a second of a process
+    that runs an op)."""
+    if not all(type(d) is int for s in shapes for d in s):  # symbolic sizes (torch.compile)
+        return torch.broadcast_shapes(*shapes)
+    result = [1] * max((len(s) for s in shapes), default=0)
+    for s in shapes:
+        for i, d in enumerate(s, len(result) - len(s)):
+            if d != 1:
+                if result[i] != 1 and result[i] != d:
+                    raise RuntimeError(f"shapes {[list(s) for s in shapes]} do not broadcast")
+                result[i] = d
+    return torch.Size(result)
 
 
 def _with_product(op: str, inputs, tensors, value_shapes: list, matmul: MatMul) -> list:

@@ -9,9 +9,11 @@ inputs, then params, then (ops with dropout only) training and seed.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 import typing
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -732,9 +734,77 @@ def _check_inplace_backward(name: str, value) -> None:
         raise FusegenArgumentError(f"{name}(): inplace_backward must be True or False, got {type(value).__name__}")
 
 
+class _Registration:
+    """One op name's library ops, and the ops that call them."""
+
+    def __init__(self, source: str | None, module: str, forward_op, backward_op):
+        self.source = source  # the generated module's text, hashed (None: not read from a file)
+        self.module = module  # the module that registered them
+        self.forward_op, self.backward_op = forward_op, backward_op
+        self.ops: weakref.WeakSet = weakref.WeakSet()
+
+
+# The library ops of this process, by op name. torch keeps one op a name: registering
+# fusegen::<op> again (the same generated module imported under a second name, generated.<op>
+# and fusegen.ops.<op>; an op rebuilt and imported again) destroys the first registration, and
+# the first module's op objects would still call it: a freed dispatcher entry (a crash, or
+# another op called).
+_LIBRARY: dict[str, _Registration] = {}
+
+
+def _source_of(op: FusedOp) -> tuple[str | None, str]:
+    """The text of the module that declares `op`, hashed (None where it was not read from a
+    file), and that module's name."""
+    code = getattr(op._reference_body, "__code__", None)
+    module = getattr(op._reference_body, "__module__", None) or "?"
+    try:
+        with open(code.co_filename, "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest(), module
+    except (AttributeError, OSError, TypeError):
+        return None, module
+
+
+class _Superseded:
+    """In place of the library ops of an op whose name a later module registered again
+    with other code: any use says so in one line (torch dropped these ops' registration)."""
+
+    def __init__(self, name: str, module: str, by: str):
+        self._message = (f"fusegen::{name}: this op (from {module}) was registered again by {by}, with other "
+                         f"code; its library ops (torch.compile, create_graph, DTensor) are gone: use {by}'s "
+                         "op, or import each generated op under one module name")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(self._message)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError(self._message)
+
+
 def _register_library_ops(op: FusedOp):
     """fusegen::<op> and fusegen::<op>_backward: autograd and torch.compile each see one
-    opaque op. Saved for backward: the inputs (the seed tensor, the row statistics), nothing else."""
+    opaque op. Saved for backward: the inputs (the seed tensor, the row statistics), nothing else.
+    An op of the same name registered before from the same code (the same generated module under
+    another module name): its library ops, shared (they compute what this op's would)."""
+    source, module = _source_of(op)
+    registered = _LIBRARY.get(op.name)
+    if registered is not None and source is not None and registered.source == source:
+        registered.ops.add(op)
+        return registered.forward_op, registered.backward_op
+    forward_op, backward_op = _new_library_ops(op)
+    if registered is not None:
+        # torch has dropped the earlier registration: the ops that called it may no longer.
+        for earlier in list(registered.ops):
+            earlier._forward_op = _Superseded(op.name, registered.module, module)
+            if earlier._backward_op is not None:
+                earlier._backward_op = _Superseded(op.name, registered.module, module)
+    _LIBRARY[op.name] = registration = _Registration(source, module, forward_op, backward_op)
+    registration.ops.add(op)
+    return forward_op, backward_op
+
+
+def _new_library_ops(op: FusedOp):
     arguments = _schema_arguments(op)
     # The forward's results: the outputs, then the seed tensor and the statistics kept for backward.
     extras = op.has_dropout + bool(op.statistics)

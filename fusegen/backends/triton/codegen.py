@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import textwrap
-from importlib import resources
 
 import jinja2
 
@@ -96,7 +95,4 @@ def _triton_helpers(helper: HelperPlan, names: TritonNames, printer: TritonPrint
 
 
 def _environment() -> jinja2.Environment:
-    loader = jinja2.FunctionLoader(
-        lambda name: resources.files("fusegen.backends.triton").joinpath("templates", name).read_text(encoding="utf-8")
-    )
-    return templating.environment(loader)
+    return templating.package_environment("fusegen.backends.triton", "templates")

@@ -288,3 +288,68 @@ def patch_cooperative_grid() -> None:
 
     interpreter.GridExecutor.__call__ = patched
     _COOPERATIVE_PATCHED = True
+
+
+_DEVICE_CALLS_PATCHED = False
+
+
+class _NoPatches:
+    """The patches a device function's call would have made, when the launch made them already."""
+
+    def restore(self) -> None:
+        pass
+
+
+def patch_device_calls() -> None:
+    """A @triton.jit function called from a kernel (kernel_lib's helpers, tl.sigmoid): the
+    interpreter patches triton.language's builtins again on every such call, though the
+    launch around it patched them already, and never undoes it (the launch's own patches are
+    undone when it ends): a patched module has no builtin left to patch, and the call only
+    pays for looking (about 1 ms, a quarter of a launch's time for the library's kernels,
+    which call dozens of helpers). Inside a launch, once the modules a function sees
+    (triton.language, triton.language.core) are patched, by the launch or an earlier call,
+    its calls take those patches; a call outside a launch patches as before."""
+    global _DEVICE_CALLS_PATCHED
+    if _DEVICE_CALLS_PATCHED:
+        return
+    import inspect
+    import threading
+
+    from triton.runtime import interpreter
+
+    patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    lock = threading.Lock()
+    # How many launches run, and the language modules patched since the first began (None:
+    # none yet). Launches run one at a time; the count keeps the state to the outermost.
+    state = {"launches": 0, "patched": None}
+    none = _NoPatches()
+
+    def languages(fn) -> frozenset:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and (value is tl or value is tl.core))
+
+    def patched_lang(fn):
+        patched = state["patched"]
+        if patched is not None:
+            seen = languages(fn)
+            if seen and seen <= patched:  # (none: the interpreter's own error)
+                return none
+        scope = patch_lang(fn)
+        with lock:
+            if state["launches"]:  # the launch's own patches, or a call's, which stay to its end
+                state["patched"] = (state["patched"] or frozenset()) | languages(fn)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        with lock:
+            state["launches"] += 1
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            with lock:
+                state["launches"] -= 1
+                state["patched"] = None
+
+    interpreter._patch_lang = patched_lang
+    interpreter.GridExecutor.__call__ = launch
+    _DEVICE_CALLS_PATCHED = True

@@ -29,6 +29,7 @@ from .interpreter import (
     patch_bfloat16_dot,
     patch_bfloat16_rounding,
     patch_cooperative_grid,
+    patch_device_calls,
     patch_libdevice,
     patch_scalar_index,
     patch_splat_dtype,
@@ -63,6 +64,7 @@ if is_interpreting():  # every generated module imports this one before its kern
     patch_bfloat16_dot()
     patch_bfloat16_rounding()
     patch_cooperative_grid()
+    patch_device_calls()
     patch_libdevice()
     patch_scalar_index()
     patch_splat_dtype()

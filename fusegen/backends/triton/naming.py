@@ -3,9 +3,12 @@ name may take), its module class's name, and the names it derives from the plan'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fusegen.names import PYTHON_BUILTINS, Namer
-from fusegen.plan import OpPlan
+
+if TYPE_CHECKING:  # the plan (and sympy) only where a module is generated, not where one runs
+    from fusegen.plan import OpPlan
 
 # The kernel_lib helpers a generated module may import (each module imports those it calls).
 KERNEL_LIB_NAMES = (

@@ -183,9 +183,13 @@ def _multiprocessors(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _row_configs(configs, m: int, block_n: int, max_block_m: int):
+def _row_configs(configs, m: int, block_n: int, max_block_m: int, backward: bool = False):
     if is_interpreting():
-        block_m = max(1, min(triton.next_power_of_2(m), max_block_m, INTERPRETER_BLOCK_ELEMENTS // block_n))
+        # The forward: no taller than the rows. The backward: as many of a program's rows
+        # (max_block_m) as the tile holds, past M too (masked): a program steps through all
+        # of them, and each step costs the interpreter the same whatever its rows.
+        tall = max_block_m if backward else min(triton.next_power_of_2(m), max_block_m)
+        block_m = max(1, min(tall, INTERPRETER_BLOCK_ELEMENTS // block_n))
         return [triton.Config({"BLOCK_M": block_m}, num_warps=4)]
     low, high = ROW_TILE_ELEMENTS
     fewest, most = ROW_ELEMENTS_PER_THREAD
@@ -206,7 +210,8 @@ def prune_row_configs(configs, named_args, **kwargs):
 
 
 def prune_row_backward_configs(configs, named_args, **kwargs):
-    return _row_configs(configs, named_args["M_BUCKET"], named_args["BLOCK_N"], named_args["ROWS_PER_PROGRAM"])
+    return _row_configs(configs, named_args["M_BUCKET"], named_args["BLOCK_N"], named_args["ROWS_PER_PROGRAM"],
+                        backward=True)
 
 
 # Where a forward has online sums (softmax's Σ exp(x - max)), its looped layout comes two
@@ -238,6 +243,9 @@ def row_backward_rows_per_program(m: int, summed: bool = True) -> int:
     ROW_BACKWARD_PROGRAMS programs, each writing one row of partial column sums per [N]-like
     input (summed after, in order); otherwise as few as the tallest tile, for more programs."""
     rows = MIN_ROWS_PER_PROGRAM
+    if is_interpreting() and m < rows:
+        # One program either way; its rows past M would be interpreter steps of masked lanes.
+        return max(1, m)
     if not summed:
         return rows
     while rows < MAX_ROWS_PER_PROGRAM and cdiv(m, 2 * rows) >= ROW_BACKWARD_PROGRAMS:

@@ -91,10 +91,13 @@ INTERPRETER_BLOCK_ELEMENTS = 1024
 
 
 def _interpreter_config(m: int, n: int, max_block_m: int | None = None) -> triton.Config:
+    """The interpreter's one tile. The forward's: no taller than the rows. The backward's
+    (`max_block_m`: its rows per program): as many of a program's rows as the tile holds,
+    past M too (masked), since a program steps through all of them, BLOCK_M at a time, and
+    each step costs the interpreter the same whatever its rows."""
     block_n = max(MIN_BLOCK_N, min(triton.next_power_of_2(n), INTERPRETER_BLOCK_ELEMENTS))
-    block_m = min(triton.next_power_of_2(m), max(1, INTERPRETER_BLOCK_ELEMENTS // block_n))
-    if max_block_m is not None:
-        block_m = min(block_m, max_block_m)
+    fits = max(1, INTERPRETER_BLOCK_ELEMENTS // block_n)
+    block_m = min(triton.next_power_of_2(m), fits) if max_block_m is None else min(max_block_m, fits)
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4)
 
 
@@ -222,7 +225,10 @@ def backward_rows_per_program(m: int, n: int, summed: bool = True) -> int:
     as the tiles allow (swiglu's backward at bf16 (16384, 8192) measured 3% faster with 4 rows
     a program than with 128, and 1% faster again with one)."""
     if is_interpreting():
-        return max(MIN_ROWS_PER_PROGRAM, min(MAX_ROWS_PER_PROGRAM, triton.next_power_of_2(m)))
+        # Up to MAX_ROWS_PER_PROGRAM rows a program (the interpreter runs programs one by one),
+        # and no more than M's bucket: below MIN_ROWS_PER_PROGRAM rows a program is the
+        # same one program either way, and its rows past M would be steps of masked lanes.
+        return min(MAX_ROWS_PER_PROGRAM, triton.next_power_of_2(m))
     if not summed:
         rows = 1 if n >= ONE_ROW_WIDTH else UNSUMMED_ROWS_PER_PROGRAM
         fitting = _fitting(BACKWARD_CONFIGS, m, n, max_block_m=rows)
