@@ -79,11 +79,11 @@ def _lane(config, items, lane: str) -> None:
     items[:] = kept
 
 
-# Tests that spend minutes of CPU in processes of their own (Triton's real compiler for the
-# H100, in a pool): first, so that they overlap the rest of the suite. pytest-xdist hands the
-# collection out in order, and at the end of it they ran alone, one worker idle.
-FIRST = ("tests/test_sm90.py::", "tests/test_gemm_lib.py::test_the_helpers_compile_for_sm90")  # in this order;
-# the rest keep theirs (a stable sort)
+# The test that spends minutes of CPU in processes of its own (Triton's real compiler for the
+# H100, every generated kernel, in a pool): first, so that it overlaps the rest of the suite.
+# pytest-xdist hands the collection out in order, and at the end of it it ran alone, the other
+# worker idle. (Only it: whatever comes first lands in one worker's first share of the suite.)
+FIRST = ("tests/test_sm90.py::test_generated_kernels_compile_for_h100",)  # the rest keep their order
 
 
 def pytest_collection_modifyitems(config, items):
