@@ -75,7 +75,9 @@ for name, dtype, m, n in CASES:
             row_tuning.row_forward_layout = lambda n, *rest, **keywords: (row_tuning.row_block_n(n), 1)
         split_backward = row_tuning.SPLIT_BACKWARD
         row_tuning.SPLIT_BACKWARD = split_backward and not (tag == "old" and options.old_looped_backward)
-        layout_choice.MEASURE = not (tag == "old" and options.old_rule)
+        # Any --old-* A/B of the rules runs them unmeasured (measuring would time past them).
+        layout_choice.MEASURE = not (tag == "old" and (options.old_rule or options.old_looped
+                                                       or options.old_looped_backward or old_tuning))
         saved = {key: getattr(row_tuning, key) for key in old_tuning}
         if tag == "old":
             for key, value in old_tuning.items():

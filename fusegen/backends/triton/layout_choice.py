@@ -9,6 +9,7 @@ takes the layout kept for its key, else row_tuning's rule: the first in its list
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from typing import Callable
@@ -16,7 +17,10 @@ from typing import Callable
 import torch
 import triton
 from triton.compiler.errors import CompilationError
+from triton.runtime.cache import get_cache_manager
 from triton.runtime.errors import OutOfResources
+
+from .tuning import m_bucket, size_hint
 
 Layout = tuple[int, int]  # (BLOCK_N, SPLITS)
 
@@ -34,8 +38,6 @@ class Key:
 def key_of(kernel, problem, tensors, layouts: list[Layout], *facts) -> Key:
     """What a choice holds for: the kernel's source, the row's width, M's bucket, the tensors'
     dtypes and strides' order, the GPU, Triton's version, the candidates and a kind's facts."""
-    from .tuning import m_bucket, size_hint
-
     device = problem.device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     layouts_ = [tuple(layout) for layout in layouts]
@@ -48,8 +50,6 @@ def key_of(kernel, problem, tensors, layouts: list[Layout], *facts) -> Key:
 
 
 def _source_hash(fn) -> str:
-    import inspect
-
     return hashlib.sha256(inspect.getsource(fn.fn).encode()).hexdigest()
 
 
@@ -57,8 +57,6 @@ def kept(key: Key) -> Layout | None:
     """The layout chosen for `key` in this process or an earlier one (Triton's cache), if any."""
     layout = _kept.get(key.digest)
     if layout is None:
-        from triton.runtime.cache import get_cache_manager
-
         path = get_cache_manager(key.digest).get_file(_FILE)
         if path is not None:
             try:
@@ -70,8 +68,6 @@ def kept(key: Key) -> Layout | None:
 
 
 def _keep(key: Key, layout: Layout, times: dict[Layout, float]) -> None:
-    from triton.runtime.cache import get_cache_manager
-
     _kept[key.digest] = layout
     record = {"label": key.label, "layout": list(layout), "ms": [[list(k), v] for k, v in times.items()]}
     measured.append(record)

@@ -68,29 +68,37 @@ class _BoundRows(_Bound):
         args, copies = self._forward_args(call, tensors, traced)
         args[SHARES] = self.shares
         if tile is not None:
-            return self._forward_launch(args, copies, problem, (tile[1], splits), traced, tile[0])
+            return self._launch(0, args, copies, problem, (tile[1], splits), traced, block_m=tile[0])
         # The candidates: by the row's width, the tiles a program loads and their dtypes.
         tiles = sum(not i.one_per_row for i in self.op.inputs)
         narrow = any(t.is_floating_point() and t.element_size() < 4 for t in tensors)
         layouts = row_tuning.forward_layouts(n, m, problem.device, tiles, narrow)
         return layout_choice.choose(
-            layouts, lambda layout: self._forward_launch(args, copies, problem, layout, traced),
+            layouts, functools.partial(self._launch, 0, args, copies, problem, traced=traced),
             lambda: layout_choice.key_of(self.forward_kernel, problem, tensors, layouts), traced)
 
-    def _forward_launch(self, args: dict, copies, problem, layout: tuple[int, int], traced: bool,
-                        block_m: int | None = None) -> Launch:
+    def _launch(self, which: int, args: dict, copies, problem, layout: tuple[int, int], traced: bool,
+                rows: int | None = None, block_m: int | None = None) -> Launch:
+        """The forward's (`which` 0: BLOCK_M rows a program) or the backward's (1: `rows` a
+        program) launch at one layout; with `block_m`, that tile (tests), not the autotuner's."""
         m, n = problem.m, problem.n
         block_n, splits = layout
         args = dict(args)
         # ONE_TILE: for a symbolic N, a guard (a graph traced with one tile per row holds only for such rows)
         args[BLOCK_N], args[SPLITS], args[ONE_TILE] = block_n, splits, bool(block_n * splits >= n)
         args[EXCHANGE] = self._exchange(problem, splits)
-        args = self._signatures[0].ordered(args)
+        args = self._signatures[which].ordered(args)
+        kernel, tuned, graph = ((self.forward_kernel, self._forward, self._graph_forward) if which == 0 else
+                                (self.backward_kernel, self._backward, self._graph_backward))
+        if rows is not None:
+            grid = (tuning.cdiv(m, rows) * splits,)
+        elif block_m is not None:
+            grid = (tuning.cdiv(m, block_m) * splits,)
+        else:
+            grid = lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * splits,)  # noqa: E731
         if block_m is not None:
-            return Launch(_Tile(self.forward_kernel), (tuning.cdiv(m, block_m) * splits,), args, copies,
-                          {BLOCK_M: block_m})
-        return Launch(self._graph_forward if traced else self._forward,
-                      lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * splits,), args, copies)
+            return Launch(_Tile(kernel), grid, args, copies, {BLOCK_M: block_m})
+        return Launch(graph if traced else tuned, grid, args, copies)
 
     def backward(self, call, tensors, grads, needs, seed, tile: tuple[int, int] | None = None,
                  rows_per_program: int | None = None, statistics=None, traced: bool = False,
@@ -132,23 +140,10 @@ class _BoundRows(_Bound):
             return PreparedBackward(None, targets, self._gradients)
         args, copies = self._backward_args(call, tensors, grads, targets, traced)
         args[ROWS_PER_PROGRAM], args[SHARES] = rows, self.shares
-        build = functools.partial(self._backward_launch, args, copies, problem, rows, traced=traced,
+        build = functools.partial(self._launch, 1, args, copies, problem, traced=traced, rows=rows,
                                   block_m=None if tile is None else tile[0])
         launch = layout_choice.choose(
             layouts, build,
             lambda: layout_choice.key_of(self.backward_kernel, problem, (*tensors, *grads), layouts, rows,
                                          tuple(needs)), traced)
         return PreparedBackward(launch, targets, self._gradients, traced)
-
-    def _backward_launch(self, args: dict, copies, problem, rows: int, layout: tuple[int, int], traced: bool,
-                         block_m: int | None = None) -> Launch:
-        m, n = problem.m, problem.n
-        block_n, splits = layout
-        args = dict(args)
-        args[BLOCK_N], args[ONE_TILE], args[SPLITS] = block_n, bool(block_n * splits >= n), splits
-        args[EXCHANGE] = self._exchange(problem, splits)
-        args = self._signatures[1].ordered(args)
-        grid = (tuning.cdiv(m, rows) * splits,)
-        if block_m is not None:
-            return Launch(_Tile(self.backward_kernel), grid, args, copies, {BLOCK_M: block_m})
-        return Launch(self._graph_backward if traced else self._backward, grid, args, copies)
