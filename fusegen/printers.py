@@ -138,7 +138,8 @@ class ElementwisePrinter(CodePrinter):
                 denominator.append(factor.base if float(whole) == 1 else sympy.Pow(factor.base, whole))
             else:
                 numerator.append(factor)
-        numerator.sort(key=lambda f: not _is_bounded(f))  # stable: sympy's order otherwise
+        # Row values come first too: a row kernel's normalisers (rsqrt(var + eps), hoisted)
+        numerator.sort(key=lambda f: not (_is_bounded(f) or f.is_Symbol and f.name in self.row_values))  # stable
         prec = precedence(expr)
         parts = [] if numeric == 1 else [self._number(numeric)]
         parts += [self.parenthesize(f, prec) for f in numerator]

@@ -77,6 +77,8 @@ def _expression(expr: str, indent: str, reserve: int = 0) -> list[str]:
                 if len(indent) + len(piece) > limit:
                     operator, rest = _leading_operator(piece)
                     sub = _expression(rest, indent, reserve)
+                    if len(indent) + len(operator) + len(sub[0].lstrip()) > limit:  # the operator pushed it over
+                        sub = _expression(rest, indent + " " * len(operator), reserve)
                     sub[0] = indent + operator + sub[0].lstrip()
                     lines.extend(sub)
                 else:

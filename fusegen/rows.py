@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from .calculus import cse, derivative
+from .calculus import TEMPORARY_PREFIX, cse, derivative
 
 REDUCTION_PREFIX = "%r"  # the forward's reductions: %r0, %r1, ...
 EXTREME_PREFIX = "%e"  # the backward's own max (min) of a max (min) reduction's elements
@@ -337,6 +337,8 @@ def schedule(
     row_values = [(s, e) for (s, _), e in zip(row_values, reduced[n_red:n_red + n_row])]
     results = [(n, e) for (n, _), e in zip(results, reduced[n_red + n_row:])]
 
+    row_symbols = {r.symbol for r in reductions} | {s for s, _ in row_values} | set(forward_statistics or ())
+    temps, reductions, results = _row_functions_hoisted(temps, reductions, results, elements, row_symbols)
     definitions = dict(temps)
     reductions = _online(reductions, definitions, row_values)
     online = {r.symbol: r.running for r in reductions if r.running is not None}
@@ -413,6 +415,46 @@ def schedule(
     used = program.free_symbols()
     return RowProgram(*[getattr(program, f) for f in ("row_values", "passes", "final_temps", "results")],
                       loaded=tuple((symbol, k) for k, symbol in enumerate(forward_statistics) if symbol in used))
+
+
+def _row_functions_hoisted(temps, reductions, results, elements, row_symbols):
+    """Each function of row values alone inside an element expression (rsqrt(var + eps),
+    log(Σ exp)) made a row temporary: computed once a row, after the pass that makes it ready,
+    not once an element; and not live beside the tiles (H100: layernorm's forward at bf16
+    (16384, 8192) spilled with rsqrt printed inside its product). Only functions and fractional
+    powers: a quotient x / s stays a division, as torch computes it."""
+    varying, row = set(elements), set(row_symbols) | {WIDTH}
+    for t, e in temps:  # in dependency order
+        if e.free_symbols & varying:
+            varying.add(t)
+        elif e.free_symbols & row:
+            row.add(t)
+    found: dict[sympy.Expr, None] = {}
+
+    def visit(expr):
+        if expr.is_Atom:
+            return
+        if not (expr.free_symbols & varying):
+            if expr.free_symbols & row and (isinstance(expr, sympy.Function) or (expr.is_Pow and not expr.exp.is_integer)):
+                found[expr] = None
+                return
+        for arg in expr.args:
+            visit(arg)
+
+    for t, e in temps:
+        if t in varying:
+            visit(e)
+    for e in [r.value for r in reductions] + [e for _, e in results]:
+        visit(e)
+    if not found:
+        return temps, reductions, results
+    first = 1 + max((int(t.name[len(TEMPORARY_PREFIX):]) for t, _ in temps), default=-1)
+    hoisted = {e: sympy.Symbol(f"{TEMPORARY_PREFIX}{first + k}", real=True) for k, e in enumerate(found)}
+    temps = [(t, e if t not in varying else e.xreplace(hoisted)) for t, e in temps]
+    temps += [(s, e) for e, s in hoisted.items()]
+    reductions = [Reduction(r.symbol, r.op, r.value.xreplace(hoisted)) for r in reductions]
+    results = [(n, e.xreplace(hoisted)) for n, e in results]
+    return temps, reductions, results
 
 
 def _online(reductions: list[Reduction], definitions: dict, row_values) -> list[Reduction]:

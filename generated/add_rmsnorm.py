@@ -69,9 +69,6 @@ def add_rmsnorm_kernel(
         residual = load_tile(
             residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
         )
-        weight = load_tile(
-            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-        )
         t0 = residual + x
         mean0 = row_sum(tl.where(in_bounds, t0 * t0, 0.0)) / N
         if SPLITS > 1:  # the row's parts' reductions, combined
@@ -80,8 +77,12 @@ def add_rmsnorm_kernel(
             mean0_shares = split_shares(exchange_ptr, rows, M, 0, SHARES, 0, SPLITS, BLOCK_N, "sum")
             mean0 = row_sum(mean0_shares)
         tl.store(statistics_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        t1 = rsqrt_rn(eps + mean0)
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
+        )
         h = t0
-        y = rsqrt_rn(eps + mean0) * t0 * weight
+        y = t1 * t0 * weight
         store_tile(h_ptr, h, rows, cols, N, in_bounds)
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
         split_leave(exchange_ptr, group, 1, SPLITS)
@@ -97,6 +98,7 @@ def add_rmsnorm_kernel(
             mean0_tile += tl.where(in_bounds, t0 * t0, 0.0)
         mean0 = row_sum(mean0_tile) / N
         tl.store(statistics_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        t1 = rsqrt_rn(eps + mean0)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -108,7 +110,7 @@ def add_rmsnorm_kernel(
             )
             t0 = residual + x
             h = t0
-            y = rsqrt_rn(eps + mean0) * t0 * weight
+            y = t1 * t0 * weight
             store_tile(h_ptr, h, rows, cols, N, in_bounds)
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
@@ -165,6 +167,8 @@ def add_rmsnorm_backward_kernel(
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
             mean0 = tl.load(statistics_ptr + rows, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean0
+            t4 = rsqrt_rn(t1)
+            t5 = rsqrt_rn(t1) / t1
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             residual = load_tile(
                 residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
@@ -172,16 +176,11 @@ def add_rmsnorm_backward_kernel(
             weight = load_tile(
                 weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
-            grad_h = load_tile(
-                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
-            )
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
             t0 = residual + x
-            grad_mean0 = row_sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0)
-            )
+            grad_mean0 = row_sum(tl.where(in_bounds, -0.5 * t5 * grad_y * t0 * weight, 0.0))
             if SPLITS > 1:  # the row's parts' reductions, combined
                 split_share(
                     grad_mean0, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 0,
@@ -192,7 +191,10 @@ def add_rmsnorm_backward_kernel(
                     exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
                 )
                 grad_mean0 = row_sum(grad_mean0_shares)
-            t2 = rsqrt_rn(t1) * grad_y
+            grad_h = load_tile(
+                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
+            )
+            t2 = t4 * grad_y
             t3 = grad_h + grad_mean0 * (2 * residual + 2 * x) / row_width + t2 * weight
             grad_x = t3
             grad_residual = t3
@@ -224,6 +226,8 @@ def add_rmsnorm_backward_kernel(
             tl.debug_barrier()
             mean0 = tl.load(statistics_ptr + rows, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean0
+            t4 = rsqrt_rn(t1)
+            t5 = rsqrt_rn(t1) / t1
             grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -239,9 +243,7 @@ def add_rmsnorm_backward_kernel(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
                 t0 = residual + x
-                grad_mean0_tile += tl.where(
-                    in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0
-                )
+                grad_mean0_tile += tl.where(in_bounds, -0.5 * t5 * grad_y * t0 * weight, 0.0)
             grad_mean0 = row_sum(grad_mean0_tile)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -260,7 +262,7 @@ def add_rmsnorm_backward_kernel(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
                 t0 = residual + x
-                t2 = rsqrt_rn(t1) * grad_y
+                t2 = t4 * grad_y
                 t3 = grad_h + grad_mean0 * (2 * residual + 2 * x) / row_width + t2 * weight
                 grad_x = t3
                 grad_residual = t3
@@ -283,8 +285,9 @@ def _reference(problem, x, residual, weight, eps):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     t0 = residual + x
     mean0 = torch.mean(t0 * t0, dim=-1, keepdim=True)
+    t1 = torch.rsqrt(eps + mean0)
     h = t0
-    y = torch.rsqrt(eps + mean0) * t0 * weight
+    y = t1 * t0 * weight
     return (h, y)
 
 

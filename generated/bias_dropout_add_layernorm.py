@@ -88,12 +88,6 @@ def bias_dropout_add_layernorm_kernel(
         residual = load_tile(
             residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
         )
-        weight = load_tile(
-            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-        )
-        norm_bias = load_tile(
-            norm_bias_ptr, norm_bias_stride_m, norm_bias_stride_n, rows, cols, in_bounds, compute
-        )
         dropout_mask0 = dropout_or_ones(
             seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
             HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
@@ -114,8 +108,15 @@ def bias_dropout_add_layernorm_kernel(
             mean1_shares = split_shares(exchange_ptr, rows, M, 1, SHARES, 0, SPLITS, BLOCK_N, "sum")
             mean1 = row_sum(mean1_shares)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        t2 = rsqrt_rn(eps + mean1)
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
+        )
+        norm_bias = load_tile(
+            norm_bias_ptr, norm_bias_stride_m, norm_bias_stride_n, rows, cols, in_bounds, compute
+        )
         h = t0
-        y = norm_bias + rsqrt_rn(eps + mean1) * t1 * weight
+        y = norm_bias + t2 * t1 * weight
         store_tile(h_ptr, h, rows, cols, N, in_bounds)
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
         split_leave(exchange_ptr, group, 2, SPLITS)
@@ -153,6 +154,7 @@ def bias_dropout_add_layernorm_kernel(
             mean1_tile += tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = row_sum(mean1_tile) / N
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        t2 = rsqrt_rn(eps + mean1)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -174,7 +176,7 @@ def bias_dropout_add_layernorm_kernel(
             t0 = dropout_mask0 * (bias + x) + residual
             t1 = t0 - mean0
             h = t0
-            y = norm_bias + rsqrt_rn(eps + mean1) * t1 * weight
+            y = norm_bias + t2 * t1 * weight
             store_tile(h_ptr, h, rows, cols, N, in_bounds)
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
@@ -251,6 +253,8 @@ def bias_dropout_add_layernorm_backward_kernel(
             mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean1
             t5 = 1.0 / row_width
+            t9 = rsqrt_rn(t0)
+            t10 = rsqrt_rn(t0) / t0
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             residual = load_tile(
@@ -258,9 +262,6 @@ def bias_dropout_add_layernorm_backward_kernel(
             )
             weight = load_tile(
                 weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-            )
-            grad_h = load_tile(
-                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
             )
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
@@ -271,11 +272,9 @@ def bias_dropout_add_layernorm_backward_kernel(
             )
             t1 = dropout_mask0 * (bias + x)
             t2 = residual + t1 - mean0
-            t3 = rsqrt_rn(t0) * grad_y
+            t3 = t9 * grad_y
             t4 = t3 * weight
-            grad_mean1 = row_sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0)
-            )
+            grad_mean1 = row_sum(tl.where(in_bounds, -0.5 * t10 * t2 * grad_y * weight, 0.0))
             grad_mean0 = row_sum(tl.where(in_bounds, -t4, 0.0))
             if SPLITS > 1:  # the row's parts' reductions, combined
                 split_share(
@@ -297,9 +296,12 @@ def bias_dropout_add_layernorm_backward_kernel(
                 grad_mean0 = row_sum(grad_mean0_shares)
             t7 = grad_mean1 * t5
             t6 = grad_mean0 * t5
+            grad_h = load_tile(
+                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
+            )
             t8 = (
-                dropout_mask0 * grad_h + 2 * dropout_mask0 * t2 * t7 + dropout_mask0 * t4
-                + dropout_mask0 * t6
+                dropout_mask0 * grad_h + 2 * t2 * t7 * dropout_mask0 + dropout_mask0 * t4
+                + t6 * dropout_mask0
             )
             grad_x = t8
             grad_bias = t8
@@ -350,6 +352,8 @@ def bias_dropout_add_layernorm_backward_kernel(
             mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean1
             t5 = 1.0 / row_width
+            t9 = rsqrt_rn(t0)
+            t10 = rsqrt_rn(t0) / t0
             grad_mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
@@ -374,11 +378,9 @@ def bias_dropout_add_layernorm_backward_kernel(
                 )
                 t1 = dropout_mask0 * (bias + x)
                 t2 = residual + t1 - mean0
-                t3 = rsqrt_rn(t0) * grad_y
+                t3 = t9 * grad_y
                 t4 = t3 * weight
-                grad_mean1_tile += tl.where(
-                    in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * t2 * weight / t0, 0.0
-                )
+                grad_mean1_tile += tl.where(in_bounds, -0.5 * t10 * t2 * grad_y * weight, 0.0)
                 grad_mean0_tile += tl.where(in_bounds, -t4, 0.0)
             grad_mean1 = row_sum(grad_mean1_tile)
             grad_mean0 = row_sum(grad_mean0_tile)
@@ -409,11 +411,11 @@ def bias_dropout_add_layernorm_backward_kernel(
                 )
                 t1 = dropout_mask0 * (bias + x)
                 t2 = residual + t1 - mean0
-                t3 = rsqrt_rn(t0) * grad_y
+                t3 = t9 * grad_y
                 t4 = t3 * weight
                 t8 = (
-                    dropout_mask0 * grad_h + 2 * dropout_mask0 * t2 * t7 + dropout_mask0 * t4
-                    + dropout_mask0 * t6
+                    dropout_mask0 * grad_h + 2 * t2 * t7 * dropout_mask0 + dropout_mask0 * t4
+                    + t6 * dropout_mask0
                 )
                 grad_x = t8
                 grad_bias = t8
@@ -452,8 +454,9 @@ def _reference(problem, x, bias, residual, weight, norm_bias, eps, p, masks):
     mean0 = torch.mean(t0, dim=-1, keepdim=True)
     t1 = t0 - mean0
     mean1 = torch.mean(t1 * t1, dim=-1, keepdim=True)
+    t2 = torch.rsqrt(eps + mean1)
     h = t0
-    y = norm_bias + torch.rsqrt(eps + mean1) * t1 * weight
+    y = norm_bias + t2 * t1 * weight
     return (h, y)
 
 

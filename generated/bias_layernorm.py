@@ -65,8 +65,6 @@ def bias_layernorm_kernel(
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
-        gamma = load_tile(gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute)
-        beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
         t0 = bias + x
         mean0 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
         if SPLITS > 1:  # the row's parts' reductions, combined
@@ -83,7 +81,10 @@ def bias_layernorm_kernel(
             mean1_shares = split_shares(exchange_ptr, rows, M, 1, SHARES, 0, SPLITS, BLOCK_N, "sum")
             mean1 = row_sum(mean1_shares)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
-        y = beta + rsqrt_rn(eps + mean1) * gamma * t1
+        t2 = rsqrt_rn(eps + mean1)
+        gamma = load_tile(gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute)
+        beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
+        y = beta + t2 * gamma * t1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
         split_leave(exchange_ptr, group, 2, SPLITS)
     else:
@@ -106,6 +107,7 @@ def bias_layernorm_kernel(
             mean1_tile += tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = row_sum(mean1_tile) / N
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        t2 = rsqrt_rn(eps + mean1)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -116,7 +118,7 @@ def bias_layernorm_kernel(
             beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
             t0 = bias + x
             t1 = t0 - mean0
-            y = beta + rsqrt_rn(eps + mean1) * gamma * t1
+            y = beta + t2 * gamma * t1
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
@@ -176,6 +178,8 @@ def bias_layernorm_backward_kernel(
             mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean1
             t4 = 1.0 / row_width
+            t6 = rsqrt_rn(t0)
+            t7 = rsqrt_rn(t0) / t0
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             gamma = load_tile(
@@ -185,11 +189,9 @@ def bias_layernorm_backward_kernel(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
             t1 = bias + x - mean0
-            t2 = rsqrt_rn(t0) * grad_y
-            t3 = gamma * t2
-            grad_mean1 = row_sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * gamma * grad_y * t1 / t0, 0.0)
-            )
+            t2 = t6 * grad_y
+            t3 = t2 * gamma
+            grad_mean1 = row_sum(tl.where(in_bounds, -0.5 * t7 * gamma * grad_y * t1, 0.0))
             grad_mean0 = row_sum(tl.where(in_bounds, -t3, 0.0))
             if SPLITS > 1:  # the row's parts' reductions, combined
                 split_share(
@@ -212,7 +214,7 @@ def bias_layernorm_backward_kernel(
             t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias + 2 * x - 2 * mean0) + t3
             grad_x = t5
             grad_bias = t5
-            grad_gamma = t1 * t2
+            grad_gamma = t2 * t1
             grad_beta = grad_y
             grad_x_sum = store_gradient(
                 grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
@@ -249,6 +251,8 @@ def bias_layernorm_backward_kernel(
             mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean1
             t4 = 1.0 / row_width
+            t6 = rsqrt_rn(t0)
+            t7 = rsqrt_rn(t0) / t0
             grad_mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
@@ -264,11 +268,9 @@ def bias_layernorm_backward_kernel(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
                 t1 = bias + x - mean0
-                t2 = rsqrt_rn(t0) * grad_y
-                t3 = gamma * t2
-                grad_mean1_tile += tl.where(
-                    in_bounds, -0.5 * rsqrt_rn(t0) * gamma * grad_y * t1 / t0, 0.0
-                )
+                t2 = t6 * grad_y
+                t3 = t2 * gamma
+                grad_mean1_tile += tl.where(in_bounds, -0.5 * t7 * gamma * grad_y * t1, 0.0)
                 grad_mean0_tile += tl.where(in_bounds, -t3, 0.0)
             grad_mean1 = row_sum(grad_mean1_tile)
             grad_mean0 = row_sum(grad_mean0_tile)
@@ -285,12 +287,12 @@ def bias_layernorm_backward_kernel(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
                 t1 = bias + x - mean0
-                t2 = rsqrt_rn(t0) * grad_y
-                t3 = gamma * t2
+                t2 = t6 * grad_y
+                t3 = t2 * gamma
                 t5 = grad_mean0 * t4 + grad_mean1 * t4 * (2 * bias + 2 * x - 2 * mean0) + t3
                 grad_x = t5
                 grad_bias = t5
-                grad_gamma = t1 * t2
+                grad_gamma = t2 * t1
                 grad_beta = grad_y
                 add_gradient_partials(
                     grad_x_ptr, grad_x, rows, cols, N, N, in_bounds, row_offset == 0, NEEDS_GRAD_X,
@@ -316,7 +318,8 @@ def _reference(problem, x, bias, gamma, beta, eps):
     mean0 = torch.mean(t0, dim=-1, keepdim=True)
     t1 = t0 - mean0
     mean1 = torch.mean(t1 * t1, dim=-1, keepdim=True)
-    y = beta + torch.rsqrt(eps + mean1) * gamma * t1
+    t2 = torch.rsqrt(eps + mean1)
+    y = beta + t2 * gamma * t1
     return (y,)
 
 

@@ -112,7 +112,7 @@ def cross_entropy_kernel(
         t2 = max0 + tl.log(sum1)
         loss = tl.where(
             ignore_index == target, 0.0,
-            -label_smoothing * mean3 - sum2 * (1.0 - label_smoothing) + t2 * t2 * z_loss + t2,
+            -mean3 * label_smoothing - sum2 * (1.0 - label_smoothing) + t2 * t2 * z_loss + t2,
         )
         lse = t2
         tl.store(
@@ -189,7 +189,7 @@ def cross_entropy_kernel(
         target = load_per_row(target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty)
         loss = tl.where(
             ignore_index == target, 0.0,
-            -label_smoothing * mean3 - sum2 * (1.0 - label_smoothing) + t2 * t2 * z_loss + t2,
+            -mean3 * label_smoothing - sum2 * (1.0 - label_smoothing) + t2 * t2 * z_loss + t2,
         )
         lse = t2
         tl.store(
@@ -253,24 +253,22 @@ def cross_entropy_backward_kernel(
             t1 = tl.where(softcap > 0, 1.0 / softcap, 1.0)
             t5 = 1.0 / row_width
             t7 = 1.0 / sum1
+            t8 = tl.log(sum1)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             target = load_per_row(target_ptr, target_stride_m, rows, M, target_ptr.dtype.element_ty)
             grad_loss = load_per_row(grad_loss_ptr, grad_loss_stride_m, rows, M, compute)
             grad_lse = load_per_row(grad_lse_ptr, grad_lse_stride_m, rows, M, compute)
             t2 = libdevice.tanh(t1 * x)
-            t3 = tl.where(softcap > 0, softcap * t1 * (1 - t2 * t2), 1)
-            t6 = grad_loss * t5
+            t3 = tl.where(softcap > 0, t1 * softcap * (1 - t2 * t2), 1)
+            t6 = t5 * grad_loss
             grad_x = (
                 grad_loss * tl.where(ignore_index == target, 0, label_smoothing - 1.0)
                 * tl.where(target == cols[None, :], t3, 0)
                 + row_width * t3
                 * (
-                    grad_lse * t5 * t7
-                    + t6
-                    * tl.where(
-                        ignore_index == target, 0, 2 * t7 * z_loss * (max0 + tl.log(sum1)) + t7
-                    )
-                ) * libdevice.exp(tl.where(softcap > 0, softcap * t2, x) - max0)
+                    t5 * t7 * grad_lse
+                    + t6 * tl.where(ignore_index == target, 0, 2 * t7 * z_loss * (max0 + t8) + t7)
+                ) * libdevice.exp(tl.where(softcap > 0, t2 * softcap, x) - max0)
                 + t3 * t6 * tl.where(ignore_index == target, 0, -label_smoothing)
             )
             grad_x_sum = store_gradient(
@@ -288,6 +286,7 @@ def cross_entropy_backward_kernel(
             t1 = tl.where(softcap > 0, 1.0 / softcap, 1.0)
             t5 = 1.0 / row_width
             t7 = 1.0 / sum1
+            t8 = tl.log(sum1)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
                 x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -297,19 +296,17 @@ def cross_entropy_backward_kernel(
                 grad_loss = load_per_row(grad_loss_ptr, grad_loss_stride_m, rows, M, compute)
                 grad_lse = load_per_row(grad_lse_ptr, grad_lse_stride_m, rows, M, compute)
                 t2 = libdevice.tanh(t1 * x)
-                t3 = tl.where(softcap > 0, softcap * t1 * (1 - t2 * t2), 1)
-                t6 = grad_loss * t5
+                t3 = tl.where(softcap > 0, t1 * softcap * (1 - t2 * t2), 1)
+                t6 = t5 * grad_loss
                 grad_x = (
                     grad_loss * tl.where(ignore_index == target, 0, label_smoothing - 1.0)
                     * tl.where(target == cols[None, :], t3, 0)
                     + row_width * t3
                     * (
-                        grad_lse * t5 * t7
+                        t5 * t7 * grad_lse
                         + t6
-                        * tl.where(
-                            ignore_index == target, 0, 2 * t7 * z_loss * (max0 + tl.log(sum1)) + t7
-                        )
-                    ) * libdevice.exp(tl.where(softcap > 0, softcap * t2, x) - max0)
+                          * tl.where(ignore_index == target, 0, 2 * t7 * z_loss * (max0 + t8) + t7)
+                    ) * libdevice.exp(tl.where(softcap > 0, t2 * softcap, x) - max0)
                     + t3 * t6 * tl.where(ignore_index == target, 0, -label_smoothing)
                 )
                 add_gradient_partials(
@@ -338,7 +335,7 @@ def _reference(problem, x, target, ignore_index, label_smoothing, z_loss, softca
     t2 = max0 + torch.log(sum1)
     loss = torch.where(
         ignore_index == target, 0.0,
-        -label_smoothing * mean3 - sum2 * (1.0 - label_smoothing) + t2 * t2 * z_loss + t2,
+        -mean3 * label_smoothing - sum2 * (1.0 - label_smoothing) + t2 * t2 * z_loss + t2,
     )
     lse = t2
     return (loss, lse)

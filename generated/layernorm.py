@@ -63,10 +63,6 @@ def layernorm_kernel(
     if ONE_TILE:
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-        weight = load_tile(
-            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-        )
-        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
         mean0 = row_sum(tl.where(in_bounds, x, 0.0)) / N
         if SPLITS > 1:  # the row's parts' reductions, combined
             split_share(mean0, exchange_ptr, rows, M, split, 0, SHARES, 0, SPLITS)
@@ -82,7 +78,12 @@ def layernorm_kernel(
             mean1_shares = split_shares(exchange_ptr, rows, M, 1, SHARES, 0, SPLITS, BLOCK_N, "sum")
             mean1 = row_sum(mean1_shares)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
-        y = bias + rsqrt_rn(eps + mean1) * t0 * weight
+        t1 = rsqrt_rn(eps + mean1)
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
+        )
+        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+        y = bias + t1 * t0 * weight
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
         split_leave(exchange_ptr, group, 2, SPLITS)
     else:
@@ -101,6 +102,7 @@ def layernorm_kernel(
             mean1_tile += tl.where(in_bounds, t0 * t0, 0.0)
         mean1 = row_sum(mean1_tile) / N
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        t1 = rsqrt_rn(eps + mean1)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -109,7 +111,7 @@ def layernorm_kernel(
             )
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             t0 = x - mean0
-            y = bias + rsqrt_rn(eps + mean1) * t0 * weight
+            y = bias + t1 * t0 * weight
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
@@ -164,6 +166,8 @@ def layernorm_backward_kernel(
             mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t4 = 1.0 / row_width
+            t5 = rsqrt_rn(t1)
+            t6 = rsqrt_rn(t1) / t1
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             weight = load_tile(
                 weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
@@ -172,11 +176,9 @@ def layernorm_backward_kernel(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
             t0 = x - mean0
-            t2 = rsqrt_rn(t1) * grad_y
+            t2 = t5 * grad_y
             t3 = t2 * weight
-            grad_mean1 = row_sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0)
-            )
+            grad_mean1 = row_sum(tl.where(in_bounds, -0.5 * t6 * grad_y * t0 * weight, 0.0))
             grad_mean0 = row_sum(tl.where(in_bounds, -t3, 0.0))
             if SPLITS > 1:  # the row's parts' reductions, combined
                 split_share(
@@ -227,6 +229,8 @@ def layernorm_backward_kernel(
             mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t4 = 1.0 / row_width
+            t5 = rsqrt_rn(t1)
+            t6 = rsqrt_rn(t1) / t1
             grad_mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
@@ -239,11 +243,9 @@ def layernorm_backward_kernel(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
                 t0 = x - mean0
-                t2 = rsqrt_rn(t1) * grad_y
+                t2 = t5 * grad_y
                 t3 = t2 * weight
-                grad_mean1_tile += tl.where(
-                    in_bounds, -0.5 * rsqrt_rn(t1) * grad_y * t0 * weight / t1, 0.0
-                )
+                grad_mean1_tile += tl.where(in_bounds, -0.5 * t6 * grad_y * t0 * weight, 0.0)
                 grad_mean0_tile += tl.where(in_bounds, -t3, 0.0)
             grad_mean1 = row_sum(grad_mean1_tile)
             grad_mean0 = row_sum(grad_mean0_tile)
@@ -257,7 +259,7 @@ def layernorm_backward_kernel(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
                 t0 = x - mean0
-                t2 = rsqrt_rn(t1) * grad_y
+                t2 = t5 * grad_y
                 t3 = t2 * weight
                 grad_x = grad_mean0 * t4 + grad_mean1 * t4 * (2 * x - 2 * mean0) + t3
                 grad_weight = t0 * t2
@@ -281,7 +283,8 @@ def _reference(problem, x, weight, bias, eps):
     mean0 = torch.mean(x, dim=-1, keepdim=True)
     t0 = x - mean0
     mean1 = torch.mean(t0 * t0, dim=-1, keepdim=True)
-    y = bias + torch.rsqrt(eps + mean1) * t0 * weight
+    t1 = torch.rsqrt(eps + mean1)
+    y = bias + t1 * t0 * weight
     return (y,)
 
 

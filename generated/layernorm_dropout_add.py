@@ -85,15 +85,6 @@ def layernorm_dropout_add_kernel(
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
-        gamma = load_tile(gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute)
-        beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
-        residual = load_tile(
-            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
-        )
-        dropout_mask0 = dropout_or_ones(
-            seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
-            HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
-        )
         t0 = bias + x
         mean0 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
         if SPLITS > 1:  # the row's parts' reductions, combined
@@ -110,7 +101,17 @@ def layernorm_dropout_add_kernel(
             mean1_shares = split_shares(exchange_ptr, rows, M, 1, SHARES, 0, SPLITS, BLOCK_N, "sum")
             mean1 = row_sum(mean1_shares)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
-        y = dropout_mask0 * (beta + rsqrt_rn(eps + mean1) * gamma * t1) + residual
+        t2 = rsqrt_rn(eps + mean1)
+        gamma = load_tile(gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute)
+        beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
+        residual = load_tile(
+            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
+        )
+        dropout_mask0 = dropout_or_ones(
+            seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+            HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+        )
+        y = dropout_mask0 * (beta + t1 * t2 * gamma) + residual
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
         split_leave(exchange_ptr, group, 2, SPLITS)
     else:
@@ -133,6 +134,7 @@ def layernorm_dropout_add_kernel(
             mean1_tile += tl.where(in_bounds, t1 * t1, 0.0)
         mean1 = row_sum(mean1_tile) / N
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        t2 = rsqrt_rn(eps + mean1)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
@@ -150,7 +152,7 @@ def layernorm_dropout_add_kernel(
             )
             t0 = bias + x
             t1 = t0 - mean0
-            y = dropout_mask0 * (beta + rsqrt_rn(eps + mean1) * gamma * t1) + residual
+            y = dropout_mask0 * (beta + t1 * t2 * gamma) + residual
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
@@ -218,6 +220,8 @@ def layernorm_dropout_add_backward_kernel(
             mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t5 = 1.0 / row_width
+            t7 = rsqrt_rn(t1)
+            t8 = rsqrt_rn(t1) / t1
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             gamma = load_tile(
@@ -232,11 +236,9 @@ def layernorm_dropout_add_backward_kernel(
             )
             t0 = bias + x - mean0
             t2 = dropout_mask0 * grad_y
-            t3 = rsqrt_rn(t1) * t2
+            t3 = t2 * t7
             t4 = gamma * t3
-            grad_mean1 = row_sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t1) * gamma * t0 * t2 / t1, 0.0)
-            )
+            grad_mean1 = row_sum(tl.where(in_bounds, -0.5 * t2 * t8 * gamma * t0, 0.0))
             grad_mean0 = row_sum(tl.where(in_bounds, -t4, 0.0))
             if SPLITS > 1:  # the row's parts' reductions, combined
                 split_share(
@@ -296,6 +298,8 @@ def layernorm_dropout_add_backward_kernel(
             mean1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
             t1 = eps + mean1
             t5 = 1.0 / row_width
+            t7 = rsqrt_rn(t1)
+            t8 = rsqrt_rn(t1) / t1
             grad_mean1_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
@@ -316,11 +320,9 @@ def layernorm_dropout_add_backward_kernel(
                 )
                 t0 = bias + x - mean0
                 t2 = dropout_mask0 * grad_y
-                t3 = rsqrt_rn(t1) * t2
+                t3 = t2 * t7
                 t4 = gamma * t3
-                grad_mean1_tile += tl.where(
-                    in_bounds, -0.5 * rsqrt_rn(t1) * gamma * t0 * t2 / t1, 0.0
-                )
+                grad_mean1_tile += tl.where(in_bounds, -0.5 * t2 * t8 * gamma * t0, 0.0)
                 grad_mean0_tile += tl.where(in_bounds, -t4, 0.0)
             grad_mean1 = row_sum(grad_mean1_tile)
             grad_mean0 = row_sum(grad_mean0_tile)
@@ -342,7 +344,7 @@ def layernorm_dropout_add_backward_kernel(
                 )
                 t0 = bias + x - mean0
                 t2 = dropout_mask0 * grad_y
-                t3 = rsqrt_rn(t1) * t2
+                t3 = t2 * t7
                 t4 = gamma * t3
                 t6 = grad_mean0 * t5 + grad_mean1 * t5 * (2 * bias + 2 * x - 2 * mean0) + t4
                 grad_x = t6
@@ -377,7 +379,8 @@ def _reference(problem, x, bias, gamma, beta, residual, eps, p, masks):
     mean0 = torch.mean(t0, dim=-1, keepdim=True)
     t1 = t0 - mean0
     mean1 = torch.mean(t1 * t1, dim=-1, keepdim=True)
-    y = dropout_mask0 * (beta + torch.rsqrt(eps + mean1) * gamma * t1) + residual
+    t2 = torch.rsqrt(eps + mean1)
+    y = dropout_mask0 * (beta + t1 * t2 * gamma) + residual
     return (y,)
 
 

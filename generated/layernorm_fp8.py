@@ -61,10 +61,6 @@ def layernorm_fp8_kernel(
     if ONE_TILE:
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-        weight = load_tile(
-            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-        )
-        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
         mean0 = row_sum(tl.where(in_bounds, x, 0.0)) / N
         if SPLITS > 1:  # the row's parts' reductions, combined
             split_share(mean0, exchange_ptr, rows, M, split, 0, SHARES, 0, SPLITS)
@@ -80,7 +76,12 @@ def layernorm_fp8_kernel(
             mean1_shares = split_shares(exchange_ptr, rows, M, 1, SHARES, 0, SPLITS, BLOCK_N, "sum")
             mean1 = row_sum(mean1_shares)
         tl.store(statistics_ptr + rows * 3 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
-        t1 = bias + rsqrt_rn(eps + mean1) * t0 * weight
+        t3 = rsqrt_rn(eps + mean1)
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
+        )
+        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+        t1 = bias + t3 * t0 * weight
         max2 = row_max(tl.where(in_bounds, tl.abs(t1), -float("inf")))
         if SPLITS > 1:  # the row's parts' reductions, combined
             split_share(max2, exchange_ptr, rows, M, split, 2, SHARES, 0, SPLITS)
@@ -113,6 +114,7 @@ def layernorm_fp8_kernel(
             mean1_tile += tl.where(in_bounds, t0 * t0, 0.0)
         mean1 = row_sum(mean1_tile) / N
         tl.store(statistics_ptr + rows * 3 + 1, tl.reshape(mean1, (BLOCK_M,)), mask=rows < M)
+        t3 = rsqrt_rn(eps + mean1)
         max2_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -122,7 +124,7 @@ def layernorm_fp8_kernel(
             )
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             t0 = x - mean0
-            t1 = bias + rsqrt_rn(eps + mean1) * t0 * weight
+            t1 = bias + t3 * t0 * weight
             max2_tile = maximum(max2_tile, tl.where(in_bounds, tl.abs(t1), -float("inf")))
         max2 = row_max(max2_tile)
         tl.store(statistics_ptr + rows * 3 + 2, tl.reshape(max2, (BLOCK_M,)), mask=rows < M)
@@ -135,7 +137,7 @@ def layernorm_fp8_kernel(
             )
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             t0 = x - mean0
-            t1 = bias + rsqrt_rn(eps + mean1) * t0 * weight
+            t1 = bias + t3 * t0 * weight
             q = minimum(maximum(448.0 * t1 / t2, -448.0), 448.0)
             scale = 0.002232142857142857 * t2
             store_tile(q_ptr, q, rows, cols, N, in_bounds)
@@ -151,7 +153,8 @@ def _reference(problem, x, weight, bias, eps):
     mean0 = torch.mean(x, dim=-1, keepdim=True)
     t0 = x - mean0
     mean1 = torch.mean(t0 * t0, dim=-1, keepdim=True)
-    t1 = bias + torch.rsqrt(eps + mean1) * t0 * weight
+    t3 = torch.rsqrt(eps + mean1)
+    t1 = bias + t3 * t0 * weight
     max2 = torch.amax(torch.abs(t1), dim=-1, keepdim=True)
     t2 = torch.clamp_min(max2, 1e-12)
     q = torch.clamp(448.0 * t1 / t2, -448.0, 448.0)

@@ -77,8 +77,9 @@ def log_softmax_kernel(
             )
         tl.store(statistics_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        t1 = tl.log(sum1)
         t0 = max0 - x
-        y = -t0 - tl.log(sum1)
+        y = -t0 - t1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
         split_leave(exchange_ptr, group, 1, SPLITS)
     else:
@@ -109,11 +110,12 @@ def log_softmax_kernel(
             sum1 = row_sum(sum1_tile)
         tl.store(statistics_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
+        t1 = tl.log(sum1)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             t0 = max0 - x
-            y = -t0 - tl.log(sum1)
+            y = -t0 - t1
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
@@ -153,7 +155,6 @@ def log_softmax_backward_kernel(
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
             max0 = tl.load(statistics_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
             sum1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
-            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
@@ -168,6 +169,7 @@ def log_softmax_backward_kernel(
                     exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
                 )
                 grad_sum1 = row_sum(grad_sum1_shares)
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             grad_x = grad_sum1 * libdevice.exp(x - max0) + grad_y
             grad_x_sum = store_gradient(
                 grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X
@@ -206,8 +208,9 @@ def _reference(problem, x):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     max0 = torch.amax(x, dim=-1, keepdim=True)
     sum1 = torch.sum(torch.exp(x - max0), dim=-1, keepdim=True)
+    t1 = torch.log(sum1)
     t0 = max0 - x
-    y = -t0 - torch.log(sum1)
+    y = -t0 - t1
     return (y,)
 
 

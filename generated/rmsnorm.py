@@ -62,9 +62,6 @@ def rmsnorm_kernel(
     if ONE_TILE:
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-        weight = load_tile(
-            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-        )
         mean0 = row_sum(tl.where(in_bounds, x * x, 0.0)) / N
         if SPLITS > 1:  # the row's parts' reductions, combined
             split_share(mean0, exchange_ptr, rows, M, split, 0, SHARES, 0, SPLITS)
@@ -72,7 +69,11 @@ def rmsnorm_kernel(
             mean0_shares = split_shares(exchange_ptr, rows, M, 0, SHARES, 0, SPLITS, BLOCK_N, "sum")
             mean0 = row_sum(mean0_shares)
         tl.store(statistics_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
-        y = rsqrt_rn(eps + mean0) * weight * x
+        t0 = rsqrt_rn(eps + mean0)
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
+        )
+        y = t0 * weight * x
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
         split_leave(exchange_ptr, group, 1, SPLITS)
     else:
@@ -83,13 +84,14 @@ def rmsnorm_kernel(
             mean0_tile += tl.where(in_bounds, x * x, 0.0)
         mean0 = row_sum(mean0_tile) / N
         tl.store(statistics_ptr + rows, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
+        t0 = rsqrt_rn(eps + mean0)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             weight = load_tile(
                 weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
-            y = rsqrt_rn(eps + mean0) * weight * x
+            y = t0 * weight * x
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
@@ -138,6 +140,8 @@ def rmsnorm_backward_kernel(
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
             mean0 = tl.load(statistics_ptr + rows, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
+            t2 = rsqrt_rn(t0)
+            t3 = rsqrt_rn(t0) / t0
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             weight = load_tile(
                 weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
@@ -145,9 +149,7 @@ def rmsnorm_backward_kernel(
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
-            grad_mean0 = row_sum(
-                tl.where(in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0)
-            )
+            grad_mean0 = row_sum(tl.where(in_bounds, -0.5 * t3 * grad_y * weight * x, 0.0))
             if SPLITS > 1:  # the row's parts' reductions, combined
                 split_share(
                     grad_mean0, exchange_ptr, rows, M, split, row_offset // BLOCK_M, SHARES, 0,
@@ -158,7 +160,7 @@ def rmsnorm_backward_kernel(
                     exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
                 )
                 grad_mean0 = row_sum(grad_mean0_shares)
-            t1 = rsqrt_rn(t0) * grad_y
+            t1 = t2 * grad_y
             grad_x = 2 * grad_mean0 * x / row_width + t1 * weight
             grad_weight = t1 * x
             grad_x_sum = store_gradient(
@@ -180,6 +182,8 @@ def rmsnorm_backward_kernel(
             tl.debug_barrier()
             mean0 = tl.load(statistics_ptr + rows, mask=rows < M, other=0.0)[:, None]
             t0 = eps + mean0
+            t2 = rsqrt_rn(t0)
+            t3 = rsqrt_rn(t0) / t0
             grad_mean0_tile = tl.full((BLOCK_M, BLOCK_N), 0.0, compute)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -190,9 +194,7 @@ def rmsnorm_backward_kernel(
                 grad_y = load_tile(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                grad_mean0_tile += tl.where(
-                    in_bounds, -0.5 * rsqrt_rn(t0) * grad_y * weight * x / t0, 0.0
-                )
+                grad_mean0_tile += tl.where(in_bounds, -0.5 * t3 * grad_y * weight * x, 0.0)
             grad_mean0 = row_sum(grad_mean0_tile)
             for first_col in range(0, N, BLOCK_N):
                 cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -203,7 +205,7 @@ def rmsnorm_backward_kernel(
                 grad_y = load_tile(
                     grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
                 )
-                t1 = rsqrt_rn(t0) * grad_y
+                t1 = t2 * grad_y
                 grad_x = 2 * grad_mean0 * x / row_width + t1 * weight
                 grad_weight = t1 * x
                 add_gradient_partials(
@@ -219,7 +221,8 @@ def rmsnorm_backward_kernel(
 def _reference(problem, x, weight, eps):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     mean0 = torch.mean(x * x, dim=-1, keepdim=True)
-    y = torch.rsqrt(eps + mean0) * weight * x
+    t0 = torch.rsqrt(eps + mean0)
+    y = t0 * weight * x
     return (y,)
 
 

@@ -60,9 +60,6 @@ def rmsnorm_fp8_kernel(
     if ONE_TILE:
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-        weight = load_tile(
-            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-        )
         mean0 = row_sum(tl.where(in_bounds, x * x, 0.0)) / N
         if SPLITS > 1:  # the row's parts' reductions, combined
             split_share(mean0, exchange_ptr, rows, M, split, 0, SHARES, 0, SPLITS)
@@ -71,8 +68,12 @@ def rmsnorm_fp8_kernel(
             mean0 = row_sum(mean0_shares)
         tl.store(statistics_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = sqrt_rn(eps + mean0)
+        t3 = tl.abs(t1)
+        weight = load_tile(
+            weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
+        )
         t0 = weight * x
-        max1 = row_max(tl.where(in_bounds, tl.abs(t0) / tl.abs(t1), -float("inf")))
+        max1 = row_max(tl.where(in_bounds, tl.abs(t0) / t3, -float("inf")))
         if SPLITS > 1:  # the row's parts' reductions, combined
             split_share(max1, exchange_ptr, rows, M, split, 1, SHARES, 0, SPLITS)
             split_wait(exchange_ptr, group, 1, SPLITS)
@@ -97,6 +98,7 @@ def rmsnorm_fp8_kernel(
         mean0 = row_sum(mean0_tile) / N
         tl.store(statistics_ptr + rows * 2, tl.reshape(mean0, (BLOCK_M,)), mask=rows < M)
         t1 = sqrt_rn(eps + mean0)
+        t3 = tl.abs(t1)
         max1_tile = tl.full((BLOCK_M, BLOCK_N), -float("inf"), compute)
         for first_col in range(0, N, BLOCK_N):
             cols, in_bounds = column_tile(rows, first_col, M, N, BLOCK_N, INDEX_64)
@@ -105,9 +107,7 @@ def rmsnorm_fp8_kernel(
                 weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
             t0 = weight * x
-            max1_tile = maximum(
-                max1_tile, tl.where(in_bounds, tl.abs(t0) / tl.abs(t1), -float("inf"))
-            )
+            max1_tile = maximum(max1_tile, tl.where(in_bounds, tl.abs(t0) / t3, -float("inf")))
         max1 = row_max(max1_tile)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(max1, (BLOCK_M,)), mask=rows < M)
         t2 = maximum(max1, 1e-12)
@@ -132,8 +132,9 @@ def _reference(problem, x, weight, eps):
     """The op's body in eager PyTorch, on inputs in the compute dtype: what `reference` runs."""
     mean0 = torch.mean(x * x, dim=-1, keepdim=True)
     t1 = torch.sqrt(eps + mean0)
+    t3 = torch.abs(t1)
     t0 = weight * x
-    max1 = torch.amax(torch.abs(t0) / torch.abs(t1), dim=-1, keepdim=True)
+    max1 = torch.amax(torch.abs(t0) / t3, dim=-1, keepdim=True)
     t2 = torch.clamp_min(max1, 1e-12)
     q = torch.clamp(448.0 * t0 / (t1 * t2), -448.0, 448.0)
     scale = 0.002232142857142857 * t2

@@ -273,11 +273,21 @@ class _Program:
         first_col = "split * BLOCK_N" if split else "0"
         lines = [] if columns_set else [f"cols, in_bounds = column_tile(rows, {first_col}, M, N, BLOCK_N, INDEX_64)"]
         lines += self._statistics_loads() + self._assignments(body.row_values)
-        every = [r.value for r in body.reductions] + [e for _, e in body.results]
-        lines += self._loads(*self._reads(every), first_col=first_col)
+        # Each input is loaded (each mask drawn) just before the first pass that reads it: a
+        # tile read only after the reductions (a norm's weight and bias) is not live through them.
+        loaded: set = set()
+
+        def loads(exprs) -> list[str]:
+            inputs, masks, incoming = self._reads(exprs)
+            new = ([i for i in inputs if i.name not in loaded], [m for m in masks if m.local not in loaded],
+                   [g for g in incoming if g not in loaded])
+            loaded.update([i.name for i in new[0]] + [m.local for m in new[1]] + new[2])
+            return self._loads(*new, first_col=first_col)
+
         emitted: set = set()
         round_ = 0  # a round for each pass with reductions
         for p in body.passes:
+            lines += loads([r.value for r in p.reductions])
             lines += self._assignments([t for t in p.temps if t[0] not in emitted])
             emitted |= {t for t, _ in p.temps}
             for r in p.reductions:
@@ -288,6 +298,7 @@ class _Program:
                 emitted -= _temps_reading(body.definitions, {r.symbol for r in p.reductions})  # read the part's
             lines += self._statistics_stores(p.reductions)
             lines += self._assignments(p.row_values)
+        lines += loads([e for _, e in body.results])
         lines += self._assignments([t for t in body.final_temps if t[0] not in emitted])
         lines += self._assignments(body.results, triton_constant)
         return lines + stores
