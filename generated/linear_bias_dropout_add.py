@@ -36,14 +36,14 @@ from fusegen.backends.triton import gemm_launch, gemm_tuning, tuning
 from fusegen.backends.triton.kernel_lib import (
     dropout_mask, indices, load_tile, store_column_sums, store_gradient, store_tile,
 )
-from fusegen.backends.triton.gemm_lib import grouped_tile, matmul_tile
+from fusegen.backends.triton.gemm_lib import matmul_tile, matmul_tile_tma, tile_of, tma_operands
 
 __all__ = ["linear_bias_dropout_add", "LinearBiasDropoutAdd", "reference", "eager"]
 
 
 @tuning.autotune(
     gemm_tuning.FORWARD,
-    key=["M_BUCKET", "N", "K", "x_stride_k", "weight_stride_k", "HAS_DROPOUT"],
+    key=["M_BUCKET", "N", "K", "x_stride_k", "weight_stride_k", "TMA", "HAS_DROPOUT"],
 )
 @triton.jit
 def linear_bias_dropout_add_kernel(
@@ -65,33 +65,51 @@ def linear_bias_dropout_add_kernel(
     COMPUTE_FP64: tl.constexpr,
     FP64_PRODUCT: tl.constexpr,  # the fp64 compute dtype: the product in fp64 too
     INPUT_PRECISION: tl.constexpr,  # tl.dot's: "ieee" (fp32 as torch.mm), "tf32"
+    # operands through tensor descriptors (gemm_lib.tma_layouts), tiles walked persistently
+    TMA: tl.constexpr,
+    # with TMA: which of each operand's strides is 1
+    A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
-    tile_m, tile_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows, cols, product = matmul_tile(
-        x_ptr, x_stride_m, x_stride_k,
-        weight_ptr, weight_stride_k, weight_stride_n,
-        tile_m, tile_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
-    )
-    product = product.to(compute)
-    in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
     dropout_scale_p = tl.full((), dropout_scale_p, compute)
-    bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
-    residual = load_tile(
-        residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
-    )
-    if HAS_DROPOUT:
-        seed = tl.load(seed_ptr)
-        dropout_mask0 = dropout_mask(
-            seed, rows, tile_n * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
-            DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+    if TMA:
+        a_desc, b_desc = tma_operands(
+            x_ptr, x_stride_m, x_stride_k, weight_ptr, weight_stride_k, weight_stride_n,
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, A_K_MAJOR, B_K_MAJOR,
         )
-        y = dropout_mask0 * (bias + product) + residual
-    else:
-        y = bias + product + residual
-    store_tile(y_ptr, y, rows, cols, N, in_bounds)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=TMA):
+        tile_m, tile_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        if TMA:
+            rows, cols, product = matmul_tile_tma(
+                a_desc, b_desc, tile_m, tile_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
+            )
+        else:
+            rows, cols, product = matmul_tile(
+                x_ptr, x_stride_m, x_stride_k,
+                weight_ptr, weight_stride_k, weight_stride_n,
+                tile_m, tile_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
+            )
+        product = product.to(compute)
+        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+        residual = load_tile(
+            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
+        )
+        if HAS_DROPOUT:
+            seed = tl.load(seed_ptr)
+            dropout_mask0 = dropout_mask(
+                seed, rows, tile_n * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+                DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+            )
+            y = dropout_mask0 * (bias + product) + residual
+        else:
+            y = bias + product + residual
+        store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
 @tuning.autotune(tuning.BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])

@@ -80,6 +80,10 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = "ieee"
             elif name == "FP64_PRODUCT":
                 constexprs[name] = settings["COMPUTE_FP64"]
+            elif name == "TMA":  # a gemm forward's descriptor mainloop (never for fp64: gemm_lib.tma_layouts)
+                constexprs[name] = settings.get("TMA", False)
+            elif name in ("A_K_MAJOR", "B_K_MAJOR"):  # row-major x, nn.Linear's weight
+                constexprs[name] = True
             elif name == "BLOCK_N":
                 constexprs[name] = 128
             elif name in settings:
@@ -151,6 +155,8 @@ def compile_module(path: Path) -> list[str]:
             if any(p.name == "SPLITS" for p in kernel.params):  # a forward: its row split, too
                 looped += [(pointer, {**settings, "SPLITS": 4}) for pointer, settings in cases if pointer != "fp16"]
             cases += looped
+        if any(p.name == "TMA" for p in kernel.params):  # a gemm forward: the descriptor mainloop too
+            cases += [(pointer, {**settings, "TMA": True}) for pointer, settings in cases if pointer != "fp64"]
         for pointer, settings in cases:
             integer_inputs = {i.name: i.dtype for i in module._OP.inputs if getattr(i, "dtype", "float") != "float"}
             sig, constexprs = signature(kernel, pointer, scalar_types, settings, integer_inputs)

@@ -148,11 +148,12 @@ def test_layouts(ops):
 def test_tuned_tiles_are_kept_per_operand_layout(ops):
     """The forward's tuned tile is kept per M's bucket, N, K and each operand's stride along K
     (1 for a row-major x and nn.Linear's weight, not for their transposes), as well as the
-    dtypes Triton's autotuner adds: a weight given transposed gets its own tuning."""
+    dtypes Triton's autotuner adds: a weight given transposed gets its own tuning; and the
+    mainloop (TMA's descriptors or pointers), whose best tiles differ."""
     module = ops["linear_gelu_add"]
     forward = module.linear_gelu_add_kernel
-    assert forward.keys[:3] == ["M_BUCKET", "N", "K"]
-    strides = forward.keys[3:]
+    assert forward.keys[:3] == ["M_BUCKET", "N", "K"] and forward.keys[-1] == "TMA"
+    strides = forward.keys[3:-1]
     assert len(strides) == 2 and all(k.endswith("stride_k") for k in strides)
     assert {k.split("_stride")[0] for k in strides} == {"x", "weight"}
 

@@ -22,7 +22,8 @@ from .kernel_text import (
     shared_arguments,
     triton_constant,
 )
-from .naming import BLOCK_K, BLOCK_M, BLOCK_N, FP64_PRODUCT, GROUP_M, INPUT_PRECISION, K, M, M_BUCKET, N, TritonNames
+from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, FP64_PRODUCT, GROUP_M, INPUT_PRECISION, K, M, M_BUCKET,
+                     N, TMA, TritonNames)
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
 
@@ -44,22 +45,54 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     arguments += shared_arguments(plan, kernel, names, forward=True)
     arguments += [f"{FP64_PRODUCT}: tl.constexpr,  # the fp64 compute dtype: the product in fp64 too",
                   f'{INPUT_PRECISION}: tl.constexpr,  # tl.dot\'s: "ieee" (fp32 as torch.mm), "tf32"',
+                  f"{TMA}: tl.constexpr,  # operands through tensor descriptors (gemm_lib.tma_layouts), tiles walked "
+                  "persistently",
+                  f"{A_K_MAJOR}: tl.constexpr, {B_K_MAJOR}: tl.constexpr,  # with TMA: which of each operand's strides is 1",
                   f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,"]
     tensors = {v.local for i in kernel.inputs for v in i.values} | {product}
     lines = [
         COMPUTE_LINE,
-        f"tile_m, tile_n = grouped_tile({M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})",
-        f"rows, cols, {product} = matmul_tile(",
-        f"    {a_ptr}, {a_stride_m}, {a_stride_k},",
-        f"    {b_ptr}, {b_stride_k}, {b_stride_n},",
-        f"    tile_m, tile_n, {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
-        ")",
+        *scalars_in_compute_type(plan, kernel, names),  # before the loop: a loop's variables keep their type
+        f"if {TMA}:",
+        f"    a_desc, b_desc = tma_operands(",
+        f"        {a_ptr}, {a_stride_m}, {a_stride_k}, {b_ptr}, {b_stride_k}, {b_stride_n},",
+        f"        {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, {A_K_MAJOR}, {B_K_MAJOR},",
+        "    )",
+        # One tile a program without TMA (as many programs as tiles); with it, as many programs as
+        # SMs, each walking its tiles with the next tile's loads under this one's epilogue.
+        f"tiles = tl.cdiv({M}, {BLOCK_M}) * tl.cdiv({N}, {BLOCK_N})",
+        f"for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten={TMA}):",
+    ]
+    body = [
+        f"tile_m, tile_n = tile_of(tile, {M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})",
+        f"if {TMA}:",
+        f"    rows, cols, {product} = matmul_tile_tma(",
+        f"        a_desc, b_desc, tile_m, tile_n, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
+        f"        INDEX_64, {INPUT_PRECISION}, {A_K_MAJOR}, {B_K_MAJOR},",
+        "    )",
+        "else:",
+        f"    rows, cols, {product} = matmul_tile(",
+        f"        {a_ptr}, {a_stride_m}, {a_stride_k},",
+        f"        {b_ptr}, {b_stride_k}, {b_stride_n},",
+        f"        tile_m, tile_n, {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
+        f"        INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
+        "    )",
         f"{product} = {product}.to({COMPUTE_DTYPE})",
         "in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
     ]
+    lines += _epilogue(plan, kernel, names, printer, body, product, saved, tensors)
+    # The operands' K strides too: a tile tuned for a row-major operand (stride 1 along K, as
+    # nn.Linear's weight) is not the one for its transpose; and the mainloop.
+    layout = (K, a_stride_k, b_stride_k, TMA)
+    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines,
+                      "gemm_tuning.FORWARD")
+
+
+def _epilogue(plan, kernel, names, printer, lines, product, saved, tensors) -> list[str]:
+    """The loop's body: the mainloop's `lines`, then the epilogue on the product's tile."""
+    m = plan.matmul
     if m.saved:
         lines.append(f"store_tile({saved}, {product}, rows, cols, N, in_bounds)")
-    lines += scalars_in_compute_type(plan, kernel, names)
     lines += [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
     tensors |= {m.local for m in kernel.masks}
     if kernel.body_no_dropout is not None:  # masks keyed by the product's flat index, as every kind's
@@ -71,11 +104,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     else:
         lines += statements(kernel.body, printer, triton_constant, tensors)
     lines += output_stores(plan, kernel)
-    # The operands' K strides too: a tile tuned for a row-major operand (stride 1 along K, as
-    # nn.Linear's weight) is not the one for its transpose.
-    layout = (K, a_stride_k, b_stride_k)
-    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines,
-                      "gemm_tuning.FORWARD")
+    return ["    " + line if line else line for line in lines]
 
 
 def _keywords(plan: OpPlan) -> tuple[str, ...]:
@@ -93,8 +122,8 @@ KIND = TritonKind(
     doc="The forward kernel multiplies in fp32 (fp64 for fp64 operands) on the tensor cores and runs the "
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
-    reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, "tile_m", "tile_n", "gemm_launch",
-                        "gemm_tuning"}),
+    reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, "tile_m",
+                        "tile_n", "tiles", "tile", "a_desc", "b_desc", "gemm_launch", "gemm_tuning"}),
     modules=("gemm_launch", "gemm_tuning", "tuning"),
     keywords=_keywords,
 )

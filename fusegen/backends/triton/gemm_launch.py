@@ -12,9 +12,10 @@ import torch
 from fusegen.layout import Input
 from fusegen.runtime.views import INT32_LIMIT
 
-from . import gemm_tuning, tuning
+from . import gemm_lib, gemm_tuning, tuning
 from .launch import Kernels, Launch, Slot, _Bound, _launches, _Tile
-from .naming import BLOCK_K, BLOCK_M, BLOCK_N, COMPUTE_FP64, FP64_PRODUCT, GROUP_M, INDEX_64, INPUT_PRECISION, K
+from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, COMPUTE_FP64, FP64_PRODUCT, GROUP_M, INDEX_64,
+                     INPUT_PRECISION, K, TMA)
 
 
 class GemmKernels(Kernels):
@@ -104,15 +105,23 @@ class _BoundGemm(_Bound):
         args[FP64_PRODUCT] = problem.compute_dtype == torch.float64  # the product too, as the reference forms it
         # torch.mm's default for fp32 (torch.backends.cuda.matmul.allow_tf32 off); tf32: later.
         args[INPUT_PRECISION] = "ieee"
+        # Descriptors where TMA reads both operands as they lie (eager and CUDA graphs; a traced
+        # graph's kernel takes the pointer mainloop: Inductor gives in-kernel descriptors no scratch).
+        fp64 = problem.compute_dtype == torch.float64  # the product in fp64: the pointer mainloop's
+        majors = None if traced or fp64 else gemm_lib.tma_layouts(a_2d, b.mT if self._transposed else b)
+        args[TMA] = majors is not None
+        args[A_K_MAJOR], args[B_K_MAJOR] = majors or (False, False)
+        if majors is not None:
+            gemm_lib.set_tma_allocator()
+        programs = _programs(problem.device) if majors is not None else None
         args = self._signatures[0].ordered(args)
         if tile is not None:  # (BLOCK_M, BLOCK_N[, BLOCK_K]), each at least tl.dot's 16
             block_m, block_n, block_k = (max(gemm_tuning.SMALLEST, size) for size in (*tile, 16)[:3])
-            grid = (tuning.cdiv(m, block_m) * tuning.cdiv(n, block_n),)
+            grid = (_grid(m, n, block_m, block_n, programs),)
             constexprs = {BLOCK_M: block_m, BLOCK_N: block_n, BLOCK_K: block_k, GROUP_M: gemm_tuning.GROUP_M}
             return Launch(_Tile(self.forward_kernel), grid, args, tuple(copies), constexprs)
         return Launch(self._graph_forward if traced else self._forward,
-                           lambda meta: (tuning.cdiv(m, meta[BLOCK_M]) * tuning.cdiv(n, meta[BLOCK_N]),), args,
-                           tuple(copies))
+                      lambda meta: (_grid(m, n, meta[BLOCK_M], meta[BLOCK_N], programs),), args, tuple(copies))
 
     def backward(self, call, tensors, grads, needs, seed, statistics=None, traced: bool = False,
                  **layout) -> list[torch.Tensor]:
@@ -180,6 +189,19 @@ class _PreparedGemmBackward:
 
     def native_form(self) -> None:
         return None  # the operands' matmuls are torch's: such backwards stay in Python
+
+
+def _grid(m: int, n: int, block_m: int, block_n: int, programs: int | None) -> int:
+    """Programs of the forward: one a tile, or at most `programs` walking the tiles (TMA)."""
+    tiles = tuning.cdiv(m, block_m) * tuning.cdiv(n, block_n)
+    return tiles if programs is None else max(1, min(tiles, programs))
+
+
+def _programs(device: torch.device) -> int:
+    """A persistent kernel's programs: one an SM (one a tile under the interpreter)."""
+    if device.type != "cuda":
+        return 2**31 - 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _rows_of(a: torch.Tensor) -> tuple[torch.Tensor, bool]:

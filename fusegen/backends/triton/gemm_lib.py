@@ -110,18 +110,20 @@ def matmul_tile_tma(a_desc, b_desc, tile_m, tile_n, K, BLOCK_M: tl.constexpr, BL
     epilogue's offsets); the descriptors' coordinates are int32 (`tma_layouts` keeps each dim
     below 2**31). Not fp64 (`tma_layouts` sends it to `matmul_tile`). The loop is a plain
     range: Triton 3.6's Hopper warp specialization of it wrote NaN (docs/scripts/gemm_tile.py)."""
-    first_m = tile_m * BLOCK_M
-    first_n = tile_n * BLOCK_N
+    # int32 coordinates, as descriptors take them, even where M, N or K arrive as int64
+    first_m = tl.cast(tile_m * BLOCK_M, tl.int32)
+    first_n = tl.cast(tile_n * BLOCK_N, tl.int32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for first_k in range(0, K, BLOCK_K):
+        k = tl.cast(first_k, tl.int32)
         if A_K_MAJOR:
-            a = a_desc.load([first_m, first_k])
+            a = a_desc.load([first_m, k])
         else:
-            a = a_desc.load([first_k, first_m]).T
+            a = a_desc.load([k, first_m]).T
         if B_K_MAJOR:
-            b = b_desc.load([first_n, first_k]).T
+            b = b_desc.load([first_n, k]).T
         else:
-            b = b_desc.load([first_k, first_n])
+            b = b_desc.load([k, first_n])
         if a.dtype != b.dtype:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
