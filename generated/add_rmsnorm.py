@@ -173,11 +173,14 @@ def add_rmsnorm_backward_kernel(
             residual = load_tile(
                 residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            weight = load_tile(
-                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
+            grad_h = load_tile(
+                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
             )
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
+            )
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
             t0 = residual + x
             grad_mean0 = row_sum(tl.where(in_bounds, -0.5 * t5 * grad_y * t0 * weight, 0.0))
@@ -191,9 +194,6 @@ def add_rmsnorm_backward_kernel(
                     exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
                 )
                 grad_mean0 = row_sum(grad_mean0_shares)
-            grad_h = load_tile(
-                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
-            )
             t2 = t4 * grad_y
             t3 = grad_h + grad_mean0 * (2 * residual + 2 * x) / row_width + t2 * weight
             grad_x = t3

@@ -84,7 +84,6 @@ def bias_dropout_add_layernorm_kernel(
     if ONE_TILE:
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
         residual = load_tile(
             residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
         )
@@ -92,6 +91,7 @@ def bias_dropout_add_layernorm_kernel(
             seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
             HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
         )
+        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
         t0 = dropout_mask0 * (bias + x) + residual
         mean0 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
         if SPLITS > 1:  # the row's parts' reductions, combined
@@ -256,12 +256,11 @@ def bias_dropout_add_layernorm_backward_kernel(
             t9 = rsqrt_rn(t0)
             t10 = rsqrt_rn(t0) / t0
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             residual = load_tile(
                 residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            weight = load_tile(
-                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
+            grad_h = load_tile(
+                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
             )
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
@@ -269,6 +268,10 @@ def bias_dropout_add_layernorm_backward_kernel(
             dropout_mask0 = dropout_or_ones(
                 seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
                 HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+            )
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
             t1 = dropout_mask0 * (bias + x)
             t2 = residual + t1 - mean0
@@ -296,9 +299,6 @@ def bias_dropout_add_layernorm_backward_kernel(
                 grad_mean0 = row_sum(grad_mean0_shares)
             t7 = grad_mean1 * t5
             t6 = grad_mean0 * t5
-            grad_h = load_tile(
-                grad_h_ptr, grad_h_stride_m, grad_h_stride_n, rows, cols, in_bounds, compute
-            )
             t8 = (
                 dropout_mask0 * grad_h + 2 * t2 * t7 * dropout_mask0 + dropout_mask0 * t4
                 + t6 * dropout_mask0

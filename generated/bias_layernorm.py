@@ -181,12 +181,12 @@ def bias_layernorm_backward_kernel(
             t6 = rsqrt_rn(t0)
             t7 = rsqrt_rn(t0) / t0
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+            grad_y = load_tile(
+                grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
+            )
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             gamma = load_tile(
                 gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute
-            )
-            grad_y = load_tile(
-                grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
             t1 = bias + x - mean0
             t2 = t6 * grad_y

@@ -169,11 +169,11 @@ def layernorm_backward_kernel(
             t5 = rsqrt_rn(t1)
             t6 = rsqrt_rn(t1) / t1
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            weight = load_tile(
-                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-            )
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
+            )
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
             t0 = x - mean0
             t2 = t5 * grad_y

@@ -84,6 +84,13 @@ def layernorm_dropout_add_kernel(
     if ONE_TILE:
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
+        residual = load_tile(
+            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
+        )
+        dropout_mask0 = dropout_or_ones(
+            seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+            HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+        )
         bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
         t0 = bias + x
         mean0 = row_sum(tl.where(in_bounds, t0, 0.0)) / N
@@ -104,13 +111,6 @@ def layernorm_dropout_add_kernel(
         t2 = rsqrt_rn(eps + mean1)
         gamma = load_tile(gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute)
         beta = load_tile(beta_ptr, beta_stride_m, beta_stride_n, rows, cols, in_bounds, compute)
-        residual = load_tile(
-            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
-        )
-        dropout_mask0 = dropout_or_ones(
-            seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
-            HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
-        )
         y = dropout_mask0 * (beta + t1 * t2 * gamma) + residual
         store_tile(y_ptr, y, rows, cols, N, in_bounds)
         split_leave(exchange_ptr, group, 2, SPLITS)
@@ -223,16 +223,16 @@ def layernorm_dropout_add_backward_kernel(
             t7 = rsqrt_rn(t1)
             t8 = rsqrt_rn(t1) / t1
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
-            gamma = load_tile(
-                gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute
-            )
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
             dropout_mask0 = dropout_or_ones(
                 seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
                 HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+            )
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            gamma = load_tile(
+                gamma_ptr, gamma_stride_m, gamma_stride_n, rows, cols, in_bounds, compute
             )
             t0 = bias + x - mean0
             t2 = dropout_mask0 * grad_y

@@ -155,6 +155,7 @@ def log_softmax_backward_kernel(
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
             max0 = tl.load(statistics_ptr + rows * 2, mask=rows < M, other=0.0)[:, None]
             sum1 = tl.load(statistics_ptr + rows * 2 + 1, mask=rows < M, other=0.0)[:, None]
+            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
             )
@@ -169,7 +170,6 @@ def log_softmax_backward_kernel(
                     exchange_ptr, rows, M, row_offset // BLOCK_M, SHARES, 0, SPLITS, BLOCK_N, "sum"
                 )
                 grad_sum1 = row_sum(grad_sum1_shares)
-            x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
             grad_x = grad_sum1 * libdevice.exp(x - max0) + grad_y
             grad_x_sum = store_gradient(
                 grad_x_ptr, grad_x, grad_x_sum, rows, cols, N, in_bounds, NEEDS_GRAD_X, SUM_GRAD_X

@@ -143,11 +143,11 @@ def rmsnorm_backward_kernel(
             t2 = rsqrt_rn(t0)
             t3 = rsqrt_rn(t0) / t0
             x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
-            weight = load_tile(
-                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
-            )
             grad_y = load_tile(
                 grad_y_ptr, grad_y_stride_m, grad_y_stride_n, rows, cols, in_bounds, compute
+            )
+            weight = load_tile(
+                weight_ptr, weight_stride_m, weight_stride_n, rows, cols, in_bounds, compute
             )
             grad_mean0 = row_sum(tl.where(in_bounds, -0.5 * t3 * grad_y * weight * x, 0.0))
             if SPLITS > 1:  # the row's parts' reductions, combined

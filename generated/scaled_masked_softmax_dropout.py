@@ -84,6 +84,10 @@ def scaled_masked_softmax_dropout_kernel(
         cols, in_bounds = column_tile(rows, split * BLOCK_N, M, N, BLOCK_N, INDEX_64)
         x = load_tile(x_ptr, x_stride_m, x_stride_n, rows, cols, in_bounds, compute)
         mask = load_tile(mask_ptr, mask_stride_m, mask_stride_n, rows, cols, in_bounds, compute)
+        dropout_mask0 = dropout_or_ones(
+            seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
+            HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+        )
         t0 = mask + scale * x
         max0 = row_max(tl.where(in_bounds, t0, -float("inf")))
         sum1 = row_sum(tl.where(in_bounds, libdevice.exp(t0 - max0), 0.0))
@@ -103,10 +107,6 @@ def scaled_masked_softmax_dropout_kernel(
             )
         tl.store(statistics_ptr + rows * 2, tl.reshape(max0, (BLOCK_M,)), mask=rows < M)
         tl.store(statistics_ptr + rows * 2 + 1, tl.reshape(sum1, (BLOCK_M,)), mask=rows < M)
-        dropout_mask0 = dropout_or_ones(
-            seed, rows, split * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
-            HAS_DROPOUT, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
-        )
         t1 = libdevice.exp(t0 - max0)
         y = dropout_mask0 * t1 / sum1
         store_tile(y_ptr, y, rows, cols, N, in_bounds)

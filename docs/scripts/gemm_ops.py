@@ -1,8 +1,10 @@
 """Issue 32: a generated gemm op against what a user would run instead, bf16 on the GPU: the
 bare GEMM (torch.mm), eager PyTorch (F.linear, the epilogue's ops), torch.compile of that eager
 code (default and mode="max-autotune-no-cudagraphs"); forward and forward+backward, ms by
-triton.testing.do_bench. The op is built from its spec into a temporary folder.
-`python docs/scripts/gemm_ops.py [--shapes 16384x4096x4096,...] [--json FILE]` (M x K x N)."""
+triton.testing.do_bench. The op is built from its spec into a temporary folder; with --pointer
+a second build of it, made to take the pointer mainloop (no TMA), is timed beside it.
+`python docs/scripts/gemm_ops.py [--shapes 16384x4096x4096,...] [--compile default,...] [--pointer]
+[--json FILE]` (M x K x N)."""
 import argparse
 import json
 import sys
@@ -26,6 +28,9 @@ outputs: {y: gelu_tanh(x @ T(weight) + bias) + residual}
 parser = argparse.ArgumentParser()
 parser.add_argument("--shapes", default="16384x4096x4096,16384x4096x11008")
 parser.add_argument("--json", default=None)
+parser.add_argument("--compile", default="default,max-autotune-no-cudagraphs",
+                    help="torch.compile modes to time, comma-separated ('' for none)")
+parser.add_argument("--pointer", action="store_true", help="also the op with the pointer mainloop")
 options = parser.parse_args()
 
 
@@ -43,6 +48,23 @@ def bench(fn, inputs, grad):
 
 
 op = build_and_import(Path(tempfile.mkdtemp()), SPEC).linear_gelu_add
+pointer_op = None
+if options.pointer:  # its own op name (one torch.library registration each); its launches never take TMA
+    from fusegen.backends.triton import gemm_launch
+
+    pointer_op = build_and_import(Path(tempfile.mkdtemp()), SPEC.replace("linear_gelu_add", "linear_gelu_add_pointer"))
+    pointer_op = pointer_op.linear_gelu_add_pointer
+    tma_layouts = gemm_launch.gemm_lib.tma_layouts
+
+    def take_pointer(fn):
+        def call(*args):
+            gemm_launch.gemm_lib.tma_layouts = lambda a, b: None
+            try:
+                return fn(*args)
+            finally:
+                gemm_launch.gemm_lib.tma_layouts = tma_layouts
+        return call
+    pointer_op = take_pointer(pointer_op)
 rows = []
 for shape in options.shapes.split(","):
     m, k, n = map(int, shape.split("x"))
@@ -60,8 +82,12 @@ for shape in options.shapes.split(","):
     mm_in = x.detach(), weight.detach().t()
     row["mm"] = triton.testing.do_bench(lambda: torch.mm(*mm_in), warmup=25, rep=100)
     row["fused"] = bench(op, inputs, grad)
+    if pointer_op is not None:
+        row["fused pointer"] = bench(pointer_op, inputs, grad)
+        with torch.no_grad():
+            row["err_fused_pointer"] = err(pointer_op(*inputs))
     row["eager"] = bench(eager, inputs, grad)
-    for mode in ("default", "max-autotune-no-cudagraphs"):
+    for mode in filter(None, options.compile.split(",")):
         torch._dynamo.reset()
         try:
             row[f"compile {mode}"] = bench(torch.compile(eager, mode=None if mode == "default" else mode), inputs, grad)
