@@ -43,6 +43,16 @@ class ChunkRef:
 
 
 @dataclass(frozen=True)
+class ProductChunk:
+    """chunk(a @ T(b), i): the i-th of the product's chunks along its last dim, b holding them
+    (declared [kN, K] under T, [K, kN] without): the product of a with b's i-th chunk."""
+
+    matmul: MatMul
+    index: int
+    count: int  # b's chunks
+
+
+@dataclass(frozen=True)
 class Col:
     """The built-in `col`: the element's index along the last dim, 0 <= col < N."""
 
@@ -121,7 +131,7 @@ class Reduce:
 PRODUCT = "@product"
 
 Expr = Union[Const, InputRef, ChunkRef, Col, ParamRef, Unary, Binary, Compare, Logic, Call, ChoiceCall, Where, Dropout,
-             Reduce, MatMul]
+             Reduce, MatMul, ProductChunk]
 CONDITIONS = (Compare, Logic)
 
 
@@ -151,7 +161,8 @@ class OpIR:
             return self.spec.inputs
         m, by_name = self.matmul, {i.name: i for i in self.spec.inputs}
         a, b = by_name[m.a], by_name[m.b]
-        product = InputSpec(PRODUCT, (*a.dims[:-1], b.dims[0] if m.transposed else b.dims[1]), a.line)
+        # b's chunks are the product's, along its last dim: [..., 2N] read as chunk(a @ T(b), k)
+        product = InputSpec(PRODUCT, (*a.dims[:-1], b.dims[0] if m.transposed else b.dims[1]), a.line, b.chunks)
         return (product, *(i for i in self.spec.inputs if i.name not in (m.a, m.b)))
 
 
@@ -232,6 +243,7 @@ class _Scope:
         self.spec = spec
         self.inputs = {i.name for i in spec.inputs}
         self.chunks = {i.name: i.chunks for i in spec.inputs}
+        self.chunk_dims = {i.name: i.chunk_dim for i in spec.inputs}
         self.dims = {i.name: i.dims for i in spec.inputs}
         self.bools = {i.name for i in spec.inputs if i.dtype == "bool"}
         self.integers = {i.name for i in spec.inputs if i.dtype not in ("float", "bool")}
@@ -303,7 +315,12 @@ class _Scope:
                                "branches, max, min and clamp")
             return Binary(_BINARY_OPS[type(node.op)], left, right)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-            return self._matmul(node)
+            matmul = self._matmul(node)
+            chunks = self.chunks[matmul.b]
+            if chunks > 1:
+                raise _Located(f"'{_snippet(node)}' holds {chunks} chunks along its last dim, as {matmul.b} does: "
+                               f"use chunk({_snippet(node)}, 0) ... chunk({_snippet(node)}, {chunks - 1})")
+            return matmul
         if isinstance(node, ast.BinOp) and type(node.op) in _LOGIC_OPS:
             return Logic(_LOGIC_OPS[type(node.op)], (self._condition(node.left, d), self._condition(node.right, d)))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
@@ -351,6 +368,9 @@ class _Scope:
 
     def _resolve(self, name: str, depth: int) -> Expr:
         if name in self.inputs:
+            if self.chunks[name] > 1 and self.chunk_dims[name] != -1:
+                raise _Located(f"'{name}' holds its chunks along its first dim: only a matmul reads it, as "
+                               f"chunk(x @ T({name}), 0)")
             if self.chunks[name] > 1:
                 raise _Located(
                     f"'{name}' holds {self.chunks[name]} chunks along its last dim: use chunk({name}, 0) "
@@ -492,9 +512,16 @@ class _Scope:
         for name in (node.left.id, right.id):
             if name not in self.inputs:
                 raise _Located(f"'{_snippet(node)}': '{name}' is not an input; {usage}")
-            if name in self.bools or name in self.integers or self.chunks[name] > 1:
-                raise _Located(f"'{_snippet(node)}': '{name}' must be a float input without chunks")
+            if name in self.bools or name in self.integers:
+                raise _Located(f"'{_snippet(node)}': '{name}' must be a float input")
         a, b = node.left.id, right.id
+        # b's chunks side by side along the product's columns: its first dim under T ([2N, K],
+        # nn.Linear's layout of two projections), its last without ([K, 2N]); a holds none.
+        if self.chunks[a] > 1 or (self.chunks[b] > 1 and self.chunk_dims[b] != (0 if transposed else -1)):
+            name = a if self.chunks[a] > 1 else b
+            want = "[2N, K] under T" if transposed else "[K, 2N]"
+            raise _Located(f"'{_snippet(node)}': '{name}' holds chunks a matmul cannot read; only its right operand "
+                           f"may, as {want}")
         if a == b:  # its gradient would be the sum of two matmuls of g, which the backward does not form
             raise _Located(f"'{_snippet(node)}': a matmul of an input with itself is not supported yet")
         a_dims, b_dims = self.dims[a], self.dims[b]
@@ -513,14 +540,28 @@ class _Scope:
         self.matmuls.setdefault(matmul, self._binding)
         return matmul
 
-    def _chunk(self, node: ast.Call) -> ChunkRef:
+    def _chunk(self, node: ast.Call) -> ChunkRef | ProductChunk:
         self._check_arity("chunk", len(node.args), BUILTINS["chunk"])
         source, index = node.args
-        if not (isinstance(source, ast.Name) and self.chunks.get(source.id, 1) > 1):
-            raise _Located("chunk's first argument must be an input declared with a chunked last dim, as x: [..., 2N]")
-        count = self.chunks[source.id]
+        matmul = None
+        if isinstance(source, ast.BinOp) and isinstance(source.op, ast.MatMult):
+            matmul = self._matmul(source)
+            count = self.chunks[matmul.b]
+            if count == 1:
+                raise _Located(f"'{_snippet(source)}' holds no chunks: its right operand would be declared "
+                               f"{'[2N, K]' if matmul.transposed else '[K, 2N]'}")
+        elif not (isinstance(source, ast.Name) and self.chunks.get(source.id, 1) > 1):
+            raise _Located("chunk's first argument must be an input declared with a chunked last dim, as x: [..., 2N], "
+                           "or a matmul whose right operand holds chunks")
+        elif self.chunk_dims[source.id] != -1:
+            raise _Located(f"'{source.id}' holds its chunks along its first dim: only a matmul reads it, as "
+                           f"chunk(x @ T({source.id}), 0)")
+        else:
+            count = self.chunks[source.id]
         if not (isinstance(index, ast.Constant) and type(index.value) is int and 0 <= index.value < count):
             raise _Located(f"chunk's second argument must be a whole number from 0 to {count - 1}")
+        if matmul is not None:
+            return ProductChunk(matmul, index.value, count)
         self.used.add(source.id)
         return ChunkRef(source.id, index.value)
 
@@ -564,7 +605,7 @@ def _row_shape(expr: Expr, dims: dict[str, tuple[str, ...]], memo: dict) -> tupl
             memo[key] = (bool(d) and d[-1] != "1", len(d) > 1 or (bool(d) and d[0] == "..."))
         elif isinstance(expr, Col):  # as an [N] input
             memo[key] = (True, False)
-        elif isinstance(expr, MatMul):  # [..., N]
+        elif isinstance(expr, (MatMul, ProductChunk)):  # [..., N]
             memo[key] = (True, True)
         elif isinstance(expr, Reduce):
             memo[key] = (False, _row_shape(expr.value, dims, memo)[1])
@@ -674,6 +715,8 @@ def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, in
         return "col", _ATOM
     if isinstance(e, MatMul):
         return e.text, _PRECEDENCE["*"]
+    if isinstance(e, ProductChunk):
+        return f"chunk({e.matmul.text}, {e.index})", _ATOM
     if isinstance(e, Unary):
         text, strength = _unparse(e.operand, names)
         return "-" + (text if strength >= _UNARY else f"({text})"), _UNARY

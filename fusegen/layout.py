@@ -18,7 +18,8 @@ OUTPUT_DTYPES = (*QUANTIZED_DTYPES, "float16", "bfloat16", "float32", "float64")
 @dataclass(frozen=True)
 class Input:
     """A tensor input: its dims ("...", a dim name, or "1"), and how many chunks its last
-    dim holds (x [..., 2N] is Input("x", ("...", "N"), chunks=2): two N-wide chunks)."""
+    dim holds (x [..., 2N] is Input("x", ("...", "N"), chunks=2): two N-wide chunks); or its
+    first (chunk_dim 0: a matmul's weight [2N, K], nn.Linear's layout of two projections)."""
 
     name: str
     dims: tuple[str, ...]
@@ -26,6 +27,7 @@ class Input:
     # "float" (any of the float dtypes; differentiable), or one integer or bool dtype, which
     # the kernels read as such and never differentiate (INTEGER_DTYPES).
     dtype: str = "float"
+    chunk_dim: int = -1  # the dim written kN: the last, or 0 (a two-dim matmul operand)
 
     @property
     def differentiable(self) -> bool:
@@ -36,7 +38,7 @@ class Input:
         """The dims as the spec writes them: [..., 2N]."""
         dims = list(self.dims)
         if self.chunks > 1:
-            dims[-1] = f"{self.chunks}{dims[-1]}"
+            dims[self.chunk_dim] = f"{self.chunks}{dims[self.chunk_dim]}"
         return "[" + ", ".join(dims) + "]"
 
     @property

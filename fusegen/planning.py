@@ -151,7 +151,9 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     # param's helper.
     eager_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_eager") for h in op.helpers}
     torch_helpers = {h.param: namer.claim(f"_{by_name[h.param].local}_torch") for h in op.helpers}
-    chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs if i.layout.chunks > 1}
+    # A matmul's weight holding chunks along its first dim is read whole, by the matmul's chunks.
+    chunk_tuples = {i.name: namer.claim(f"{i.local}_chunks") for i in inputs
+                    if i.layout.chunks > 1 and i.layout.chunk_dim == -1}
     # An output converted to a dtype of its own is computed into a local first (`q = ...`,
     # then `q.to(...)` in the return), so that a long expression breaks as an assignment does.
     converted = tuple((namer.claim(b.name), b.dtype) if b.dtype else None for b in spec.outputs)
@@ -198,8 +200,9 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         no_gradient=frozenset(b.name for b in spec.outputs if not b.differentiable),
         matmul=None if matmul is None else MatmulPlan(
             planned[matmul.a], planned[matmul.b], matmul.transposed, planned[ir.PRODUCT],
-            saved=sympy.Symbol(ir.PRODUCT, real=True) in (op.backward.free_symbols() | (
-                op.backward_no_dropout.free_symbols() if op.backward_no_dropout else set())),
+            saved=any(sympy.Symbol(n, real=True) in (op.backward.free_symbols() | (
+                op.backward_no_dropout.free_symbols() if op.backward_no_dropout else set()))
+                for n in value_names(op.ir.epilogue_inputs[0])),
             incoming=next((g.passthrough_of for g in op.gradients if g.input == ir.PRODUCT and g.passthrough_of), None),
         ),
     )
@@ -218,8 +221,11 @@ def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[st
     # A part's incoming gradient is read from its output's.
     whole = {ir.part_name(name, k): name for name, count in op.ir.output_parts for k in range(count)}
     reads = {g.input: {whole.get(r, r) for r in g.reads} for g in op.gradients}
-    if op.ir.matmul is not None:  # the operands' gradients are the product's, multiplied
-        reads[op.ir.matmul.a] = reads[op.ir.matmul.b] = reads[ir.PRODUCT]
+    if op.ir.matmul is not None:  # the operands' gradients are the product's (all its chunks'), multiplied
+        product = set().union(*(reads[n] for n in value_names(op.ir.epilogue_inputs[0])))
+        by_name = {i.name: i for i in spec.inputs}
+        for operand in (op.ir.matmul.a, op.ir.matmul.b):
+            reads.update({n: product for n in value_names(by_name[operand])})
     every = [b.name for b in spec.outputs]
     result = []
     for spec_input in spec.inputs:
@@ -257,7 +263,7 @@ def _eager_lines(outputs: tuple[tuple[ir.Expr, ...], ...], lets: tuple[tuple[str
         column = f"torch.arange({width}, device={along.local}.device)"
     printer = EagerPrinter(names, chunk_tuples, helpers, {id(expr): local for local, expr in lets}, column)
     lines = [
-        f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.layout.chunks > 1
+        f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.name in chunk_tuples
     ]
     lines += [f"{local} = {printer.doprint(expr, defining=True)}" for local, expr in lets]
     returned = [

@@ -412,6 +412,10 @@ class EagerPrinter:
         if isinstance(e, ir.MatMul):  # an atom: F.linear, or the parenthesized product
             a, b = self.names[e.a], self.names[e.b]
             return f"F.linear({a}, {b})" if e.transposed else f"({a} @ {b})"
+        if isinstance(e, ir.ProductChunk):  # the product of a with b's chunk: F.linear(x, w.chunk(2)[0])
+            a, b, m = self.names[e.matmul.a], self.names[e.matmul.b], e.matmul
+            part = f"{b}.chunk({e.count}, dim={0 if m.transposed else -1})[{e.index}]"
+            return f"F.linear({a}, {part})" if m.transposed else f"({a} @ {part})"
         if isinstance(e, ir.Unary):
             return f"-{self._operand(e.operand)}"
         if isinstance(e, ir.Binary):

@@ -189,7 +189,8 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     }
 
     used = set().union(*(e.free_symbols for _, e in outputs[True] + outputs[False]))
-    if op.matmul is not None and inputs[ir.PRODUCT] not in used:
+    product = [inputs[n] for n in value_names(read[0])] if op.matmul is not None else []
+    if product and not any(p in used for p in product):
         binding = spec.outputs[0]
         raise SpecError(spec.path, binding.line, f"the product {op.matmul.text} simplifies away: no output reads it")
     used |= set().union(*(e.free_symbols for _, e in backward[True] + backward[False]))
@@ -338,6 +339,8 @@ class _Lowering:
             return self.symbols[e.name]
         if isinstance(e, ir.MatMul):
             return self.symbols[ir.PRODUCT]
+        if isinstance(e, ir.ProductChunk):
+            return self.symbols[chunk_name(ir.PRODUCT, e.index)]
         if isinstance(e, ir.ChunkRef):
             return self.symbols[chunk_name(e.name, e.index)]
         if isinstance(e, ir.Col):
@@ -404,7 +407,8 @@ def _input_gradients(op: ir.OpIR, outputs, inputs, grad_outputs) -> dict[str, sy
     differentiable = {value for value, b in bindings.items() if b.differentiable}  # the others send no gradient back
     shown = {n: n for n in inputs} | {
         n: f"chunk({i.name}, {k})" for i in spec.inputs if i.chunks > 1 for k, n in enumerate(value_names(i))
-    } | ({ir.PRODUCT: op.matmul.text} if op.matmul else {})
+    } | ({n: (f"chunk({op.matmul.text}, {k})" if len(value_names(op.epilogue_inputs[0])) > 1 else op.matmul.text)
+          for k, n in enumerate(value_names(op.epilogue_inputs[0]))} if op.matmul else {})
     totals = {}
     for name, symbol in inputs.items():
         terms = []

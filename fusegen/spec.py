@@ -65,11 +65,12 @@ class InputSpec:
     line: int
     chunks: int = 1  # the last dim written kN: the input holds k chunks of N along it
     dtype: str = "float"  # or one of layout.INTEGER_DTYPES: `x: {dims: [...], dtype: int64}`
+    chunk_dim: int = -1  # or 0: a two-dim input's first dim written kN (a matmul's [2N, K] weight)
 
     @property
     def layout(self) -> Input:
         """The input as the runtime checks it (fusegen.layout)."""
-        return Input(self.name, self.dims, self.chunks, self.dtype)
+        return Input(self.name, self.dims, self.chunks, self.dtype, self.chunk_dim)
 
     @property
     def has_ellipsis(self) -> bool:
@@ -534,7 +535,7 @@ def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
                 known = ", ".join(("float", *INTEGER_DTYPES))
                 raise _Located(body.value_lines["dtype"], f"input '{name}': unknown dtype {_describe(dtype)} (known: {known})")
         dims = _expect(dims, list, f"the shape of input '{name}'", value_line)
-        checked, chunks = [], 1
+        checked, chunks, chunk_dim = [], 1, -1
         for i, (dim, text) in enumerate(zip(dims, dims.item_texts)):
             if text == ELLIPSIS:
                 if i != 0:
@@ -543,8 +544,13 @@ def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
             elif text == "1" or (text and text.isidentifier() and text.isascii() and not keyword.iskeyword(text)):
                 checked.append(text)
             elif text and CHUNKED_DIM.fullmatch(text) and text.isascii():
-                if i != len(dims) - 1:
-                    raise _Located(value_line, f"input '{name}': a chunked dim such as {text} may only be the last dim")
+                # The last dim; or the first of two (a matmul's weight [2N, K]: nn.Linear's
+                # layout of two projections side by side, read by chunk(x @ T(weight), k)).
+                if i == 0 and len(dims) == 2 and dims.item_texts[1] != ELLIPSIS:
+                    chunk_dim = 0
+                elif i != len(dims) - 1 or chunks > 1:
+                    raise _Located(value_line, f"input '{name}': a chunked dim such as {text} may only be the last "
+                                   "dim, or the first of two ([2N, K], a matmul's weight)")
                 chunked = CHUNKED_DIM.fullmatch(text)
                 chunks = int(chunked.group(1))
                 checked.append(chunked.group(2))
@@ -554,9 +560,9 @@ def _parse_inputs(raw: Any, line: int, names: _Names) -> tuple[InputSpec, ...]:
                     value_line, f"input '{name}': dim {shown} must be '...', a dim name such as N, 1, or (last) 2N"
                 )
         if chunks > 1 and dtype != "float":
-            raise _Located(value_line, f"input '{name}': a {dtype} input cannot hold chunks ({dims.item_texts[-1]}); "
+            raise _Located(value_line, f"input '{name}': a {dtype} input cannot hold chunks ({dims.item_texts[chunk_dim]}); "
                            "declare one input per chunk")
-        inputs.append(InputSpec(name, tuple(checked), key_line, chunks, dtype))
+        inputs.append(InputSpec(name, tuple(checked), key_line, chunks, dtype, chunk_dim))
     if all(i.dtype != "float" for i in inputs):
         # The outputs take the float inputs' dtype (and the kernels compute in it).
         raise _Located(line, "'inputs' must have at least one float input: the outputs take its dtype")

@@ -27,6 +27,7 @@
 - linear_bias_gelu: y = gelu_tanh(x @ weight.T + bias), weight as nn.Linear's [N, K]
 - linear_bias_gelu_dropout_add: y = dropout(gelu_tanh(x @ weight.T + bias), p) + residual, weight
   as nn.Linear's [N, K]
+- linear_swiglu: y = silu(a) * b, where x @ weight.T = [a, b]; weight as nn.Linear's [2N, K]
 - log_softmax: y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
 - mish: y = x * tanh(softplus(x))
 - quick_gelu: y = x * sigmoid(1.702 * x)
@@ -66,6 +67,7 @@ OPS = (
     "linear_bias_dropout_add",
     "linear_bias_gelu",
     "linear_bias_gelu_dropout_add",
+    "linear_swiglu",
     "log_softmax",
     "mish",
     "quick_gelu",

@@ -280,8 +280,9 @@ def input_shapes(spec: OpSpec, case: ShapeCase) -> dict[str, tuple[int, ...]]:
     for inp in spec.inputs:
         explicit = [d for d in inp.dims if d != "..."]
         own = tuple(_size(d, sizes) for d in explicit)
-        if inp.chunks > 1:  # [..., 2N]: the chunks side by side along the last dim
-            own = own[:-1] + (own[-1] * inp.chunks,)
+        if inp.chunks > 1:  # [..., 2N]: the chunks side by side along the last dim (a weight's [2N, K]: the first)
+            along = len(own) - 1 if inp.chunk_dim == -1 else inp.chunk_dim
+            own = own[:along] + (own[along] * inp.chunks,) + own[along + 1:]
         if inp.has_ellipsis:
             prefix = out[: len(out) - len(explicit)]
             if case.layout == "bcast" and ellipsis_index > 0 and prefix:

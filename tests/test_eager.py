@@ -16,13 +16,14 @@ def _inputs(op_spec, generator):
     tensors = []
     for item in op_spec.inputs:
         shape = []
-        for dim in item.dims:
+        chunked = len(item.dims) - 1 if item.chunk_dim == -1 else item.chunk_dim  # [..., 2N], or a weight's [2N, K]
+        for i, dim in enumerate(item.dims):
             if dim == "...":
                 shape += [3, 2]
             elif dim == "1":
                 shape.append(1)
             else:
-                count = item.chunks if dim == item.dims[-1] else 1
+                count = item.chunks if i == chunked else 1
                 name = dim
                 shape.append(count * sizes.setdefault(name, 24))
         if item.dtype == "float":

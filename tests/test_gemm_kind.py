@@ -255,3 +255,118 @@ def test_a_chunked_input_beside_the_product(tmp_path):
     assert str(error.value) == ("linear_gated(): gate [4, 2, 3, 14] broadcasts the product x @ T(weight) [2, 3, 7] "
                                 "to [4, 2, 3, 7]")
 
+
+
+# The product in two chunks (gate and up projections as one weight), never written whole by the
+# forward's epilogue: nn.Linear's [2N, K] under T, and [K, 2N] without.
+SWIGLU = """\
+name: linear_swiglu_t
+doc: y = silu(a) * b, [a, b] = x @ T(weight), weight [2N, K]
+inputs: {x: [..., K], weight: [2N, K]}
+outputs:
+  y: silu(chunk(x @ T(weight), 0)) * chunk(x @ T(weight), 1)
+"""
+SWIGLU_KN = """\
+name: linear_swiglu_kn
+doc: y = silu(a) * b + bias, [a, b] = x @ weight, weight [K, 2N]
+inputs: {x: [..., K], weight: [K, 2N], bias: [N]}
+outputs:
+  y: silu(chunk(x @ weight, 0)) * chunk(x @ weight, 1) + bias
+"""
+
+
+def _swiglu_truth(transposed, x, w, *bias):
+    a, b = (F.linear(x, w) if transposed else x @ w).chunk(2, dim=-1)
+    return F.silu(a) * b + (bias[0] if bias else 0)
+
+
+@pytest.fixture(scope="module")
+def swiglu_modules(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("swiglu")
+    return {True: build_and_import(folder, SWIGLU), False: build_and_import(folder, SWIGLU_KN)}
+
+
+@pytest.fixture(scope="module")
+def swiglu_ops(swiglu_modules):
+    return {True: swiglu_modules[True].linear_swiglu_t, False: swiglu_modules[False].linear_swiglu_kn}
+
+
+def _swiglu_inputs(transposed, k, n, dtype, lead=(2, 3)):
+    shapes = [(*lead, k), (2 * n, k)] if transposed else [(*lead, k), (k, 2 * n), (n,)]
+    return [torch.randn(s, dtype=torch.float64).to(DEVICE, dtype).requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("k, n", [(5, 7), (40, 8)])  # masked tails of K and N; several K steps, N whole
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunked_product_against_float64_truth(swiglu_ops, transposed, k, n, dtype):
+    """Each chunk's product from its own rows (columns) of the weight, both in one tile; the
+    backward's g for both chunks side by side, and the weight's gradient [2N, K] ([K, 2N])."""
+    torch.manual_seed(k + n)
+    inputs = _swiglu_inputs(transposed, k, n, dtype)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    truth = _swiglu_truth(transposed, *exact)
+    got = swiglu_ops[transposed](*inputs)
+    low = _swiglu_truth(transposed, *[t.detach() for t in inputs]) if dtype == torch.bfloat16 else None
+    check_against_truth(got, truth.detach(), low, what=f"chunked product {dtype}")
+    grad = torch.randn_like(truth)
+    got.backward(grad.to(dtype))
+    truth.backward(grad)
+    if dtype == torch.bfloat16:
+        low_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        _swiglu_truth(transposed, *low_inputs).backward(grad.to(dtype))
+    for i, (t, e) in enumerate(zip(inputs, exact)):
+        check_against_truth(t.grad, e.grad, low_inputs[i].grad if dtype == torch.bfloat16 else None,
+                            what=f"chunked product {dtype} gradient {i}")
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_a_chunked_product_gradcheck_and_twins(swiglu_modules, swiglu_ops, transposed):
+    torch.manual_seed(11)
+    inputs = _swiglu_inputs(transposed, 6, 5, torch.float64, lead=(3,))
+    assert torch.autograd.gradcheck(swiglu_ops[transposed], tuple(inputs))
+    truth = _swiglu_truth(transposed, *inputs)
+    for twin in (swiglu_modules[transposed].reference, swiglu_modules[transposed].eager):
+        torch.testing.assert_close(twin(*inputs), truth)
+
+
+def test_a_chunked_product_pointer_and_tma_mainloops_agree(tmp_path, swiglu_ops, monkeypatch):
+    """The descriptor mainloop where gemm_lib.tma_layouts allows it (bf16, K a multiple of 8; the
+    interpreter emulates descriptors): each chunk's descriptor starts at its own rows of the
+    weight. The pointer mainloop (a second build of the op, its launches made with TMA refused)
+    gives the same bits, in fp32 accumulation both."""
+    from fusegen.backends.triton import gemm_lib
+
+    torch.manual_seed(12)
+    x, w = [t.detach() for t in _swiglu_inputs(True, 16, 8, torch.bfloat16)]
+    assert gemm_lib.tma_layouts(x.reshape(-1, 16), w.mT) is not None
+    tma = swiglu_ops[True](x, w)
+    pointer_op = build_and_import(tmp_path, SWIGLU.replace("linear_swiglu_t", "linear_swiglu_p")).linear_swiglu_p
+    monkeypatch.setattr(gemm_lib, "tma_layouts", lambda a, b: None)
+    torch.testing.assert_close(tma, pointer_op(x, w), rtol=0, atol=0)
+
+
+def test_chunked_operand_errors(tmp_path):
+    """The language's rules for a product in chunks, each a one-line error at the spec's line."""
+    from fusegen.errors import SpecError
+
+    cases = {
+        "y: silu(x @ T(weight))": "holds 2 chunks along its last dim, as weight does: use chunk(x @ T(weight), 0)",
+        "y: silu(chunk(weight, 0)) * chunk(x @ T(weight), 1)": "'weight' holds its chunks along its first dim",
+        "y: silu(chunk(x @ weight, 0))": "holds chunks a matmul cannot read; only its right operand may, as [K, 2N]",
+    }
+    for k, (output, message) in enumerate(cases.items()):
+        text = f"name: chunked_{k}\ndoc: d\ninputs: {{x: [..., K], weight: [2N, K]}}\noutputs:\n  {output}\n"
+        with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                           .replace("]", r"\]")):
+            build_and_import(tmp_path, text)
+    text = "name: chunked_3\ndoc: d\ninputs: {x: [..., K], weight: [K, 2N, 3]}\noutputs: {y: x}\n"
+    with pytest.raises(SpecError, match="may only be the last dim, or the first of two"):
+        build_and_import(tmp_path, text)
+
+
+def test_a_chunked_weight_of_the_wrong_size_is_named(swiglu_ops):
+    x = torch.randn(2, 5, device=DEVICE)
+    with pytest.raises(FusegenArgumentError) as error:
+        swiglu_ops[True](x, torch.randn(7, 5, device=DEVICE))
+    assert str(error.value) == "linear_swiglu_t(): weight must have shape [2N, K], got [7, 5] (7 is not a multiple of 2)"

@@ -141,16 +141,18 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
     op_ir = ir.build_ir(spec)
     dtype = next(t for t in tensors.values() if t.is_floating_point()).dtype
     chunks = {i.name: i.chunks for i in spec.inputs}
-    values = {name: (t.chunk(chunks[name], dim=-1) if chunks[name] > 1 else t) for name, t in tensors.items()}
+    along = {i.name: i.chunk_dim for i in spec.inputs}  # a matmul's [2N, K] weight: its first dim
+    values = {name: (t.chunk(chunks[name], dim=along[name]) if chunks[name] > 1 else t) for name, t in tensors.items()}
     scalars = {
         # fp64 kernels take a float param's double, the others round it to fp32.
         p.name: (_float32(params[p.name]) if p.type == "float" and dtype != torch.float64 else params[p.name])
         for p in spec.scalar_params
     }
     matmul = op_ir.matmul  # as eager code writes it: x @ weight.mT, in the inputs' dtype
-    if matmul is not None:
-        b = values.pop(matmul.b)
-        values["@"] = values.pop(matmul.a) @ (b.mT if matmul.transposed else b)
+    if matmul is not None:  # each chunk's product of its chunk of b, where b holds chunks
+        a, b = values.pop(matmul.a), values.pop(matmul.b)
+        values["@"] = tuple(a @ (c.mT if matmul.transposed else c) for c in b) if isinstance(b, tuple) else \
+            a @ (b.mT if matmul.transposed else b)
     shapes = [v.shape for value in values.values() for v in (value if isinstance(value, tuple) else (value,))]
     shape = torch.broadcast_shapes(*shapes)
     problem = SimpleNamespace(
@@ -169,6 +171,8 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             return values[expr.name][expr.index]
         if isinstance(expr, ir.MatMul):
             return values["@"]
+        if isinstance(expr, ir.ProductChunk):
+            return values["@"][expr.index]
         if isinstance(expr, ir.ParamRef):
             return scalars[expr.name]
         if isinstance(expr, ir.Unary):

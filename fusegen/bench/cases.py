@@ -169,7 +169,8 @@ def input_shape(inp: InputSpec, bsh: tuple[int, int, int], hidden: str | None) -
     shape = shape_for_dims(inp.dims, bsh, hidden)
     if inp.chunks == 1:
         return shape
-    return shape[:-1] + (inp.chunks * shape[-1],)
+    along = len(shape) - 1 if inp.chunk_dim == -1 else inp.chunk_dim
+    return shape[:along] + (inp.chunks * shape[along],) + shape[along + 1:]
 
 
 def input_shapes(spec: OpSpec, bsh: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:

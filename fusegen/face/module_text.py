@@ -17,6 +17,7 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
     inputs = []
     for i in plan.inputs:
         chunks = f", chunks={i.layout.chunks}" if i.layout.chunks > 1 else ""
+        chunks += f", chunk_dim={i.layout.chunk_dim}" if i.layout.chunk_dim != -1 else ""
         dtype = "" if i.layout.differentiable else f', dtype="{i.layout.dtype}"'
         inputs.append(f'runtime.Input("{i.name}", {_strings(i.layout.dims)}{chunks}{dtype})')
     lines = [f'"{plan.op}",', *_argument("inputs", inputs, tuple_=True)]

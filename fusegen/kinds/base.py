@@ -85,5 +85,6 @@ def reference_signature(plan: OpPlan) -> tuple[str, str, set[str]]:
         # A concatenated output: its parts (each as broadcast as its own inputs) side by side.
         returns.append(out if parts is None else
                        f"torch.cat([part.expand(problem.shape) for part in {tuple_text(parts.values)}], dim=-1)")
-    tensors = set(values) | {m.local for m in kernel.masks} | ({plan.matmul.product.local} if plan.matmul else set())
+    tensors = set(values) | {m.local for m in kernel.masks} | (
+        {v.local for v in plan.matmul.product.values} if plan.matmul else set())
     return ", ".join(arguments), tuple_text(returns), tensors

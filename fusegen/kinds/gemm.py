@@ -29,15 +29,19 @@ class Gemm(Pointwise):
 
     def reference(self, plan: OpPlan, printer: TorchPrinter) -> ReferenceBody:
         body = super().reference(plan, printer)  # over the product, which it takes first
-        m = plan.matmul
-        product = f"{m.product.local} = {m.a.local} @ {m.b.local}{'.mT' if m.transposed else ''}"
-        dropout = [product, *body.dropout_lines] if body.dropout_lines else []
-        return ReferenceBody(body.arguments, body.returns, dropout, [product, *body.plain_lines], body.lines)
+        product = _products(plan, ".mT")
+        dropout = [*product, *body.dropout_lines] if body.dropout_lines else []
+        return ReferenceBody(body.arguments, body.returns, dropout, [*product, *body.plain_lines], body.lines)
 
     def sections(self, plan: OpPlan) -> list[tuple[str, list[str]]]:
-        m = plan.matmul
-        product = f"{m.product.local} = {m.a.local} @ {m.b.local}{'.T' if m.transposed else ''}"
-        return [("the matmul", [product]), *super().sections(plan)]
+        return [("the matmul", _products(plan, ".T")), *super().sections(plan)]
+
+
+def _products(plan: OpPlan, transpose: str) -> list[str]:
+    """`product = x @ weight.mT`; where b holds chunks, each chunk's product of its chunk of b."""
+    m = plan.matmul
+    return [f"{p.local} = {m.a.local} @ {b.local}{transpose if m.transposed else ''}"
+            for p, b in zip(m.product.values, m.b.values)]
 
 
 KIND = Gemm()

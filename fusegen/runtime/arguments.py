@@ -145,7 +145,8 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, mat
     _check_named_dims(op, inputs, tensors)
     # A chunked input ([..., 2N]) broadcasts as one of its chunks ([..., N]).
     value_shapes = [
-        t.shape[:-1] + (t.shape[-1] // i.chunks,) if i.chunks > 1 else t.shape for i, t in zip(inputs, tensors)
+        t.shape[:-1] + (t.shape[-1] // i.chunks,) if i.chunks > 1 and i.chunk_dim == -1 else t.shape
+        for i, t in zip(inputs, tensors)
     ]
     if matmul is not None:
         value_shapes = _with_product(op, inputs, tensors, value_shapes, matmul)
@@ -189,10 +190,11 @@ def _broadcast_shapes(shapes: list) -> torch.Size:
 
 
 def _with_product(op: str, inputs, tensors, value_shapes: list, matmul: MatMul) -> list:
-    """The value shapes with the product's ([..., N]) first, in place of its operands'."""
+    """The value shapes with the product's ([..., N]; one chunk's, where b holds chunks) first,
+    in place of its operands'."""
     names = [i.name for i in inputs]
     a, b = tensors[names.index(matmul.a)], tensors[names.index(matmul.b)]
-    n = b.shape[0] if matmul.transposed else b.shape[1]
+    n = (b.shape[0] if matmul.transposed else b.shape[1]) // inputs[names.index(matmul.b)].chunks
     others = [s for name, s in zip(names, value_shapes) if name not in (matmul.a, matmul.b)]
     return [a.shape[:-1] + (n,), *others]
 
@@ -206,12 +208,13 @@ def _check_named_dims(op: str, inputs: tuple[Input, ...], tensors: tuple) -> Non
             raise FusegenArgumentError(f"{op}(): {spec.name} must have shape {spec.declared}, got {list(tensor.shape)}")
         sizes = list(tensor.shape[tensor.dim() - len(explicit):])
         if spec.chunks > 1:
-            if sizes[-1] % spec.chunks:
+            along = spec.chunk_dim
+            if sizes[along] % spec.chunks:
                 raise FusegenArgumentError(
                     f"{op}(): {spec.name} must have shape {spec.declared}, got {list(tensor.shape)} "
-                    f"({sizes[-1]} is not a multiple of {spec.chunks})"
+                    f"({sizes[along]} is not a multiple of {spec.chunks})"
                 )
-            sizes[-1] //= spec.chunks
+            sizes[along] //= spec.chunks
         for dim, size in zip(explicit, sizes):
             if dim == "1":
                 if size != 1:

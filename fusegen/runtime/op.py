@@ -324,8 +324,12 @@ class FusedOp:
     def statistics_shape(self, problem: Problem) -> tuple:
         """The row statistics kept for the backward: [..., statistics], one row per output row
         (laid out as [M, statistics]; shaped so that a DTensor shard of the rows is one too);
-        with a matmul, its product (the problem's shape)."""
-        return tuple(problem.shape) if self.matmul is not None else (*problem.shape[:-1], self.statistics)
+        with a matmul, its product (the problem's shape; all its chunks side by side, [..., 2N],
+        where the matmul's right operand holds chunks)."""
+        if self.matmul is not None:
+            chunks = next(i.chunks for i in self.inputs if i.name == self.matmul.b)
+            return (*problem.shape[:-1], problem.shape[-1] * chunks) if chunks > 1 else tuple(problem.shape)
+        return (*problem.shape[:-1], self.statistics)
 
     def statistics_dtype(self, problem: Problem) -> torch.dtype:
         """Statistics in the compute dtype; a matmul's product in the outputs' (as autograd keeps
@@ -433,7 +437,7 @@ class FusedOp:
         for spec, tensor in zip(self.inputs, tensors):
             if spec.differentiable:  # integer and bool inputs are read as they are, as the kernels do
                 tensor = tensor.to(problem.compute_dtype)
-            values.extend(tensor.chunk(spec.chunks, dim=-1) if spec.chunks > 1 else (tensor,))
+            values.extend(tensor.chunk(spec.chunks, dim=spec.chunk_dim) if spec.chunks > 1 else (tensor,))
         params = [
             # A tensor in the compute dtype, as the kernel converts a float param on entry.
             torch.tensor(value, dtype=problem.compute_dtype, device=problem.device)

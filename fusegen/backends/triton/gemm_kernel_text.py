@@ -31,15 +31,16 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     kernel, m = plan.forward, plan.matmul
     (a_ptr, a_stride_m, a_stride_k), (b_ptr, b_stride_k, b_stride_n) = (names.operands[m.a.name],
                                                                         names.operands[m.b.name])
-    b_layout = f"{m.b.name} {m.b.layout.declared}" + (", read as its transpose [K, N]" if m.transposed else "")
-    product = m.product.local
+    width = "N" if m.b.layout.chunks == 1 else f"{m.b.layout.chunks}N"
+    b_layout = f"{m.b.name} {m.b.layout.declared}" + (f", read as its transpose [K, {width}]" if m.transposed else "")
     arguments = [f"{a_ptr}, {a_stride_m}, {a_stride_k},  # {m.a.name} {m.a.layout.declared}, as [M, K]",
                  f"{b_ptr}, {b_stride_k}, {b_stride_n},  # {b_layout}"]
     arguments += [input_argument(i, names) for i in kernel.inputs]
     arguments += [f"{names.output_pointer[name]},  # {name}, contiguous [M, N]" for name, _ in plan.outputs]
     saved = names.inputs[m.product.name].pointer
     if m.saved:
-        arguments.append(f"{saved},  # the product, contiguous [M, N]: the backward forms g from it")
+        shape = "[M, N]" if m.product.layout.chunks == 1 else f"[M, {m.product.layout.chunks}N], its chunks side by side"
+        arguments.append(f"{saved},  # the product, contiguous {shape}: the backward forms g from it")
     arguments.append(f"{M}, {N}, {K},  # the product's rows (all leading dims), columns, and the dim summed over")
     arguments.append(f"{M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
@@ -49,38 +50,54 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
                   "persistently",
                   f"{A_K_MAJOR}: tl.constexpr, {B_K_MAJOR}: tl.constexpr,  # with TMA: which of each operand's strides is 1",
                   f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,"]
-    tensors = {v.local for i in kernel.inputs for v in i.values} | {product}
+    # The product's values: itself, or each of its chunks (b holding them: [2N, K] under T),
+    # each formed by a mainloop of its own over its rows (columns) of b: a's tile is read once
+    # a chunk (from L2 after the first); one loop with an accumulator a chunk would read it once.
+    values = [v.local for v in m.product.values]
+    chunked = len(values) > 1
+    tensors = {v.local for i in kernel.inputs for v in i.values} | set(values)
+    b_of = [b_ptr] + [names.claim_once(f"{b_ptr} chunk {k}", f"{m.b.local}_chunk{k}_ptr") for k in range(1, len(values))]
+    descriptors = ["b_desc"] if not chunked else [f"b_desc{k}" for k in range(len(values))]
     lines = [
         COMPUTE_LINE,
         *scalars_in_compute_type(plan, kernel, names),  # before the loop: a loop's variables keep their type
+        *(f"{b} = chunk_start({b_ptr}, {k}, {N}, {b_stride_n}, INDEX_64)" for k, b in enumerate(b_of) if k),
         f"if {TMA}:",
-        f"    a_desc, b_desc = tma_operands(",
-        f"        {a_ptr}, {a_stride_m}, {a_stride_k}, {b_ptr}, {b_stride_k}, {b_stride_n},",
-        f"        {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, {A_K_MAJOR}, {B_K_MAJOR},",
-        "    )",
+    ]
+    for descriptor, b in zip(descriptors, b_of):
+        lines += [
+            f"    a_desc, {descriptor} = tma_operands(",
+            f"        {a_ptr}, {a_stride_m}, {a_stride_k}, {b}, {b_stride_k}, {b_stride_n},",
+            f"        {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, {A_K_MAJOR}, {B_K_MAJOR},",
+            "    )",
+        ]
+    lines += [
         # One tile a program without TMA (as many programs as tiles); with it, as many programs as
         # SMs, each walking its tiles with the next tile's loads under this one's epilogue.
         f"tiles = tl.cdiv({M}, {BLOCK_M}) * tl.cdiv({N}, {BLOCK_N})",
         f"for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten={TMA}):",
     ]
-    body = [
-        f"tile_m, tile_n = tile_of(tile, {M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})",
-        f"if {TMA}:",
-        f"    rows, cols, {product} = matmul_tile_tma(",
-        f"        a_desc, b_desc, tile_m, tile_n, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
-        f"        INDEX_64, {INPUT_PRECISION}, {A_K_MAJOR}, {B_K_MAJOR},",
-        "    )",
-        "else:",
-        f"    rows, cols, {product} = matmul_tile(",
-        f"        {a_ptr}, {a_stride_m}, {a_stride_k},",
-        f"        {b_ptr}, {b_stride_k}, {b_stride_n},",
-        f"        tile_m, tile_n, {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
-        f"        INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
-        "    )",
-        f"{product} = {product}.to({COMPUTE_DTYPE})",
-        "in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
-    ]
-    lines += _epilogue(plan, kernel, names, printer, body, product, saved, tensors)
+    body = [f"tile_m, tile_n = tile_of(tile, {M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})", f"if {TMA}:"]
+    for value, descriptor in zip(values, descriptors):
+        body += [
+            f"    rows, cols, {value} = matmul_tile_tma(",
+            f"        a_desc, {descriptor}, tile_m, tile_n, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
+            f"        INDEX_64, {INPUT_PRECISION}, {A_K_MAJOR}, {B_K_MAJOR},",
+            "    )",
+        ]
+    body.append("else:")
+    for value, b in zip(values, b_of):
+        body += [
+            f"    rows, cols, {value} = matmul_tile(",
+            f"        {a_ptr}, {a_stride_m}, {a_stride_k},",
+            f"        {b}, {b_stride_k}, {b_stride_n},",
+            f"        tile_m, tile_n, {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
+            f"        INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
+            "    )",
+        ]
+    body += [f"{value} = {value}.to({COMPUTE_DTYPE})" for value in values]
+    body.append("in_bounds = (rows[:, None] < M) & (cols[None, :] < N)")
+    lines += _epilogue(plan, kernel, names, printer, body, values, saved, tensors)
     # The operands' K strides too: a tile tuned for a row-major operand (stride 1 along K, as
     # nn.Linear's weight) is not the one for its transpose; and the mainloop.
     layout = (K, a_stride_k, b_stride_k, TMA)
@@ -88,11 +105,15 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
                       "gemm_tuning.FORWARD")
 
 
-def _epilogue(plan, kernel, names, printer, lines, product, saved, tensors) -> list[str]:
-    """The loop's body: the mainloop's `lines`, then the epilogue on the product's tile."""
+def _epilogue(plan, kernel, names, printer, lines, values, saved, tensors) -> list[str]:
+    """The loop's body: the mainloop's `lines`, then the epilogue on the product's tile (its
+    chunks': `values`)."""
     m = plan.matmul
-    if m.saved:
-        lines.append(f"store_tile({saved}, {product}, rows, cols, N, in_bounds)")
+    if m.saved:  # all chunks side by side: [M, 2N]
+        width = "N" if len(values) == 1 else f"{len(values)} * N"
+        for k, value in enumerate(values):
+            cols = "cols" if k == 0 else "cols + N" if k == 1 else f"cols + {k} * N"
+            lines.append(f"store_tile({saved}, {value}, rows, {cols}, {width}, in_bounds)")
     lines += [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
     tensors |= {m.local for m in kernel.masks}
     if kernel.body_no_dropout is not None:  # masks keyed by the product's flat index, as every kind's
@@ -123,7 +144,8 @@ KIND = TritonKind(
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
     reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, "tile_m",
-                        "tile_n", "tiles", "tile", "a_desc", "b_desc", "gemm_launch", "gemm_tuning"}),
+                        "tile_n", "tiles", "tile", "a_desc", "b_desc", *(f"b_desc{k}" for k in range(100)),  # a chunk's
+                        "gemm_launch", "gemm_tuning"}),
     modules=("gemm_launch", "gemm_tuning", "tuning"),
     keywords=_keywords,
 )

@@ -38,8 +38,9 @@ class _Epilogue:
 
     def __init__(self, op, product: str):
         operands = (op.matmul.a, op.matmul.b)
+        chunks = next(i.chunks for i in op.inputs if i.name == op.matmul.b)  # b's are the product's
         self.name = op.name
-        self.inputs = (Input(product, ("...", "N")), *(i for i in op.inputs if i.name not in operands))
+        self.inputs = (Input(product, ("...", "N"), chunks), *(i for i in op.inputs if i.name not in operands))
         self.params, self.outputs, self.output_parts = op.params, op.outputs, op.output_parts
         self.has_dropout, self._dropout_indices = op.has_dropout, op._dropout_indices
 
@@ -66,7 +67,7 @@ class _BoundGemm(_Bound):
         least 16, as tl.dot takes it)."""
         problem = call.problem
         if statistics is None and self._saved:  # a caller with no backward to feed (tests)
-            statistics = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+            statistics = torch.empty(self.fused.statistics_shape(problem), dtype=problem.out_dtype, device=problem.device)
         if _launches(problem, traced):
             self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, statistics, seed))
 
@@ -109,6 +110,9 @@ class _BoundGemm(_Bound):
         # graph's kernel takes the pointer mainloop: Inductor gives in-kernel descriptors no scratch).
         fp64 = problem.compute_dtype == torch.float64  # the product in fp64: the pointer mainloop's
         majors = None if traced or fp64 else gemm_lib.tma_layouts(a_2d, b.mT if self._transposed else b)
+        chunks = self.fused.inputs[self._b].chunks
+        if majors is not None and chunks > 1 and n * b_strides[1] * b.element_size() % 16:
+            majors = None  # a chunk of b starts where TMA cannot (each descriptor's base: 16-byte aligned)
         args[TMA] = majors is not None
         args[A_K_MAJOR], args[B_K_MAJOR] = majors or (False, False)
         if majors is not None:
@@ -128,7 +132,7 @@ class _BoundGemm(_Bound):
         problem = call.problem
         if statistics is None and self._saved and problem.launches:
             # No forward's product at hand (tests launching the kernel): a forward makes it.
-            statistics = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+            statistics = torch.empty(self.fused.statistics_shape(problem), dtype=problem.out_dtype, device=problem.device)
             outputs = [torch.empty(self.fused.output_shape(problem, i), dtype=self.fused.output_dtype(problem, i),
                                    device=problem.device) for i in range(len(self.fused.outputs))]
             self.forward(call, tensors, outputs, seed, statistics=statistics)
@@ -144,7 +148,7 @@ class _BoundGemm(_Bound):
         needs_g = needs[self._a] or needs[self._b]
         epilogue_needs = (needs_g and self._product_gradient is None, *(needs[k] for k in self._others))
         if product is None:  # the g kernel is prepared for the product's layout: contiguous [..., N]
-            product = torch.empty(problem.shape, dtype=problem.out_dtype, device=problem.device)
+            product = torch.empty(self.fused.statistics_shape(problem), dtype=problem.out_dtype, device=problem.device)
         epilogue = None
         if any(epilogue_needs):
             epilogue = super().prepare_backward(call, (product, *(tensors[k] for k in self._others)), grads,

@@ -24,8 +24,8 @@ import triton.language as tl
 
 from .kernel_lib import indices
 
-__all__ = ["grouped_tile", "tile_of", "matmul_tile", "tma_operands", "matmul_tile_tma", "column_halves",
-           "tma_layouts", "set_tma_allocator"]
+__all__ = ["grouped_tile", "tile_of", "matmul_tile", "chunk_start", "tma_operands", "matmul_tile_tma",
+           "column_halves", "tma_layouts", "set_tma_allocator"]
 
 
 @triton.jit
@@ -73,6 +73,15 @@ def matmul_tile(a_ptr, a_stride_m, a_stride_k, b_ptr, b_stride_k, b_stride_n, ti
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
     return rows, cols, acc
+
+
+@triton.jit
+def chunk_start(b_ptr, k, N, b_stride_n, INDEX_64: tl.constexpr):
+    """Where b's k-th chunk of N columns starts (b holding the product's chunks side by side:
+    nn.Linear's [2N, K] weight of two projections, read as [K, 2N])."""
+    if INDEX_64:
+        return b_ptr + tl.cast(N, tl.int64) * k * b_stride_n
+    return b_ptr + N * k * b_stride_n
 
 
 @triton.jit
