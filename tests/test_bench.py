@@ -76,6 +76,33 @@ def test_chunked_inputs_hold_their_chunks():
     assert cases.output_shape(spec, BSH) == (8, 2048, H)
 
 
+def test_an_op_with_a_matmul_takes_k_from_a_four_part_shape():
+    """BxSxKxH: x [..., K], nn.Linear's weight [N, K] (linear_swiglu's [2N, K]: two projections);
+    without K, K is H. An op without a matmul refuses four parts."""
+    spec = load_spec(ROOT / "specs" / "linear_bias_gelu.yaml")
+    assert cases.input_shapes(spec, (1, 16384, 4096, 11008)) == {
+        "x": (1, 16384, 4096), "weight": (11008, 4096), "bias": (11008,)}
+    assert cases.input_shapes(spec, (1, 64, 32)) == {"x": (1, 64, 32), "weight": (32, 32), "bias": (32,)}
+    assert cases.output_shape(spec, (1, 16384, 4096, 11008)) == (1, 16384, 11008)
+    swiglu = load_spec(ROOT / "specs" / "linear_swiglu.yaml")
+    assert cases.input_shapes(swiglu, (2, 8, 16, 4)) == {"x": (2, 8, 16), "weight": (8, 16)}
+    with pytest.raises(ValueError, match="BxSxKxH is for an op with a matmul"):
+        cases.input_shapes(load_spec(ROOT / "specs" / "gelu.yaml"), (1, 2, 3, 4))
+
+
+def test_an_op_with_a_matmul_has_the_matmul_providers():
+    """compile-max-autotune and the matmul alone beside the three; the matmul alone computes the
+    product (forward only), whatever the op's epilogue."""
+    from fusegen.bench import running
+
+    op = cases.load_bench_op("linear_swiglu", ROOT / "specs", ROOT / "generated")
+    assert running.provider_names(op) == ("fusegen", "eager", "compile", "compile-max-autotune", "matmul")
+    assert running.provider_names(cases.load_bench_op("gelu", ROOT / "specs", ROOT / "generated")) == running.PROVIDERS
+    x, w = torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(8, 5, dtype=torch.float64)
+    torch.testing.assert_close(running._bare_matmul(op, op.module._OP.matmul)(x, w), x @ w.mT)
+    assert "matmul" in running.FORWARD_ONLY
+
+
 def test_hidden_dim_is_last_named_output_dim():
     assert cases.hidden_dim_name(("...", "N")) == "N"
     assert cases.hidden_dim_name(("M", "N", "1")) == "N"
@@ -332,6 +359,7 @@ def test_bench_sweep_flag():
     [
         [],  # no op
         ["op", "--shapes", "8x2048"],
+        ["op", "--shapes", "1x2x3x4x5"],
         ["op", "--shapes", "8x0x4096"],
         ["op", "--shapes", "1x2x3", "--sweep"],
         ["op", "--dtype", "int8"],

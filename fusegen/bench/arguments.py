@@ -48,16 +48,18 @@ DEFAULT_FIRST_CALL_TIMEOUT_S = 120.0
 # Command-line values
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """"8x2048x4096" → (B, S, H)."""
+def parse_shape(text: str) -> tuple[int, ...]:
+    """"8x2048x4096" → (B, S, H); "1x16384x4096x11008" → (B, S, K, H): an op with a matmul's
+    dim summed over, K (without it, K is H)."""
     parts = text.strip().lower().split("x")
     try:
         sizes = tuple(int(part) for part in parts)
     except ValueError:
         sizes = ()
-    if len(sizes) != 3 or any(size <= 0 for size in sizes):
-        raise argparse.ArgumentTypeError(f"shape {text!r} must be BxSxH with positive integers, e.g. 8x2048x4096")
-    return sizes  # type: ignore[return-value]
+    if len(sizes) not in (3, 4) or any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"shape {text!r} must be BxSxH (or BxSxKxH for an op with a matmul) with "
+                                         "positive integers, e.g. 8x2048x4096")
+    return sizes
 
 
 def parse_shape_list(text: str) -> list[tuple[int, int, int]]:
@@ -116,7 +118,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="LIST", help=f"comma-separated dtypes (default: {DEFAULT_DTYPES})")
     shapes = parser.add_mutually_exclusive_group()
     shapes.add_argument("--shapes", type=parse_shape_list, default=None, metavar="BxSxH,...",
-                        help="comma-separated (B, S, H) shapes, e.g. 8x2048x4096,1x128x1024")
+                        help="comma-separated (B, S, H) shapes, e.g. 8x2048x4096,1x128x1024; for an op with a "
+                             "matmul, (B, S, K, H) too: 1x16384x4096x11008 (K, the dim summed over, else H)")
     shapes.add_argument("--sweep", action="store_true",
                         help="the default sweep: " + ", ".join("x".join(map(str, s)) for s in SWEEP_SHAPES))
     parser.add_argument("--p", dest="ps", type=parse_p_list, default=list(SWEEP_P), metavar="LIST",

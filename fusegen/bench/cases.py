@@ -149,10 +149,13 @@ def hidden_dim_name(out_dims: Sequence[str]) -> str | None:
     return None
 
 
-def shape_for_dims(dims: Sequence[str], bsh: tuple[int, int, int], hidden: str | None) -> tuple[int, ...]:
-    """Map spec dims to sizes: '...' → (B, S), the hidden dim → H, other names → B·S, '1' → 1.
+def shape_for_dims(dims: Sequence[str], bsh: tuple[int, ...], hidden: str | None,
+                   contraction: str | None = None) -> tuple[int, ...]:
+    """Map spec dims to sizes: '...' → (B, S), the hidden dim → H, a matmul's dim summed over
+    (`contraction`) → K (bsh (B, S, K, H); K is H in (B, S, H)), other names → B·S, '1' → 1.
     An op with no named dim (gelu's x: [...]) has '...' stand for all of (B, S, H)."""
-    b, s, h = bsh
+    b, s, h = bsh[0], bsh[1], bsh[-1]
+    k = bsh[2] if len(bsh) == 4 else h
     shape: list[int] = []
     for dim in dims:
         if dim == ELLIPSIS:
@@ -160,13 +163,23 @@ def shape_for_dims(dims: Sequence[str], bsh: tuple[int, int, int], hidden: str |
         elif dim == "1":
             shape.append(1)
         else:
-            shape.append(h if dim == hidden else b * s)
+            shape.append(h if dim == hidden else k if dim == contraction else b * s)
     return tuple(shape)
 
 
-def input_shape(inp: InputSpec, bsh: tuple[int, int, int], hidden: str | None) -> tuple[int, ...]:
-    """An input's sizes: its value dims mapped, the last one times its chunks ([..., 2N] → (B, S, 2·H))."""
-    shape = shape_for_dims(inp.dims, bsh, hidden)
+def contraction_dim(spec: OpSpec) -> str | None:
+    """The dim an op's matmul sums over (x [..., K]'s K), or None without a matmul."""
+    from .. import ir
+
+    matmul = ir.build_ir(spec).matmul
+    return None if matmul is None else next(i.dims[-1] for i in spec.inputs if i.name == matmul.a)
+
+
+def input_shape(inp: InputSpec, bsh: tuple[int, ...], hidden: str | None,
+                contraction: str | None = None) -> tuple[int, ...]:
+    """An input's sizes: its value dims mapped, the last one times its chunks ([..., 2N] → (B, S, 2·H);
+    a matmul's weight [2N, K], the first)."""
+    shape = shape_for_dims(inp.dims, bsh, hidden, contraction)
     if inp.chunks == 1:
         return shape
     along = len(shape) - 1 if inp.chunk_dim == -1 else inp.chunk_dim
@@ -174,8 +187,10 @@ def input_shape(inp: InputSpec, bsh: tuple[int, int, int], hidden: str | None) -
 
 
 def input_shapes(spec: OpSpec, bsh: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
-    hidden = hidden_dim_name(spec.out_dims)
-    return {inp.name: input_shape(inp, bsh, hidden) for inp in spec.inputs}
+    hidden, contraction = hidden_dim_name(spec.out_dims), contraction_dim(spec)
+    if len(bsh) == 4 and contraction is None:  # command.run_bench refuses such a run first
+        raise ValueError(f"{spec.name}: shape {'x'.join(map(str, bsh))}: BxSxKxH is for an op with a matmul")
+    return {inp.name: input_shape(inp, bsh, hidden, contraction) for inp in spec.inputs}
 
 
 def output_shape(spec: OpSpec, bsh: tuple[int, int, int], output: str | None = None) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import SpecError
 from .arguments import selected_shapes
-from .cases import bytes_model, load_bench_op, plan_cases
+from .cases import bytes_model, contraction_dim, load_bench_op, plan_cases
 from .reporting import (
     case_rows,
     host_overhead_table,
@@ -19,7 +19,7 @@ from .reporting import (
     write_plot,
 )
 from .peers import peer_statuses
-from .running import PROVIDERS, TimeoutMemo, measure_host_overhead, run_case
+from .running import TimeoutMemo, measure_host_overhead, provider_names, run_case
 from .timing import TIMERS, copy_bandwidth_gbs
 
 
@@ -63,6 +63,10 @@ def run_bench(args) -> int:
               file=sys.stderr)
         plot_path = None
 
+    four = next((shape for shape in selected_shapes(args) if len(shape) == 4), None)
+    without = next((bench_op.name for bench_op in ops if contraction_dim(bench_op.spec) is None), None)
+    if four is not None and without is not None:
+        return _fail("bench", f"shape {'x'.join(map(str, four))} is BxSxKxH, for ops with a matmul; {without} has none")
     cases = plan_cases(ops, args.dtypes, selected_shapes(args), args.ps)
     by_name = {bench_op.name: bench_op for bench_op in ops}
     timer = TIMERS[args.timer]
@@ -72,7 +76,7 @@ def run_bench(args) -> int:
     metadata = run_metadata(copy_gbs, args.timer, statuses)
     console.print(f"{metadata.get('device')} · torch {metadata['torch']} · triton {metadata['triton']} · "
                   f"copy {copy_gbs:.0f} GB/s · timer {args.timer} · {len(cases)} cases × "
-                  f"{len(PROVIDERS) + len(peers)} providers")
+                  f"{max(len(provider_names(bench_op)) for bench_op in ops) + len(peers)} providers")
     for status in statuses:  # one line each: its version and ops, or why it is skipped
         console.print(status.line(), markup=False, highlight=False)
 

@@ -22,7 +22,7 @@ from .timing import COPY_BANDWIDTH_BYTES, DEFAULT_TIMER, TRITON_FLUSH_BYTES, Mea
 # Rows: one per (case, provider), the unit of the table, the JSON and the CSV
 
 ROW_FIELDS = (
-    "op", "dtype", "B", "S", "H", "p", "provider",
+    "op", "dtype", "B", "S", "H", "K", "p", "provider",  # K: a matmul's dim summed over (None without one)
     "output_elements", "bytes_read", "bytes_written",
     "ms", "ms_p20", "ms_p80", "gelem_per_s", "gb_per_s", "copy_fraction",
     "speedup_vs_eager", "speedup_vs_compile", "peak_fwd_mib", "error",
@@ -57,7 +57,8 @@ def case_rows(case: Case, model: BytesModel, results: Sequence[ProviderResult], 
         gb_per_s = _ratio(model.total / 1e9, seconds)
         row = {
             "op": case.op, "dtype": DTYPE_NAMES.get(case.dtype, str(case.dtype)),
-            "B": case.bsh[0], "S": case.bsh[1], "H": case.bsh[2], "p": case.p, "provider": result.provider,
+            "B": case.bsh[0], "S": case.bsh[1], "H": case.bsh[-1], "K": case.bsh[2] if len(case.bsh) == 4 else None,
+            "p": case.p, "provider": result.provider,
             "output_elements": model.output_elements, "bytes_read": model.read, "bytes_written": model.written,
             "ms": ms,
             "ms_p20": fwd.timing.p20_ms if fwd.timing else None,
@@ -113,13 +114,14 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
         return f"error [{len(notes)}]"
 
     for index, row in enumerate(rows):
-        case_key = (row["op"], row["dtype"], row["B"], row["S"], row["H"], row["p"])
+        case_key = (row["op"], row["dtype"], row["B"], row["S"], row["H"], row.get("K"), row["p"])
         next_key = None
         if index + 1 < len(rows):
             nxt = rows[index + 1]
-            next_key = (nxt["op"], nxt["dtype"], nxt["B"], nxt["S"], nxt["H"], nxt["p"])
-        label = f"{row['op']} {row['dtype']} {row['B']}x{row['S']}x{row['H']} p={row['p']}"
-        cells = [row["op"], row["dtype"], f"{row['B']}x{row['S']}x{row['H']}",
+            next_key = (nxt["op"], nxt["dtype"], nxt["B"], nxt["S"], nxt["H"], nxt.get("K"), nxt["p"])
+        shape = "x".join(str(row[d]) for d in ("B", "S", "K", "H") if row.get(d) is not None)
+        label = f"{row['op']} {row['dtype']} {shape} p={row['p']}"
+        cells = [row["op"], row["dtype"], shape,
                  "–" if row["p"] is None else f"{row['p']:g}", row["provider"]]
         if row["error"]:
             cells += [note(f"{label} {row['provider']}: {row['error']}")] + [""] * 6

@@ -5,7 +5,10 @@ For every case (op × dtype × shape × p) three providers run the same computat
 - fusegen: the generated Triton op,
 - eager:   the generated `eager`: the spec as a PyTorch user writes it (F.gelu, F.silu,
   torch's own F.dropout), independent of the kernel and of sympy,
-- compile: torch.compile(eager, dynamic=False), compiled afresh for each case.
+- compile: torch.compile(eager, dynamic=False), compiled afresh for each case;
+
+and for an op with a matmul, compile-max-autotune (Inductor's matmul templates, the epilogue
+fused in) and matmul (the matmul alone, forward only).
 
 With dropout the baselines draw torch's own masks (the same distribution, other values),
 so they do the work a user's code does.
@@ -73,16 +76,44 @@ class TimeoutMemo:
 
 
 def make_providers(bench_op: BenchOp) -> dict[str, Callable]:
-    """The three providers; compile is a fresh torch.compile, with dynamo state reset first."""
+    """The three providers; compile is a fresh torch.compile, with dynamo state reset first.
+    An op with a matmul has two more (MATMUL_PROVIDERS)."""
     torch._dynamo.reset()  # no guards or recompile counts carried over from earlier cases
     # The baselines are the op as a PyTorch user writes it (the generated `eager`: F.gelu,
     # torch's own dropout), not `reference`, whose bit-exact host Philox is a test oracle:
     # ~290 small kernels eagerly, and a graph inductor does not finish compiling.
-    return {
+    providers = {
         "fusegen": bench_op.op,
         "eager": bench_op.eager,
         "compile": torch.compile(bench_op.eager, dynamic=False),
     }
+    matmul = bench_op.module._OP.matmul
+    if matmul is not None:
+        providers["compile-max-autotune"] = torch.compile(bench_op.eager, mode="max-autotune-no-cudagraphs",
+                                                          dynamic=False)
+        providers["matmul"] = _bare_matmul(bench_op, matmul)
+    return providers
+
+
+# With a matmul: Inductor's autotuned matmul templates with the epilogue fused in, and the
+# matmul alone (cuBLAS through torch.matmul: the floor a fused epilogue is judged against,
+# forward only: its output is the product, not the op's).
+MATMUL_PROVIDERS = ("compile-max-autotune", "matmul")
+FORWARD_ONLY = frozenset({"matmul"})
+
+
+def provider_names(bench_op: BenchOp) -> tuple[str, ...]:
+    return PROVIDERS + (MATMUL_PROVIDERS if bench_op.module._OP.matmul is not None else ())
+
+
+def _bare_matmul(bench_op: BenchOp, matmul) -> Callable:
+    names = [i.name for i in bench_op.spec.inputs]
+    a, b = names.index(matmul.a), names.index(matmul.b)
+
+    def product(*inputs, **kwargs):
+        return inputs[a] @ (inputs[b].mT if matmul.transposed else inputs[b])
+
+    return product
 
 
 def _as_tuple(outputs) -> tuple[torch.Tensor, ...]:
@@ -165,6 +196,9 @@ def run_case(bench_op: BenchOp, case: Case, backward: bool, device="cuda",
         make = torch.ones if bench_op.mean_loss else torch.randn
         grad_outputs = [make(shape, dtype=case.dtype, device=device) for shape in bench_output_shapes(bench_op, case.bsh)]
         for name, fn in providers.items():
+            if name in FORWARD_ONLY:
+                results[name].forward_backward = Measurement(error="forward only (the matmul alone)")
+                continue
             step = forward_backward_fn(fn, inputs, kwargs, grad_outputs)
             results[name].forward_backward = run(name, "forward_backward", step, grad_to_none=inputs)
         del grad_outputs
