@@ -12,7 +12,8 @@ LIMIT = 100
 # Weakest-binding first: an expression is broken at its outermost operators.
 _PRECEDENCE_LEVELS = ((" | ",), (" & ",), (" + ", " - "), (" * ", " / "))
 _OPERATORS = tuple(op for level in _PRECEDENCE_LEVELS for op in level)
-_ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*(?:\[[^\]]*\])? (?:\+|-)?= )(.+)$")
+# `y = ...`, `y += ...`, `a, b = ...`
+_ASSIGNMENT = re.compile(r"^((?:[A-Za-z_][A-Za-z0-9_.]*, )*[A-Za-z_][A-Za-z0-9_.]*(?:\[[^\]]*\])? (?:\+|-)?= )(.+)$")
 
 
 def format_module(text: str) -> str:

@@ -37,7 +37,9 @@ from fusegen.backends.triton.kernel_lib import (
     dropout_mask, indices, load_tile, maximum, minimum, store_column_sums, store_gradient,
     store_tile,
 )
-from fusegen.backends.triton.gemm_lib import matmul_tile, matmul_tile_tma, tile_of, tma_operands
+from fusegen.backends.triton.gemm_lib import (
+    column_part, matmul_tile, matmul_tile_tma, tile_of, tma_operands,
+)
 
 __all__ = ["linear_bias_gelu_dropout_add", "LinearBiasGeluDropoutAdd", "reference", "eager"]
 
@@ -72,6 +74,7 @@ def linear_bias_gelu_dropout_add_kernel(
     # with TMA: which of each operand's strides is 1
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PARTS: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     # Scalar params in the compute type: a float is passed as fp64, an int as an int.
@@ -85,43 +88,46 @@ def linear_bias_gelu_dropout_add_kernel(
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=TMA):
         tile_m, tile_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if TMA:
-            rows, cols, product = matmul_tile_tma(
+            rows, _, product_tile = matmul_tile_tma(
                 a_desc, b_desc, tile_m, tile_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
                 INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
             )
         else:
-            rows, cols, product = matmul_tile(
+            rows, _, product_tile = matmul_tile(
                 x_ptr, x_stride_m, x_stride_k,
                 weight_ptr, weight_stride_k, weight_stride_n,
                 tile_m, tile_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                 INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
             )
-        product = product.to(compute)
-        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        store_tile(product_ptr, product, rows, cols, N, in_bounds)
-        bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
-        residual = load_tile(
-            residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
-        )
-        if HAS_DROPOUT:
-            seed = tl.load(seed_ptr)
-            dropout_mask0 = dropout_mask(
-                seed, rows, tile_n * BLOCK_N, N, BLOCK_N, 0, dropout_threshold_p, dropout_scale_p,
-                DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED,
+        for part in tl.static_range(PARTS):  # PARTS 2: half a tile's values live at a time
+            cols, product = column_part(tile_n, product_tile, part, PARTS, BLOCK_N, INDEX_64)
+            product = product.to(compute)
+            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+            store_tile(product_ptr, product, rows, cols, N, in_bounds)
+            bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
+            residual = load_tile(
+                residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute
             )
-            t0 = bias + product
-            t1 = maximum(minimum(t0, 24), -24)
-            # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-            y = (
-                tl.sigmoid(1.5957691216057308 * (0.044715 * t1 * t1 * t1 + t1)) * dropout_mask0 * t0
-                + residual
-            )
-        else:
-            t0 = bias + product
-            t1 = maximum(minimum(t0, 24), -24)
-            # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
-            y = residual + tl.sigmoid(1.5957691216057308 * (0.044715 * t1 * t1 * t1 + t1)) * t0
-        store_tile(y_ptr, y, rows, cols, N, in_bounds)
+            if HAS_DROPOUT:
+                seed = tl.load(seed_ptr)
+                dropout_mask0 = dropout_mask(
+                    seed, rows, tile_n * BLOCK_N + part * (BLOCK_N // PARTS), N, BLOCK_N // PARTS,
+                    0, dropout_threshold_p, dropout_scale_p, DROPOUT_WHOLE_GROUPS, shard_ptr,
+                    SHARDED,
+                )
+                t0 = bias + product
+                t1 = maximum(minimum(t0, 24), -24)
+                # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
+                y = (
+                    tl.sigmoid(1.5957691216057308 * (0.044715 * t1 * t1 * t1 + t1)) * dropout_mask0
+                    * t0 + residual
+                )
+            else:
+                t0 = bias + product
+                t1 = maximum(minimum(t0, 24), -24)
+                # 1.5957691216057308 = 2·sqrt(2)/sqrt(π)
+                y = residual + tl.sigmoid(1.5957691216057308 * (0.044715 * t1 * t1 * t1 + t1)) * t0
+            store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
 @tuning.autotune(tuning.BACKWARD, key=["M_BUCKET", "N", "HAS_DROPOUT", "ROWS_PER_PROGRAM"])

@@ -29,7 +29,7 @@ from fusegen.backends.triton.kernel_lib import (
     indices, load_tile, store_column_sums, store_gradient, store_tile,
 )
 from fusegen.backends.triton.gemm_lib import (
-    chunk_start, matmul_tile, matmul_tile_tma, tile_of, tma_operands,
+    chunk_start, column_part, matmul_tile, matmul_tile_tma, tile_of, tma_operands,
 )
 
 __all__ = ["linear_swiglu", "LinearSwiglu", "reference", "eager"]
@@ -57,6 +57,7 @@ def linear_swiglu_kernel(
     # with TMA: which of each operand's strides is 1
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PARTS: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)
 ):
     compute = tl.float64 if COMPUTE_FP64 else tl.float32
     weight_chunk1_ptr = chunk_start(weight_ptr, 1, N, weight_stride_n, INDEX_64)
@@ -73,34 +74,41 @@ def linear_swiglu_kernel(
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=TMA):
         tile_m, tile_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if TMA:
-            rows, cols, product_chunk0 = matmul_tile_tma(
+            rows, _, product_chunk0_tile = matmul_tile_tma(
                 a_desc, b_desc0, tile_m, tile_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
                 INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
             )
-            rows, cols, product_chunk1 = matmul_tile_tma(
+            rows, _, product_chunk1_tile = matmul_tile_tma(
                 a_desc, b_desc1, tile_m, tile_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
                 INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
             )
         else:
-            rows, cols, product_chunk0 = matmul_tile(
+            rows, _, product_chunk0_tile = matmul_tile(
                 x_ptr, x_stride_m, x_stride_k,
                 weight_ptr, weight_stride_k, weight_stride_n,
                 tile_m, tile_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                 INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
             )
-            rows, cols, product_chunk1 = matmul_tile(
+            rows, _, product_chunk1_tile = matmul_tile(
                 x_ptr, x_stride_m, x_stride_k,
                 weight_chunk1_ptr, weight_stride_k, weight_stride_n,
                 tile_m, tile_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                 INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
             )
-        product_chunk0 = product_chunk0.to(compute)
-        product_chunk1 = product_chunk1.to(compute)
-        in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        store_tile(product_ptr, product_chunk0, rows, cols, 2 * N, in_bounds)
-        store_tile(product_ptr, product_chunk1, rows, cols + N, 2 * N, in_bounds)
-        y = tl.sigmoid(product_chunk0) * product_chunk0 * product_chunk1
-        store_tile(y_ptr, y, rows, cols, N, in_bounds)
+        for part in tl.static_range(PARTS):  # PARTS 2: half a tile's values live at a time
+            cols, product_chunk0 = column_part(
+                tile_n, product_chunk0_tile, part, PARTS, BLOCK_N, INDEX_64
+            )
+            cols, product_chunk1 = column_part(
+                tile_n, product_chunk1_tile, part, PARTS, BLOCK_N, INDEX_64
+            )
+            product_chunk0 = product_chunk0.to(compute)
+            product_chunk1 = product_chunk1.to(compute)
+            in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
+            store_tile(product_ptr, product_chunk0, rows, cols, 2 * N, in_bounds)
+            store_tile(product_ptr, product_chunk1, rows, cols + N, 2 * N, in_bounds)
+            y = tl.sigmoid(product_chunk0) * product_chunk0 * product_chunk1
+            store_tile(y_ptr, y, rows, cols, N, in_bounds)
 
 
 @tuning.autotune(tuning.BACKWARD, key=["M_BUCKET", "N", "ROWS_PER_PROGRAM"])

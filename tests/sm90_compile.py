@@ -76,6 +76,8 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = (64 if "BLOCK_K" in names else 2) if name == "BLOCK_M" else 4
             elif name in ("BLOCK_K", "GROUP_M"):  # the gemm kind's (gemm_tuning)
                 constexprs[name] = 64 if name == "BLOCK_K" else 8
+            elif name == "PARTS":  # the gemm epilogue's halves, with TMA (one tile's worth otherwise)
+                constexprs[name] = 2 if settings.get("TMA") else 1
             elif name == "INPUT_PRECISION":
                 constexprs[name] = "ieee"
             elif name == "FP64_PRODUCT":

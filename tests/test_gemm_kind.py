@@ -370,3 +370,37 @@ def test_a_chunked_weight_of_the_wrong_size_is_named(swiglu_ops):
     with pytest.raises(FusegenArgumentError) as error:
         swiglu_ops[True](x, torch.randn(7, 5, device=DEVICE))
     assert str(error.value) == "linear_swiglu_t(): weight must have shape [2N, K], got [7, 5] (7 is not a multiple of 2)"
+
+
+DROPOUT = """\
+name: linear_halves_{parts}
+doc: y = dropout(gelu_tanh(x @ T(weight) + bias), p) + residual
+inputs: {{x: [..., K], weight: [N, K], bias: [N], residual: [..., N]}}
+params: {{p: {{type: float, default: 0.1, min: 0.0, max: 1.0}}}}
+outputs:
+  y: dropout(gelu_tanh(x @ T(weight) + bias), p) + residual
+"""
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_epilogue_in_halves_draws_the_same_masks(tmp_path, parts, monkeypatch):
+    """PARTS 2 runs the epilogue on each half of a tile's columns (its own inputs, its own columns
+    of the dropout mask): the values, the masks (the reference's, bit for bit where p drops) and
+    the gradients are the whole tile's. A fresh op each: its autotuner has no tile kept."""
+    from fusegen.backends.triton import gemm_tuning
+
+    monkeypatch.setattr(gemm_tuning, "INTERPRETER_PARTS", parts)
+    module = build_and_import(tmp_path, DROPOUT.format(parts=parts))
+    op = getattr(module, f"linear_halves_{parts}")
+    torch.manual_seed(13)
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    inputs = [torch.randn(s, **f64).requires_grad_() for s in ((2, 9, 12), (40, 12), (40,), (2, 9, 40))]
+    got = op(*inputs, p=0.3, seed=2**40 + 5)
+    want = module.reference(*[t.detach().requires_grad_() for t in inputs], p=0.3, seed=2**40 + 5)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got == inputs[3], want == inputs[3])  # dropped where the reference drops
+    grad = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(
+        module.reference(*inputs, p=0.3, seed=2**40 + 5), inputs, grad))
+    config = getattr(module, f"linear_halves_{parts}_kernel").best_config
+    assert config.kwargs["PARTS"] == parts  # the tile the op ran with

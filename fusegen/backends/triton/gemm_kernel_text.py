@@ -23,7 +23,7 @@ from .kernel_text import (
     triton_constant,
 )
 from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, FP64_PRODUCT, GROUP_M, INPUT_PRECISION, K, M, M_BUCKET,
-                     N, TMA, TritonNames)
+                     N, PARTS, TMA, TritonNames)
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
 
@@ -49,7 +49,8 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
                   f"{TMA}: tl.constexpr,  # operands through tensor descriptors (gemm_lib.tma_layouts), tiles walked "
                   "persistently",
                   f"{A_K_MAJOR}: tl.constexpr, {B_K_MAJOR}: tl.constexpr,  # with TMA: which of each operand's strides is 1",
-                  f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,"]
+                  f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,",
+                  f"{PARTS}: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)"]
     # The product's values: itself, or each of its chunks (b holding them: [2N, K] under T),
     # each formed by a mainloop of its own over its rows (columns) of b: a's tile is read once
     # a chunk (from L2 after the first); one loop with an accumulator a chunk would read it once.
@@ -77,10 +78,11 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         f"tiles = tl.cdiv({M}, {BLOCK_M}) * tl.cdiv({N}, {BLOCK_N})",
         f"for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten={TMA}):",
     ]
+    tiles_of = {value: names.claim_once(f"{value} tile", f"{value}_tile") for value in values}
     body = [f"tile_m, tile_n = tile_of(tile, {M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})", f"if {TMA}:"]
     for value, descriptor in zip(values, descriptors):
         body += [
-            f"    rows, cols, {value} = matmul_tile_tma(",
+            f"    rows, _, {tiles_of[value]} = matmul_tile_tma(",
             f"        a_desc, {descriptor}, tile_m, tile_n, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
             f"        INDEX_64, {INPUT_PRECISION}, {A_K_MAJOR}, {B_K_MAJOR},",
             "    )",
@@ -88,16 +90,24 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     body.append("else:")
     for value, b in zip(values, b_of):
         body += [
-            f"    rows, cols, {value} = matmul_tile(",
+            f"    rows, _, {tiles_of[value]} = matmul_tile(",
             f"        {a_ptr}, {a_stride_m}, {a_stride_k},",
             f"        {b}, {b_stride_k}, {b_stride_n},",
             f"        tile_m, tile_n, {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
             f"        INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
             "    )",
         ]
-    body += [f"{value} = {value}.to({COMPUTE_DTYPE})" for value in values]
-    body.append("in_bounds = (rows[:, None] < M) & (cols[None, :] < N)")
-    lines += _epilogue(plan, kernel, names, printer, body, values, saved, tensors)
+    # The epilogue a part of the tile's columns at a time (PARTS 2: half the live values, as
+    # Triton's tutorial 09 subtiles it), each part's columns and values from the whole tile's.
+    body.append(f"for part in tl.static_range({PARTS}):  # {PARTS} 2: half a tile's values live at a time")
+    epilogue = [
+        *(f"cols, {value} = column_part(tile_n, {tiles_of[value]}, part, {PARTS}, {BLOCK_N}, INDEX_64)"
+          for value in values),
+        *(f"{value} = {value}.to({COMPUTE_DTYPE})" for value in values),
+        "in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
+    ]
+    body += ["    " + line for line in _epilogue(plan, kernel, names, printer, epilogue, values, saved, tensors)]
+    lines += ["    " + line for line in body]
     # The operands' K strides too: a tile tuned for a row-major operand (stride 1 along K, as
     # nn.Linear's weight) is not the one for its transpose; and the mainloop.
     layout = (K, a_stride_k, b_stride_k, TMA)
@@ -117,15 +127,16 @@ def _epilogue(plan, kernel, names, printer, lines, values, saved, tensors) -> li
     lines += [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
     tensors |= {m.local for m in kernel.masks}
     if kernel.body_no_dropout is not None:  # masks keyed by the product's flat index, as every kind's
+        first_col, width = f"tile_n * {BLOCK_N} + part * ({BLOCK_N} // {PARTS})", f"{BLOCK_N} // {PARTS}"
         lines += pointwise_kernel_text.branches(
-            ["seed = tl.load(seed_ptr)", *pointwise_kernel_text.mask_lines(plan, names, f"tile_n * {BLOCK_N}"),
+            ["seed = tl.load(seed_ptr)", *pointwise_kernel_text.mask_lines(plan, names, first_col, width),
              *statements(kernel.body, printer, triton_constant, tensors)],
             statements(kernel.body_no_dropout, printer, triton_constant, tensors),
         )
     else:
         lines += statements(kernel.body, printer, triton_constant, tensors)
     lines += output_stores(plan, kernel)
-    return ["    " + line if line else line for line in lines]
+    return lines
 
 
 def _keywords(plan: OpPlan) -> tuple[str, ...]:
@@ -144,7 +155,7 @@ KIND = TritonKind(
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
     reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, "tile_m",
-                        "tile_n", "tiles", "tile", "a_desc", "b_desc", *(f"b_desc{k}" for k in range(100)),  # a chunk's
+                        "tile_n", "tiles", "tile", "part", PARTS, "a_desc", "b_desc", *(f"b_desc{k}" for k in range(100)),  # a chunk's
                         "gemm_launch", "gemm_tuning"}),
     modules=("gemm_launch", "gemm_tuning", "tuning"),
     keywords=_keywords,

@@ -15,7 +15,7 @@ from fusegen.runtime.views import INT32_LIMIT
 from . import gemm_lib, gemm_tuning, tuning
 from .launch import Kernels, Launch, Slot, _Bound, _launches, _Tile
 from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, COMPUTE_FP64, FP64_PRODUCT, GROUP_M, INDEX_64,
-                     INPUT_PRECISION, K, TMA)
+                     INPUT_PRECISION, K, PARTS, TMA)
 
 
 class GemmKernels(Kernels):
@@ -122,7 +122,8 @@ class _BoundGemm(_Bound):
         if tile is not None:  # (BLOCK_M, BLOCK_N[, BLOCK_K]), each at least tl.dot's 16
             block_m, block_n, block_k = (max(gemm_tuning.SMALLEST, size) for size in (*tile, 16)[:3])
             grid = (_grid(m, n, block_m, block_n, programs),)
-            constexprs = {BLOCK_M: block_m, BLOCK_N: block_n, BLOCK_K: block_k, GROUP_M: gemm_tuning.GROUP_M}
+            constexprs = {BLOCK_M: block_m, BLOCK_N: block_n, BLOCK_K: block_k, GROUP_M: gemm_tuning.GROUP_M,
+                          PARTS: gemm_tuning.INTERPRETER_PARTS}
             return Launch(_Tile(self.forward_kernel), grid, args, tuple(copies), constexprs)
         return Launch(self._graph_forward if traced else self._forward,
                       lambda meta: (_grid(m, n, meta[BLOCK_M], meta[BLOCK_N], programs),), args, tuple(copies))

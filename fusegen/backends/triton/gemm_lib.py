@@ -25,7 +25,7 @@ import triton.language as tl
 from .kernel_lib import indices
 
 __all__ = ["grouped_tile", "tile_of", "matmul_tile", "chunk_start", "tma_operands", "matmul_tile_tma",
-           "column_halves", "tma_layouts", "set_tma_allocator"]
+           "column_halves", "column_part", "tma_layouts", "set_tma_allocator"]
 
 
 @triton.jit
@@ -153,6 +153,23 @@ def column_halves(tile_n, acc, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
     cols0 = indices(tile_n * BLOCK_N, BLOCK_N // 2, INDEX_64)
     cols1 = indices(tile_n * BLOCK_N + BLOCK_N // 2, BLOCK_N // 2, INDEX_64)
     return cols0, acc0, cols1, acc1
+
+
+@triton.jit
+def column_part(tile_n, acc, part: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                INDEX_64: tl.constexpr):
+    """(cols, values): part `part` of PARTS of the tile's columns (tile column tile_n): the
+    whole tile (PARTS 1), or one half of it (PARTS 2, `column_halves`)."""
+    if PARTS == 1:
+        cols = indices(tile_n * BLOCK_N, BLOCK_N, INDEX_64)
+        values = acc
+    else:
+        cols0, acc0, cols1, acc1 = column_halves(tile_n, acc, BLOCK_N, INDEX_64)
+        if part == 0:
+            cols, values = cols0, acc0
+        else:
+            cols, values = cols1, acc1
+    return cols, values
 
 
 _TMA_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32")

@@ -14,9 +14,15 @@ GROUP_M = 8  # tile rows a group of programs walks down one tile column (gemm_li
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
 _TILES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4), (64, 256, 64, 4, 4),
           (128, 128, 128, 3, 8), (64, 128, 64, 4, 4), (64, 64, 64, 3, 4), (32, 64, 32, 4, 4), (16, 64, 64, 4, 4)]
-FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": GROUP_M}, num_stages=s,
-                                 num_warps=w) for m, n, k, s, w in _TILES]
+# The epilogue over the whole tile (PARTS 1), or half of it at a time (2) where a tile is large
+# (its fp32 values and the epilogue's inputs weigh on registers: Triton's tutorial 09 subtiles
+# so; the hand-written TMA kernel of docs/scripts/gemm_tile.py was fastest so on the H100).
+_HALVED = 128 * 128
+FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": GROUP_M, "PARTS": parts},
+                                 num_stages=s, num_warps=w)
+                   for m, n, k, s, w in _TILES for parts in ((1, 2) if m * n >= _HALVED else (1,))]
 SMALLEST = 16  # tl.dot's least size along each dim
+INTERPRETER_PARTS = 1  # the interpreter's one config (tests set 2 to reach the halves)
 
 
 def prune_forward_configs(configs, named_args, **kwargs):
@@ -25,10 +31,11 @@ def prune_forward_configs(configs, named_args, **kwargs):
     m, n, k = named_args["M_BUCKET"], size_hint(named_args["N"]), size_hint(named_args["K"])
     fit = lambda size, cap: min(cap, max(SMALLEST, triton.next_power_of_2(max(size, 1))))  # noqa: E731
     if is_interpreting():
-        return [triton.Config({"BLOCK_M": fit(m, 32), "BLOCK_N": fit(n, 32), "BLOCK_K": SMALLEST, "GROUP_M": 1})]
+        return [triton.Config({"BLOCK_M": fit(m, 32), "BLOCK_N": fit(n, 32), "BLOCK_K": SMALLEST, "GROUP_M": 1,
+                               "PARTS": INTERPRETER_PARTS})]
     fitting = [c for c in configs if c.kwargs["BLOCK_M"] <= fit(m, 128) and c.kwargs["BLOCK_N"] <= fit(n, 256)
                and c.kwargs["BLOCK_K"] <= fit(k, 128)]
-    return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return fitting or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.kwargs["PARTS"]))]
 
 
 FORWARD = Space(FORWARD_CONFIGS, prune_forward_configs)

@@ -20,7 +20,7 @@ KERNEL_LIB_NAMES = (
 
 # The gemm_lib helpers a gemm kernel calls, imported by name as kernel_lib's are (Inductor
 # re-emits a kernel with the JIT functions it calls by name, not through a module attribute).
-GEMM_LIB_NAMES = ("chunk_start", "matmul_tile", "matmul_tile_tma", "tile_of", "tma_operands")
+GEMM_LIB_NAMES = ("chunk_start", "column_part", "matmul_tile", "matmul_tile_tma", "tile_of", "tma_operands")
 
 # What every generated module imports (each kind adds its own modules: kinds.py).
 MODULE_IMPORTS = frozenset({"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", *KERNEL_LIB_NAMES,
@@ -49,7 +49,7 @@ ROWS_PER_PROGRAM, BLOCK_M, BLOCK_N = "ROWS_PER_PROGRAM", "BLOCK_M", "BLOCK_N"
 STATISTICS, ONE_TILE = "statistics_ptr", "ONE_TILE"  # the row kernels' (row_kernel_text.py)
 # The gemm kernels' (gemm_kernel_text.py): the reduced dim, the tile along it, the tiles' grouping.
 K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT = "K", "BLOCK_K", "GROUP_M", "INPUT_PRECISION", "FP64_PRODUCT"
-TMA, A_K_MAJOR, B_K_MAJOR = "TMA", "A_K_MAJOR", "B_K_MAJOR"
+TMA, A_K_MAJOR, B_K_MAJOR, PARTS = "TMA", "A_K_MAJOR", "B_K_MAJOR", "PARTS"
 EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a split row's (kernel_lib.split_program)
 
 

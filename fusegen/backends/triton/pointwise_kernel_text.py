@@ -117,10 +117,11 @@ def branches(dropout: list[str], plain: list[str]) -> list[str]:
     return ["if HAS_DROPOUT:", *indent(dropout), "else:", *indent(plain)]
 
 
-def mask_lines(plan: OpPlan, names: TritonNames, first_col: str = "tl.program_id(1) * BLOCK_N") -> list[str]:
-    """Each dropout's mask over the tile whose first column is `first_col`."""
+def mask_lines(plan: OpPlan, names: TritonNames, first_col: str = "tl.program_id(1) * BLOCK_N",
+               width: str = "BLOCK_N") -> list[str]:
+    """Each dropout's mask over the tile whose first column is `first_col`, `width` columns wide."""
     return [
-        f"{m.local} = dropout_mask(seed, rows, {first_col}, N, BLOCK_N, {m.stream}, "
+        f"{m.local} = dropout_mask(seed, rows, {first_col}, N, {width}, {m.stream}, "
         f"{names.threshold[m.p.name]}, {names.scale[m.p.name]}, DROPOUT_WHOLE_GROUPS, shard_ptr, SHARDED)"
         for m in plan.masks
     ]
