@@ -205,6 +205,23 @@ def test_case_rows_rates_and_speedups(seed_spec):
     assert set(ours) == set(reporting.ROW_FIELDS)
 
 
+def test_an_op_with_a_matmul_reports_its_flops():
+    """2·M·K·(the product's width, all chunks) at the forward's time, in rows and as a column of
+    the table; an op without a matmul has none."""
+    spec = load_spec(ROOT / "specs" / "linear_swiglu.yaml")
+    bsh = (1, 16384, 4096, 11008)
+    model = cases.bytes_model(spec, bsh, torch.bfloat16)
+    assert model.matmul_flops == 2 * 16384 * 4096 * (2 * 11008)
+    case = cases.Case("linear_swiglu", torch.bfloat16, bsh, None)
+    measured = running.ProviderResult("fusegen", timing.Measurement(timing.Timing(2.0, 1.9, 2.1)))
+    row = reporting.case_rows(case, model, [measured], copy_gbs=3000.0)[0]
+    assert row["tflop_per_s"] == pytest.approx(model.matmul_flops / 2e-3 / 1e12)
+    assert (row["K"], row["H"]) == (4096, 11008)
+    table, _ = reporting.results_table([row], backward=False, copy_gbs=3000.0)
+    assert "TFLOP/s" in [column.header for column in table.columns]
+    assert cases.bytes_model(load_spec(ROOT / "specs" / "gelu.yaml"), BSH, torch.float32).matmul_flops == 0
+
+
 def test_case_rows_keep_errors(seed_spec):
     case = cases.Case("bias_gelu_dropout_add", torch.float32, BSH, 0.0)
     model = cases.bytes_model(seed_spec, BSH, torch.float32)

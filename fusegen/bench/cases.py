@@ -221,6 +221,7 @@ class BytesModel:
     read: int
     written: int
     output_elements: int  # over all outputs
+    matmul_flops: int = 0  # an op with a matmul: the forward's 2·M·K·(the product's width)
 
     @property
     def total(self) -> int:
@@ -236,8 +237,17 @@ def bytes_model(spec: OpSpec, bsh: tuple[int, int, int], dtype: torch.dtype) -> 
     read = sum(math.prod(shape) * sizes[name] for name, shape in input_shapes(spec, bsh).items())
     elements = [math.prod(shape) for shape in output_shapes(spec, bsh)]
     out_sizes = [getattr(torch, b.dtype).itemsize if b.dtype else itemsize for b in spec.outputs]
+    flops = 0
+    contraction = contraction_dim(spec)
+    if contraction is not None:  # the product [M, width]: the matmul's right operand's other dim, all its chunks
+        from .. import ir
+
+        matmul, shapes = ir.build_ir(spec).matmul, input_shapes(spec, bsh)
+        a, b = shapes[matmul.a], shapes[matmul.b]
+        width = b[0] if matmul.transposed else b[1]
+        flops = 2 * math.prod(a[:-1]) * a[-1] * width
     return BytesModel(read=read, written=sum(e * size for e, size in zip(elements, out_sizes)),
-                      output_elements=sum(elements))
+                      output_elements=sum(elements), matmul_flops=flops)
 
 
 def op_kwargs(bench_op: BenchOp, p: float | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from .timing import COPY_BANDWIDTH_BYTES, DEFAULT_TIMER, TRITON_FLUSH_BYTES, Mea
 ROW_FIELDS = (
     "op", "dtype", "B", "S", "H", "K", "p", "provider",  # K: a matmul's dim summed over (None without one)
     "output_elements", "bytes_read", "bytes_written",
-    "ms", "ms_p20", "ms_p80", "gelem_per_s", "gb_per_s", "copy_fraction",
+    "ms", "ms_p20", "ms_p80", "gelem_per_s", "gb_per_s", "copy_fraction", "tflop_per_s",
     "speedup_vs_eager", "speedup_vs_compile", "peak_fwd_mib", "error",
     "fwd_bwd_ms", "fwd_bwd_ms_p20", "fwd_bwd_ms_p80",
     "fwd_bwd_speedup_vs_eager", "fwd_bwd_speedup_vs_compile", "peak_fwd_bwd_mib", "fwd_bwd_error",
@@ -66,6 +66,8 @@ def case_rows(case: Case, model: BytesModel, results: Sequence[ProviderResult], 
             "gelem_per_s": _ratio(model.output_elements / 1e9, seconds),
             "gb_per_s": gb_per_s,
             "copy_fraction": _ratio(gb_per_s, copy_gbs),
+            # The matmul's work (an op with one), at the forward's time: what a GEMM is judged by.
+            "tflop_per_s": _ratio(model.matmul_flops / 1e12, seconds) if model.matmul_flops else None,
             "speedup_vs_eager": _ratio(eager_ms, ms),
             "speedup_vs_compile": _ratio(compile_ms, ms),
             "peak_fwd_mib": _mib(fwd.peak_bytes),
@@ -102,7 +104,9 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
     table = Table(title=title, header_style="bold", show_lines=False)
     for column in ("op", "dtype", "BxSxH", "p", "provider"):
         table.add_column(column)
-    for column in ("ms", "Gelem/s", "GB/s", "% copy", "× eager", "× compile", "peak MiB"):
+    flops = any(row.get("tflop_per_s") is not None for row in rows)  # some op with a matmul
+    for column in ("ms", "Gelem/s", "GB/s", "% copy", *(("TFLOP/s",) if flops else ()), "× eager", "× compile",
+                   "peak MiB"):
         table.add_column(column, justify="right")
     if backward:
         for column in ("fwd+bwd ms", "× eager", "× compile", "peak MiB"):
@@ -124,11 +128,12 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
         cells = [row["op"], row["dtype"], shape,
                  "–" if row["p"] is None else f"{row['p']:g}", row["provider"]]
         if row["error"]:
-            cells += [note(f"{label} {row['provider']}: {row['error']}")] + [""] * 6
+            cells += [note(f"{label} {row['provider']}: {row['error']}")] + [""] * (7 if flops else 6)
         else:
             cells += [
                 _fmt(row["ms"], ".4f"), _fmt(row["gelem_per_s"], ".1f"), _fmt(row["gb_per_s"], ".0f"),
-                _fmt(row["copy_fraction"], ".0%"), _fmt(row["speedup_vs_eager"], ".2f", "×"),
+                _fmt(row["copy_fraction"], ".0%"), *((_fmt(row.get("tflop_per_s"), ".0f"),) if flops else ()),
+                _fmt(row["speedup_vs_eager"], ".2f", "×"),
                 _fmt(row["speedup_vs_compile"], ".2f", "×"), _fmt(row["peak_fwd_mib"], ".0f"),
             ]
         if backward:
