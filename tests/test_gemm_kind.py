@@ -404,3 +404,14 @@ def test_the_epilogue_in_halves_draws_the_same_masks(tmp_path, parts, monkeypatc
         module.reference(*inputs, p=0.3, seed=2**40 + 5), inputs, grad))
     config = getattr(module, f"linear_halves_{parts}_kernel").best_config
     assert config.kwargs["PARTS"] == parts  # the tile the op ran with
+
+
+def test_a_chunked_weight_as_a_view(swiglu_ops):
+    """A [2N, K] weight whose rows are strided (a slice of a wider one) or stored transposed:
+    each chunk starts at its own rows through the weight's strides."""
+    torch.manual_seed(14)
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    x = torch.randn(2, 3, 6, **f64)
+    for w in (torch.randn(10, 9, **f64)[:, :6], torch.randn(6, 10, **f64).t()):
+        assert not w.is_contiguous()
+        torch.testing.assert_close(swiglu_ops[True](x, w), _swiglu_truth(True, x, w))
