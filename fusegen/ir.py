@@ -517,11 +517,15 @@ class _Scope:
         a, b = node.left.id, right.id
         # b's chunks side by side along the product's columns: its first dim under T ([2N, K],
         # nn.Linear's layout of two projections), its last without ([K, 2N]); a holds none.
-        if self.chunks[a] > 1 or (self.chunks[b] > 1 and self.chunk_dims[b] != (0 if transposed else -1)):
-            name = a if self.chunks[a] > 1 else b
-            want = "[2N, K] under T" if transposed else "[K, 2N]"
-            raise _Located(f"'{_snippet(node)}': '{name}' holds chunks a matmul cannot read; only its right operand "
-                           f"may, as {want}")
+        if self.chunks[a] > 1:
+            raise _Located(f"'{_snippet(node)}': '{a}' holds chunks, and a matmul's left operand cannot; its right "
+                           "operand may ([2N, K] under T, [K, 2N] without)")
+        if self.chunks[b] > 1 and self.chunk_dims[b] != (0 if transposed else -1):
+            declared = "[K, 2N]" if transposed else "[2N, K]"
+            raise _Located(f"'{_snippet(node)}': '{b}' {declared} holds its chunks along its "
+                           f"{'last' if transposed else 'first'} dim: read it as "
+                           f"chunk({a} @ {b if transposed else f'T({b})'}, k), or declare it "
+                           f"{'[2N, K]' if transposed else '[K, 2N]'}")
         if a == b:  # its gradient would be the sum of two matmuls of g, which the backward does not form
             raise _Located(f"'{_snippet(node)}': a matmul of an input with itself is not supported yet")
         a_dims, b_dims = self.dims[a], self.dims[b]
@@ -563,6 +567,7 @@ class _Scope:
         if matmul is not None:
             return ProductChunk(matmul, index.value, count)
         self.used.add(source.id)
+        self.read.add(source.id)  # elementwise: not also a matmul's operand (_check_matmul)
         return ChunkRef(source.id, index.value)
 
     @staticmethod

@@ -97,7 +97,7 @@ def linear_bias_dropout_add_kernel(
                 tile_m, tile_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                 INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
             )
-        for part in tl.static_range(PARTS):  # PARTS 2: half a tile's values live at a time
+        for part in tl.static_range(PARTS):  # PARTS 2: the epilogue a half tile at a time
             cols, product = column_part(tile_n, product_tile, part, PARTS, BLOCK_N, INDEX_64)
             product = product.to(compute)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)

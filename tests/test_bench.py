@@ -76,7 +76,7 @@ def test_chunked_inputs_hold_their_chunks():
     assert cases.output_shape(spec, BSH) == (8, 2048, H)
 
 
-def test_an_op_with_a_matmul_takes_k_from_a_four_part_shape():
+def test_an_op_with_a_matmul_takes_k_from_a_four_part_shape(tmp_path):
     """BxSxKxH: x [..., K], nn.Linear's weight [N, K] (linear_swiglu's [2N, K]: two projections);
     without K, K is H. An op without a matmul refuses four parts."""
     spec = load_spec(ROOT / "specs" / "linear_bias_gelu.yaml")
@@ -86,8 +86,13 @@ def test_an_op_with_a_matmul_takes_k_from_a_four_part_shape():
     assert cases.output_shape(spec, (1, 16384, 4096, 11008)) == (1, 16384, 11008)
     swiglu = load_spec(ROOT / "specs" / "linear_swiglu.yaml")
     assert cases.input_shapes(swiglu, (2, 8, 16, 4)) == {"x": (2, 8, 16), "weight": (8, 16)}
-    with pytest.raises(ValueError, match="BxSxKxH is for an op with a matmul"):
+    with pytest.raises(ValueError, match="is BxSxKxH, for ops with a matmul; gelu has none"):
         cases.input_shapes(load_spec(ROOT / "specs" / "gelu.yaml"), (1, 2, 3, 4))
+    (tmp_path / "square.yaml").write_text("name: square\ndoc: d\ninputs: {x: [..., N], weight: [N, N]}\n"
+                                          "outputs:\n  y: x @ T(weight)\n")
+    square = load_spec(tmp_path / "square.yaml")  # K is N: a four-part shape's K must be H
+    assert cases.shape_problem(square, (1, 2, 8, 8)) is None
+    assert "so K must be H" in cases.shape_problem(square, (1, 2, 4, 8))
 
 
 def test_an_op_with_a_matmul_has_the_matmul_providers():

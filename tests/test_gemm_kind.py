@@ -353,7 +353,8 @@ def test_chunked_operand_errors(tmp_path):
     cases = {
         "y: silu(x @ T(weight))": "holds 2 chunks along its last dim, as weight does: use chunk(x @ T(weight), 0)",
         "y: silu(chunk(weight, 0)) * chunk(x @ T(weight), 1)": "'weight' holds its chunks along its first dim",
-        "y: silu(chunk(x @ weight, 0))": "holds chunks a matmul cannot read; only its right operand may, as [K, 2N]",
+        "y: silu(chunk(x @ weight, 0))": "'weight' [2N, K] holds its chunks along its first dim: read it as "
+                                         "chunk(x @ T(weight), k), or declare it [K, 2N]",
     }
     for k, (output, message) in enumerate(cases.items()):
         text = f"name: chunked_{k}\ndoc: d\ninputs: {{x: [..., K], weight: [2N, K]}}\noutputs:\n  {output}\n"
@@ -362,6 +363,11 @@ def test_chunked_operand_errors(tmp_path):
             build_and_import(tmp_path, text)
     text = "name: chunked_3\ndoc: d\ninputs: {x: [..., K], weight: [K, 2N, 3]}\noutputs: {y: x}\n"
     with pytest.raises(SpecError, match="may only be the last dim, or the first of two"):
+        build_and_import(tmp_path, text)
+    # A [K, 2N] weight (its chunks along its last dim) read elementwise beside its matmul.
+    text = ("name: chunked_4\ndoc: d\ninputs: {x: [..., K], weight: [K, 2N]}\noutputs:\n"
+            "  y: chunk(x @ weight, 0) + chunk(weight, 1)\n")
+    with pytest.raises(SpecError, match="'weight' is an operand of x @ weight and cannot also be read elementwise"):
         build_and_import(tmp_path, text)
 
 
@@ -415,3 +421,24 @@ def test_a_chunked_weight_as_a_view(swiglu_ops):
     for w in (torch.randn(10, 9, **f64)[:, :6], torch.randn(6, 10, **f64).t()):
         assert not w.is_contiguous()
         torch.testing.assert_close(swiglu_ops[True](x, w), _swiglu_truth(True, x, w))
+
+
+def test_64_bit_offsets_count_the_saved_product_in_chunks(swiglu_modules, monkeypatch):
+    """The saved product [M, 2N] and the g kernel's gradient of it reach twice as far as y: with
+    M·N under the 32-bit limit and M·2N at it, both kernels take 64-bit offsets (the limit
+    lowered here to M·2N)."""
+    from fusegen.backends.triton import gemm_launch, launch
+
+    torch.manual_seed(15)
+    # M 4, K 2, N 8: y and the operands reach at most 32 elements, the product 64.
+    x, w = [t.detach().requires_grad_() for t in _swiglu_inputs(True, 2, 8, torch.float32, lead=(4,))]
+    monkeypatch.setattr(gemm_launch, "INT32_LIMIT", 4 * 2 * 8)
+    monkeypatch.setattr(launch, "INT32_LIMIT", 4 * 2 * 8)
+    op = swiglu_modules[True]._OP
+    bound, call = op.kernels, op.check((x, w), needs_kernel=True)
+    forward = bound.prepare_forward(call, (x, w))
+    names = bound._signatures[0].parameters
+    assert forward._template[names.index("INDEX_64")] is True
+    y = swiglu_modules[True].linear_swiglu_t(x, w)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(y, _swiglu_truth(True, x.detach(), w.detach()))

@@ -187,10 +187,25 @@ def input_shape(inp: InputSpec, bsh: tuple[int, ...], hidden: str | None,
 
 
 def input_shapes(spec: OpSpec, bsh: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+    problem = shape_problem(spec, bsh)
+    if problem:  # command.run_bench refuses such a run first
+        raise ValueError(problem)
     hidden, contraction = hidden_dim_name(spec.out_dims), contraction_dim(spec)
-    if len(bsh) == 4 and contraction is None:  # command.run_bench refuses such a run first
-        raise ValueError(f"{spec.name}: shape {'x'.join(map(str, bsh))}: BxSxKxH is for an op with a matmul")
     return {inp.name: input_shape(inp, bsh, hidden, contraction) for inp in spec.inputs}
+
+
+def shape_problem(spec: OpSpec, bsh: tuple[int, ...]) -> str | None:
+    """Why `bsh` cannot be this op's shape (one line), or None: BxSxKxH needs a matmul whose K
+    is a dim of its own (a [N, N] weight's K is H)."""
+    if len(bsh) != 4:
+        return None
+    shown = "x".join(map(str, bsh))
+    contraction = contraction_dim(spec)
+    if contraction is None:
+        return f"shape {shown} is BxSxKxH, for ops with a matmul; {spec.name} has none"
+    if contraction == hidden_dim_name(spec.out_dims) and bsh[2] != bsh[3]:
+        return f"shape {shown}: {spec.name}'s matmul sums over its output's dim {contraction}, so K must be H"
+    return None
 
 
 def output_shape(spec: OpSpec, bsh: tuple[int, int, int], output: str | None = None) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import SpecError
 from .arguments import selected_shapes
-from .cases import bytes_model, contraction_dim, load_bench_op, plan_cases
+from .cases import bytes_model, load_bench_op, plan_cases, shape_problem
 from .reporting import (
     case_rows,
     host_overhead_table,
@@ -63,10 +63,10 @@ def run_bench(args) -> int:
               file=sys.stderr)
         plot_path = None
 
-    four = next((shape for shape in selected_shapes(args) if len(shape) == 4), None)
-    without = next((bench_op.name for bench_op in ops if contraction_dim(bench_op.spec) is None), None)
-    if four is not None and without is not None:
-        return _fail("bench", f"shape {'x'.join(map(str, four))} is BxSxKxH, for ops with a matmul; {without} has none")
+    problem = next((p for shape in selected_shapes(args) for bench_op in ops if (p := shape_problem(bench_op.spec, shape))),
+                   None)
+    if problem:
+        return _fail("bench", problem)
     cases = plan_cases(ops, args.dtypes, selected_shapes(args), args.ps)
     by_name = {bench_op.name: bench_op for bench_op in ops}
     timer = TIMERS[args.timer]

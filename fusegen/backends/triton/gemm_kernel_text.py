@@ -65,13 +65,14 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         *(f"{b} = chunk_start({b_ptr}, {k}, {N}, {b_stride_n}, INDEX_64)" for k, b in enumerate(b_of) if k),
         f"if {TMA}:",
     ]
-    for descriptor, b in zip(descriptors, b_of):
-        lines += [
-            f"    a_desc, {descriptor} = tma_operands(",
-            f"        {a_ptr}, {a_stride_m}, {a_stride_k}, {b}, {b_stride_k}, {b_stride_n},",
-            f"        {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, {A_K_MAJOR}, {B_K_MAJOR},",
-            "    )",
-        ]
+    lines += [
+        f"    a_desc, {descriptors[0]} = tma_operands(",
+        f"        {a_ptr}, {a_stride_m}, {a_stride_k}, {b_ptr}, {b_stride_k}, {b_stride_n},",
+        f"        {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, {A_K_MAJOR}, {B_K_MAJOR},",
+        "    )",
+    ]
+    lines += [f"    {descriptor} = tma_b({b}, {b_stride_k}, {b_stride_n}, {N}, {K}, {BLOCK_N}, {BLOCK_K}, {B_K_MAJOR})"
+              for descriptor, b in zip(descriptors[1:], b_of[1:])]
     lines += [
         # One tile a program without TMA (as many programs as tiles); with it, as many programs as
         # SMs, each walking its tiles with the next tile's loads under this one's epilogue.
@@ -97,9 +98,10 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
             f"        INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
             "    )",
         ]
-    # The epilogue a part of the tile's columns at a time (PARTS 2: half the live values, as
-    # Triton's tutorial 09 subtiles it), each part's columns and values from the whole tile's.
-    body.append(f"for part in tl.static_range({PARTS}):  # {PARTS} 2: half a tile's values live at a time")
+    # The epilogue a part of the tile's columns at a time (PARTS 2: half its inputs' tiles and
+    # temporaries live at once, as Triton's tutorial 09 subtiles it; the accumulator itself stays
+    # live until its last part), each part's columns and values from the whole tile's.
+    body.append(f"for part in tl.static_range({PARTS}):  # {PARTS} 2: the epilogue a half tile at a time")
     epilogue = [
         *(f"cols, {value} = column_part(tile_n, {tiles_of[value]}, part, {PARTS}, {BLOCK_N}, INDEX_64)"
           for value in values),

@@ -100,7 +100,9 @@ class _BoundGemm(_Bound):
         args.update(self._common(call, Slot(count + outputs + 1), traced))
         args[K] = k
         # From the sizes themselves: in a graph traced with symbolic sizes each comparison is a guard.
-        args[INDEX_64] = bool(self._index_64(problem, views) or m * n >= INT32_LIMIT
+        # The saved product holds all its chunks side by side: [M, k·N].
+        chunks = self.fused.inputs[self._b].chunks
+        args[INDEX_64] = bool(self._index_64(problem, views) or m * n * chunks >= INT32_LIMIT
                               or _reach(a_2d) >= INT32_LIMIT or _reach(b) >= INT32_LIMIT)
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         args[FP64_PRODUCT] = problem.compute_dtype == torch.float64  # the product too, as the reference forms it
@@ -110,7 +112,6 @@ class _BoundGemm(_Bound):
         # graph's kernel takes the pointer mainloop: Inductor gives in-kernel descriptors no scratch).
         fp64 = problem.compute_dtype == torch.float64  # the product in fp64: the pointer mainloop's
         majors = None if traced or fp64 else gemm_lib.tma_layouts(a_2d, b.mT if self._transposed else b)
-        chunks = self.fused.inputs[self._b].chunks
         if majors is not None and chunks > 1 and n * b_strides[1] * b.element_size() % 16:
             majors = None  # a chunk of b starts where TMA cannot (each descriptor's base: 16-byte aligned)
         args[TMA] = majors is not None

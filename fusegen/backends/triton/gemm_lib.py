@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .kernel_lib import indices
 
-__all__ = ["grouped_tile", "tile_of", "matmul_tile", "chunk_start", "tma_operands", "matmul_tile_tma",
+__all__ = ["grouped_tile", "tile_of", "matmul_tile", "chunk_start", "tma_operands", "tma_b", "matmul_tile_tma",
            "column_halves", "column_part", "tma_layouts", "set_tma_allocator"]
 
 
@@ -99,13 +99,20 @@ def tma_operands(a_ptr, a_stride_m, a_stride_k, b_ptr, b_stride_k, b_stride_n, M
     else:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[a_stride_k, 1],
                                            block_shape=[BLOCK_K, BLOCK_M])
+    return a_desc, tma_b(b_ptr, b_stride_k, b_stride_n, N, K, BLOCK_N, BLOCK_K, B_K_MAJOR)
+
+
+@triton.jit
+def tma_b(b_ptr, b_stride_k, b_stride_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          B_K_MAJOR: tl.constexpr):
+    """`tma_operands`' descriptor of b alone (a chunk of b after the first: its own N columns)."""
     if B_K_MAJOR:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[b_stride_n, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[b_stride_k, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-    return a_desc, b_desc
+    return b_desc
 
 
 @triton.jit

@@ -495,7 +495,9 @@ class _Bound:
             args[names[0]] = Slot(count + len(grads) + k)
         args.update(self._extra_args(count + len(grads) + len(targets)))
         args.update(self._common(call, Slot(count + len(grads) + len(targets) + 1), traced))
-        args[INDEX_64] = self._index_64(problem, views + grad_views)
+        # A chunked input's gradient, written in full, holds its chunks side by side: [M, k·N].
+        widest = problem.m * problem.n * max(self._chunks, default=1)
+        args[INDEX_64] = self._index_64(problem, views + grad_views) or widest >= INT32_LIMIT
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         for target, one, (_, needs, sums, column_sums) in zip(targets, self._one_per_row, self._gradient_names):
             args[needs], args[sums] = target is not None, target is not None and target.broadcast == "rows"

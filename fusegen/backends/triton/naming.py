@@ -20,7 +20,7 @@ KERNEL_LIB_NAMES = (
 
 # The gemm_lib helpers a gemm kernel calls, imported by name as kernel_lib's are (Inductor
 # re-emits a kernel with the JIT functions it calls by name, not through a module attribute).
-GEMM_LIB_NAMES = ("chunk_start", "column_part", "matmul_tile", "matmul_tile_tma", "tile_of", "tma_operands")
+GEMM_LIB_NAMES = ("chunk_start", "column_part", "matmul_tile", "matmul_tile_tma", "tile_of", "tma_b", "tma_operands")
 
 # What every generated module imports (each kind adds its own modules: kinds.py).
 MODULE_IMPORTS = frozenset({"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", *KERNEL_LIB_NAMES,
