@@ -442,3 +442,14 @@ def test_64_bit_offsets_count_the_saved_product_in_chunks(swiglu_modules, monkey
     y = swiglu_modules[True].linear_swiglu_t(x, w)
     y.backward(torch.ones_like(y))
     torch.testing.assert_close(y, _swiglu_truth(True, x.detach(), w.detach()))
+
+
+def test_a_product_in_chunks_tunes_tiles_that_hold_every_chunk(swiglu_modules):
+    """An accumulator a chunk: a product of two chunks tunes tiles of at most half the largest
+    one-chunk tile's values (no 128 x 256 tile, two of which would spill)."""
+    from fusegen.backends.triton import gemm_tuning
+
+    largest = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in gemm_tuning.FORWARD.configs)
+    configs = swiglu_modules[True].linear_swiglu_t_kernel.configs
+    assert configs and all(2 * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= largest for c in configs)
+    assert gemm_tuning.forward_space(1) is gemm_tuning.FORWARD

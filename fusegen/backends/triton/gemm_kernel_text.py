@@ -113,8 +113,8 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     # The operands' K strides too: a tile tuned for a row-major operand (stride 1 along K, as
     # nn.Linear's weight) is not the one for its transpose; and the mainloop.
     layout = (K, a_stride_k, b_stride_k, TMA)
-    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines,
-                      "gemm_tuning.FORWARD")
+    space = "gemm_tuning.FORWARD" if not chunked else f"gemm_tuning.forward_space({len(values)})"
+    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines, space)
 
 
 def _epilogue(plan, kernel, names, printer, lines, values, saved, tensors) -> list[str]:

@@ -39,3 +39,14 @@ def prune_forward_configs(configs, named_args, **kwargs):
 
 
 FORWARD = Space(FORWARD_CONFIGS, prune_forward_configs)
+# A product in chunks keeps an accumulator a chunk: its tiles hold chunks x BLOCK_M x BLOCK_N
+# fp32 values, at most the largest one-chunk tile's (128 x 256); a larger one would spill.
+_MOST_VALUES = max(m * n for m, n, *_ in _TILES)
+
+
+def forward_space(chunks: int) -> Space:
+    """The forward's tiles for a product of `chunks` chunks (1: FORWARD)."""
+    if chunks == 1:
+        return FORWARD
+    return Space([c for c in FORWARD_CONFIGS if chunks * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= _MOST_VALUES],
+                 prune_forward_configs)
