@@ -200,9 +200,9 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         no_gradient=frozenset(b.name for b in spec.outputs if not b.differentiable),
         matmul=None if matmul is None else MatmulPlan(
             planned[matmul.a], planned[matmul.b], matmul.transposed, planned[ir.PRODUCT],
-            saved=any(sympy.Symbol(n, real=True) in (op.backward.free_symbols() | (
-                op.backward_no_dropout.free_symbols() if op.backward_no_dropout else set()))
-                for n in value_names(op.ir.epilogue_inputs[0])),
+            saved=bool({sympy.Symbol(n, real=True) for n in value_names(op.ir.epilogue_inputs[0])} & (
+                op.backward.free_symbols()
+                | (op.backward_no_dropout.free_symbols() if op.backward_no_dropout else set()))),
             incoming=next((g.passthrough_of for g in op.gradients if g.input == ir.PRODUCT and g.passthrough_of), None),
         ),
     )

@@ -407,8 +407,11 @@ def _input_gradients(op: ir.OpIR, outputs, inputs, grad_outputs) -> dict[str, sy
     differentiable = {value for value, b in bindings.items() if b.differentiable}  # the others send no gradient back
     shown = {n: n for n in inputs} | {
         n: f"chunk({i.name}, {k})" for i in spec.inputs if i.chunks > 1 for k, n in enumerate(value_names(i))
-    } | ({n: (f"chunk({op.matmul.text}, {k})" if len(value_names(op.epilogue_inputs[0])) > 1 else op.matmul.text)
-          for k, n in enumerate(value_names(op.epilogue_inputs[0]))} if op.matmul else {})
+    }
+    if op.matmul:  # the product, or each of its chunks
+        product = value_names(op.epilogue_inputs[0])
+        shown |= {n: op.matmul.text if len(product) == 1 else f"chunk({op.matmul.text}, {k})"
+                  for k, n in enumerate(product)}
     totals = {}
     for name, symbol in inputs.items():
         terms = []

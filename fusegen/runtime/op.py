@@ -79,6 +79,8 @@ class FusedOp:
         # are not broadcast; the product is what the forward keeps for the backward.
         self.matmul = matmul
         self.inputs = inputs
+        # The product's chunks: its right operand's ([2N, K]: two side by side), else 1.
+        self.product_chunks = next(i.chunks for i in inputs if i.name == matmul.b) if matmul else 1
         self.params = params
         self.outputs = outputs
         # Outputs with one value per row ([..., 1]: a row reduction's, e.g. a log-sum-exp).
@@ -327,8 +329,7 @@ class FusedOp:
         with a matmul, its product (the problem's shape; all its chunks side by side, [..., 2N],
         where the matmul's right operand holds chunks)."""
         if self.matmul is not None:
-            chunks = next(i.chunks for i in self.inputs if i.name == self.matmul.b)
-            return (*problem.shape[:-1], problem.shape[-1] * chunks) if chunks > 1 else tuple(problem.shape)
+            return (*problem.shape[:-1], problem.shape[-1] * self.product_chunks)
         return (*problem.shape[:-1], self.statistics)
 
     def statistics_dtype(self, problem: Problem) -> torch.dtype:

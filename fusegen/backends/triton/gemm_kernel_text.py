@@ -39,7 +39,8 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     arguments += [f"{names.output_pointer[name]},  # {name}, contiguous [M, N]" for name, _ in plan.outputs]
     saved = names.inputs[m.product.name].pointer
     if m.saved:
-        shape = "[M, N]" if m.product.layout.chunks == 1 else f"[M, {m.product.layout.chunks}N], its chunks side by side"
+        chunks = m.product.layout.chunks
+        shape = "[M, N]" if chunks == 1 else f"[M, {chunks}N], its chunks side by side"
         arguments.append(f"{saved},  # the product, contiguous {shape}: the backward forms g from it")
     arguments.append(f"{M}, {N}, {K},  # the product's rows (all leading dims), columns, and the dim summed over")
     arguments.append(f"{M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
@@ -57,8 +58,9 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     values = [v.local for v in m.product.values]
     chunked = len(values) > 1
     tensors = {v.local for i in kernel.inputs for v in i.values} | set(values)
-    b_of = [b_ptr] + [names.claim_once(f"{b_ptr} chunk {k}", f"{m.b.local}_chunk{k}_ptr") for k in range(1, len(values))]
-    descriptors = ["b_desc"] if not chunked else [f"b_desc{k}" for k in range(len(values))]
+    later = range(1, len(values))  # the chunks after the first: each its own start in b, its own descriptor
+    b_of = [b_ptr, *(names.claim_once(f"{b_ptr} chunk {k}", f"{m.b.local}_chunk{k}_ptr") for k in later)]
+    descriptors = ["b_desc"] if not chunked else [names.claim_once(f"b_desc {k}", f"b_desc{k}") for k in (0, *later)]
     lines = [
         COMPUTE_LINE,
         *scalars_in_compute_type(plan, kernel, names),  # before the loop: a loop's variables keep their type
@@ -157,8 +159,8 @@ KIND = TritonKind(
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
     reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, "tile_m",
-                        "tile_n", "tiles", "tile", "part", PARTS, "a_desc", "b_desc", *(f"b_desc{k}" for k in range(100)),  # a chunk's
-                        "gemm_launch", "gemm_tuning"}),
+                        "tile_n", "tiles", "tile", "part", PARTS, "a_desc", "b_desc", "gemm_launch",
+                        "gemm_tuning"}),
     modules=("gemm_launch", "gemm_tuning", "tuning"),
     keywords=_keywords,
 )

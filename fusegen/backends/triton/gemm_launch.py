@@ -38,9 +38,9 @@ class _Epilogue:
 
     def __init__(self, op, product: str):
         operands = (op.matmul.a, op.matmul.b)
-        chunks = next(i.chunks for i in op.inputs if i.name == op.matmul.b)  # b's are the product's
         self.name = op.name
-        self.inputs = (Input(product, ("...", "N"), chunks), *(i for i in op.inputs if i.name not in operands))
+        self.inputs = (Input(product, ("...", "N"), op.product_chunks),
+                       *(i for i in op.inputs if i.name not in operands))
         self.params, self.outputs, self.output_parts = op.params, op.outputs, op.output_parts
         self.has_dropout, self._dropout_indices = op.has_dropout, op._dropout_indices
 
@@ -61,13 +61,17 @@ class _BoundGemm(_Bound):
         )
         self._product_pointer = parameter("pointer", kernels.product)
 
+    def _product_buffer(self, problem) -> torch.Tensor:
+        """A buffer for the saved product, [..., k·N] in the outputs' dtype, as the op keeps it."""
+        return torch.empty(self.fused.statistics_shape(problem), dtype=problem.out_dtype, device=problem.device)
+
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int, int] | None = None, statistics=None,
                 traced: bool = False) -> None:
         """`tile` (BLOCK_M, BLOCK_N[, BLOCK_K]): that tile, not the autotuner's (tests; each side at
         least 16, as tl.dot takes it)."""
         problem = call.problem
         if statistics is None and self._saved:  # a caller with no backward to feed (tests)
-            statistics = torch.empty(self.fused.statistics_shape(problem), dtype=problem.out_dtype, device=problem.device)
+            statistics = self._product_buffer(problem)
         if _launches(problem, traced):
             self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, statistics, seed))
 
@@ -101,7 +105,7 @@ class _BoundGemm(_Bound):
         args[K] = k
         # From the sizes themselves: in a graph traced with symbolic sizes each comparison is a guard.
         # The saved product holds all its chunks side by side: [M, k·N].
-        chunks = self.fused.inputs[self._b].chunks
+        chunks = self.fused.product_chunks
         args[INDEX_64] = bool(self._index_64(problem, views) or m * n * chunks >= INT32_LIMIT
                               or _reach(a_2d) >= INT32_LIMIT or _reach(b) >= INT32_LIMIT)
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
@@ -134,7 +138,7 @@ class _BoundGemm(_Bound):
         problem = call.problem
         if statistics is None and self._saved and problem.launches:
             # No forward's product at hand (tests launching the kernel): a forward makes it.
-            statistics = torch.empty(self.fused.statistics_shape(problem), dtype=problem.out_dtype, device=problem.device)
+            statistics = self._product_buffer(problem)
             outputs = [torch.empty(self.fused.output_shape(problem, i), dtype=self.fused.output_dtype(problem, i),
                                    device=problem.device) for i in range(len(self.fused.outputs))]
             self.forward(call, tensors, outputs, seed, statistics=statistics)
@@ -150,7 +154,7 @@ class _BoundGemm(_Bound):
         needs_g = needs[self._a] or needs[self._b]
         epilogue_needs = (needs_g and self._product_gradient is None, *(needs[k] for k in self._others))
         if product is None:  # the g kernel is prepared for the product's layout: contiguous [..., N]
-            product = torch.empty(self.fused.statistics_shape(problem), dtype=problem.out_dtype, device=problem.device)
+            product = self._product_buffer(problem)
         epilogue = None
         if any(epilogue_needs):
             epilogue = super().prepare_backward(call, (product, *(tensors[k] for k in self._others)), grads,
