@@ -395,7 +395,7 @@ def test_the_epilogue_in_halves_draws_the_same_masks(tmp_path, parts, monkeypatc
     the gradients are the whole tile's. A fresh op each: its autotuner has no tile kept."""
     from fusegen.backends.triton import gemm_tuning
 
-    monkeypatch.setattr(gemm_tuning, "INTERPRETER_PARTS", parts)
+    monkeypatch.setattr(gemm_tuning, "PINNED_PARTS", parts)
     module = build_and_import(tmp_path, DROPOUT.format(parts=parts))
     op = getattr(module, f"linear_halves_{parts}")
     torch.manual_seed(13)

@@ -128,7 +128,7 @@ class _BoundGemm(_Bound):
             block_m, block_n, block_k = (max(gemm_tuning.SMALLEST, size) for size in (*tile, 16)[:3])
             grid = (_grid(m, n, block_m, block_n, programs),)
             constexprs = {BLOCK_M: block_m, BLOCK_N: block_n, BLOCK_K: block_k, GROUP_M: gemm_tuning.GROUP_M,
-                          PARTS: gemm_tuning.INTERPRETER_PARTS}
+                          PARTS: gemm_tuning.PINNED_PARTS or 1}
             return Launch(_Tile(self.forward_kernel), grid, args, tuple(copies), constexprs)
         return Launch(self._graph_forward if traced else self._forward,
                       lambda meta: (_grid(m, n, meta[BLOCK_M], meta[BLOCK_N], programs),), args, tuple(copies))

@@ -22,20 +22,25 @@ FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GRO
                                  num_stages=s, num_warps=w)
                    for m, n, k, s, w in _TILES for parts in ((1, 2) if m * n >= _HALVED else (1,))]
 SMALLEST = 16  # tl.dot's least size along each dim
-INTERPRETER_PARTS = 1  # the interpreter's one config (tests set 2 to reach the halves)
+PINNED_PARTS: int | None = None  # tests pin the epilogue's parts (1 or 2) to reach both on any tile
 
 
 def prune_forward_configs(configs, named_args, **kwargs):
     """Tiles not far past the problem along any dim (each at least tl.dot's 16); under the
-    interpreter one small tile, at most 32 by 32 by 16 (as few numpy steps as the shapes allow)."""
+    interpreter one small tile, at most 32 by 32 by 16 (as few numpy steps as the shapes allow).
+    PINNED_PARTS set: every tile runs its epilogue in that many parts."""
     m, n, k = named_args["M_BUCKET"], size_hint(named_args["N"]), size_hint(named_args["K"])
     fit = lambda size, cap: min(cap, max(SMALLEST, triton.next_power_of_2(max(size, 1))))  # noqa: E731
     if is_interpreting():
         return [triton.Config({"BLOCK_M": fit(m, 32), "BLOCK_N": fit(n, 32), "BLOCK_K": SMALLEST, "GROUP_M": 1,
-                               "PARTS": INTERPRETER_PARTS})]
+                               "PARTS": PINNED_PARTS or 1})]
     fitting = [c for c in configs if c.kwargs["BLOCK_M"] <= fit(m, 128) and c.kwargs["BLOCK_N"] <= fit(n, 256)
                and c.kwargs["BLOCK_K"] <= fit(k, 128)]
-    return fitting or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.kwargs["PARTS"]))]
+    chosen = fitting or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.kwargs["PARTS"]))]
+    if PINNED_PARTS is not None:  # each tile has a PARTS 1 config: that one, pinned
+        chosen = [triton.Config({**c.kwargs, "PARTS": PINNED_PARTS}, num_stages=c.num_stages, num_warps=c.num_warps)
+                  for c in chosen if c.kwargs["PARTS"] == 1]
+    return chosen
 
 
 FORWARD = Space(FORWARD_CONFIGS, prune_forward_configs)
