@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import ast
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 from .errors import SpecError
 from .functions import BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS, known_function_names
-from .layout import MatMul  # a matmul node: `a @ b` / `a @ T(b)`, as the runtime declares it too
+# Matmul nodes, `a @ b` / `a @ T(b)` and the low-rank `(a @ T(down)) @ T(up)`, as the runtime declares them too.
+from .layout import LowRank, MatMul
 from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, InputSpec, OpSpec, ScalarParam
 
 # Bounds on one expression, intermediates inlined: later stages recurse over the whole tree.
@@ -127,11 +128,13 @@ class Reduce:
     value: "Expr"
 
 
-# The product's value name in simplify and plan building: no spec name has a '@'.
+# The product's value name in simplify and plan building: no spec name has a '@'; and the
+# low-rank product's.
 PRODUCT = "@product"
+LOWRANK = "@lowrank"
 
 Expr = Union[Const, InputRef, ChunkRef, Col, ParamRef, Unary, Binary, Compare, Logic, Call, ChoiceCall, Where, Dropout,
-             Reduce, MatMul, ProductChunk]
+             Reduce, MatMul, ProductChunk, LowRank]
 CONDITIONS = (Compare, Logic)
 
 
@@ -147,7 +150,7 @@ class OpIR:
     # Concatenated outputs (`y: [a, b]`): (spec name, parts); `outputs` holds each part as a
     # value of its own, y[0], y[1] (part_name), in order.
     output_parts: tuple[tuple[str, int], ...] = ()
-    matmul: MatMul | None = None  # the op's one matmul, if any
+    matmul: MatMul | None = None  # the op's one matmul, if any (with the low-rank product beside it)
 
     @property
     def has_reductions(self) -> bool:
@@ -156,14 +159,18 @@ class OpIR:
     @property
     def epilogue_inputs(self) -> tuple[InputSpec, ...]:
         """What the elementwise code reads: the spec's inputs, a matmul's operands replaced by
-        its product (value name PRODUCT, [..., N])."""
+        its product (value name PRODUCT, [..., N]) and the low-rank product's by that one's
+        (LOWRANK, [..., N]), in that order."""
         if self.matmul is None:
             return self.spec.inputs
         m, by_name = self.matmul, {i.name: i for i in self.spec.inputs}
         a, b = by_name[m.a], by_name[m.b]
         # b's chunks are the product's, along its last dim: [..., 2N] read as chunk(a @ T(b), k)
-        product = InputSpec(PRODUCT, (*a.dims[:-1], b.dims[0] if m.transposed else b.dims[1]), a.line, b.chunks)
-        return (product, *(i for i in self.spec.inputs if i.name not in (m.a, m.b)))
+        dims = (*a.dims[:-1], b.dims[0] if m.transposed else b.dims[1])
+        products = [InputSpec(PRODUCT, dims, a.line, b.chunks)]
+        if m.lowrank is not None:
+            products.append(InputSpec(LOWRANK, dims, by_name[m.lowrank.up].line))
+        return (*products, *(i for i in self.spec.inputs if i.name not in m.operands))
 
 
 _BINARY_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
@@ -257,6 +264,7 @@ class _Scope:
         self.used: set[str] = set()
         self.read: set[str] = set()  # inputs read elementwise (not as a matmul's operand)
         self.matmuls: dict[MatMul, Binding] = {}  # each matmul, with the first binding writing it
+        self.lowranks: dict[LowRank, Binding] = {}  # each low-rank product, so
         self._binding: Binding | None = None
         # Depth and size of the tree being built, intermediates counted in full: they are
         # inlined, and later stages (sympy, printers) recurse over the whole tree.
@@ -315,6 +323,8 @@ class _Scope:
                                "branches, max, min and clamp")
             return Binary(_BINARY_OPS[type(node.op)], left, right)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            if isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.MatMult):
+                return self._lowrank(node)
             matmul = self._matmul(node)
             chunks = self.chunks[matmul.b]
             if chunks > 1:
@@ -502,19 +512,61 @@ class _Scope:
 
     def _matmul(self, node: ast.BinOp) -> MatMul:
         """`a @ b` or `a @ T(b)`: a [..., K] and b [K, N] (or [N, K] under T), float inputs."""
-        usage = "@ multiplies two inputs, as x @ weight (weight [K, N]) or x @ T(weight) (weight [N, K])"
+        a, b, transposed = self._operands(node)
+        self.used |= {a, b}
+        matmul = MatMul(a, b, transposed)
+        self.matmuls.setdefault(matmul, self._binding)
+        return matmul
+
+    def _lowrank(self, node: ast.BinOp) -> LowRank:
+        """`(a @ T(down)) @ T(up)`: down [R, K] and up [N, R] (each [K, R], [R, N] without T); the
+        inner product [..., R] is read by the outer one alone (LoRA's)."""
+        a, down, down_transposed = self._operands(node.left)
+        up, up_transposed = self._right_operand(node, "(x @ T(lora_a)) @ T(lora_b)")
+        for name in (down, up):
+            if self.chunks[name] > 1:
+                raise _Located(f"'{_snippet(node)}': '{name}' holds chunks; a low-rank product's operands cannot")
+        if up in (a, down):
+            raise _Located(f"'{_snippet(node)}': '{up}' is read twice; the low-rank product takes three inputs")
+        rank = self.dims[down][0 if down_transposed else 1]
+        up_dims = self.dims[up]
+        if len(up_dims) != 2 or "1" in up_dims or "..." in up_dims:
+            raise _Located(f"'{_snippet(node)}': '{up}' must have two named dims, as "
+                           f"{f'[N, {rank}]' if up_transposed else f'[{rank}, N]'}")
+        if up_dims[1 if up_transposed else 0] != rank:
+            raise _Located(f"'{_snippet(node)}': {up}'s {'last' if up_transposed else 'first'} dim "
+                           f"{up_dims[1 if up_transposed else 0]} is not the inner product's last dim {rank}")
+        self.used |= {a, down, up}
+        lowrank = LowRank(a, down, up, down_transposed, up_transposed)
+        self.lowranks.setdefault(lowrank, self._binding)
+        return lowrank
+
+    def _right_operand(self, node: ast.BinOp, usage: str) -> tuple[str, bool]:
+        """A matmul's right operand: an input's name, and whether it is written T(...)."""
         right, transposed = node.right, False
         if (isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "T"
                 and len(right.args) == 1 and not right.keywords):
             right, transposed = right.args[0], True
-        if not (isinstance(node.left, ast.Name) and isinstance(right, ast.Name)):
+        if not isinstance(right, ast.Name):
             raise _Located(f"'{_snippet(node)}': {usage}")
-        for name in (node.left.id, right.id):
-            if name not in self.inputs:
-                raise _Located(f"'{_snippet(node)}': '{name}' is not an input; {usage}")
-            if name in self.bools or name in self.integers:
-                raise _Located(f"'{_snippet(node)}': '{name}' must be a float input")
-        a, b = node.left.id, right.id
+        self._check_operand(node, right.id, usage)
+        return right.id, transposed
+
+    def _check_operand(self, node: ast.BinOp, name: str, usage: str) -> None:
+        if name not in self.inputs:
+            raise _Located(f"'{_snippet(node)}': '{name}' is not an input; {usage}")
+        if name in self.bools or name in self.integers:
+            raise _Located(f"'{_snippet(node)}': '{name}' must be a float input")
+
+    def _operands(self, node: ast.BinOp) -> tuple[str, str, bool]:
+        """(a, b, transposed) of `a @ b` or `a @ T(b)`, checked."""
+        usage = ("@ multiplies two inputs, as x @ weight (weight [K, N]) or x @ T(weight) (weight [N, K]); or a "
+                 "low-rank product, as (x @ T(lora_a)) @ T(lora_b)")
+        b, transposed = self._right_operand(node, usage)
+        if not isinstance(node.left, ast.Name):
+            raise _Located(f"'{_snippet(node)}': {usage}")
+        self._check_operand(node, node.left.id, usage)
+        a = node.left.id
         # b's chunks side by side along the product's columns: its first dim under T ([2N, K],
         # nn.Linear's layout of two projections), its last without ([K, 2N]); a holds none.
         if self.chunks[a] > 1:
@@ -539,10 +591,7 @@ class _Scope:
             hint = " (nn.Linear's [N, K] weight is written x @ T(weight))" if not transposed and b_dims[1] == a_dims[-1] else ""
             raise _Located(f"'{_snippet(node)}': {a}'s last dim {a_dims[-1]} is not {b}'s "
                            f"{'last' if transposed else 'first'} dim {k}{hint}")
-        self.used |= {a, b}
-        matmul = MatMul(a, b, transposed)
-        self.matmuls.setdefault(matmul, self._binding)
-        return matmul
+        return a, b, transposed
 
     def _chunk(self, node: ast.Call) -> ChunkRef | ProductChunk:
         self._check_arity("chunk", len(node.args), BUILTINS["chunk"])
@@ -610,7 +659,7 @@ def _row_shape(expr: Expr, dims: dict[str, tuple[str, ...]], memo: dict) -> tupl
             memo[key] = (bool(d) and d[-1] != "1", len(d) > 1 or (bool(d) and d[0] == "..."))
         elif isinstance(expr, Col):  # as an [N] input
             memo[key] = (True, False)
-        elif isinstance(expr, (MatMul, ProductChunk)):  # [..., N]
+        elif isinstance(expr, (MatMul, ProductChunk, LowRank)):  # [..., N]
             memo[key] = (True, True)
         elif isinstance(expr, Reduce):
             memo[key] = (False, _row_shape(expr.value, dims, memo)[1])
@@ -657,18 +706,27 @@ def _check_all_used(spec: OpSpec, scope: _Scope) -> None:
 
 
 def _check_matmul(spec: OpSpec, scope: _Scope, outputs) -> MatMul | None:
-    """An op takes one matmul, and (for now) no row reduction, col or output of another dtype
-    or in parts beside it; its operands are read only through it."""
+    """An op takes one matmul (and at most one low-rank product of the same left operand
+    beside it), and (for now) no row reduction, col or output of another dtype or in parts
+    beside it; their operands are read only through them."""
+    lowranks = [(r, b.line) for r, b in scope.lowranks.items()]
     if not scope.matmuls:
+        if lowranks:
+            lowrank, line = lowranks[0]
+            raise SpecError(spec.path, line, f"{lowrank.text} is a low-rank product, which an op adds to a matmul of "
+                            f"{lowrank.a}, as {lowrank.a} @ T(weight) + ...; this op has none")
         return None
     (first, line), *others = [(m, b.line) for m, b in scope.matmuls.items()]
     if others:
         second, second_line = others[0]
         raise SpecError(spec.path, second_line, f"an op takes one matmul: {second.text} here, {first.text} "
                         f"at line {line}")
-    both = [n for n in (first.a, first.b) if n in scope.read]
+    if lowranks:
+        first = _with_lowrank(spec, scope, first, lowranks)
+    both = [n for n in first.operands if n in scope.read]
     if both:
-        raise SpecError(spec.path, line, f"'{both[0]}' is an operand of {first.text} and cannot also be read "
+        product = first.text if both[0] in (first.a, first.b) else first.lowrank.text
+        raise SpecError(spec.path, line, f"'{both[0]}' is an operand of {product} and cannot also be read "
                         "elementwise")
     nodes = [node for _, expr in outputs for node in walk(expr)]
     unsupported = [(Reduce, "row reductions (sum, mean, max, min, take)"), (Col, "col")]
@@ -682,6 +740,30 @@ def _check_matmul(spec: OpSpec, scope: _Scope, outputs) -> MatMul | None:
             raise SpecError(spec.path, binding.line, f"output '{binding.name}': a concatenated output or one of "
                             f"its own dtype is not supported yet in an op with a matmul ({first.text})")
     return first
+
+
+def _with_lowrank(spec: OpSpec, scope: _Scope, matmul: MatMul, lowranks) -> MatMul:
+    """The matmul with its low-rank product: one, of the same left operand, as wide as it."""
+    (lowrank, line), *others = lowranks
+    if others:
+        raise SpecError(spec.path, others[0][1], f"an op takes one low-rank product: {others[0][0].text} here, "
+                        f"{lowrank.text} at line {line}")
+    if lowrank.a != matmul.a:
+        raise SpecError(spec.path, line, f"{lowrank.text} multiplies {lowrank.a}, and the op's matmul {matmul.text} "
+                        f"multiplies {matmul.a}: a low-rank product takes the matmul's left operand")
+    if scope.chunks[matmul.b] > 1:
+        raise SpecError(spec.path, line, f"a low-rank product beside a matmul in chunks ({matmul.text}) is not "
+                        "supported yet")
+    shared = {lowrank.down, lowrank.up} & {matmul.b}
+    if shared:
+        raise SpecError(spec.path, line, f"'{shared.pop()}' is read by {matmul.text} and {lowrank.text}; the "
+                        "low-rank product takes inputs of its own")
+    n = scope.dims[matmul.b][0 if matmul.transposed else 1]
+    up_n = scope.dims[lowrank.up][0 if lowrank.up_transposed else 1]
+    if up_n != n:
+        raise SpecError(spec.path, line, f"{lowrank.text} is [..., {up_n}] and {matmul.text} [..., {n}]: a "
+                        "low-rank product is as wide as the matmul's")
+    return replace(matmul, lowrank=lowrank)
 
 
 def _shorten(text: str) -> str:
@@ -718,7 +800,7 @@ def _unparse(e: Expr, names: dict[int, str], top: bool = False) -> tuple[str, in
         return f"chunk({e.name}, {e.index})", _ATOM
     if isinstance(e, Col):
         return "col", _ATOM
-    if isinstance(e, MatMul):
+    if isinstance(e, (MatMul, LowRank)):
         return e.text, _PRECEDENCE["*"]
     if isinstance(e, ProductChunk):
         return f"chunk({e.matmul.text}, {e.index})", _ATOM

@@ -86,14 +86,40 @@ def in_range(value, low, high, low_open: bool = False, high_open: bool = False) 
 
 
 @dataclass(frozen=True)
+class LowRank:
+    """A low-rank product `(a @ T(down)) @ T(up)` (LoRA's: down [R, K], up [N, R], R small; each
+    without T: [K, R], [R, N]): beside an op's matmul of the same `a`, its [..., N] value is
+    another that the rest of the op reads; its inner [..., R] product is read by it alone."""
+
+    a: str
+    down: str
+    up: str
+    down_transposed: bool
+    up_transposed: bool
+
+    @property
+    def text(self) -> str:
+        down = f"T({self.down})" if self.down_transposed else self.down
+        up = f"T({self.up})" if self.up_transposed else self.up
+        return f"({self.a} @ {down}) @ {up}"
+
+
+@dataclass(frozen=True)
 class MatMul:
     """An op's matmul `a @ b` (b [K, N]) or `a @ T(b)` (transposed: b [N, K], nn.Linear's
-    weight), by its operands' input names: its product [..., N] is what the rest of the op reads."""
+    weight), by its operands' input names: its product [..., N] is what the rest of the op reads;
+    with a low-rank product of the same a beside it (LoRA), that one's too."""
 
     a: str
     b: str
     transposed: bool
+    lowrank: LowRank | None = None
 
     @property
     def text(self) -> str:
         return f"{self.a} @ T({self.b})" if self.transposed else f"{self.a} @ {self.b}"
+
+    @property
+    def operands(self) -> tuple[str, ...]:
+        """The inputs only the matmuls read: a and b, and the low-rank product's two."""
+        return (self.a, self.b) + ((self.lowrank.down, self.lowrank.up) if self.lowrank else ())

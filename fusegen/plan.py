@@ -124,6 +124,21 @@ class HelperPlan:
 
 
 @dataclass(frozen=True)
+class LowRankPlan:
+    """The low-rank product beside the matmul, `(a @ T(down)) @ T(up)` (LoRA's): its [..., N]
+    value (`value`) is the bodies' as the product is; the forward forms it per tile from its
+    [BLOCK_M, R] inner product; the backward takes its gradient from the g kernel (or an
+    output's incoming gradient: `incoming`), and the operands' from it by matmuls."""
+
+    down: InputPlan  # [R, K] under T, else [K, R]
+    up: InputPlan  # [N, R] under T, else [R, N]
+    down_transposed: bool
+    up_transposed: bool
+    value: InputPlan
+    incoming: str | None  # the output whose incoming gradient is the low-rank product's, if any
+
+
+@dataclass(frozen=True)
 class MatmulPlan:
     """The gemm kind's matmul, `a @ b` or `a @ T(b)`: its product is a value of the kernels'
     bodies as an input is (`product`, [..., N]), formed by the forward kernel; the backward
@@ -137,6 +152,7 @@ class MatmulPlan:
     product: InputPlan
     saved: bool  # the backward body reads the product: the forward stores it
     incoming: str | None  # the output whose incoming gradient is the product's, if any
+    lowrank: LowRankPlan | None = None  # the low-rank product beside it (LoRA's), if any
 
 
 @dataclass(frozen=True)

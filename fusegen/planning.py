@@ -23,8 +23,8 @@ from .functions import FUNCTIONS
 from .kinds import kind_of
 from .layout import Choice, Scalar
 from .names import PYTHON_BUILTINS, Namer
-from .plan import (Body, GradientPlan, HelperPlan, InputPlan, KernelPlan, Mask, MatmulPlan, OpPlan, OutputParts, ParamPlan,
-                   Value)
+from .plan import (Body, GradientPlan, HelperPlan, InputPlan, KernelPlan, LowRankPlan, Mask, MatmulPlan, OpPlan, OutputParts,
+                   ParamPlan, Value)
 from .printers import EagerPrinter
 from .rows import WIDTH
 from .simplify import Block, ChoiceHelper, SimplifiedOp, grad_output_name, value_names
@@ -44,17 +44,21 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         names[item.name] = namer.claim(item.name)
     symbols: dict[str, str] = {}  # simplify's symbol names → local names
     matmul = op.ir.matmul
-    if matmul is not None:  # the product, a value of the kernels' bodies as an input is
+    products = ()  # the product, a value of the kernels' bodies as an input is, and the low-rank one
+    if matmul is not None:
+        products = op.ir.epilogue_inputs[:1 + (matmul.lowrank is not None)]
         names[ir.PRODUCT] = namer.claim("product")
-    planned = {}  # InputPlan of each input, and of the product
-    for spec_input in (*spec.inputs, *([op.ir.epilogue_inputs[0]] if matmul else [])):
+        if matmul.lowrank is not None:
+            names[ir.LOWRANK] = namer.claim("lowrank")
+    planned = {}  # InputPlan of each input, and of the products
+    for spec_input in (*spec.inputs, *products):
         local = names[spec_input.name]
         values = []
         for k, value in enumerate(value_names(spec_input)):
             symbols[value] = local if spec_input.chunks == 1 else namer.claim(f"{local}_chunk{k}")
             values.append(Value(symbols[value], k))
-        # The product is named by its local: a declaration's name (gemm_launch's), never a spec name.
-        name = local if spec_input.name == ir.PRODUCT else spec_input.name
+        # A product is named by its local: a declaration's name (gemm_launch's), never a spec name.
+        name = local if spec_input.name in (ir.PRODUCT, ir.LOWRANK) else spec_input.name
         layout = spec_input.layout if name == spec_input.name else replace(spec_input.layout, name=name)
         planned[spec_input.name] = InputPlan(name, local, layout, tuple(values))
     inputs = [planned[i.name] for i in spec.inputs]
@@ -111,7 +115,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     choices = tuple(p for p in params if isinstance(p.declaration, Choice))
     width = symbols.get(WIDTH.name)  # a kind with rows names N
     forward = KernelPlan(
-        inputs=tuple(i for i in epilogue if i is not planned.get(ir.PRODUCT)),  # the product it forms itself
+        inputs=tuple(i for i in epilogue if i.name not in {planned[p.name].name for p in products}),  # formed by it
         incoming=(),
         outputs=tuple(local for _, local in outputs),
         gradients=(),
@@ -182,7 +186,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         forward=forward,
         backward=backward,
         passthrough=tuple((g.input, g.passthrough_of) for g in op.gradients
-                          if g.passthrough_of is not None and g.input != ir.PRODUCT),
+                          if g.passthrough_of is not None and g.input not in (ir.PRODUCT, ir.LOWRANK)),
         same_gradient=tuple((g.input, g.same_as) for g in op.gradients if g.same_as is not None),
         gradient_reads=_gradient_reads(spec, op),
         eager=eager,
@@ -198,14 +202,28 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         ),
         output_dtypes=tuple((b.name, b.dtype) for b in spec.outputs if b.dtype is not None),
         no_gradient=frozenset(b.name for b in spec.outputs if not b.differentiable),
-        matmul=None if matmul is None else MatmulPlan(
-            planned[matmul.a], planned[matmul.b], matmul.transposed, planned[ir.PRODUCT],
-            saved=bool({sympy.Symbol(n, real=True) for n in value_names(op.ir.epilogue_inputs[0])} & (
-                op.backward.free_symbols()
-                | (op.backward_no_dropout.free_symbols() if op.backward_no_dropout else set()))),
-            incoming=next((g.passthrough_of for g in op.gradients if g.input == ir.PRODUCT and g.passthrough_of), None),
-        ),
+        matmul=None if matmul is None else _matmul_plan(op, planned, backward_symbols),
     )
+
+
+def _matmul_plan(op: SimplifiedOp, planned: dict, backward_symbols: set) -> MatmulPlan:
+    """The matmul's plan: its product saved where the backward reads it; the low-rank product's
+    never (its [..., N] would be written beside the product's, for an epilogue that adds it)."""
+    matmul = op.ir.matmul
+    incoming = {g.input: g.passthrough_of for g in op.gradients if g.passthrough_of}
+    lowrank = None
+    if matmul.lowrank is not None:
+        r = matmul.lowrank
+        if sympy.Symbol(ir.LOWRANK, real=True) in backward_symbols:
+            binding = op.ir.spec.outputs[0]
+            raise SpecError(op.ir.spec.path, binding.line, f"the backward reads the low-rank product {r.text}: an "
+                            "epilogue that adds it (times params, inputs or the product) is supported, not yet one "
+                            "that takes a function of it")
+        lowrank = LowRankPlan(planned[r.down], planned[r.up], r.down_transposed, r.up_transposed,
+                              planned[ir.LOWRANK], incoming.get(ir.LOWRANK))
+    product = {sympy.Symbol(n, real=True) for n in value_names(op.ir.epilogue_inputs[0])}
+    return MatmulPlan(planned[matmul.a], planned[matmul.b], matmul.transposed, planned[ir.PRODUCT],
+                      saved=bool(product & backward_symbols), incoming=incoming.get(ir.PRODUCT), lowrank=lowrank)
 
 
 def _parts_dims(dims: tuple[str, ...], parts: int | None) -> tuple[str, ...]:
@@ -221,11 +239,15 @@ def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[st
     # A part's incoming gradient is read from its output's.
     whole = {ir.part_name(name, k): name for name, count in op.ir.output_parts for k in range(count)}
     reads = {g.input: {whole.get(r, r) for r in g.reads} for g in op.gradients}
-    if op.ir.matmul is not None:  # the operands' gradients are the product's (all its chunks'), multiplied
+    matmul = op.ir.matmul
+    if matmul is not None:  # the operands' gradients are the products' (all their chunks'), multiplied
         product = set().union(*(reads[n] for n in value_names(op.ir.epilogue_inputs[0])))
+        lowrank = reads[ir.LOWRANK] if matmul.lowrank else set()
         by_name = {i.name: i for i in spec.inputs}
-        for operand in (op.ir.matmul.a, op.ir.matmul.b):
-            reads.update({n: product for n in value_names(by_name[operand])})
+        reads.update({n: product for n in value_names(by_name[matmul.b])})
+        reads.update({n: product | lowrank for n in value_names(by_name[matmul.a])})
+        if matmul.lowrank:
+            reads.update({matmul.lowrank.down: lowrank, matmul.lowrank.up: lowrank})
     every = [b.name for b in spec.outputs]
     result = []
     for spec_input in spec.inputs:

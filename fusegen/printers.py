@@ -412,6 +412,9 @@ class EagerPrinter:
         if isinstance(e, ir.MatMul):  # an atom: F.linear, or the parenthesized product
             a, b = self.names[e.a], self.names[e.b]
             return f"F.linear({a}, {b})" if e.transposed else f"({a} @ {b})"
+        if isinstance(e, ir.LowRank):  # an atom too: F.linear(F.linear(x, lora_a), lora_b)
+            inner = self._linear(self.names[e.a], self.names[e.down], e.down_transposed)
+            return self._linear(inner, self.names[e.up], e.up_transposed)
         if isinstance(e, ir.ProductChunk):  # the product of a with b's chunk: F.linear(x, w.chunk(2)[0])
             a, b, m = self.names[e.matmul.a], self.names[e.matmul.b], e.matmul
             part = f"{b}.chunk({e.count}, dim={0 if m.transposed else -1})[{e.index}]"
@@ -458,6 +461,10 @@ class EagerPrinter:
             for at in _find_all(idiom, slot)
         )
         return self._print(e) if enclosed else self._operand(e)
+
+    @staticmethod
+    def _linear(a: str, b: str, transposed: bool) -> str:
+        return f"F.linear({a}, {b})" if transposed else f"({a} @ {b})"
 
     def _operand(self, e) -> str:
         from . import ir

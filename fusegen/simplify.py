@@ -179,7 +179,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
             else None,
         )
         for name in wrt
-    ), [totals[True], totals[False]], chunked | {ir.PRODUCT})  # no input's gradient is the product's: g is no input
+    ), [totals[True], totals[False]], chunked | {ir.PRODUCT, ir.LOWRANK})  # g (the products') is no input's
     gradients = tuple(
         replace(g, reads=_reads((totals[True][g.input], totals[False][g.input]), grad_outputs)) for g in gradients
     )
@@ -193,6 +193,11 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
     if product and not any(p in used for p in product):
         binding = spec.outputs[0]
         raise SpecError(spec.path, binding.line, f"the product {op.matmul.text} simplifies away: no output reads it")
+    lowrank = op.matmul.lowrank if op.matmul is not None else None
+    if lowrank is not None and inputs[ir.LOWRANK] not in used:
+        binding = spec.outputs[0]
+        raise SpecError(spec.path, binding.line, f"the low-rank product {lowrank.text} simplifies away: no output "
+                        "reads it")
     used |= set().union(*(e.free_symbols for _, e in backward[True] + backward[False]))
     return SimplifiedOp(
         ir=op,
@@ -339,6 +344,8 @@ class _Lowering:
             return self.symbols[e.name]
         if isinstance(e, ir.MatMul):
             return self.symbols[ir.PRODUCT]
+        if isinstance(e, ir.LowRank):
+            return self.symbols[ir.LOWRANK]
         if isinstance(e, ir.ProductChunk):
             return self.symbols[chunk_name(ir.PRODUCT, e.index)]
         if isinstance(e, ir.ChunkRef):
@@ -412,6 +419,8 @@ def _input_gradients(op: ir.OpIR, outputs, inputs, grad_outputs) -> dict[str, sy
         product = value_names(op.epilogue_inputs[0])
         shown |= {n: op.matmul.text if len(product) == 1 else f"chunk({op.matmul.text}, {k})"
                   for k, n in enumerate(product)}
+        if op.matmul.lowrank is not None:
+            shown[ir.LOWRANK] = op.matmul.lowrank.text
     totals = {}
     for name, symbol in inputs.items():
         terms = []

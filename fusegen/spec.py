@@ -745,36 +745,62 @@ def _output_dims(inputs: tuple[InputSpec, ...], bindings) -> tuple[str, ...]:
         return ()
     by_name = {i.name: i for i in inputs}
     operands, shapes = set(), []
-    for a, b, transposed in (m for found in products for m in found):
+    for a, b, transposed, inner, text in (m for found in products for m in found):
         left, right = by_name.get(a), by_name.get(b)
         if left is None or right is None or not left.dims or len(right.dims) != 2:
             return ()
         n = right.dims[0] if transposed else right.dims[1]
-        operands |= {a, b}
-        shapes.append(InputSpec(f"{a} @ {'T(' + b + ')' if transposed else b}", (*left.dims[:-1], n), left.line))
+        operands |= {a, b, *inner}
+        shapes.append(InputSpec(text, (*left.dims[:-1], n), left.line))
     return _broadcast_dims(tuple(i for i in inputs if i.name not in operands) + tuple(shapes))
 
 
-def matmul_operands(text: str) -> list[tuple[str, str, bool]] | None:
-    """Each `a @ b` / `a @ T(b)` in an expression, as (a, b, transposed); None where some `@`
-    has other operands (or the text does not parse: ir says why)."""
+def matmul_operands(text: str) -> list[tuple[str, str, bool, tuple[str, ...], str]] | None:
+    """Each product of an expression, `a @ b` / `a @ T(b)`, as (a, b, transposed, (), its text); a
+    low-rank `(a @ T(down)) @ T(up)` as (a, up, transposed, (down,), its text): [..., N] as
+    a @ T(up) would be. None where some `@` has other operands (or the text does not parse: ir
+    says why)."""
     if "@" not in text:
         return []
     try:
         tree = ast.parse(" ".join(text.split("\n")), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-            right, transposed = node.right, False
-            if (isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "T"
-                    and len(right.args) == 1 and not right.keywords):
-                right, transposed = right.args[0], True
-            if not (isinstance(node.left, ast.Name) and isinstance(right, ast.Name)):
-                return None
-            found.append((node.left.id, right.id, transposed))
+    found, inner = [], set()
+    for node in ast.walk(tree):  # parents before children: an outer product before its inner one
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult) and id(node) not in inner:
+            operands = _operands(node)
+            if operands is None:
+                if not (isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.MatMult)):
+                    return None
+                first = _operands(node.left)
+                right = _right(node)
+                if first is None or right is None:
+                    return None
+                inner.add(id(node.left))
+                found.append((first[0], *right, (first[1],), f"({_text(*first)}) @ {_text('', *right)[3:]}"))
+            else:
+                found.append((*operands, (), _text(*operands)))
     return found
+
+
+def _right(node: ast.BinOp) -> tuple[str, bool] | None:
+    right, transposed = node.right, False
+    if (isinstance(right, ast.Call) and isinstance(right.func, ast.Name) and right.func.id == "T"
+            and len(right.args) == 1 and not right.keywords):
+        right, transposed = right.args[0], True
+    return (right.id, transposed) if isinstance(right, ast.Name) else None
+
+
+def _text(a: str, b: str, transposed: bool) -> str:
+    return f"{a} @ {'T(' + b + ')' if transposed else b}"
+
+
+def _operands(node: ast.BinOp) -> tuple[str, str, bool] | None:
+    right = _right(node)
+    if right is None or not isinstance(node.left, ast.Name):
+        return None
+    return (node.left.id, *right)
 
 
 def _broadcast_dims(inputs: tuple[InputSpec, ...]) -> tuple[str, ...]:

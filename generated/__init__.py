@@ -29,6 +29,7 @@
   as nn.Linear's [N, K]
 - linear_swiglu: y = silu(a) * b, where x @ weight.T = [a, b]; weight as nn.Linear's [2N, K]
 - log_softmax: y = x - max(x) - log(sum(exp(x - max(x)))), over the last dim
+- lora_linear: y = x @ weight.T + bias + scale * (x @ lora_a.T) @ lora_b.T (peft's LoRA layer)
 - mish: y = x * tanh(softplus(x))
 - quick_gelu: y = x * sigmoid(1.702 * x)
 - rmsnorm: y = x * rsqrt(mean(x**2) + eps) * weight, over the last dim
@@ -69,6 +70,7 @@ OPS = (
     "linear_bias_gelu_dropout_add",
     "linear_swiglu",
     "log_softmax",
+    "lora_linear",
     "mish",
     "quick_gelu",
     "rmsnorm",

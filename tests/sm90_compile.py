@@ -74,6 +74,8 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
             if name in ("BLOCK_M", "ROWS_PER_PROGRAM"):
                 # A gemm kernel's tl.dot takes tiles of 16 and more a side.
                 constexprs[name] = (64 if "BLOCK_K" in names else 2) if name == "BLOCK_M" else 4
+            elif name == "BLOCK_R":  # a low-rank product's rank, rounded up (LoRA's r = 16)
+                constexprs[name] = 16
             elif name in ("BLOCK_K", "GROUP_M"):  # the gemm kind's (gemm_tuning)
                 constexprs[name] = 64 if name == "BLOCK_K" else 8
             elif name == "PARTS":  # the gemm epilogue's halves, with TMA (one tile's worth otherwise)

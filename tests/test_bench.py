@@ -95,6 +95,23 @@ def test_an_op_with_a_matmul_takes_k_from_a_four_part_shape(tmp_path):
     assert "so K must be H" in cases.shape_problem(square, (1, 2, 4, 8))
 
 
+def test_an_op_with_a_low_rank_product_takes_r_from_a_five_part_shape():
+    """BxSxKxHxR: lora_a [R, K], lora_b [N, R]; its flops count both products; an op with a
+    low-rank product refuses fewer parts, and one without refuses five."""
+    spec = load_spec(ROOT / "specs" / "lora_linear.yaml")
+    bsh = (1, 16384, 4096, 11008, 16)
+    assert cases.input_shapes(spec, bsh) == {"x": (1, 16384, 4096), "weight": (11008, 4096), "bias": (11008,),
+                                            "lora_a": (16, 4096), "lora_b": (11008, 16)}
+    assert cases.output_shape(spec, bsh) == (1, 16384, 11008)
+    m, k, n, r = 16384, 4096, 11008, 16
+    assert cases.bytes_model(spec, bsh, torch.bfloat16).matmul_flops == 2 * m * k * n + 2 * m * r * (k + n)
+    assert cases.shape_problem(spec, (1, 2, 8, 8)) == ("shape 1x2x8x8: lora_linear has a low-rank product; give its "
+                                                       "rank too, as BxSxKxHxR")
+    linear = load_spec(ROOT / "specs" / "linear_bias_gelu.yaml")
+    assert cases.shape_problem(linear, (1, 2, 8, 8, 4)) == ("shape 1x2x8x8x4 is BxSxKxHxR, for ops with a low-rank "
+                                                            "product; linear_bias_gelu has none")
+
+
 def test_an_op_with_a_matmul_has_the_matmul_providers():
     """compile-max-autotune and the matmul alone beside the three; the matmul alone computes the
     product (forward only), whatever the op's epilogue."""
@@ -381,7 +398,7 @@ def test_bench_sweep_flag():
     [
         [],  # no op
         ["op", "--shapes", "8x2048"],
-        ["op", "--shapes", "1x2x3x4x5"],
+        ["op", "--shapes", "1x2x3x4x5x6"],
         ["op", "--shapes", "8x0x4096"],
         ["op", "--shapes", "1x2x3", "--sweep"],
         ["op", "--dtype", "int8"],

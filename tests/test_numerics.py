@@ -153,6 +153,10 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
         a, b = values.pop(matmul.a), values.pop(matmul.b)
         values["@"] = tuple(a @ (c.mT if matmul.transposed else c) for c in b) if isinstance(b, tuple) else \
             a @ (b.mT if matmul.transposed else b)
+        r = matmul.lowrank  # (x @ lora_a.mT) @ lora_b.mT, two matmuls in the inputs' dtype
+        if r is not None:
+            down, up = values.pop(r.down), values.pop(r.up)
+            values["@lowrank"] = (a @ (down.mT if r.down_transposed else down)) @ (up.mT if r.up_transposed else up)
     shapes = [v.shape for value in values.values() for v in (value if isinstance(value, tuple) else (value,))]
     shape = torch.broadcast_shapes(*shapes)
     problem = SimpleNamespace(
@@ -173,6 +177,8 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             return values["@"]
         if isinstance(expr, ir.ProductChunk):
             return values["@"][expr.index]
+        if isinstance(expr, ir.LowRank):
+            return values["@lowrank"]
         if isinstance(expr, ir.ParamRef):
             return scalars[expr.name]
         if isinstance(expr, ir.Unary):

@@ -50,15 +50,16 @@ DEFAULT_FIRST_CALL_TIMEOUT_S = 120.0
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """"8x2048x4096" → (B, S, H); "1x16384x4096x11008" → (B, S, K, H): an op with a matmul's
-    dim summed over, K (without it, K is H)."""
+    dim summed over, K (without it, K is H); "1x16384x4096x4096x16" → (B, S, K, H, R): an op
+    with a low-rank product too, its rank R."""
     parts = text.strip().lower().split("x")
     try:
         sizes = tuple(int(part) for part in parts)
     except ValueError:
         sizes = ()
-    if len(sizes) not in (3, 4) or any(size <= 0 for size in sizes):
-        raise argparse.ArgumentTypeError(f"shape {text!r} must be BxSxH (or BxSxKxH for an op with a matmul) with "
-                                         "positive integers, e.g. 8x2048x4096")
+    if len(sizes) not in (3, 4, 5) or any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"shape {text!r} must be BxSxH (or BxSxKxH for an op with a matmul, BxSxKxHxR "
+                                         "with a low-rank product) with positive integers, e.g. 8x2048x4096")
     return sizes
 
 

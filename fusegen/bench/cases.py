@@ -150,12 +150,15 @@ def hidden_dim_name(out_dims: Sequence[str]) -> str | None:
 
 
 def shape_for_dims(dims: Sequence[str], bsh: tuple[int, ...], hidden: str | None,
-                   contraction: str | None = None) -> tuple[int, ...]:
+                   contraction: str | None = None, rank: str | None = None) -> tuple[int, ...]:
     """Map spec dims to sizes: '...' → (B, S), the hidden dim → H, a matmul's dim summed over
-    (`contraction`) → K (bsh (B, S, K, H); K is H in (B, S, H)), other names → B·S, '1' → 1.
-    An op with no named dim (gelu's x: [...]) has '...' stand for all of (B, S, H)."""
-    b, s, h = bsh[0], bsh[1], bsh[-1]
-    k = bsh[2] if len(bsh) == 4 else h
+    (`contraction`) → K (bsh (B, S, K, H); K is H in (B, S, H)), a low-rank product's inner dim
+    (`rank`) → R (bsh (B, S, K, H, R)), other names → B·S, '1' → 1. An op with no named dim
+    (gelu's x: [...]) has '...' stand for all of (B, S, H)."""
+    b, s = bsh[0], bsh[1]
+    h = bsh[3] if len(bsh) > 3 else bsh[2]
+    k = bsh[2] if len(bsh) > 3 else h
+    r = bsh[4] if len(bsh) > 4 else None
     shape: list[int] = []
     for dim in dims:
         if dim == ELLIPSIS:
@@ -163,7 +166,7 @@ def shape_for_dims(dims: Sequence[str], bsh: tuple[int, ...], hidden: str | None
         elif dim == "1":
             shape.append(1)
         else:
-            shape.append(h if dim == hidden else k if dim == contraction else b * s)
+            shape.append(h if dim == hidden else k if dim == contraction else r if dim == rank and r else b * s)
     return tuple(shape)
 
 
@@ -175,11 +178,22 @@ def contraction_dim(spec: OpSpec) -> str | None:
     return None if matmul is None else next(i.dims[-1] for i in spec.inputs if i.name == matmul.a)
 
 
+def rank_dim(spec: OpSpec) -> str | None:
+    """A low-rank product's inner dim (lora_a [R, K]'s R), or None without one."""
+    from .. import ir
+
+    matmul = ir.build_ir(spec).matmul
+    if matmul is None or matmul.lowrank is None:
+        return None
+    down = next(i for i in spec.inputs if i.name == matmul.lowrank.down)
+    return down.dims[0 if matmul.lowrank.down_transposed else 1]
+
+
 def input_shape(inp: InputSpec, bsh: tuple[int, ...], hidden: str | None,
-                contraction: str | None = None) -> tuple[int, ...]:
+                contraction: str | None = None, rank: str | None = None) -> tuple[int, ...]:
     """An input's sizes: its value dims mapped, the last one times its chunks ([..., 2N] → (B, S, 2·H);
     a matmul's weight [2N, K], the first)."""
-    shape = shape_for_dims(inp.dims, bsh, hidden, contraction)
+    shape = shape_for_dims(inp.dims, bsh, hidden, contraction, rank)
     if inp.chunks == 1:
         return shape
     along = len(shape) - 1 if inp.chunk_dim == -1 else inp.chunk_dim
@@ -190,16 +204,21 @@ def input_shapes(spec: OpSpec, bsh: tuple[int, int, int]) -> dict[str, tuple[int
     problem = shape_problem(spec, bsh)
     if problem:  # command.run_bench refuses such a run first
         raise ValueError(problem)
-    hidden, contraction = hidden_dim_name(spec.out_dims), contraction_dim(spec)
-    return {inp.name: input_shape(inp, bsh, hidden, contraction) for inp in spec.inputs}
+    hidden, contraction, rank = hidden_dim_name(spec.out_dims), contraction_dim(spec), rank_dim(spec)
+    return {inp.name: input_shape(inp, bsh, hidden, contraction, rank) for inp in spec.inputs}
 
 
 def shape_problem(spec: OpSpec, bsh: tuple[int, ...]) -> str | None:
     """Why `bsh` cannot be this op's shape (one line), or None: BxSxKxH needs a matmul whose K
-    is a dim of its own (a [N, N] weight's K is H)."""
-    if len(bsh) != 4:
-        return None
+    is a dim of its own (a [N, N] weight's K is H); BxSxKxHxR, a low-rank product, which needs it."""
     shown = "x".join(map(str, bsh))
+    rank = rank_dim(spec)
+    if rank is not None and len(bsh) != 5:
+        return f"shape {shown}: {spec.name} has a low-rank product; give its rank too, as BxSxKxHxR"
+    if len(bsh) == 5 and rank is None:
+        return f"shape {shown} is BxSxKxHxR, for ops with a low-rank product; {spec.name} has none"
+    if len(bsh) < 4:
+        return None
     contraction = contraction_dim(spec)
     if contraction is None:
         return f"shape {shown} is BxSxKxH, for ops with a matmul; {spec.name} has none"
@@ -236,7 +255,7 @@ class BytesModel:
     read: int
     written: int
     output_elements: int  # over all outputs
-    matmul_flops: int = 0  # an op with a matmul: the forward's 2·M·K·(the product's width)
+    matmul_flops: int = 0  # an op with a matmul: the forward's 2·M·K·(the product's width), and a low-rank product's
 
     @property
     def total(self) -> int:
@@ -261,6 +280,10 @@ def bytes_model(spec: OpSpec, bsh: tuple[int, int, int], dtype: torch.dtype) -> 
         a, b = shapes[matmul.a], shapes[matmul.b]
         width = b[0] if matmul.transposed else b[1]
         flops = 2 * math.prod(a[:-1]) * a[-1] * width
+        if matmul.lowrank is not None:  # (x @ down) @ up: M·K·R, then M·R·N multiply-adds
+            down = shapes[matmul.lowrank.down]
+            rank = down[0] if matmul.lowrank.down_transposed else down[1]
+            flops += 2 * math.prod(a[:-1]) * rank * (a[-1] + width)
     return BytesModel(read=read, written=sum(e * size for e, size in zip(elements, out_sizes)),
                       output_elements=sum(elements), matmul_flops=flops)
 

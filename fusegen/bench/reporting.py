@@ -22,7 +22,8 @@ from .timing import COPY_BANDWIDTH_BYTES, DEFAULT_TIMER, TRITON_FLUSH_BYTES, Mea
 # Rows: one per (case, provider), the unit of the table, the JSON and the CSV
 
 ROW_FIELDS = (
-    "op", "dtype", "B", "S", "H", "K", "p", "provider",  # K: a matmul's dim summed over (None without one)
+    # K: a matmul's dim summed over, R: a low-rank product's rank (None without one)
+    "op", "dtype", "B", "S", "H", "K", "R", "p", "provider",
     "output_elements", "bytes_read", "bytes_written",
     "ms", "ms_p20", "ms_p80", "gelem_per_s", "gb_per_s", "copy_fraction", "tflop_per_s",
     "speedup_vs_eager", "speedup_vs_compile", "peak_fwd_mib", "error",
@@ -57,7 +58,8 @@ def case_rows(case: Case, model: BytesModel, results: Sequence[ProviderResult], 
         gb_per_s = _ratio(model.total / 1e9, seconds)
         row = {
             "op": case.op, "dtype": DTYPE_NAMES.get(case.dtype, str(case.dtype)),
-            "B": case.bsh[0], "S": case.bsh[1], "H": case.bsh[-1], "K": case.bsh[2] if len(case.bsh) == 4 else None,
+            "B": case.bsh[0], "S": case.bsh[1], "H": case.bsh[3] if len(case.bsh) > 3 else case.bsh[2],
+            "K": case.bsh[2] if len(case.bsh) > 3 else None, "R": case.bsh[4] if len(case.bsh) > 4 else None,
             "p": case.p, "provider": result.provider,
             "output_elements": model.output_elements, "bytes_read": model.read, "bytes_written": model.written,
             "ms": ms,

@@ -47,7 +47,15 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
         lines.append(f"no_gradient={_strings(no_gradient)},  # outputs without a gradient")
     if plan.matmul:
         m = plan.matmul
-        lines.append(f'matmul=runtime.MatMul("{m.a.name}", "{m.b.name}", transposed={m.transposed}),  # its product: [..., N]')
+        if m.lowrank is None:
+            lines.append(f'matmul=runtime.MatMul("{m.a.name}", "{m.b.name}", transposed={m.transposed}),  '
+                         '# its product: [..., N]')
+        else:
+            r = m.lowrank
+            lines += [f'matmul=runtime.MatMul("{m.a.name}", "{m.b.name}", transposed={m.transposed}, lowrank=runtime.LowRank(',
+                      f'    "{m.a.name}", "{r.down.name}", "{r.up.name}", down_transposed={r.down_transposed}, '
+                      f'up_transposed={r.up_transposed},',
+                      ')),  # its product and the low-rank one: [..., N]']
     if plan.masks:
         lines.append(f"masks={_strings([m.p.name for m in plan.masks])},  # each dropout's p, by Philox stream")
     if plan.passthrough:

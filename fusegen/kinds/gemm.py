@@ -1,5 +1,6 @@
 """The gemm kind: one matmul, `a @ b` or `a @ T(b)` ([..., K] by [K, N], or nn.Linear's [N, K]
-weight), whose product the elementwise rest of the op reads as an input (its epilogue). The
+weight), whose product the elementwise rest of the op reads as an input (its epilogue), with
+at most one low-rank product `(a @ T(down)) @ T(up)` beside it (LoRA's), read so too. The
 epilogue's bodies are the pointwise kind's, over the product as a value (plan.MatmulPlan).
 The forward forms the product tile by tile and runs the epilogue on it before anything is
 written; the backward forms g, the product's gradient, elementwise from the saved product
@@ -39,9 +40,13 @@ class Gemm(Pointwise):
 
 def _products(plan: OpPlan, transpose: str) -> list[str]:
     """`product = x @ weight.mT`; where b holds chunks, each chunk's product of its chunk of b."""
-    m = plan.matmul
-    return [f"{p.local} = {m.a.local} @ {b.local}{transpose if m.transposed else ''}"
-            for p, b in zip(m.product.values, m.b.values)]
+    m, r = plan.matmul, plan.matmul.lowrank
+    lines = [f"{p.local} = {m.a.local} @ {b.local}{transpose if m.transposed else ''}"
+             for p, b in zip(m.product.values, m.b.values)]
+    if r is not None:
+        down, up = (f"{i.local}{transpose if t else ''}" for i, t in ((r.down, r.down_transposed), (r.up, r.up_transposed)))
+        lines.append(f"{r.value.local} = ({m.a.local} @ {down}) @ {up}")
+    return lines
 
 
 KIND = Gemm()

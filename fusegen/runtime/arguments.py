@@ -157,7 +157,7 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, mat
         raise FusegenArgumentError(f"{op}(): shapes do not broadcast: {shown}") from None
     if matmul is not None and tuple(shape) != tuple(value_shapes[0]):
         product = value_shapes[0]
-        others = [(i.name, t) for i, t in zip(inputs, tensors) if i.name not in (matmul.a, matmul.b)]
+        others = [(i.name, t) for i, t in zip(inputs, tensors) if i.name not in matmul.operands]
         name, tensor = next((name, t) for (name, t), shape in zip(others, value_shapes[1:])
                             if torch.broadcast_shapes(shape, product) != product)
         raise FusegenArgumentError(f"{op}(): {name} {list(tensor.shape)} broadcasts the product {matmul.text} "
@@ -189,13 +189,24 @@ def _broadcast_shapes(shapes: list) -> torch.Size:
     return torch.Size(result)
 
 
+# A low-rank product's inner dim: each output tile holds its rows' [BLOCK_M, R] inner product.
+MAX_RANK = 128
+
+
 def _with_product(op: str, inputs, tensors, value_shapes: list, matmul: MatMul) -> list:
     """The value shapes with the product's ([..., N]; one chunk's, where b holds chunks) first,
-    in place of its operands'."""
+    in place of its operands' (and the low-rank product's, as wide, in place of its own)."""
     names = [i.name for i in inputs]
     a, b = tensors[names.index(matmul.a)], tensors[names.index(matmul.b)]
     n = (b.shape[0] if matmul.transposed else b.shape[1]) // inputs[names.index(matmul.b)].chunks
-    others = [s for name, s in zip(names, value_shapes) if name not in (matmul.a, matmul.b)]
+    if matmul.lowrank is not None:
+        down = tensors[names.index(matmul.lowrank.down)]
+        rank = down.shape[0] if matmul.lowrank.down_transposed else down.shape[1]
+        if rank > MAX_RANK:
+            raise FusegenArgumentError(f"{op}(): {matmul.lowrank.down} {list(down.shape)} has rank {rank}; the "
+                                       f"low-rank product takes at most {MAX_RANK} (a tile holds its [rows, rank] "
+                                       "product)")
+    others = [s for name, s in zip(names, value_shapes) if name not in matmul.operands]
     return [a.shape[:-1] + (n,), *others]
 
 

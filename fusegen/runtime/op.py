@@ -122,7 +122,7 @@ class FusedOp:
         # to the prepared launch (_native_backward).
         self._kernel_only_backward = not self._has_same and all(p is None for p in self._passthrough)
         computed = set(kernels.gradients) | set(passthrough) | set(same_gradient)
-        computed |= {matmul.a, matmul.b} if matmul else set()  # from the product's gradient
+        computed |= set(matmul.operands) if matmul else set()  # from the products' gradients
         # Integer and bool inputs have none: they cannot require grad, so none is ever asked for.
         missing = [i.name for i in inputs if i.name not in computed and i.differentiable and not self._forward_only]
         if missing:  # a generated module out of step with its runtime

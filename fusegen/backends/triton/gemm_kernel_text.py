@@ -22,8 +22,8 @@ from .kernel_text import (
     shared_arguments,
     triton_constant,
 )
-from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, FP64_PRODUCT, GROUP_M, INPUT_PRECISION, K, M, M_BUCKET,
-                     N, PARTS, TMA, TritonNames)
+from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, FP64_PRODUCT, GROUP_M, INPUT_PRECISION, K, M,
+                     M_BUCKET, N, PARTS, RANK, TMA, TritonNames)
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
 
@@ -35,6 +35,14 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     b_layout = f"{m.b.name} {m.b.layout.declared}" + (f", read as its transpose [K, {width}]" if m.transposed else "")
     arguments = [f"{a_ptr}, {a_stride_m}, {a_stride_k},  # {m.a.name} {m.a.layout.declared}, as [M, K]",
                  f"{b_ptr}, {b_stride_k}, {b_stride_n},  # {b_layout}"]
+    lowrank = m.lowrank
+    if lowrank is not None:
+        for operand, transposed, read_as in ((lowrank.down, lowrank.down_transposed, "[K, R]"),
+                                             (lowrank.up, lowrank.up_transposed, "[R, N]")):
+            ptr, stride_k, stride_n = names.operands[operand.name]
+            layout = f"{operand.name} {operand.layout.declared}" + (f", read as its transpose {read_as}" if transposed
+                                                                    else "")
+            arguments.append(f"{ptr}, {stride_k}, {stride_n},  # {layout}")
     arguments += [input_argument(i, names) for i in kernel.inputs]
     arguments += [f"{names.output_pointer[name]},  # {name}, contiguous [M, N]" for name, _ in plan.outputs]
     saved = names.inputs[m.product.name].pointer
@@ -43,14 +51,18 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         shape = "[M, N]" if chunks == 1 else f"[M, {chunks}N], its chunks side by side"
         arguments.append(f"{saved},  # the product, contiguous {shape}: the backward forms g from it")
     arguments.append(f"{M}, {N}, {K},  # the product's rows (all leading dims), columns, and the dim summed over")
+    if lowrank is not None:
+        arguments.append(f"{RANK},  # the low-rank product's inner dim")
     arguments.append(f"{M_BUCKET},  # M rounded up to a power of two: what tuning keys on")
     arguments += shared_arguments(plan, kernel, names, forward=True)
     arguments += [f"{FP64_PRODUCT}: tl.constexpr,  # the fp64 compute dtype: the product in fp64 too",
                   f'{INPUT_PRECISION}: tl.constexpr,  # tl.dot\'s: "ieee" (fp32 as torch.mm), "tf32"',
                   f"{TMA}: tl.constexpr,  # operands through tensor descriptors (gemm_lib.tma_layouts), tiles walked "
                   "persistently",
-                  f"{A_K_MAJOR}: tl.constexpr, {B_K_MAJOR}: tl.constexpr,  # with TMA: which of each operand's strides is 1",
-                  f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,",
+                  f"{A_K_MAJOR}: tl.constexpr, {B_K_MAJOR}: tl.constexpr,  # with TMA: which of each operand's strides is 1"]
+    if lowrank is not None:
+        arguments.append(f"{BLOCK_R}: tl.constexpr,  # R rounded up to a power of two, at least 16")
+    arguments += [f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,",
                   f"{PARTS}: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)"]
     # The product's values: itself, or each of its chunks (b holding them: [2N, K] under T),
     # each formed by a mainloop of its own over its rows (columns) of b: a's tile is read once
@@ -100,6 +112,20 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
             f"        INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
             "    )",
         ]
+    if lowrank is not None:  # its inner product's rows again for each tile: R / BLOCK_N of the tile's work
+        down, up = names.operands[lowrank.down.name], names.operands[lowrank.up.name]
+        tiles_of[lowrank.value.local] = names.claim_once("lowrank tile", f"{lowrank.value.local}_tile")
+        body += [
+            f"{tiles_of[lowrank.value.local]} = lowrank_product(",
+            f"    {a_ptr}, {a_stride_m}, {a_stride_k},",
+            f"    {', '.join(down)},",
+            f"    {', '.join(up)},",
+            f"    tile_m, tile_n, {M}, {N}, {K}, {RANK}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, {BLOCK_R},",
+            f"    INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT}, {names.output_pointer[plan.outputs[0][0]]}.dtype.element_ty,",
+            ")",
+        ]
+        values = [*values, lowrank.value.local]
+        tensors.add(lowrank.value.local)
     # The epilogue a part of the tile's columns at a time (PARTS 2: half its inputs' tiles and
     # temporaries live at once, as Triton's tutorial 09 subtiles it; the accumulator itself stays
     # live until its last part), each part's columns and values from the whole tile's.
@@ -110,12 +136,14 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         *(f"{value} = {value}.to({COMPUTE_DTYPE})" for value in values),
         "in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
     ]
-    body += ["    " + line for line in _epilogue(plan, kernel, names, printer, epilogue, values, saved, tensors)]
+    product_values = values[:len(m.product.values)]
+    body += ["    " + line for line in _epilogue(plan, kernel, names, printer, epilogue, product_values, saved, tensors)]
     lines += ["    " + line for line in body]
     # The operands' K strides too: a tile tuned for a row-major operand (stride 1 along K, as
     # nn.Linear's weight) is not the one for its transpose; and the mainloop.
-    layout = (K, a_stride_k, b_stride_k, TMA)
-    space = "gemm_tuning.FORWARD" if not chunked else f"gemm_tuning.forward_space({len(values)})"
+    layout = (K, a_stride_k, b_stride_k, TMA, *((RANK,) if lowrank else ()))
+    # A tile holds an accumulator a chunk of the product, and one more for the low-rank product.
+    space = "gemm_tuning.FORWARD" if len(values) == 1 else f"gemm_tuning.forward_space({len(values)})"
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines, space)
 
 
@@ -147,7 +175,11 @@ def _keywords(plan: OpPlan) -> tuple[str, ...]:
     m = plan.matmul
     product = f'product="{m.product.name}"'
     incoming = (f'product_gradient="{m.incoming}"',) if m.incoming else ()
-    return (product, *incoming)
+    lowrank = ()
+    if m.lowrank is not None:
+        lowrank = (f'lowrank="{m.lowrank.value.name}"',
+                   *((f'lowrank_gradient="{m.lowrank.incoming}"',) if m.lowrank.incoming else ()))
+    return (product, *incoming, *lowrank)
 
 
 KIND = TritonKind(
@@ -158,7 +190,7 @@ KIND = TritonKind(
     doc="The forward kernel multiplies in fp32 (fp64 for fp64 operands) on the tensor cores and runs the "
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
-    reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, "tile_m",
+    reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, RANK, BLOCK_R, "tile_m",
                         "tile_n", "tiles", "tile", "part", PARTS, "a_desc", "b_desc", "gemm_launch",
                         "gemm_tuning"}),
     modules=("gemm_launch", "gemm_tuning", "tuning"),

@@ -5,17 +5,19 @@ the g kernel on the epilogue (the product, saved by the forward, in place of the
 then the operands' gradients as torch.matmul of g: dA = g @ bᵀ, dB = aᵀ @ g."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import triton
 
 from fusegen.layout import Input
 from fusegen.runtime.views import INT32_LIMIT
 
 from . import gemm_lib, gemm_tuning, tuning
 from .launch import Kernels, Launch, Slot, _Bound, _launches, _Tile
-from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, COMPUTE_FP64, FP64_PRODUCT, GROUP_M, INDEX_64,
-                     INPUT_PRECISION, K, PARTS, TMA)
+from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, COMPUTE_FP64, FP64_PRODUCT, GROUP_M,
+                     INDEX_64, INPUT_PRECISION, K, PARTS, RANK, TMA)
 
 
 class GemmKernels(Kernels):
@@ -24,9 +26,11 @@ class GemmKernels(Kernels):
     `product_gradient`: the output whose incoming gradient is g (the product passes through
     to it), where the g kernel does not form g."""
 
-    def __init__(self, *args, product: str, product_gradient: str | None = None, **kwargs):
+    def __init__(self, *args, product: str, product_gradient: str | None = None, lowrank: str | None = None,
+                 lowrank_gradient: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.product, self.product_gradient = product, product_gradient
+        self.lowrank, self.lowrank_gradient = lowrank, lowrank_gradient
 
     def bind(self, op) -> "_BoundGemm":
         return _BoundGemm(self, op)
@@ -34,24 +38,25 @@ class GemmKernels(Kernels):
 
 class _Epilogue:
     """The op as the epilogue's kernels see it (what launch._Bound reads of a FusedOp): the
-    product, [..., N], in place of the matmul's operands."""
+    product, [..., N], in place of the matmul's operands (and the low-rank product in place of
+    its own)."""
 
-    def __init__(self, op, product: str):
-        operands = (op.matmul.a, op.matmul.b)
+    def __init__(self, op, product: str, lowrank: str | None):
         self.name = op.name
         self.inputs = (Input(product, ("...", "N"), op.product_chunks),
-                       *(i for i in op.inputs if i.name not in operands))
+                       *((Input(lowrank, ("...", "N")),) if lowrank else ()),
+                       *(i for i in op.inputs if i.name not in op.matmul.operands))
         self.params, self.outputs, self.output_parts = op.params, op.outputs, op.output_parts
         self.has_dropout, self._dropout_indices = op.has_dropout, op._dropout_indices
 
 
 class _BoundGemm(_Bound):
     def __init__(self, kernels: GemmKernels, op):
-        super().__init__(kernels, _Epilogue(op, kernels.product))
+        super().__init__(kernels, _Epilogue(op, kernels.product, kernels.lowrank))
         matmul, names = op.matmul, [i.name for i in op.inputs]
         self.fused = op
         self._a, self._b, self._transposed = names.index(matmul.a), names.index(matmul.b), matmul.transposed
-        self._others = [k for k, name in enumerate(names) if name not in (matmul.a, matmul.b)]
+        self._others = [k for k, name in enumerate(names) if name not in matmul.operands]
         self._saved = bool(kernels.statistics)
         self._product_gradient = None if kernels.product_gradient is None else op.outputs.index(kernels.product_gradient)
         parameter = kernels.names
@@ -59,6 +64,17 @@ class _BoundGemm(_Bound):
             (parameter("pointer", matmul.a), parameter("stride_m", matmul.a), parameter("stride_k", matmul.a)),
             (parameter("pointer", matmul.b), parameter("stride_k", matmul.b), parameter("stride_n", matmul.b)),
         )
+        # The low-rank product's down [K, R] and up [R, N] (each its transpose under T), by index.
+        self._lowrank = matmul.lowrank
+        self._products = 1 + (matmul.lowrank is not None)  # the epilogue's inputs before the op's own
+        self._lowrank_gradient = None
+        if matmul.lowrank is not None:
+            r = matmul.lowrank
+            self._down, self._up = names.index(r.down), names.index(r.up)
+            self._lowrank_names = tuple((parameter("pointer", n), parameter("stride_k", n), parameter("stride_n", n))
+                                        for n in (r.down, r.up))
+            if kernels.lowrank_gradient is not None:
+                self._lowrank_gradient = op.outputs.index(kernels.lowrank_gradient)
         self._product_pointer = parameter("pointer", kernels.product)
 
     def _product_buffer(self, problem) -> torch.Tensor:
@@ -82,8 +98,9 @@ class _BoundGemm(_Bound):
         m, n = problem.m, problem.n
         count, outputs = len(tensors), len(self.op.outputs)
         others = [tensors[k] for k in self._others]
-        args, copies, views = self._views(problem, others, self._chunks[1:], self._others, self._input_names[1:],
-                                          traced)
+        skip = self._products  # the epilogue's inputs formed in the kernel
+        args, copies, views = self._views(problem, others, self._chunks[skip:], self._others,
+                                          self._input_names[skip:], traced)
         a, b = tensors[self._a], tensors[self._b]
         k = a.shape[-1]
         if traced:
@@ -103,11 +120,14 @@ class _BoundGemm(_Bound):
             args[self._product_pointer] = Slot(count + outputs)
         args.update(self._common(call, Slot(count + outputs + 1), traced))
         args[K] = k
+        reach = 0
+        if self._lowrank is not None:
+            reach = self._lowrank_arguments(args, tensors, traced)
         # From the sizes themselves: in a graph traced with symbolic sizes each comparison is a guard.
         # The saved product holds all its chunks side by side: [M, k·N].
         chunks = self.fused.product_chunks
         args[INDEX_64] = bool(self._index_64(problem, views) or m * n * chunks >= INT32_LIMIT
-                              or _reach(a_2d) >= INT32_LIMIT or _reach(b) >= INT32_LIMIT)
+                              or _reach(a_2d) >= INT32_LIMIT or _reach(b) >= INT32_LIMIT or reach >= INT32_LIMIT)
         args[COMPUTE_FP64] = problem.compute_dtype == torch.float64
         args[FP64_PRODUCT] = problem.compute_dtype == torch.float64  # the product too, as the reference forms it
         # torch.mm's default for fp32 (torch.backends.cuda.matmul.allow_tf32 off); tf32: later.
@@ -133,6 +153,18 @@ class _BoundGemm(_Bound):
         return Launch(self._graph_forward if traced else self._forward,
                       lambda meta: (_grid(m, n, meta[BLOCK_M], meta[BLOCK_N], programs),), args, tuple(copies))
 
+    def _lowrank_arguments(self, args: dict, tensors, traced: bool) -> int:
+        """The low-rank product's operands, R and BLOCK_R into `args`; their farthest reach."""
+        r = self._lowrank
+        down, up = tensors[self._down], tensors[self._up]
+        for (pointer, stride_k, stride_n), t, index, transposed in zip(
+                self._lowrank_names, (down, up), (self._down, self._up), (r.down_transposed, r.up_transposed)):
+            args[pointer] = t if traced else Slot(index)
+            args[stride_k], args[stride_n] = (t.stride(1), t.stride(0)) if transposed else (t.stride(0), t.stride(1))
+        rank = down.shape[0] if r.down_transposed else down.shape[1]
+        args[RANK], args[BLOCK_R] = rank, max(gemm_tuning.SMALLEST, triton.next_power_of_2(rank))
+        return max(_reach(down), _reach(up))
+
     def backward(self, call, tensors, grads, needs, seed, statistics=None, traced: bool = False,
                  **layout) -> list[torch.Tensor]:
         problem = call.problem
@@ -152,33 +184,49 @@ class _BoundGemm(_Bound):
                          product: torch.Tensor | None = None) -> "_PreparedGemmBackward":
         problem = call.problem
         needs_g = needs[self._a] or needs[self._b]
-        epilogue_needs = (needs_g and self._product_gradient is None, *(needs[k] for k in self._others))
+        products = (needs_g and self._product_gradient is None,)
+        if self._lowrank is not None:  # its gradient, where x's, down's or up's is wanted
+            needs_lowrank = needs[self._a] or needs[self._down] or needs[self._up]
+            products += (needs_lowrank and self._lowrank_gradient is None,)
+        epilogue_needs = (*products, *(needs[k] for k in self._others))
         if product is None:  # the g kernel is prepared for the product's layout: contiguous [..., N]
             product = self._product_buffer(problem)
         epilogue = None
         if any(epilogue_needs):
-            epilogue = super().prepare_backward(call, (product, *(tensors[k] for k in self._others)), grads,
+            # The low-rank product is never kept (planning refuses a backward that reads it): the
+            # g kernel is handed the product's buffer in its place, which it does not read.
+            formed = (product,) * len(products)
+            epilogue = super().prepare_backward(call, (*formed, *(tensors[k] for k in self._others)), grads,
                                                 epilogue_needs, tile, rows_per_program, traced)
-        return _PreparedGemmBackward(self, needs, epilogue, epilogue_needs[0])
+        return _PreparedGemmBackward(self, needs, epilogue, products)
 
 
 class _PreparedGemmBackward:
     """The backward for one call key and backward key: the g kernel (where anything of the
     epilogue is needed), then the operands' gradients as matmuls of g."""
 
-    def __init__(self, bound: _BoundGemm, needs, epilogue, forms_g: bool):
-        self._bound, self._needs, self._epilogue, self._forms_g = bound, tuple(needs), epilogue, forms_g
+    def __init__(self, bound: _BoundGemm, needs, epilogue, forms: tuple[bool, ...]):
+        """`forms`: whether the g kernel forms the product's gradient, and the low-rank one's."""
+        self._bound, self._needs, self._epilogue, self._forms = bound, tuple(needs), epilogue, forms
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, needs = self._bound, self._needs
         results = []
         if self._epilogue is not None:
-            epilogue = (statistics, *(tensors[k] for k in bound._others))
+            # The saved product for each product the epilogue reads (the low-rank one's unread).
+            epilogue = (*(statistics,) * bound._products, *(tensors[k] for k in bound._others))
             results = self._epilogue(epilogue, grads, seed, None)
-        g = results.pop(0) if self._forms_g else None
+        g = results.pop(0) if self._forms[0] else None
         if g is None and bound._product_gradient is not None:
             g = grads[bound._product_gradient]
         gradients = {}
+        if bound._lowrank is not None:
+            g_lowrank = results.pop(0) if self._forms[1] else None
+            if g_lowrank is None and bound._lowrank_gradient is not None:
+                g_lowrank = grads[bound._lowrank_gradient]
+            x_grad = _lowrank_gradients(bound, tensors, needs, g_lowrank, gradients)
+        else:
+            x_grad = None
         if needs[bound._a] or needs[bound._b]:
             a, b = tensors[bound._a], tensors[bound._b]
             # In the operands' dtype (promoted), as autograd casts g back for F.linear's: bf16
@@ -187,6 +235,8 @@ class _PreparedGemmBackward:
             g_2d, a_2d, b = _rows_of(g)[0].to(dtype), _rows_of(a)[0].to(dtype), b.to(dtype)
             if needs[bound._a]:
                 grad = g_2d @ b if bound._transposed else g_2d @ b.mT
+                if x_grad is not None:  # the low-rank product's share
+                    grad += x_grad
                 gradients[bound._a] = grad.reshape(a.shape).to(a.dtype)
             if needs[bound._b]:
                 grad = g_2d.mT @ a_2d if bound._transposed else a_2d.mT @ g_2d
@@ -199,6 +249,31 @@ class _PreparedGemmBackward:
 
     def native_form(self) -> None:
         return None  # the operands' matmuls are torch's: such backwards stay in Python
+
+
+def _lowrank_gradients(bound: _BoundGemm, tensors, needs, g_lowrank, gradients: dict) -> torch.Tensor | None:
+    """down's and up's gradients into `gradients`, from the low-rank product's gradient; returns
+    its share of a's ([M, K], None where a's is not wanted). Its inner product [M, R] is formed
+    again here (an M·K·R matmul), not kept by the forward."""
+    r, a, down, up = bound._lowrank, tensors[bound._a], tensors[bound._down], tensors[bound._up]
+    wanted = needs[bound._a], needs[bound._down], needs[bound._up]
+    if not any(wanted):
+        return None
+    dtype = functools.reduce(torch.promote_types, (a.dtype, down.dtype, up.dtype))
+    a_2d = _rows_of(a)[0].to(dtype)
+    down_kr = (down.mT if r.down_transposed else down).to(dtype)  # [K, R]
+    up_rn = (up.mT if r.up_transposed else up).to(dtype)  # [R, N]
+    g_2d = _rows_of(g_lowrank)[0].to(dtype)
+    # Each gradient formed in its operand's own layout ([N, R] under T, else [R, N]): contiguous.
+    if wanted[2]:
+        inner = a_2d @ down_kr  # [M, R]
+        grad = g_2d.mT @ inner if r.up_transposed else inner.mT @ g_2d
+        gradients[bound._up] = grad.to(up.dtype)
+    g_inner = g_2d @ up_rn.mT  # [M, R]
+    if wanted[1]:
+        grad = g_inner.mT @ a_2d if r.down_transposed else a_2d.mT @ g_inner
+        gradients[bound._down] = grad.to(down.dtype)
+    return g_inner @ down_kr.mT if wanted[0] else None
 
 
 def _grid(m: int, n: int, block_m: int, block_n: int, programs: int | None) -> int:

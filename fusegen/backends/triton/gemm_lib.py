@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .kernel_lib import indices
 
-__all__ = ["grouped_tile", "tile_of", "matmul_tile", "chunk_start", "tma_operands", "tma_b", "matmul_tile_tma",
+__all__ = ["grouped_tile", "tile_of", "matmul_tile", "lowrank_product", "chunk_start", "tma_operands", "tma_b", "matmul_tile_tma",
            "column_halves", "column_part", "tma_layouts", "set_tma_allocator"]
 
 
@@ -73,6 +73,27 @@ def matmul_tile(a_ptr, a_stride_m, a_stride_k, b_ptr, b_stride_k, b_stride_n, ti
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
     return rows, cols, acc
+
+
+@triton.jit
+def lowrank_product(a_ptr, a_stride_m, a_stride_k, down_ptr, down_stride_k, down_stride_r, up_ptr, up_stride_r,
+                    up_stride_n, tile_m, tile_n, M, N, K, R, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, INDEX_64: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, FP64: tl.constexpr, INNER: tl.constexpr):
+    """The output tile of the low-rank product (a @ down) @ up (down [K, R], up [R, N], R at
+    most BLOCK_R), in fp32 (fp64 with FP64): the tile's rows of the inner product a @ down by
+    `matmul_tile`, rounded to INNER (the outputs' dtype: torch's two matmuls round it so, in
+    the operands' dtype once promoted), then times up's [R, BLOCK_N] columns of the tile. Each
+    tile of a row of tiles forms its rows' inner product again: R / BLOCK_N more multiply-adds
+    than the tile's main product, and no [M, R] tensor written or read."""
+    _, ranks, inner = matmul_tile(a_ptr, a_stride_m, a_stride_k, down_ptr, down_stride_k, down_stride_r, tile_m, 0, M,
+                                  R, K, BLOCK_M, BLOCK_R, BLOCK_K, INDEX_64, INPUT_PRECISION, FP64)
+    # The rank's tail is zero, not 0 * a: an inf in a would make it NaN, and NaN times up's zeros too.
+    inner = tl.where(ranks[None, :] < R, inner, 0.0).to(INNER)
+    cols = indices(tile_n * BLOCK_N, BLOCK_N, INDEX_64)
+    up = tl.load(up_ptr + ranks[:, None] * up_stride_r + cols[None, :] * up_stride_n,
+                 mask=(ranks[:, None] < R) & (cols[None, :] < N), other=0.0)
+    return tl.dot(inner, up.to(INNER), input_precision=INPUT_PRECISION, out_dtype=tl.float64 if FP64 else tl.float32)
 
 
 @triton.jit

@@ -20,7 +20,8 @@ KERNEL_LIB_NAMES = (
 
 # The gemm_lib helpers a gemm kernel calls, imported by name as kernel_lib's are (Inductor
 # re-emits a kernel with the JIT functions it calls by name, not through a module attribute).
-GEMM_LIB_NAMES = ("chunk_start", "column_part", "matmul_tile", "matmul_tile_tma", "tile_of", "tma_b", "tma_operands")
+GEMM_LIB_NAMES = ("chunk_start", "column_part", "lowrank_product", "matmul_tile", "matmul_tile_tma", "tile_of", "tma_b",
+                  "tma_operands")
 
 # What every generated module imports (each kind adds its own modules: kinds.py).
 MODULE_IMPORTS = frozenset({"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", *KERNEL_LIB_NAMES,
@@ -50,6 +51,7 @@ STATISTICS, ONE_TILE = "statistics_ptr", "ONE_TILE"  # the row kernels' (row_ker
 # The gemm kernels' (gemm_kernel_text.py): the reduced dim, the tile along it, the tiles' grouping.
 K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT = "K", "BLOCK_K", "GROUP_M", "INPUT_PRECISION", "FP64_PRODUCT"
 TMA, A_K_MAJOR, B_K_MAJOR, PARTS = "TMA", "A_K_MAJOR", "B_K_MAJOR", "PARTS"
+RANK, BLOCK_R = "R", "BLOCK_R"  # a low-rank product's inner dim, and its tile (gemm_lib.lowrank_product)
 EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a split row's (kernel_lib.split_program)
 
 
@@ -115,19 +117,24 @@ class TritonNames:
 
     def __init__(self, plan: OpPlan):
         namer = Namer(plan.taken)
-        # A matmul's operands are read by the matmul only, its product as an input is (gemm kind).
+        # A matmul's operands are read by the matmuls only, their products as inputs are (gemm kind).
         matmul = plan.matmul
-        operands = (matmul.a, matmul.b) if matmul else ()
+        operands, products = (), ()
+        if matmul:
+            lowrank = matmul.lowrank
+            operands = (matmul.a, matmul.b, *((lowrank.down, lowrank.up) if lowrank else ()))
+            products = (matmul.product, *((lowrank.value,) if lowrank else ()))
         self.inputs = {
             i.name: InputNames(namer.claim(pointer(i.local)), namer.claim(WANTED["stride_m"](i.local)),
                                 namer.claim(WANTED["stride_n"](i.local)))
-            for i in (*plan.inputs, *([matmul.product] if matmul else [])) if i not in operands
+            for i in (*plan.inputs, *products) if i not in operands
         }
         # An operand's pointer and its two strides: a [M, K] (stride_m, stride_k), b [K, N]
-        # (stride_k, stride_n; nn.Linear's [N, K] weight as its transpose).
+        # (stride_k, stride_n; nn.Linear's [N, K] weight as its transpose); a low-rank product's
+        # down [K, R] and up [R, N] as b is.
         self.operands = {
-            i.name: (namer.claim(pointer(i.local)), *(namer.claim(WANTED[s](i.local)) for s in strides))
-            for i, strides in zip(operands, (("stride_m", "stride_k"), ("stride_k", "stride_n")))
+            i.name: (namer.claim(pointer(i.local)), *(namer.claim(WANTED[s](i.local)) for s in _operand_strides(k)))
+            for k, i in enumerate(operands)
         }
         self.incoming = {
             g: InputNames(namer.claim(pointer(g)), namer.claim(WANTED["stride_m"](g)), namer.claim(WANTED["stride_n"](g)))
@@ -166,8 +173,9 @@ class TritonNames:
         plan, named = self._plan, {}
         for name, n in self.inputs.items():
             named.update({("pointer", name): n.pointer, ("stride_m", name): n.stride_m, ("stride_n", name): n.stride_n})
-        for (name, (ptr, *strides)), kinds in zip(self.operands.items(), (("stride_m", "stride_k"), ("stride_k", "stride_n"))):
-            named.update({("pointer", name): ptr, **{(kind, name): stride for kind, stride in zip(kinds, strides)}})
+        for k, (name, (ptr, *strides)) in enumerate(self.operands.items()):
+            named.update({("pointer", name): ptr,
+                          **{(kind, name): stride for kind, stride in zip(_operand_strides(k), strides)}})
         for (output, _), incoming in zip(plan.outputs, plan.backward.incoming):
             n = self.incoming[incoming]
             named.update({("incoming", output): n.pointer, ("incoming_stride_m", output): n.stride_m,
@@ -191,3 +199,8 @@ class TritonNames:
         if key not in self._own:
             self._own[key] = self._namer.claim(wanted)
         return self._own[key]
+
+
+def _operand_strides(k: int) -> tuple[str, str]:
+    """The strides of a matmul's k-th operand (a, b, then a low-rank product's down and up)."""
+    return ("stride_m", "stride_k") if k == 0 else ("stride_k", "stride_n")
