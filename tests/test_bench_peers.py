@@ -72,7 +72,7 @@ def test_exact_gelu_has_no_liger_counterpart():
 
 def test_absent_peer_is_skipped_with_a_note(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import liger_kernel raises ImportError
-    status, = peers.peer_statuses(["rmsnorm", "gelu"])
+    status, = peers.peer_statuses(["rmsnorm", "gelu"], (peers.LIGER,))
     assert not status.available and status.version is None and status.ops == ("rmsnorm",)
     assert "not installed" in status.note and "fusegen[peers]" in status.note
     line = status.line()
@@ -162,11 +162,11 @@ def grads_of(fn, inputs, grad_outputs):
     return [output.detach() for output in outputs], [leaf.grad for leaf in leaves if leaf.is_floating_point()]
 
 
-def check_against_reference(name, dtype, device, rtol, atol):
+def check_against_reference(name, dtype, device, rtol, atol, peer=peers.LIGER, bsh=(2, 3, 16)):
     op = bench_op(name)
-    provider = peers.peer_provider(peers.LIGER, op)
-    inputs = small_inputs(op, dtype, device)
-    grad_outputs = [torch.randn(shape, dtype=dtype, device=device) for shape in cases.bench_output_shapes(op, (2, 3, 16))]
+    provider = peers.peer_provider(peer, op)
+    inputs = small_inputs(op, dtype, device, bsh)
+    grad_outputs = [torch.randn(shape, dtype=dtype, device=device) for shape in cases.bench_output_shapes(op, bsh)]
     got, got_grads = grads_of(provider, inputs, grad_outputs)
     want, want_grads = grads_of(op.reference, inputs, grad_outputs)
     assert len(got) == len(want)
@@ -189,6 +189,16 @@ def test_liger_adapters_equal_the_reference_on_gpu(name, dtype):
     pytest.importorskip("liger_kernel")
     tolerance = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (4e-2, 2e-2)}[dtype]
     check_against_reference(name, dtype, "cuda", *tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_peft_adapter_is_pefts_lora_layer(dtype):
+    """peft's LoRA layer with the bench's tensors as its weights: lora_linear's values, and
+    gradients reaching those tensors (peft is on the GPU machine; CI has no peft)."""
+    pytest.importorskip("peft")
+    assert set(peers.PEFT.adapters) == {"lora_linear"} and peers.PEFT in peers.PEERS
+    tolerance = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5)}[dtype]
+    check_against_reference("lora_linear", dtype, DEVICE, *tolerance, peer=peers.PEFT, bsh=(2, 3, 16, 24, 4))
 
 
 class Recorder:

@@ -10,7 +10,8 @@ the same outputs in the same order. A peer that is not installed is skipped with
 Before a peer is timed on a case its first call's outputs are compared with fusegen's
 (check_first_call): a mapping that computes something else is an error row, not a time.
 
-Another peer (QuACK, Hugging Face `kernels`) is one more Peer in PEERS.
+Liger-Kernel and peft are the peers now; another (QuACK, Hugging Face `kernels`) is one more
+Peer in PEERS.
 """
 from __future__ import annotations
 
@@ -160,7 +161,50 @@ LIGER = Peer(
     },
 )
 
-PEERS: tuple[Peer, ...] = (LIGER,)
+
+# ---------------------------------------------------------------------------
+# peft (pip install peft), checked against 0.21.2's source: its LoRA layer on an nn.Linear,
+# base_layer(x) + lora_B(lora_A(dropout(x))) * scaling, lora_dropout 0 (an Identity). The
+# layer is made once per set of tensors (peft.inject_adapter_in_model on a meta nn.Linear),
+# its weights then replaced by the bench's tensors themselves, so that autograd reaches them
+# as it reaches fusegen's inputs; scaling is the spec's scale.
+
+_PEFT_LAYER: list = []  # the last (tensors, scale, layer): one per case, made outside the timed calls
+
+
+def _peft_layer(weight, bias, lora_a, lora_b, scale):
+    tensors = (weight, bias, lora_a, lora_b)
+    if _PEFT_LAYER and all(a is b for a, b in zip(_PEFT_LAYER[0][0], tensors)) and _PEFT_LAYER[0][1] == scale:
+        return _PEFT_LAYER[0][2]
+    import peft
+
+    (n, k), r = weight.shape, lora_a.shape[0]
+    holder = torch.nn.Module()
+    holder.base = torch.nn.Linear(k, n, device="meta")
+    peft.inject_adapter_in_model(peft.LoraConfig(r=r, lora_alpha=r, target_modules=["base"]), holder)
+    layer = holder.base
+    layer.scaling["default"] = scale
+    for module, name, value in ((layer.base_layer, "weight", weight), (layer.base_layer, "bias", bias),
+                                (layer.lora_A["default"], "weight", lora_a), (layer.lora_B["default"], "weight", lora_b)):
+        delattr(module, name)  # a parameter no more: the tensor itself, as F.linear reads it
+        setattr(module, name, value)
+    _PEFT_LAYER[:] = [(tensors, scale, layer)]
+    return layer
+
+
+def _peft_lora_linear(x, weight, bias, lora_a, lora_b, *, scale):
+    return _peft_layer(weight, bias, lora_a, lora_b, scale)(x)
+
+
+PEFT = Peer(
+    name="peft",
+    package="peft",
+    distribution="peft",
+    checked_version="0.21.2",
+    adapters={"lora_linear": _peft_lora_linear},
+)
+
+PEERS: tuple[Peer, ...] = (LIGER, PEFT)
 INSTALL_HINT = "pip install 'fusegen[peers]'"
 
 
