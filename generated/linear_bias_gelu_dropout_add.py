@@ -89,8 +89,8 @@ def linear_bias_gelu_dropout_add_kernel(
         tile_m, tile_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if TMA:
             rows, _, product_tile = matmul_tile_tma(
-                a_desc, b_desc, tile_m, tile_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
+                a_desc, b_desc, tile_m, tile_n, K,
+                BLOCK_M, BLOCK_N, BLOCK_K, INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
             )
         else:
             rows, _, product_tile = matmul_tile(

@@ -31,14 +31,14 @@ from fusegen.backends.triton.kernel_lib import (
     indices, load_tile, store_column_sums, store_gradient, store_tile,
 )
 from fusegen.backends.triton.gemm_lib import (
-    column_part, lowrank_product, matmul_tile, matmul_tile_tma, tile_of, tma_operands,
+    column_part, lowrank_part, matmul_lowrank_tile, matmul_lowrank_tile_tma, tile_of, tma_operands,
 )
 
 __all__ = ["lora_linear", "LoraLinear", "reference", "eager"]
 
 
 @tuning.autotune(
-    gemm_tuning.forward_space(2),
+    gemm_tuning.FORWARD,
     key=["M_BUCKET", "N", "K", "x_stride_k", "weight_stride_k", "TMA", "R"],
 )
 @triton.jit
@@ -77,29 +77,25 @@ def lora_linear_kernel(
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=TMA):
         tile_m, tile_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if TMA:
-            rows, _, product_tile = matmul_tile_tma(
-                a_desc, b_desc, tile_m, tile_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
+            rows, _, product_tile, inner = matmul_lowrank_tile_tma(
+                a_desc, b_desc, lora_a_ptr, lora_a_stride_k, lora_a_stride_n, tile_m, tile_n, K, R,
+                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
             )
         else:
-            rows, _, product_tile = matmul_tile(
+            rows, _, product_tile, inner = matmul_lowrank_tile(
                 x_ptr, x_stride_m, x_stride_k,
                 weight_ptr, weight_stride_k, weight_stride_n,
-                tile_m, tile_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                lora_a_ptr, lora_a_stride_k, lora_a_stride_n,
+                tile_m, tile_n, M, N, K, R, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
                 INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
             )
-        lowrank_tile = lowrank_product(
-            x_ptr, x_stride_m, x_stride_k,
-            lora_a_ptr, lora_a_stride_k, lora_a_stride_n,
-            lora_b_ptr, lora_b_stride_k, lora_b_stride_n,
-            tile_m, tile_n, M, N, K, R, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
-            INDEX_64, INPUT_PRECISION, FP64_PRODUCT, y_ptr.dtype.element_ty,
-        )
         for part in tl.static_range(PARTS):  # PARTS 2: the epilogue a half tile at a time
             cols, product = column_part(tile_n, product_tile, part, PARTS, BLOCK_N, INDEX_64)
-            cols, lowrank = column_part(tile_n, lowrank_tile, part, PARTS, BLOCK_N, INDEX_64)
             product = product.to(compute)
-            lowrank = lowrank.to(compute)
+            lowrank = lowrank_part(
+                inner, lora_b_ptr, lora_b_stride_k, lora_b_stride_n,
+                cols, N, R, BLOCK_R, INDEX_64, INPUT_PRECISION, FP64_PRODUCT, y_ptr.dtype.element_ty,
+            ).to(compute)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             y = bias + lowrank * scale + product

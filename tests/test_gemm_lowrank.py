@@ -186,9 +186,10 @@ def test_the_library_op_is_pefts_layer(ops):
     from generated.lora_linear import lora_linear
 
     torch.manual_seed(8)
-    base, down, up = torch.nn.Linear(12, 9).double(), torch.nn.Linear(12, 4, bias=False).double(), \
-        torch.nn.Linear(4, 9, bias=False).double()
-    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    base, down, up = torch.nn.Linear(12, 9, **f64), torch.nn.Linear(12, 4, bias=False, **f64), \
+        torch.nn.Linear(4, 9, bias=False, **f64)
+    x = torch.randn(2, 5, 12, **f64, requires_grad=True)
     y = lora_linear(x, base.weight, base.bias, down.weight, up.weight, 0.25)
     want = base(x) + up(down(x)) * 0.25
     torch.testing.assert_close(y, want)

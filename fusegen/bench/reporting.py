@@ -14,7 +14,7 @@ import torch
 from .arguments import DTYPE_NAMES
 from .cases import DROPOUT_SEED, BytesModel, Case
 from .peers import PeerStatus
-from .running import HOST_OVERHEAD_SHAPE, ProviderResult
+from .running import HOST_OVERHEAD_RANK, HOST_OVERHEAD_SHAPE, ProviderResult
 from .timing import COPY_BANDWIDTH_BYTES, DEFAULT_TIMER, TRITON_FLUSH_BYTES, Measurement
 
 
@@ -125,7 +125,7 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
         if index + 1 < len(rows):
             nxt = rows[index + 1]
             next_key = (nxt["op"], nxt["dtype"], nxt["B"], nxt["S"], nxt["H"], nxt.get("K"), nxt["p"])
-        shape = "x".join(str(row[d]) for d in ("B", "S", "K", "H") if row.get(d) is not None)
+        shape = "x".join(str(row[d]) for d in ("B", "S", "K", "H", "R") if row.get(d) is not None)
         label = f"{row['op']} {row['dtype']} {shape} p={row['p']}"
         cells = [row["op"], row["dtype"], shape,
                  "–" if row["p"] is None else f"{row['p']:g}", row["provider"]]
@@ -154,8 +154,9 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
 def host_overhead_table(rows: Sequence[dict]):
     from rich.table import Table
 
-    table = Table(title=f"host overhead: µs per call on a {'x'.join(map(str, HOST_OVERHEAD_SHAPE))} input "
-                        "(median wall time, no sync per call)", header_style="bold")
+    table = Table(title=f"host overhead: µs per call on a {'x'.join(map(str, HOST_OVERHEAD_SHAPE))} input (rank "
+                        f"{HOST_OVERHEAD_RANK} for a low-rank product; median wall time, no sync per call)",
+                  header_style="bold")
     for column in ("op", "dtype", "p", "provider"):
         table.add_column(column)
     table.add_column("µs/call", justify="right")

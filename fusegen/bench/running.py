@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .arguments import DTYPE_NAMES
-from .cases import BenchOp, Case, bench_output_shapes, make_inputs, op_kwargs
+from .cases import BenchOp, Case, bench_output_shapes, make_inputs, op_kwargs, rank_dim
 from .peers import Peer, check_first_call, fusegen_outputs, peer_providers
 from .timing import (
     Measurement,
@@ -40,6 +40,13 @@ from .timing import (
 
 PROVIDERS = ("fusegen", "eager", "compile")
 HOST_OVERHEAD_SHAPE = (1, 1, 8)  # (B, S, H): a launch whose GPU work is negligible
+HOST_OVERHEAD_RANK = 4  # and the rank of an op with a low-rank product: (B, S, K, H, R) = (1, 1, 8, 8, 4)
+
+
+def host_overhead_shape(spec) -> tuple[int, ...]:
+    if rank_dim(spec) is None:
+        return HOST_OVERHEAD_SHAPE
+    return (*HOST_OVERHEAD_SHAPE, HOST_OVERHEAD_SHAPE[-1], HOST_OVERHEAD_RANK)
 
 
 @dataclass
@@ -213,7 +220,7 @@ def measure_host_overhead(bench_op: BenchOp, dtype: torch.dtype, p: float | None
                           peers: Sequence[Peer] = ()) -> list[dict[str, Any]]:
     """One row per provider (peers included): µs per call on a tiny input, or why there is none."""
     memo = memo if memo is not None else TimeoutMemo()
-    inputs = make_inputs(bench_op.spec, HOST_OVERHEAD_SHAPE, dtype, device)
+    inputs = make_inputs(bench_op.spec, host_overhead_shape(bench_op.spec), dtype, device)
     kwargs = op_kwargs(bench_op, p)
     peer_fns = {name: fn for name, fn in peer_providers(bench_op, peers).items()
                 if not memo.skip_reason(bench_op.name, p, name, "forward")}

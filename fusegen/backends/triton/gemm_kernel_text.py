@@ -94,38 +94,34 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         f"for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten={TMA}):",
     ]
     tiles_of = {value: names.claim_once(f"{value} tile", f"{value}_tile") for value in values}
+    # With a low-rank product, the mainloop forms its inner product [BLOCK_M, R] from the same
+    # tiles of a (there are no chunks then: ir refuses both).
+    inner = names.claim_once("inner", "inner") if lowrank is not None else None
+    down = ", ".join(names.operands[lowrank.down.name]) if lowrank is not None else None
+    returned = f"rows, _, {{}}{f', {inner}' if inner else ''}"
+    tma_loop, pointer_loop = ("matmul_lowrank_tile_tma", "matmul_lowrank_tile") if inner else ("matmul_tile_tma",
+                                                                                              "matmul_tile")
     body = [f"tile_m, tile_n = tile_of(tile, {M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})", f"if {TMA}:"]
     for value, descriptor in zip(values, descriptors):
         body += [
-            f"    rows, _, {tiles_of[value]} = matmul_tile_tma(",
-            f"        a_desc, {descriptor}, tile_m, tile_n, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
-            f"        INDEX_64, {INPUT_PRECISION}, {A_K_MAJOR}, {B_K_MAJOR},",
+            f"    {returned.format(tiles_of[value])} = {tma_loop}(",
+            f"        a_desc, {descriptor},{f' {down},' if inner else ''} tile_m, tile_n, {K},{f' {RANK},' if inner else ''}",
+            f"        {BLOCK_M}, {BLOCK_N}, {BLOCK_K},{f' {BLOCK_R},' if inner else ''} INDEX_64, {INPUT_PRECISION}, "
+            f"{A_K_MAJOR}, {B_K_MAJOR},",
             "    )",
         ]
     body.append("else:")
     for value, b in zip(values, b_of):
         body += [
-            f"    rows, _, {tiles_of[value]} = matmul_tile(",
+            f"    {returned.format(tiles_of[value])} = {pointer_loop}(",
             f"        {a_ptr}, {a_stride_m}, {a_stride_k},",
             f"        {b}, {b_stride_k}, {b_stride_n},",
-            f"        tile_m, tile_n, {M}, {N}, {K}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K},",
+            *([f"        {down},"] if inner else []),
+            f"        tile_m, tile_n, {M}, {N}, {K},{f' {RANK},' if inner else ''} {BLOCK_M}, {BLOCK_N}, {BLOCK_K},"
+            f"{f' {BLOCK_R},' if inner else ''}",
             f"        INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
             "    )",
         ]
-    if lowrank is not None:  # its inner product's rows again for each tile: R / BLOCK_N of the tile's work
-        down, up = names.operands[lowrank.down.name], names.operands[lowrank.up.name]
-        tiles_of[lowrank.value.local] = names.claim_once("lowrank tile", f"{lowrank.value.local}_tile")
-        body += [
-            f"{tiles_of[lowrank.value.local]} = lowrank_product(",
-            f"    {a_ptr}, {a_stride_m}, {a_stride_k},",
-            f"    {', '.join(down)},",
-            f"    {', '.join(up)},",
-            f"    tile_m, tile_n, {M}, {N}, {K}, {RANK}, {BLOCK_M}, {BLOCK_N}, {BLOCK_K}, {BLOCK_R},",
-            f"    INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT}, {names.output_pointer[plan.outputs[0][0]]}.dtype.element_ty,",
-            ")",
-        ]
-        values = [*values, lowrank.value.local]
-        tensors.add(lowrank.value.local)
     # The epilogue a part of the tile's columns at a time (PARTS 2: half its inputs' tiles and
     # temporaries live at once, as Triton's tutorial 09 subtiles it; the accumulator itself stays
     # live until its last part), each part's columns and values from the whole tile's.
@@ -134,15 +130,24 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         *(f"cols, {value} = column_part(tile_n, {tiles_of[value]}, part, {PARTS}, {BLOCK_N}, INDEX_64)"
           for value in values),
         *(f"{value} = {value}.to({COMPUTE_DTYPE})" for value in values),
-        "in_bounds = (rows[:, None] < M) & (cols[None, :] < N)",
     ]
+    if lowrank is not None:  # the part's columns of the low-rank product: the inner product times up's
+        value, output = lowrank.value.local, names.output_pointer[plan.outputs[0][0]]
+        epilogue += [
+            f"{value} = lowrank_part(",
+            f"    {inner}, {', '.join(names.operands[lowrank.up.name])},",
+            f"    cols, {N}, {RANK}, {BLOCK_R}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT}, {output}.dtype.element_ty,",
+            f").to({COMPUTE_DTYPE})",
+        ]
+        tensors.add(value)
+    epilogue.append("in_bounds = (rows[:, None] < M) & (cols[None, :] < N)")
     product_values = values[:len(m.product.values)]
     body += ["    " + line for line in _epilogue(plan, kernel, names, printer, epilogue, product_values, saved, tensors)]
     lines += ["    " + line for line in body]
     # The operands' K strides too: a tile tuned for a row-major operand (stride 1 along K, as
     # nn.Linear's weight) is not the one for its transpose; and the mainloop.
     layout = (K, a_stride_k, b_stride_k, TMA, *((RANK,) if lowrank else ()))
-    # A tile holds an accumulator a chunk of the product, and one more for the low-rank product.
+    # A tile holds an accumulator a chunk of the product (the low-rank product's a part at a time).
     space = "gemm_tuning.FORWARD" if len(values) == 1 else f"gemm_tuning.forward_space({len(values)})"
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines, space)
 

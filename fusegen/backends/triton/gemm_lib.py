@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .kernel_lib import indices
 
-__all__ = ["grouped_tile", "tile_of", "matmul_tile", "lowrank_product", "chunk_start", "tma_operands", "tma_b", "matmul_tile_tma",
+__all__ = ["grouped_tile", "tile_of", "matmul_tile", "matmul_lowrank_tile", "matmul_lowrank_tile_tma", "lowrank_part", "chunk_start", "tma_operands", "tma_b", "matmul_tile_tma",
            "column_halves", "column_part", "tma_layouts", "set_tma_allocator"]
 
 
@@ -76,21 +76,81 @@ def matmul_tile(a_ptr, a_stride_m, a_stride_k, b_ptr, b_stride_k, b_stride_n, ti
 
 
 @triton.jit
-def lowrank_product(a_ptr, a_stride_m, a_stride_k, down_ptr, down_stride_k, down_stride_r, up_ptr, up_stride_r,
-                    up_stride_n, tile_m, tile_n, M, N, K, R, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, INDEX_64: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, FP64: tl.constexpr, INNER: tl.constexpr):
-    """The output tile of the low-rank product (a @ down) @ up (down [K, R], up [R, N], R at
-    most BLOCK_R), in fp32 (fp64 with FP64): the tile's rows of the inner product a @ down by
-    `matmul_tile`, rounded to INNER (the outputs' dtype: torch's two matmuls round it so, in
-    the operands' dtype once promoted), then times up's [R, BLOCK_N] columns of the tile. Each
-    tile of a row of tiles forms its rows' inner product again: R / BLOCK_N more multiply-adds
-    than the tile's main product, and no [M, R] tensor written or read."""
-    _, ranks, inner = matmul_tile(a_ptr, a_stride_m, a_stride_k, down_ptr, down_stride_k, down_stride_r, tile_m, 0, M,
-                                  R, K, BLOCK_M, BLOCK_R, BLOCK_K, INDEX_64, INPUT_PRECISION, FP64)
+def matmul_lowrank_tile(a_ptr, a_stride_m, a_stride_k, b_ptr, b_stride_k, b_stride_n, down_ptr, down_stride_k,
+                        down_stride_r, tile_m, tile_n, M, N, K, R, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, INDEX_64: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr, FP64: tl.constexpr = False):
+    """`matmul_tile`'s (rows, cols, acc), and from the same tiles of a the rows' inner product
+    of a low-rank product, a @ down (down [K, R], R at most BLOCK_R; `lowrank_part` finishes
+    it): [BLOCK_M, BLOCK_R] more accumulated a K step, R / BLOCK_N of the tile's work."""
+    rows = indices(tile_m * BLOCK_M, BLOCK_M, INDEX_64)
+    cols = indices(tile_n * BLOCK_N, BLOCK_N, INDEX_64)
+    ranks = indices(0, BLOCK_R, INDEX_64)
+    acc_dtype: tl.constexpr = tl.float64 if FP64 else tl.float32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), acc_dtype)
+    inner = tl.zeros((BLOCK_M, BLOCK_R), acc_dtype)
+    for first_k in range(0, K, BLOCK_K):
+        ks = indices(first_k, BLOCK_K, INDEX_64)
+        a = tl.load(a_ptr + rows[:, None] * a_stride_m + ks[None, :] * a_stride_k,
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + ks[:, None] * b_stride_k + cols[None, :] * b_stride_n,
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        down = tl.load(down_ptr + ks[:, None] * down_stride_k + ranks[None, :] * down_stride_r,
+                       mask=(ks[:, None] < K) & (ranks[None, :] < R), other=0.0)
+        if FP64:
+            a, b, down = a.to(tl.float64), b.to(tl.float64), down.to(tl.float64)
+        elif a.dtype != b.dtype or a.dtype != down.dtype:
+            a, b, down = a.to(tl.float32), b.to(tl.float32), down.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
+        inner = tl.dot(a, down, inner, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
+    return rows, cols, acc, inner
+
+
+@triton.jit
+def matmul_lowrank_tile_tma(a_desc, b_desc, down_ptr, down_stride_k, down_stride_r, tile_m, tile_n, K, R,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_R: tl.constexpr, INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                            A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr):
+    """`matmul_tile_tma`'s (rows, cols, acc), and `matmul_lowrank_tile`'s inner product from the
+    same tiles of a (down's [BLOCK_K, BLOCK_R] tiles by pointer loads: small, from L2)."""
+    first_m = tl.cast(tile_m * BLOCK_M, tl.int32)
+    first_n = tl.cast(tile_n * BLOCK_N, tl.int32)
+    ranks = indices(0, BLOCK_R, INDEX_64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    inner = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+    for first_k in range(0, K, BLOCK_K):
+        k = tl.cast(first_k, tl.int32)
+        if A_K_MAJOR:
+            a = a_desc.load([first_m, k])
+        else:
+            a = a_desc.load([k, first_m]).T
+        if B_K_MAJOR:
+            b = b_desc.load([first_n, k]).T
+        else:
+            b = b_desc.load([k, first_n])
+        ks = indices(first_k, BLOCK_K, INDEX_64)
+        down = tl.load(down_ptr + ks[:, None] * down_stride_k + ranks[None, :] * down_stride_r,
+                       mask=(ks[:, None] < K) & (ranks[None, :] < R), other=0.0)
+        if a.dtype != b.dtype or a.dtype != down.dtype:
+            a, b, down = a.to(tl.float32), b.to(tl.float32), down.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        inner = tl.dot(a, down, inner, input_precision=INPUT_PRECISION)
+    rows = indices(first_m, BLOCK_M, INDEX_64)
+    cols = indices(first_n, BLOCK_N, INDEX_64)
+    return rows, cols, acc, inner
+
+
+@triton.jit
+def lowrank_part(inner, up_ptr, up_stride_r, up_stride_n, cols, N, R, BLOCK_R: tl.constexpr,
+                 INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, FP64: tl.constexpr,
+                 INNER: tl.constexpr):
+    """The low-rank product (a @ down) @ up at the tile's columns `cols` (all of its columns, or
+    a part's), fp32 (fp64 with FP64): the inner product (`matmul_lowrank_tile`'s) rounded to
+    INNER, the outputs' dtype (torch's two matmuls round it so, in the operands' dtype once
+    promoted), times up's [R, cols] (up [R, N])."""
+    ranks = indices(0, BLOCK_R, INDEX_64)
     # The rank's tail is zero, not 0 * a: an inf in a would make it NaN, and NaN times up's zeros too.
     inner = tl.where(ranks[None, :] < R, inner, 0.0).to(INNER)
-    cols = indices(tile_n * BLOCK_N, BLOCK_N, INDEX_64)
     up = tl.load(up_ptr + ranks[:, None] * up_stride_r + cols[None, :] * up_stride_n,
                  mask=(ranks[:, None] < R) & (cols[None, :] < N), other=0.0)
     return tl.dot(inner, up.to(INNER), input_precision=INPUT_PRECISION, out_dtype=tl.float64 if FP64 else tl.float32)

@@ -20,8 +20,8 @@ KERNEL_LIB_NAMES = (
 
 # The gemm_lib helpers a gemm kernel calls, imported by name as kernel_lib's are (Inductor
 # re-emits a kernel with the JIT functions it calls by name, not through a module attribute).
-GEMM_LIB_NAMES = ("chunk_start", "column_part", "lowrank_product", "matmul_tile", "matmul_tile_tma", "tile_of", "tma_b",
-                  "tma_operands")
+GEMM_LIB_NAMES = ("chunk_start", "column_part", "lowrank_part", "matmul_lowrank_tile", "matmul_lowrank_tile_tma",
+                  "matmul_tile", "matmul_tile_tma", "tile_of", "tma_b", "tma_operands")
 
 # What every generated module imports (each kind adds its own modules: kinds.py).
 MODULE_IMPORTS = frozenset({"torch", "F", "triton", "tl", "libdevice", "runtime", "launch", "tuning", *KERNEL_LIB_NAMES,
