@@ -31,7 +31,8 @@ from fusegen.backends.triton.kernel_lib import (
     indices, load_tile, store_column_sums, store_gradient, store_tile,
 )
 from fusegen.backends.triton.gemm_lib import (
-    column_part, lowrank_part, matmul_lowrank_tile, matmul_lowrank_tile_tma, tile_of, tma_operands,
+    column_part, lowrank_part, matmul_lowrank_tile, matmul_lowrank_tile_tma, tile_of, tma_b,
+    tma_operands,
 )
 
 __all__ = ["lora_linear", "LoraLinear", "reference", "eager"]
@@ -73,12 +74,13 @@ def lora_linear_kernel(
             x_ptr, x_stride_m, x_stride_k, weight_ptr, weight_stride_k, weight_stride_n,
             M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, A_K_MAJOR, B_K_MAJOR,
         )
+        down_desc = tma_b(lora_a_ptr, 1, lora_a_stride_n, R, K, BLOCK_R, BLOCK_K, True)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=TMA):
         tile_m, tile_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if TMA:
             rows, _, product_tile, inner = matmul_lowrank_tile_tma(
-                a_desc, b_desc, lora_a_ptr, lora_a_stride_k, lora_a_stride_n, tile_m, tile_n, K, R,
+                a_desc, b_desc, down_desc, tile_m, tile_n, K,
                 BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, INDEX_64, INPUT_PRECISION, A_K_MAJOR, B_K_MAJOR,
             )
         else:
@@ -94,7 +96,8 @@ def lora_linear_kernel(
             product = product.to(compute)
             lowrank = lowrank_part(
                 inner, lora_b_ptr, lora_b_stride_k, lora_b_stride_n,
-                cols, N, R, BLOCK_R, INDEX_64, INPUT_PRECISION, FP64_PRODUCT, y_ptr.dtype.element_ty,
+                cols, N, R, BLOCK_R, INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
+                y_ptr.dtype.element_ty,  # the inner product rounded to the outputs' dtype, as torch's
             ).to(compute)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)

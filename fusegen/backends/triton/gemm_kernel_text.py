@@ -87,6 +87,9 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     ]
     lines += [f"    {descriptor} = tma_b({b}, {b_stride_k}, {b_stride_n}, {N}, {K}, {BLOCK_N}, {BLOCK_K}, {B_K_MAJOR})"
               for descriptor, b in zip(descriptors[1:], b_of[1:])]
+    if lowrank is not None:  # down [R, K] (the launcher takes TMA only so), read as b is: [K, R]
+        down_ptr, _, down_stride_r = names.operands[lowrank.down.name]
+        lines.append(f"    down_desc = tma_b({down_ptr}, 1, {down_stride_r}, {RANK}, {K}, {BLOCK_R}, {BLOCK_K}, True)")
     lines += [
         # One tile a program without TMA (as many programs as tiles); with it, as many programs as
         # SMs, each walking its tiles with the next tile's loads under this one's epilogue.
@@ -105,7 +108,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     for value, descriptor in zip(values, descriptors):
         body += [
             f"    {returned.format(tiles_of[value])} = {tma_loop}(",
-            f"        a_desc, {descriptor},{f' {down},' if inner else ''} tile_m, tile_n, {K},{f' {RANK},' if inner else ''}",
+            f"        a_desc, {descriptor},{' down_desc,' if inner else ''} tile_m, tile_n, {K},",
             f"        {BLOCK_M}, {BLOCK_N}, {BLOCK_K},{f' {BLOCK_R},' if inner else ''} INDEX_64, {INPUT_PRECISION}, "
             f"{A_K_MAJOR}, {B_K_MAJOR},",
             "    )",
@@ -136,7 +139,8 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
         epilogue += [
             f"{value} = lowrank_part(",
             f"    {inner}, {', '.join(names.operands[lowrank.up.name])},",
-            f"    cols, {N}, {RANK}, {BLOCK_R}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT}, {output}.dtype.element_ty,",
+            f"    cols, {N}, {RANK}, {BLOCK_R}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
+            f"    {output}.dtype.element_ty,  # the inner product rounded to the outputs' dtype, as torch's",
             f").to({COMPUTE_DTYPE})",
         ]
         tensors.add(value)
@@ -196,7 +200,7 @@ KIND = TritonKind(
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
     reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, RANK, BLOCK_R, "tile_m",
-                        "tile_n", "tiles", "tile", "part", PARTS, "a_desc", "b_desc", "gemm_launch",
+                        "tile_n", "tiles", "tile", "part", PARTS, "a_desc", "b_desc", "down_desc", "gemm_launch",
                         "gemm_tuning"}),
     modules=("gemm_launch", "gemm_tuning", "tuning"),
     keywords=_keywords,

@@ -138,6 +138,11 @@ class _BoundGemm(_Bound):
         majors = None if traced or fp64 else gemm_lib.tma_layouts(a_2d, b.mT if self._transposed else b)
         if majors is not None and chunks > 1 and n * b_strides[1] * b.element_size() % 16:
             majors = None  # a chunk of b starts where TMA cannot (each descriptor's base: 16-byte aligned)
+        if majors is not None and self._lowrank is not None:
+            # down through a descriptor too: as a's dtype, stored [R, K] (nn.Linear's lora_a layout)
+            down = tensors[self._down]
+            if gemm_lib.tma_layouts(a_2d, down.mT if self._lowrank.down_transposed else down) != (majors[0], True):
+                majors = None
         args[TMA] = majors is not None
         args[A_K_MAJOR], args[B_K_MAJOR] = majors or (False, False)
         if majors is not None:

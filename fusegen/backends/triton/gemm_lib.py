@@ -107,15 +107,15 @@ def matmul_lowrank_tile(a_ptr, a_stride_m, a_stride_k, b_ptr, b_stride_k, b_stri
 
 
 @triton.jit
-def matmul_lowrank_tile_tma(a_desc, b_desc, down_ptr, down_stride_k, down_stride_r, tile_m, tile_n, K, R,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_R: tl.constexpr, INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                            A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr):
+def matmul_lowrank_tile_tma(a_desc, b_desc, down_desc, tile_m, tile_n, K, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                            INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, A_K_MAJOR: tl.constexpr,
+                            B_K_MAJOR: tl.constexpr):
     """`matmul_tile_tma`'s (rows, cols, acc), and `matmul_lowrank_tile`'s inner product from the
-    same tiles of a (down's [BLOCK_K, BLOCK_R] tiles by pointer loads: small, from L2)."""
+    same tiles of a; down ([K, R], stored [R, K] as LoRA's lora_a) through its descriptor too,
+    `tma_b(down_ptr, 1, down_stride_r, R, K, BLOCK_R, BLOCK_K, True)` (its rank's tail zero-filled)."""
     first_m = tl.cast(tile_m * BLOCK_M, tl.int32)
     first_n = tl.cast(tile_n * BLOCK_N, tl.int32)
-    ranks = indices(0, BLOCK_R, INDEX_64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     inner = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
     for first_k in range(0, K, BLOCK_K):
@@ -128,11 +128,7 @@ def matmul_lowrank_tile_tma(a_desc, b_desc, down_ptr, down_stride_k, down_stride
             b = b_desc.load([first_n, k]).T
         else:
             b = b_desc.load([k, first_n])
-        ks = indices(first_k, BLOCK_K, INDEX_64)
-        down = tl.load(down_ptr + ks[:, None] * down_stride_k + ranks[None, :] * down_stride_r,
-                       mask=(ks[:, None] < K) & (ranks[None, :] < R), other=0.0)
-        if a.dtype != b.dtype or a.dtype != down.dtype:
-            a, b, down = a.to(tl.float32), b.to(tl.float32), down.to(tl.float32)
+        down = down_desc.load([0, k]).T
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         inner = tl.dot(a, down, inner, input_precision=INPUT_PRECISION)
     rows = indices(first_m, BLOCK_M, INDEX_64)
