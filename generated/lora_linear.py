@@ -97,7 +97,7 @@ def lora_linear_kernel(
             lowrank = lowrank_part(
                 inner, lora_b_ptr, lora_b_stride_k, lora_b_stride_n,
                 cols, N, R, BLOCK_R, INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
-                y_ptr.dtype.element_ty,  # the inner product rounded to the outputs' dtype, as torch's
+                y_ptr.dtype.element_ty,  # the inner product rounded so, as torch's
             ).to(compute)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)

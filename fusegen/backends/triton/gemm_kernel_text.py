@@ -140,7 +140,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
             f"{value} = lowrank_part(",
             f"    {inner}, {', '.join(names.operands[lowrank.up.name])},",
             f"    cols, {N}, {RANK}, {BLOCK_R}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
-            f"    {output}.dtype.element_ty,  # the inner product rounded to the outputs' dtype, as torch's",
+            f"    {output}.dtype.element_ty,  # the inner product rounded so, as torch's",
             f").to({COMPUTE_DTYPE})",
         ]
         tensors.add(value)
