@@ -241,7 +241,7 @@ def test_liger_norms_are_wired_as_the_spec_computes(name, module, function, expe
 
 def test_installed_liger_is_recorded_with_its_version(tmp_path):
     pytest.importorskip("liger_kernel")
-    status, = peers.peer_statuses(["swiglu", "bias_gelu_dropout_add"])
+    status, = peers.peer_statuses(["swiglu", "bias_gelu_dropout_add"], (peers.LIGER,))
     assert status.available and status.version == importlib.metadata.version("liger-kernel")
     assert status.ops == ("swiglu",)
     assert (status.note is None) == (status.version == "0.8.5")
