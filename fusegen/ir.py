@@ -521,8 +521,9 @@ class _Scope:
     def _lowrank(self, node: ast.BinOp) -> LowRank:
         """`(a @ T(down)) @ T(up)`: down [R, K] and up [N, R] (each [K, R], [R, N] without T); the
         inner product [..., R] is read by the outer one alone (LoRA's)."""
-        a, down, down_transposed = self._operands(node.left)
-        up, up_transposed = self._right_operand(node, "(x @ T(lora_a)) @ T(lora_b)")
+        a, down, down_transposed = self._operands(node.left, "R")
+        up, up_transposed = self._right_operand(node, "a low-rank product's outer operand is an input, as "
+                                                      "(x @ T(lora_a)) @ T(lora_b)")
         for name in (down, up):
             if self.chunks[name] > 1:
                 raise _Located(f"'{_snippet(node)}': '{name}' holds chunks; a low-rank product's operands cannot")
@@ -558,8 +559,8 @@ class _Scope:
         if name in self.bools or name in self.integers:
             raise _Located(f"'{_snippet(node)}': '{name}' must be a float input")
 
-    def _operands(self, node: ast.BinOp) -> tuple[str, str, bool]:
-        """(a, b, transposed) of `a @ b` or `a @ T(b)`, checked."""
+    def _operands(self, node: ast.BinOp, width: str = "N") -> tuple[str, str, bool]:
+        """(a, b, transposed) of `a @ b` or `a @ T(b)`, checked (b's other dim named `width` in errors)."""
         usage = ("@ multiplies two inputs, as x @ weight (weight [K, N]) or x @ T(weight) (weight [N, K]); or a "
                  "low-rank product, as (x @ T(lora_a)) @ T(lora_b)")
         b, transposed = self._right_operand(node, usage)
@@ -584,7 +585,7 @@ class _Scope:
         if not a_dims or a_dims[-1] in ("1", "..."):
             raise _Located(f"'{_snippet(node)}': '{a}' must have a named last dim, as [..., K]")
         if len(b_dims) != 2 or "1" in b_dims or "..." in b_dims:
-            want = "[N, K]" if transposed else "[K, N]"
+            want = f"[{width}, K]" if transposed else f"[K, {width}]"
             raise _Located(f"'{_snippet(node)}': '{b}' must have two named dims, as {want}")
         k = b_dims[1] if transposed else b_dims[0]
         if k != a_dims[-1]:
@@ -598,6 +599,8 @@ class _Scope:
         source, index = node.args
         matmul = None
         if isinstance(source, ast.BinOp) and isinstance(source.op, ast.MatMult):
+            if isinstance(source.left, ast.BinOp) and isinstance(source.left.op, ast.MatMult):
+                raise _Located(f"'{_snippet(source)}': a low-rank product holds no chunks")
             matmul = self._matmul(source)
             count = self.chunks[matmul.b]
             if count == 1:

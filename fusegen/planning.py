@@ -217,8 +217,7 @@ def _matmul_plan(op: SimplifiedOp, planned: dict, backward_symbols: set) -> Matm
         if sympy.Symbol(ir.LOWRANK, real=True) in backward_symbols:
             binding = op.ir.spec.outputs[0]
             raise SpecError(op.ir.spec.path, binding.line, f"the backward reads the low-rank product {r.text}: an "
-                            "epilogue that adds it (times params, inputs or the product) is supported, not yet one "
-                            "that takes a function of it")
+                            "epilogue that adds it (times params) is supported, not yet one whose gradients read it")
         lowrank = LowRankPlan(planned[r.down], planned[r.up], r.down_transposed, r.up_transposed,
                               planned[ir.LOWRANK], incoming.get(ir.LOWRANK))
     product = {sympy.Symbol(n, real=True) for n in value_names(op.ir.epilogue_inputs[0])}

@@ -135,9 +135,10 @@ def test_the_epilogue_in_halves(ops, parts, monkeypatch):
 
     monkeypatch.setattr(gemm_tuning, "PINNED_PARTS", parts)
     torch.manual_seed(5)
-    inputs = [t.detach() for t in _inputs("lora_t", 10, 40, 5, torch.float64, lead=(20,))]
-    # A fresh call key of a fresh size: the pinned parts reach the autotuner's pruning.
+    # Rows of a bucket of their own each (M_BUCKET 32, 64): the autotuner prunes afresh with the pinned parts.
+    inputs = [t.detach() for t in _inputs("lora_t", 10, 40, 5, torch.float64, lead=(20 * parts,))]
     torch.testing.assert_close(ops["lora_t"].lora_t(*inputs, 0.5), _truth("lora_t", *inputs, scale=0.5))
+    assert ops["lora_t"].lora_t_kernel.best_config.kwargs["PARTS"] == parts  # the tile the op ran with
 
 
 def test_pointer_and_tma_mainloops_agree(tmp_path, ops, monkeypatch):
@@ -219,6 +220,9 @@ ERRORS = {
     "x @ T(weight) + (x @ T(lora_a)) @ T(weight)": "'x @ T(lora_a) @ T(weight)': weight's last dim K is not the "
                                                    "inner product's last dim R",
     "x @ T(weight) + ((x @ T(lora_a)) @ T(lora_b)) ** 2": "the backward reads the low-rank product",
+    "x @ T(weight) + bias * ((x @ T(lora_a)) @ T(lora_b))": "the backward reads the low-rank product",
+    "x @ T(weight) + chunk((x @ T(lora_a)) @ T(lora_b), 0)": "a low-rank product holds no chunks",
+    "x @ T(weight) + (x @ T(lora_a)) @ (lora_b * 2)": "a low-rank product's outer operand is an input",
     "x @ T(weight) + (x @ T(lora_a)) @ T(lora_b) + (x @ T(lora_a)) @ T(lora_b) * 0 + (z @ T(lora_a)) @ T(lora_b)":
         "an op takes one low-rank product",
     "x @ T(weight) + ((x @ T(lora_a)) @ T(lora_b)) @ T(weight)": "@ multiplies two inputs",

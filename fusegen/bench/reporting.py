@@ -120,11 +120,11 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
         return f"error [{len(notes)}]"
 
     for index, row in enumerate(rows):
-        case_key = (row["op"], row["dtype"], row["B"], row["S"], row["H"], row.get("K"), row["p"])
+        case_key = (row["op"], row["dtype"], row["B"], row["S"], row["H"], row.get("K"), row.get("R"), row["p"])
         next_key = None
         if index + 1 < len(rows):
             nxt = rows[index + 1]
-            next_key = (nxt["op"], nxt["dtype"], nxt["B"], nxt["S"], nxt["H"], nxt.get("K"), nxt["p"])
+            next_key = (nxt["op"], nxt["dtype"], nxt["B"], nxt["S"], nxt["H"], nxt.get("K"), nxt.get("R"), nxt["p"])
         shape = "x".join(str(row[d]) for d in ("B", "S", "K", "H", "R") if row.get(d) is not None)
         label = f"{row['op']} {row['dtype']} {shape} p={row['p']}"
         cells = [row["op"], row["dtype"], shape,

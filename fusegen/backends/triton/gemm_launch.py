@@ -274,6 +274,8 @@ def _lowrank_gradients(bound: _BoundGemm, tensors, needs, g_lowrank, gradients: 
         inner = a_2d @ down_kr  # [M, R]
         grad = g_2d.mT @ inner if r.up_transposed else inner.mT @ g_2d
         gradients[bound._up] = grad.to(up.dtype)
+    if not (wanted[0] or wanted[1]):
+        return None
     g_inner = g_2d @ up_rn.mT  # [M, R]
     if wanted[1]:
         grad = g_inner.mT @ a_2d if r.down_transposed else a_2d.mT @ g_inner

@@ -51,7 +51,7 @@ STATISTICS, ONE_TILE = "statistics_ptr", "ONE_TILE"  # the row kernels' (row_ker
 # The gemm kernels' (gemm_kernel_text.py): the reduced dim, the tile along it, the tiles' grouping.
 K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT = "K", "BLOCK_K", "GROUP_M", "INPUT_PRECISION", "FP64_PRODUCT"
 TMA, A_K_MAJOR, B_K_MAJOR, PARTS = "TMA", "A_K_MAJOR", "B_K_MAJOR", "PARTS"
-RANK, BLOCK_R = "R", "BLOCK_R"  # a low-rank product's inner dim, and its tile (gemm_lib.lowrank_product)
+RANK, BLOCK_R = "R", "BLOCK_R"  # a low-rank product's inner dim, and its tile (gemm_lib.lowrank_part)
 EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a split row's (kernel_lib.split_program)
 
 
