@@ -17,9 +17,10 @@ seed=None draws the dropout seed from torch's default generator (torch.manual_se
 The forward kernel multiplies in fp32 (fp64 for fp64 operands) on the tensor cores and runs
 the elementwise rest on each tile of the product before writing anything; the backward forms
 the product's gradient elementwise and the operands' by torch.matmul.
-Backward: one fused kernel recomputes the forward from the saved inputs, draws the dropout
-masks again from the seed and writes every input gradient in one pass. Saved for it: the
-inputs, the seed tensor and the product of the matmul, nothing else.
+Backward: one elementwise kernel forms the product's gradient from the saved inputs, its
+dropout masks drawn again from the seed, and the other inputs' gradients in one pass; the
+operands' gradients are matmuls of these. Saved for it: the inputs and the seed tensor,
+nothing else.
 The gradient of residual is the gradient of y, passed on without a copy (summed only where
 residual was broadcast).
 

@@ -11,9 +11,9 @@ Outputs: y [..., N]
 The forward kernel multiplies in fp32 (fp64 for fp64 operands) on the tensor cores and runs
 the elementwise rest on each tile of the product before writing anything; the backward forms
 the product's gradient elementwise and the operands' by torch.matmul.
-Backward: one fused kernel recomputes the forward from the saved inputs and writes every
-input gradient in one pass. Saved for it: the inputs and the product of the matmul, nothing
-else.
+Backward: one elementwise kernel forms the product's gradient from the saved product and the
+other inputs' gradients in one pass; the operands' gradients are matmuls of these. Saved for
+it: the inputs and the product of the matmul, nothing else.
 
 As every generated op (README, "The generated op"): dtypes, dropout's masks and seeds,
 gradient sums, inplace_backward, `reference` and `eager`.

@@ -148,17 +148,10 @@ def docstring(plan: OpPlan, class_name: str, kernels_doc: str) -> list[str]:
         lines += wrap("training=False, or every dropout p == 0, takes a kernel with no random numbers.", "    ")
         lines += wrap("seed=None draws the dropout seed from torch's default generator (torch.manual_seed).", "    ")
     lines += [""] + wrap(kernels_doc)
-    kind = KINDS[plan.kind]
-    redraw = ", draws the dropout masks again from the seed" if plan.has_dropout else ""
-    saved = ["the inputs"] + ["the seed tensor"] * plan.has_dropout + [kind.keeps.removeprefix(" and ")] * bool(kind.keeps)
-    saved_text = saved[0] if len(saved) == 1 else f"{', '.join(saved[:-1])} and {saved[-1]}"
     if plan.forward_only:
         lines += wrap("Forward only: no output has a gradient, and the op puts no autograd node behind them.")
     else:
-        lines += wrap(
-            f"Backward: one fused kernel recomputes the forward from the saved inputs{kind.recomputes}{redraw} and "
-            f"writes every input gradient in one pass. Saved for it: {saved_text}, nothing else."
-        )
+        lines += wrap(KINDS[plan.kind].backward_doc(plan))
     lines += wrap(
         " ".join(
             f"The gradient of {i} is the gradient of {o}, passed on without a copy (summed only where {i} was broadcast)."

@@ -31,12 +31,22 @@ class ReferenceBody:
     lines: list[str] = field(default_factory=list)
 
 
+def fused_backward_doc(plan: OpPlan, recomputes: str = "", keeps: str = "", kernel: str | None = None) -> str:
+    """The backward as one fused kernel: what it reads back from the forward beside the inputs
+    (`recomputes`), and what is saved for it (`keeps`), each empty or starting " and "; `kernel`:
+    what the kernel does, in place of recomputing and writing every gradient in one pass."""
+    redraw = ", draws the dropout masks again from the seed" if plan.has_dropout else ""
+    saved = ["the inputs"] + ["the seed tensor"] * plan.has_dropout + [keeps.removeprefix(" and ")] * bool(keeps)
+    saved_text = saved[0] if len(saved) == 1 else f"{', '.join(saved[:-1])} and {saved[-1]}"
+    kernel = kernel or (f"one fused kernel recomputes the forward from the saved inputs{recomputes}{redraw} and "
+                        "writes every input gradient in one pass")
+    return f"Backward: {kernel}. Saved for it: {saved_text}, nothing else."
+
+
 class Kind(Protocol):
     name: str  # the plan's `kind`, and each backend's key for the kind's kernel text
-    # The module docstring's words on the backward: what it reads back from the forward
-    # beside the inputs, and what is saved for it (each empty, or starting " and ").
-    recomputes: str
-    keeps: str
+    def backward_doc(self, plan: OpPlan) -> str:
+        """The module docstring's sentences on the backward (`fused_backward_doc`'s, for most)."""
 
     def matches(self, op: SimplifiedOp) -> bool:
         """Whether simplify's op is this kind's (exactly one kind matches)."""

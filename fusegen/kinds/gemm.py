@@ -12,14 +12,28 @@ from fusegen.plan import OpPlan
 from fusegen.printers import TorchPrinter
 from fusegen.simplify import SimplifiedOp
 
-from .base import ReferenceBody
+from .base import ReferenceBody, fused_backward_doc
 from .pointwise import Pointwise
 
 
 class Gemm(Pointwise):
     name = "gemm"
-    recomputes = ""
-    keeps = " and the product of the matmul"
+    def backward_doc(self, plan: OpPlan) -> str:
+        m, r = plan.matmul, plan.matmul.lowrank
+        products = [("the product's", m.incoming), *([("the low-rank product's", r.incoming)] if r else [])]
+        formed = [name for name, incoming in products if incoming is None]
+        passed = [f"{name} gradient is {incoming}'s" for name, incoming in products if incoming is not None]
+        redraw = ", its dropout masks drawn again from the seed," if plan.has_dropout else ""
+        source = "product" if m.saved else "inputs"
+        kernel = "; ".join([
+            *([f"one elementwise kernel forms {' and '.join(formed)} gradient{'s' * (len(formed) > 1)} from the saved "
+               f"{source}{redraw} and the other inputs' gradients in one pass"] if formed else
+              [f"one elementwise kernel forms the other inputs' gradients{redraw.rstrip(',')}"]),
+            *passed,
+            "the operands' gradients are matmuls of these" + (" (the low-rank product's inner product formed again)"
+                                                              if r else ""),
+        ])
+        return fused_backward_doc(plan, keeps=" and the product of the matmul" if m.saved else "", kernel=kernel)
 
     def matches(self, op: SimplifiedOp) -> bool:
         return op.ir.matmul is not None

@@ -8,13 +8,13 @@ from fusegen.plan import Body, OpPlan
 from fusegen.printers import TorchPrinter
 from fusegen.simplify import Block, SimplifiedOp
 
-from .base import ReferenceBody, reference_signature, torch_constant, tuple_text
+from .base import ReferenceBody, fused_backward_doc, reference_signature, torch_constant, tuple_text
 
 
 class Pointwise:
     name = "pointwise"
-    recomputes = ""  # nothing but the inputs
-    keeps = ""
+    def backward_doc(self, plan: OpPlan) -> str:
+        return fused_backward_doc(plan)  # nothing read back but the inputs
 
     def matches(self, op: SimplifiedOp) -> bool:
         return isinstance(op.forward, Block) and op.ir.matmul is None

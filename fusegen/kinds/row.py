@@ -12,15 +12,16 @@ from fusegen.rows import ADJOINT_PREFIX, ADJOINT_SUM_PREFIX, EXTREME_PREFIX, RED
 from fusegen.rows import RowProgram
 from fusegen.simplify import SimplifiedOp
 
-from .base import ReferenceBody, reference_signature, torch_constant, tuple_text
+from .base import ReferenceBody, fused_backward_doc, reference_signature, torch_constant, tuple_text
 
 _TORCH_REDUCTIONS = {"sum": "torch.sum", "mean": "torch.mean", "max": "torch.amax", "min": "torch.amin"}
 
 
 class Row:
     name = "row"
-    recomputes = " and the forward's per-row statistics"
-    keeps = " and each row's statistics (fp32, [..., statistics])"
+    def backward_doc(self, plan: OpPlan) -> str:
+        return fused_backward_doc(plan, " and the forward's per-row statistics",
+                                  " and each row's statistics (fp32, [..., statistics])")
 
     def matches(self, op: SimplifiedOp) -> bool:
         return isinstance(op.forward, RowProgram)
