@@ -778,7 +778,7 @@ def matmul_operands(text: str) -> list[tuple[str, str, bool, tuple[str, ...], st
                 if first is None or right is None:
                     return None
                 inner.add(id(node.left))
-                found.append((first[0], *right, (first[1],), f"({_text(*first)}) @ {_text('', *right)[3:]}"))
+                found.append((first[0], *right, (first[1],), f"({_text(*first)}) @ {_operand_text(*right)}"))
             else:
                 found.append((*operands, (), _text(*operands)))
     return found
@@ -792,8 +792,12 @@ def _right(node: ast.BinOp) -> tuple[str, bool] | None:
     return (right.id, transposed) if isinstance(right, ast.Name) else None
 
 
+def _operand_text(b: str, transposed: bool) -> str:
+    return f"T({b})" if transposed else b
+
+
 def _text(a: str, b: str, transposed: bool) -> str:
-    return f"{a} @ {'T(' + b + ')' if transposed else b}"
+    return f"{a} @ {_operand_text(b, transposed)}"
 
 
 def _operands(node: ast.BinOp) -> tuple[str, str, bool] | None:

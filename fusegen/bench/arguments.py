@@ -120,7 +120,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     shapes = parser.add_mutually_exclusive_group()
     shapes.add_argument("--shapes", type=parse_shape_list, default=None, metavar="BxSxH,...",
                         help="comma-separated (B, S, H) shapes, e.g. 8x2048x4096,1x128x1024; for an op with a "
-                             "matmul, (B, S, K, H) too: 1x16384x4096x11008 (K, the dim summed over, else H)")
+                             "matmul, (B, S, K, H) too: 1x16384x4096x11008 (K, the dim summed over, else H); with a "
+                             "low-rank product, (B, S, K, H, R): 1x16384x4096x4096x16")
     shapes.add_argument("--sweep", action="store_true",
                         help="the default sweep: " + ", ".join("x".join(map(str, s)) for s in SWEEP_SHAPES))
     parser.add_argument("--p", dest="ps", type=parse_p_list, default=list(SWEEP_P), metavar="LIST",

@@ -6,6 +6,7 @@ a device-to-device copy measured in the same run (bytes read + written).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -64,12 +65,18 @@ def _generated_spec_sha(module) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _ir_of(spec: OpSpec):
+    """The spec's IR, parsed once per spec (shapes, flops and outputs all ask it)."""
+    from .. import ir  # the IR parse is the one authority on what the spec names
+
+    return ir.build_ir(spec)
+
+
 def dropout_param_names(spec: OpSpec) -> tuple[str, ...]:
     """The params that some dropout(...) in the spec takes as its probability."""
-    from .. import ir  # the IR parse is the one authority on what dropout(...) names
-
     names: list[str] = []
-    for dropout in ir.build_ir(spec).dropouts:
+    for dropout in _ir_of(spec).dropouts:
         if dropout.p not in names:
             names.append(dropout.p)
     return tuple(names)
@@ -172,17 +179,13 @@ def shape_for_dims(dims: Sequence[str], bsh: tuple[int, ...], hidden: str | None
 
 def contraction_dim(spec: OpSpec) -> str | None:
     """The dim an op's matmul sums over (x [..., K]'s K), or None without a matmul."""
-    from .. import ir
-
-    matmul = ir.build_ir(spec).matmul
+    matmul = _ir_of(spec).matmul
     return None if matmul is None else next(i.dims[-1] for i in spec.inputs if i.name == matmul.a)
 
 
 def rank_dim(spec: OpSpec) -> str | None:
     """A low-rank product's inner dim (lora_a [R, K]'s R), or None without one."""
-    from .. import ir
-
-    matmul = ir.build_ir(spec).matmul
+    matmul = _ir_of(spec).matmul
     if matmul is None or matmul.lowrank is None:
         return None
     down = next(i for i in spec.inputs if i.name == matmul.lowrank.down)
@@ -236,9 +239,7 @@ def output_shape(spec: OpSpec, bsh: tuple[int, int, int], output: str | None = N
 
 def output_shapes(spec: OpSpec, bsh: tuple[int, int, int]) -> list[tuple[int, ...]]:
     """Each output's shape: an output with one value per row (a per-row loss) is [..., 1]."""
-    from .. import ir
-
-    rows = ir.build_ir(spec).row_outputs
+    rows = _ir_of(spec).row_outputs
     return [output_shape(spec, bsh)[:-1] + (1,) if b.name in rows else output_shape(spec, bsh, b.name)
             for b in spec.outputs]
 
@@ -274,9 +275,7 @@ def bytes_model(spec: OpSpec, bsh: tuple[int, int, int], dtype: torch.dtype) -> 
     flops = 0
     contraction = contraction_dim(spec)
     if contraction is not None:  # the product [M, width]: the matmul's right operand's other dim, all its chunks
-        from .. import ir
-
-        matmul, shapes = ir.build_ir(spec).matmul, input_shapes(spec, bsh)
+        matmul, shapes = _ir_of(spec).matmul, input_shapes(spec, bsh)
         a, b = shapes[matmul.a], shapes[matmul.b]
         width = b[0] if matmul.transposed else b[1]
         flops = 2 * math.prod(a[:-1]) * a[-1] * width

@@ -120,11 +120,8 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
         return f"error [{len(notes)}]"
 
     for index, row in enumerate(rows):
-        case_key = (row["op"], row["dtype"], row["B"], row["S"], row["H"], row.get("K"), row.get("R"), row["p"])
-        next_key = None
-        if index + 1 < len(rows):
-            nxt = rows[index + 1]
-            next_key = (nxt["op"], nxt["dtype"], nxt["B"], nxt["S"], nxt["H"], nxt.get("K"), nxt.get("R"), nxt["p"])
+        case_key = _case_key(row)
+        next_key = _case_key(rows[index + 1]) if index + 1 < len(rows) else None
         shape = "x".join(str(row[d]) for d in ("B", "S", "K", "H", "R") if row.get(d) is not None)
         label = f"{row['op']} {row['dtype']} {shape} p={row['p']}"
         cells = [row["op"], row["dtype"], shape,
@@ -149,6 +146,11 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
         style = "bold" if row["provider"] == "fusegen" else None
         table.add_row(*cells, style=style, end_section=next_key != case_key)
     return table, notes
+
+
+def _case_key(row: dict) -> tuple:
+    """The case a row belongs to: the table's sections."""
+    return tuple(row.get(field) for field in ("op", "dtype", "B", "S", "H", "K", "R", "p"))
 
 
 def host_overhead_table(rows: Sequence[dict]):

@@ -101,13 +101,13 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     # tiles of a (there are no chunks then: ir refuses both).
     inner = names.claim_once("inner", "inner") if lowrank is not None else None
     down = ", ".join(names.operands[lowrank.down.name]) if lowrank is not None else None
-    returned = f"rows, _, {{}}{f', {inner}' if inner else ''}"
+    returned = lambda tile: f"rows, _, {tile}" + (f", {inner}" if inner else "")  # noqa: E731
     tma_loop, pointer_loop = ("matmul_lowrank_tile_tma", "matmul_lowrank_tile") if inner else ("matmul_tile_tma",
                                                                                               "matmul_tile")
     body = [f"tile_m, tile_n = tile_of(tile, {M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})", f"if {TMA}:"]
     for value, descriptor in zip(values, descriptors):
         body += [
-            f"    {returned.format(tiles_of[value])} = {tma_loop}(",
+            f"    {returned(tiles_of[value])} = {tma_loop}(",
             f"        a_desc, {descriptor},{' down_desc,' if inner else ''} tile_m, tile_n, {K},",
             f"        {BLOCK_M}, {BLOCK_N}, {BLOCK_K},{f' {BLOCK_R},' if inner else ''} INDEX_64, {INPUT_PRECISION}, "
             f"{A_K_MAJOR}, {B_K_MAJOR},",
@@ -116,7 +116,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     body.append("else:")
     for value, b in zip(values, b_of):
         body += [
-            f"    {returned.format(tiles_of[value])} = {pointer_loop}(",
+            f"    {returned(tiles_of[value])} = {pointer_loop}(",
             f"        {a_ptr}, {a_stride_m}, {a_stride_k},",
             f"        {b}, {b_stride_k}, {b_stride_n},",
             *([f"        {down},"] if inner else []),
