@@ -14,7 +14,7 @@ from typing import Union
 from .errors import SpecError
 from .functions import BUILTINS, FUNCTIONS, LITERALS, REDUCTIONS, known_function_names
 # Matmul nodes, `a @ b` / `a @ T(b)` and the low-rank `(a @ T(down)) @ T(up)`, as the runtime declares them too.
-from .layout import LowRank, MatMul
+from .layout import Hidden, LowRank, MatMul
 from .spec import MAX_FLOAT_MAGNITUDE, MAX_INT_MAGNITUDE, Binding, ChoiceParam, InputSpec, OpSpec, ScalarParam
 
 # Bounds on one expression, intermediates inlined: later stages recurse over the whole tree.
@@ -132,6 +132,8 @@ class Reduce:
 # low-rank product's.
 PRODUCT = "@product"
 LOWRANK = "@lowrank"
+HIDDEN_PRODUCT = "@hidden_product"  # a hidden layer's own product, [..., H]; and its value
+HIDDEN = "@hidden"
 
 Expr = Union[Const, InputRef, ChunkRef, Col, ParamRef, Unary, Binary, Compare, Logic, Call, ChoiceCall, Where, Dropout,
              Reduce, MatMul, ProductChunk, LowRank]
@@ -151,6 +153,9 @@ class OpIR:
     # value of its own, y[0], y[1] (part_name), in order.
     output_parts: tuple[tuple[str, int], ...] = ()
     matmul: MatMul | None = None  # the op's one matmul, if any (with the low-rank product beside it)
+    # With a hidden layer (matmul.hidden), its function: a tree over its own matmul (a MatMul
+    # node, whose product it reads as HIDDEN_PRODUCT) and its [H] inputs.
+    hidden: Expr | None = None
 
     @property
     def has_reductions(self) -> bool:
@@ -219,8 +224,9 @@ def build_ir(spec: OpSpec) -> OpIR:
         row_outputs = frozenset(name for name, expr in outputs if row_constant(expr, scope.dims))
     lets = tuple((name, let.expr) for name, let in scope.lets.items())
     matmul = _check_matmul(spec, scope, outputs)
+    hidden = scope.hiddens.get(matmul) if matmul is not None else None
     return OpIR(spec=spec, outputs=tuple(outputs), dropouts=tuple(scope.dropouts), lets=lets, row_outputs=row_outputs,
-                output_parts=output_parts, matmul=matmul)
+                output_parts=output_parts, matmul=matmul, hidden=hidden)
 
 
 def part_name(output: str, index: int) -> str:
@@ -262,9 +268,9 @@ class _Scope:
         # an outer dropout before the dropouts inside its argument.
         self.dropouts: list[Dropout] = []
         self.used: set[str] = set()
-        self.read: set[str] = set()  # inputs read elementwise (not as a matmul's operand)
         self.matmuls: dict[MatMul, Binding] = {}  # each matmul, with the first binding writing it
         self.lowranks: dict[LowRank, Binding] = {}  # each low-rank product, so
+        self.hiddens: dict[MatMul, Expr] = {}  # a matmul with a hidden layer: the layer's function
         self._binding: Binding | None = None
         # Depth and size of the tree being built, intermediates counted in full: they are
         # inlined, and later stages (sympy, printers) recurse over the whole tree.
@@ -325,6 +331,8 @@ class _Scope:
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
             if isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.MatMult):
                 return self._lowrank(node)
+            if not isinstance(node.left, ast.Name) or node.left.id in self.lets:
+                return self._hidden_matmul(node, d)
             matmul = self._matmul(node)
             chunks = self.chunks[matmul.b]
             if chunks > 1:
@@ -387,7 +395,6 @@ class _Scope:
                     f"... chunk({name}, {self.chunks[name] - 1})"
                 )
             self.used.add(name)
-            self.read.add(name)
             if name in self.bools:  # a condition: where(mask, x, 0.0), ~mask, mask & (x > 0)
                 return Compare("!=", InputRef(name), Const(0))
             return InputRef(name)
@@ -542,6 +549,47 @@ class _Scope:
         self.lowranks.setdefault(lowrank, self._binding)
         return lowrank
 
+    def _hidden_matmul(self, node: ast.BinOp, depth: int) -> MatMul:
+        """`f(a @ T(weight) + bias) @ T(b)`: the matmul of a hidden layer's [..., H] value (an
+        MLP's two layers), f elementwise over the layer's own product and [H] inputs and params."""
+        b, transposed = self._right_operand(node, _MATMUL_USAGE)
+        expr = self._value(node.left, depth)
+        nodes = list(walk(expr))
+        inner = list(dict.fromkeys(n for n in nodes if isinstance(n, MatMul)))
+        text = _snippet(node.left)
+        if len(inner) != 1 or inner[0].hidden is not None:
+            raise _Located(f"'{_snippet(node)}': {_MATMUL_USAGE}")
+        first = inner[0]
+        refused = [(Dropout, "dropout"), (Reduce, "a row reduction"), (Col, "col"), (LowRank, "a low-rank product"),
+                   (ProductChunk, "a chunk of a product"), (ChunkRef, "a chunk of an input")]
+        for kind, what in refused:
+            if any(isinstance(n, kind) for n in nodes):
+                raise _Located(f"'{text}': {what} in a hidden layer is not supported yet")
+        if self.chunks[first.b] > 1 or self.chunks[b] > 1:
+            raise _Located(f"'{_snippet(node)}': a hidden layer's matmuls take weights without chunks")
+        width = self.dims[first.b][0 if first.transposed else 1]
+        names = tuple(dict.fromkeys(n.name for n in nodes if isinstance(n, InputRef)))
+        for name in names:
+            if self.dims[name] != (width,) or name in self.bools or name in self.integers:
+                raise _Located(f"'{text}': '{name}' {_declared(self.dims[name])} is read by the hidden layer, whose "
+                               f"function takes float inputs of one value per hidden column, [{width}]")
+        b_dims = self.dims[b]
+        if len(b_dims) != 2 or "1" in b_dims or "..." in b_dims:
+            raise _Located(f"'{_snippet(node)}': '{b}' must have two named dims, as "
+                           f"{f'[N, {width}]' if transposed else f'[{width}, N]'}")
+        k = b_dims[1] if transposed else b_dims[0]
+        if k != width:
+            raise _Located(f"'{_snippet(node)}': the hidden layer is [..., {width}] and {b}'s "
+                           f"{'last' if transposed else 'first'} dim is {k}")
+        if b in (first.a, first.b) or b in names:
+            raise _Located(f"'{_snippet(node)}': '{b}' is read twice; the second matmul takes a weight of its own")
+        self.matmuls.pop(first, None)  # the layer's own, not the op's (_check_matmul looks again)
+        self.used.add(b)
+        matmul = MatMul(first.a, b, transposed, hidden=Hidden(first.b, first.transposed, names, unparse(expr)))
+        self.matmuls.setdefault(matmul, self._binding)
+        self.hiddens[matmul] = expr
+        return matmul
+
     def _right_operand(self, node: ast.BinOp, usage: str) -> tuple[str, bool]:
         """A matmul's right operand: an input's name, and whether it is written T(...)."""
         right, transposed = node.right, False
@@ -561,8 +609,7 @@ class _Scope:
 
     def _operands(self, node: ast.BinOp, width: str = "N") -> tuple[str, str, bool]:
         """(a, b, transposed) of `a @ b` or `a @ T(b)`, checked (b's other dim named `width` in errors)."""
-        usage = ("@ multiplies two inputs, as x @ weight (weight [K, N]) or x @ T(weight) (weight [N, K]); or a "
-                 "low-rank product, as (x @ T(lora_a)) @ T(lora_b)")
+        usage = _MATMUL_USAGE
         b, transposed = self._right_operand(node, usage)
         if not isinstance(node.left, ast.Name):
             raise _Located(f"'{_snippet(node)}': {usage}")
@@ -619,7 +666,6 @@ class _Scope:
         if matmul is not None:
             return ProductChunk(matmul, index.value, count)
         self.used.add(source.id)
-        self.read.add(source.id)  # elementwise: not also a matmul's operand (_check_matmul)
         return ChunkRef(source.id, index.value)
 
     @staticmethod
@@ -724,14 +770,22 @@ def _check_matmul(spec: OpSpec, scope: _Scope, outputs) -> MatMul | None:
         second, second_line = others[0]
         raise SpecError(spec.path, second_line, f"an op takes one matmul: {second.text} here, {first.text} "
                         f"at line {line}")
+    if lowranks and first.hidden is not None:
+        raise SpecError(spec.path, lowranks[0][1], f"a low-rank product beside a hidden layer ({first.text}) is not "
+                        "supported yet")
     if lowranks:
         first = _with_lowrank(spec, scope, first, lowranks)
-    both = [n for n in first.operands if n in scope.read]
+    nodes = [node for _, expr in outputs for node in walk(expr)]  # a matmul's operands are not its nodes
+    products = {n.matmul if isinstance(n, ProductChunk) else n for n in nodes if isinstance(n, (MatMul, ProductChunk))}
+    others = products - {replace(first, lowrank=None)}
+    if others:  # a hidden layer's own matmul read elsewhere too
+        raise SpecError(spec.path, line, f"an op takes one matmul: {first.text} and {others.pop().text}")
+    read = {n.name for n in nodes if isinstance(n, (InputRef, ChunkRef))}  # elementwise
+    both = [n for n in first.operands if n in read]
     if both:
-        product = first.text if both[0] in (first.a, first.b) else first.lowrank.text
+        product = first.lowrank.text if first.lowrank and both[0] in (first.lowrank.down, first.lowrank.up) else first.text
         raise SpecError(spec.path, line, f"'{both[0]}' is an operand of {product} and cannot also be read "
                         "elementwise")
-    nodes = [node for _, expr in outputs for node in walk(expr)]
     unsupported = [(Reduce, "row reductions (sum, mean, max, min, take)"), (Col, "col")]
     for kind, what in unsupported:
         if any(isinstance(node, kind) for node in nodes):
@@ -743,6 +797,15 @@ def _check_matmul(spec: OpSpec, scope: _Scope, outputs) -> MatMul | None:
             raise SpecError(spec.path, binding.line, f"output '{binding.name}': a concatenated output or one of "
                             f"its own dtype is not supported yet in an op with a matmul ({first.text})")
     return first
+
+
+_MATMUL_USAGE = ("@ multiplies two inputs, as x @ weight (weight [K, N]) or x @ T(weight) (weight [N, K]); a "
+                 "low-rank product, as (x @ T(lora_a)) @ T(lora_b); or a hidden layer, a function of one matmul "
+                 "and [H] inputs, as relu(x @ T(w1) + b1) @ T(w2)")
+
+
+def _declared(dims: tuple[str, ...]) -> str:
+    return "[" + ", ".join(dims) + "]"
 
 
 def _with_lowrank(spec: OpSpec, scope: _Scope, matmul: MatMul, lowranks) -> MatMul:

@@ -105,21 +105,40 @@ class LowRank:
 
 
 @dataclass(frozen=True)
+class Hidden:
+    """A hidden layer before an op's matmul (an MLP's `f(a @ T(weight) + bias) @ T(b)`): its
+    [..., H] value, an elementwise function of its own product a @ T(weight) ([H, K] under T,
+    else [K, H]) and of [H] inputs and params, is the matmul's left operand; H is small (a tile
+    holds its rows' [BLOCK_M, H]). `text` is the function as the spec writes it."""
+
+    weight: str
+    transposed: bool
+    inputs: tuple[str, ...] = ()  # the [H] inputs the function reads
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class MatMul:
     """An op's matmul `a @ b` (b [K, N]) or `a @ T(b)` (transposed: b [N, K], nn.Linear's
     weight), by its operands' input names: its product [..., N] is what the rest of the op reads;
-    with a low-rank product of the same a beside it (LoRA), that one's too."""
+    with a low-rank product of the same a beside it (LoRA), that one's too. With a hidden layer,
+    a is that layer's input and the product hidden(a) @ b (an MLP's two layers)."""
 
     a: str
     b: str
     transposed: bool
     lowrank: LowRank | None = None
+    # A hidden layer of a between: the product is hidden(a) @ b, hidden(a) [..., H] (an MLP's).
+    hidden: Hidden | None = None
 
     @property
     def text(self) -> str:
-        return f"{self.a} @ T({self.b})" if self.transposed else f"{self.a} @ {self.b}"
+        a = f"({self.hidden.text})" if self.hidden else self.a
+        return f"{a} @ T({self.b})" if self.transposed else f"{a} @ {self.b}"
 
     @property
     def operands(self) -> tuple[str, ...]:
-        """The inputs only the matmuls read: a and b, and the low-rank product's two."""
-        return (self.a, self.b) + ((self.lowrank.down, self.lowrank.up) if self.lowrank else ())
+        """The inputs only the matmuls read: a and b, the low-rank product's two, and the hidden
+        layer's weight and inputs."""
+        hidden = (self.hidden.weight, *self.hidden.inputs) if self.hidden else ()
+        return (self.a, self.b) + ((self.lowrank.down, self.lowrank.up) if self.lowrank else ()) + hidden

@@ -139,6 +139,25 @@ class LowRankPlan:
 
 
 @dataclass(frozen=True)
+class HiddenPlan:
+    """A hidden layer before the matmul (an MLP's): its own product `a @ T(weight)` ([..., H],
+    the local `product`), its function of that and of its [H] `inputs` (`body`: results `value`,
+    then `partials`, the distinct partial derivatives the forward keeps for the backward), and
+    each read value's partial by index (`partial_of`: the product's, then each input's)."""
+
+    weight: InputPlan  # [H, K] under T, else [K, H]
+    transposed: bool
+    text: str  # the function as the spec writes it
+    inputs: tuple[InputPlan, ...]
+    product: str
+    value: str
+    partials: tuple[str, ...]
+    partial_of: tuple[int, ...]
+    body: Body  # value and partials: the forward kernel's
+    reference: Body  # value alone: the reference's
+
+
+@dataclass(frozen=True)
 class MatmulPlan:
     """The gemm kind's matmul, `a @ b` or `a @ T(b)`: its product is a value of the kernels'
     bodies as an input is (`product`, [..., N]), formed by the forward kernel; the backward
@@ -153,6 +172,7 @@ class MatmulPlan:
     saved: bool  # the backward body reads the product: the forward stores it
     incoming: str | None  # the output whose incoming gradient is the product's, if any
     lowrank: LowRankPlan | None = None  # the low-rank product beside it (LoRA's), if any
+    hidden: HiddenPlan | None = None  # the hidden layer of a before it (an MLP's), if any
 
 
 @dataclass(frozen=True)

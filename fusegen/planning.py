@@ -23,11 +23,11 @@ from .functions import FUNCTIONS
 from .kinds import kind_of
 from .layout import Choice, Scalar
 from .names import PYTHON_BUILTINS, Namer
-from .plan import (Body, GradientPlan, HelperPlan, InputPlan, KernelPlan, LowRankPlan, Mask, MatmulPlan, OpPlan, OutputParts,
+from .plan import (Body, GradientPlan, HelperPlan, HiddenPlan, InputPlan, KernelPlan, LowRankPlan, Mask, MatmulPlan, OpPlan, OutputParts,
                    ParamPlan, Value)
 from .printers import EagerPrinter
 from .rows import WIDTH
-from .simplify import Block, ChoiceHelper, SimplifiedOp, grad_output_name, value_names
+from .simplify import Block, ChoiceHelper, SimplifiedOp, grad_output_name, partial_name, value_names
 from .spec import ChoiceParam, OpSpec
 
 
@@ -50,6 +50,10 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         names[ir.PRODUCT] = namer.claim("product")
         if matmul.lowrank is not None:
             names[ir.LOWRANK] = namer.claim("lowrank")
+    if op.hidden is not None:  # the hidden layer's product, value and partials: names of the bodies
+        symbols[ir.HIDDEN_PRODUCT] = namer.claim("hidden_product")
+        symbols[ir.HIDDEN] = namer.claim("hidden")
+        symbols.update({partial_name(k): namer.claim(f"hidden_partial{k}") for k in range(op.hidden.count)})
     planned = {}  # InputPlan of each input, and of the products
     for spec_input in (*spec.inputs, *products):
         local = names[spec_input.name]
@@ -97,7 +101,8 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     }
     kind = kind_of(op)
     symbols.update(kind.symbol_names(namer, op))
-    blocks = (op.forward, op.forward_no_dropout, op.backward, op.backward_no_dropout)
+    blocks = (op.forward, op.forward_no_dropout, op.backward, op.backward_no_dropout,
+              *((op.hidden.forward, op.hidden.value) if op.hidden else ()))
     temps = _temporary_names(namer, [b for b in blocks if b is not None])
     rename = {sympy.Symbol(k, real=True): sympy.Symbol(v, real=True) for k, v in {**symbols, **temps}.items()}
     outputs = tuple((b.name, names[b.name]) for b in spec.outputs)
@@ -150,6 +155,14 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         body_no_dropout=plain_body(op.backward_no_dropout, grad_locals),
         row_width=width if width and WIDTH in backward_symbols else None,
     )
+    hidden = None
+    if op.hidden is not None:
+        layer, results = matmul.hidden, {n: n for n in (ir.HIDDEN, *map(partial_name, range(op.hidden.count)))}
+        hidden = HiddenPlan(planned[layer.weight], layer.transposed, layer.text, tuple(planned[n] for n in layer.inputs),
+                            symbols[ir.HIDDEN_PRODUCT], symbols[ir.HIDDEN],
+                            tuple(symbols[partial_name(k)] for k in range(op.hidden.count)), op.hidden.partial_of,
+                            body(op.hidden.forward, {n: symbols[n] for n in results}),
+                            body(op.hidden.value, {ir.HIDDEN: symbols[ir.HIDDEN]}))
     eager_lets = tuple((namer.claim(name), expr) for name, expr in op.ir.lets)
     # The eager function's own names: the tuple of each chunked input's chunks, each choice
     # param's helper.
@@ -164,7 +177,7 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
     exprs = dict(op.ir.outputs)
     eager = _eager_lines(
         tuple(tuple(exprs[v] for v in ir.output_values(name, parts.get(name, 0))) for name, _ in outputs),
-        eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers, converted,
+        eager_lets, tuple(inputs), names, chunk_tuples, eager_helpers, converted, op.ir.hidden,
     )
     return OpPlan(
         op=spec.name,
@@ -202,11 +215,11 @@ def plan(op: SimplifiedOp, reserved: frozenset[str], module_names: frozenset[str
         ),
         output_dtypes=tuple((b.name, b.dtype) for b in spec.outputs if b.dtype is not None),
         no_gradient=frozenset(b.name for b in spec.outputs if not b.differentiable),
-        matmul=None if matmul is None else _matmul_plan(op, planned, backward_symbols),
+        matmul=None if matmul is None else _matmul_plan(op, planned, backward_symbols, hidden),
     )
 
 
-def _matmul_plan(op: SimplifiedOp, planned: dict, backward_symbols: set) -> MatmulPlan:
+def _matmul_plan(op: SimplifiedOp, planned: dict, backward_symbols: set, hidden: HiddenPlan | None) -> MatmulPlan:
     """The matmul's plan: its product saved where the backward reads it; the low-rank product's
     never (its [..., N] would be written beside the product's, for an epilogue that adds it)."""
     matmul = op.ir.matmul
@@ -222,7 +235,8 @@ def _matmul_plan(op: SimplifiedOp, planned: dict, backward_symbols: set) -> Matm
                               planned[ir.LOWRANK], incoming.get(ir.LOWRANK))
     product = {sympy.Symbol(n, real=True) for n in value_names(op.ir.epilogue_inputs[0])}
     return MatmulPlan(planned[matmul.a], planned[matmul.b], matmul.transposed, planned[ir.PRODUCT],
-                      saved=bool(product & backward_symbols), incoming=incoming.get(ir.PRODUCT), lowrank=lowrank)
+                      saved=bool(product & backward_symbols), incoming=incoming.get(ir.PRODUCT), lowrank=lowrank,
+                      hidden=hidden)
 
 
 def _parts_dims(dims: tuple[str, ...], parts: int | None) -> tuple[str, ...]:
@@ -247,6 +261,8 @@ def _gradient_reads(spec: OpSpec, op: SimplifiedOp) -> tuple[tuple[str, tuple[st
         reads.update({n: product | lowrank for n in value_names(by_name[matmul.a])})
         if matmul.lowrank:
             reads.update({matmul.lowrank.down: lowrank, matmul.lowrank.up: lowrank})
+        if matmul.hidden:  # the hidden layer's gradients are all from the product's
+            reads.update({n: product for n in (matmul.hidden.weight, *matmul.hidden.inputs)})
     every = [b.name for b in spec.outputs]
     result = []
     for spec_input in spec.inputs:
@@ -272,7 +288,7 @@ def _temporary_names(namer: Namer | None, blocks) -> dict[str, str]:
 
 def _eager_lines(outputs: tuple[tuple[ir.Expr, ...], ...], lets: tuple[tuple[str, ir.Expr], ...], inputs: tuple[InputPlan, ...],
                  names: dict[str, str], chunk_tuples: dict[str, str], helpers: dict[str, str],
-                 converted: tuple[tuple[str, str] | None, ...] = ()) -> tuple[str, ...]:
+                 converted: tuple[tuple[str, str] | None, ...] = (), hidden: ir.Expr | None = None) -> tuple[str, ...]:
     """The eager function's body: the spec's IR printed as a PyTorch user writes it; an output
     with a dtype of its own (`converted`: its local and dtype, None for none) converted to it
     with `.to`."""
@@ -282,7 +298,7 @@ def _eager_lines(outputs: tuple[tuple[ir.Expr, ...], ...], lets: tuple[tuple[str
     if along is not None:
         width = f"{along.local}.shape[-1]" + (f" // {along.layout.chunks}" if along.layout.chunks > 1 else "")
         column = f"torch.arange({width}, device={along.local}.device)"
-    printer = EagerPrinter(names, chunk_tuples, helpers, {id(expr): local for local, expr in lets}, column)
+    printer = EagerPrinter(names, chunk_tuples, helpers, {id(expr): local for local, expr in lets}, column, hidden)
     lines = [
         f"{chunk_tuples[i.name]} = {i.local}.chunk({i.layout.chunks}, dim=-1)" for i in inputs if i.name in chunk_tuples
     ]

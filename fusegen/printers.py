@@ -381,12 +381,13 @@ class EagerPrinter:
     spelling (F.gelu, F.dropout), not fusegen's definitions."""
 
     def __init__(self, names: dict[str, str], chunks: dict[str, str], helpers: dict[str, str],
-                 lets: dict[int, str] | None = None, column: str = ""):
+                 lets: dict[int, str] | None = None, column: str = "", hidden=None):
         self.names = names  # spec name → the name the generated function uses
         self.chunks = chunks  # chunked input → the name of its tuple of chunks
         self.helpers = helpers  # choice param → its eager helper
         self.lets = lets or {}  # id(an intermediate's tree) → the local that holds it
         self.column = column  # `col`: torch.arange over the last dim of an input that has it
+        self.hidden = hidden  # the matmul's hidden layer's function (ir.OpIR.hidden), if any
         self._defining = None
 
     def doprint(self, expr, defining: bool = False) -> str:
@@ -410,7 +411,7 @@ class EagerPrinter:
         if isinstance(e, ir.Col):
             return self.column
         if isinstance(e, ir.MatMul):  # an atom: F.linear, or the parenthesized product
-            a, b = self.names[e.a], self.names[e.b]
+            a, b = self._print(self.hidden) if e.hidden else self.names[e.a], self.names[e.b]
             return f"F.linear({a}, {b})" if e.transposed else f"({a} @ {b})"
         if isinstance(e, ir.LowRank):  # an atom too: F.linear(F.linear(x, lora_a), lora_b)
             inner = self._linear(self.names[e.a], self.names[e.down], e.down_transposed)

@@ -72,6 +72,21 @@ class Gradient:
 
 
 @dataclass(frozen=True)
+class HiddenLayer:
+    """A hidden layer's function (ir.OpIR.hidden) over its product HIDDEN_PRODUCT and [H]
+    inputs, with its partial derivatives: what the forward keeps for the backward, which
+    multiplies the layer's incoming gradient by them (elementwise, so the layer's backward is
+    matmuls and products). `partials` holds each distinct one; `partial_of` says which is
+    each value's (`reads`: HIDDEN_PRODUCT, then the inputs)."""
+
+    reads: tuple[sympy.Symbol, ...]
+    value: Block  # result HIDDEN alone (the reference's)
+    forward: Block  # HIDDEN, then each partial, by partial_name
+    partial_of: tuple[int, ...]
+    count: int
+
+
+@dataclass(frozen=True)
 class SimplifiedOp:
     ir: ir.OpIR
     inputs: tuple[sympy.Symbol, ...]  # one per value: an input, or each chunk of a chunked input
@@ -86,6 +101,7 @@ class SimplifiedOp:
     backward_no_dropout: Block | None
     gradients: tuple[Gradient, ...]
     helpers: tuple[ChoiceHelper, ...]
+    hidden: HiddenLayer | None = None  # the matmul's hidden layer (an MLP's), if any
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,6 +144,11 @@ def value_names(input_spec) -> list[str]:
 
 def chunk_name(input_name: str, index: int) -> str:
     return f"{input_name}[{index}]"
+
+
+def partial_name(index: int) -> str:
+    """A hidden layer's partial derivative, by its index among the distinct ones."""
+    return f"{ir.HIDDEN}_partial[{index}]"
 
 
 def mask_name(stream: int) -> str:
@@ -199,6 +220,9 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
         raise SpecError(spec.path, binding.line, f"the low-rank product {lowrank.text} simplifies away: no output "
                         "reads it")
     used |= set().union(*(e.free_symbols for _, e in backward[True] + backward[False]))
+    hidden = _hidden_layer(op, params) if op.hidden is not None else None
+    if hidden is not None:
+        used |= hidden.forward.free_symbols()
     return SimplifiedOp(
         ir=op,
         inputs=tuple(inputs.values()),
@@ -211,6 +235,7 @@ def simplify(op: ir.OpIR) -> SimplifiedOp:
         backward_no_dropout=_cse(backward[False]),
         gradients=gradients,
         helpers=tuple(_choice_helper(p) for p in spec.choice_params),
+        hidden=hidden,
     )
 
 
@@ -261,6 +286,36 @@ def _simplify_rows(op: ir.OpIR, inputs: dict, params: dict, masks: tuple, chunke
     )
 
 
+def _hidden_layer(op: ir.OpIR, params: dict) -> HiddenLayer:
+    """The hidden layer's value and its distinct partial derivatives, over its own product and
+    inputs (its MatMul node lowered to HIDDEN_PRODUCT)."""
+    spec, layer = op.spec, op.matmul.hidden
+    product = sympy.Symbol(ir.HIDDEN_PRODUCT, real=True)
+    inputs = {n: sympy.Symbol(n, real=True) for n in layer.inputs}
+    # Reported at the output whose tree holds the matmul (its intermediates inlined).
+    output = next(v for v, e in op.outputs if any(n == op.matmul for n in ir.walk(e)))
+    binding = ir.output_bindings(spec)[output]
+    lower = _Lowering(op, {**params, **inputs, ir.PRODUCT: product}, None)
+    value = lower._lower_binding(binding, "output", op.hidden)
+    if product not in value.free_symbols:
+        raise SpecError(spec.path, binding.line, f"output '{binding.name}': the hidden layer {layer.text} simplifies "
+                        "to a function without its product")
+    reads = (product, *inputs.values())
+    distinct, partial_of = [], []
+    for symbol in reads:
+        partial = derivative(value, symbol)
+        try:
+            constants.check_finite(partial)
+        except constants.ConstantError as exc:
+            raise SpecError(spec.path, binding.line, f"output '{binding.name}': the hidden layer's derivative with "
+                            f"respect to {symbol.name.lstrip('@')} has a constant that {exc}") from None
+        if partial not in distinct:
+            distinct.append(partial)
+        partial_of.append(distinct.index(partial))
+    forward = _cse([(ir.HIDDEN, value), *((partial_name(k), d) for k, d in enumerate(distinct))])
+    return HiddenLayer(reads, _cse([(ir.HIDDEN, value)]), forward, tuple(partial_of), len(distinct))
+
+
 class _Lowering:
     """IR → sympy, node by node. A node whose value is a number is folded to one literal
     (constants.fold), and the numbers sympy gathers into a node's sum or product are checked:
@@ -282,8 +337,11 @@ class _Lowering:
         """Every output's expression; intermediates first, so that a problem in one is
         reported at its own line (and lowered once, wherever it is used)."""
         bindings = {b.name: b for b in self.op.spec.lets} | ir.output_bindings(self.op.spec)
+        # A hidden layer's intermediates are its own (over its product and inputs: _hidden_layer).
+        layer = {id(node) for node in ir.walk(self.op.hidden)} if self.op.hidden is not None else set()
         for name, expr in self.op.lets:
-            self._lower_binding(bindings[name], "intermediate", expr)
+            if id(expr) not in layer:
+                self._lower_binding(bindings[name], "intermediate", expr)
         return [(name, self._lower_binding(bindings[name], "output", expr)) for name, expr in self.op.outputs]
 
     def _lower_binding(self, binding, kind: str, expr: ir.Expr) -> sympy.Expr:

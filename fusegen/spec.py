@@ -744,8 +744,16 @@ def _output_dims(inputs: tuple[InputSpec, ...], bindings) -> tuple[str, ...]:
     if any(p is None for p in products):
         return ()
     by_name = {i.name: i for i in inputs}
+    # A product of an intermediate (a hidden layer, `h @ T(w2)`): of the input its one product multiplies.
+    layers = {b.name: found[0] for b, found in zip(bindings, products) if len(found) == 1}
+    texts = {b.name: b.text for b in bindings}
+    found = [m for p in products for m in p]
+    consumed = {id(layers[a]) for a, *_ in found if a in layers}
     operands, shapes = set(), []
-    for a, b, transposed, inner, text in (m for found in products for m in found):
+    for a, b, transposed, inner, text in (m for m in found if id(m) not in consumed):
+        if a in layers:  # its weight and what its function reads are the layer's
+            read = (n.id for n in ast.walk(ast.parse(" ".join(texts[a].split()), mode="eval")) if isinstance(n, ast.Name))
+            a, inner = layers[a][0], (*inner, layers[a][1], *read)
         left, right = by_name.get(a), by_name.get(b)
         if left is None or right is None or not left.dims or len(right.dims) != 2:
             return ()
@@ -758,8 +766,9 @@ def _output_dims(inputs: tuple[InputSpec, ...], bindings) -> tuple[str, ...]:
 def matmul_operands(text: str) -> list[tuple[str, str, bool, tuple[str, ...], str]] | None:
     """Each product of an expression, `a @ b` / `a @ T(b)`, as (a, b, transposed, (), its text); a
     low-rank `(a @ T(down)) @ T(up)` as (a, up, transposed, (down,), its text): [..., N] as
-    a @ T(up) would be. None where some `@` has other operands (or the text does not parse: ir
-    says why)."""
+    a @ T(up) would be; a hidden layer's `f(a @ T(w1), ...) @ T(b)` as (a, b, transposed, (w1,
+    and the names f reads), its text). None where some `@` has other operands (or the text does
+    not parse: ir says why)."""
     if "@" not in text:
         return []
     try:
@@ -770,7 +779,17 @@ def matmul_operands(text: str) -> list[tuple[str, str, bool, tuple[str, ...], st
     for node in ast.walk(tree):  # parents before children: an outer product before its inner one
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult) and id(node) not in inner:
             operands = _operands(node)
-            if operands is None:
+            if operands is None and not isinstance(node.left, (ast.Name, ast.BinOp)) or (
+                    isinstance(node.left, ast.BinOp) and not isinstance(node.left.op, ast.MatMult)):
+                layer = [n for n in ast.walk(node.left) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult)]
+                one = len({ast.unparse(n) for n in layer}) == 1  # one matmul, read once or more
+                first, right = _operands(layer[0]) if one else None, _right(node)
+                if first is None or right is None:
+                    return None
+                inner.update(id(n) for n in layer)
+                names = tuple(n.id for n in ast.walk(node.left) if isinstance(n, ast.Name))
+                found.append((first[0], *right, (first[1], *names), f"{ast.unparse(node.left)} @ {_operand_text(*right)}"))
+            elif operands is None:
                 if not (isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.MatMult)):
                     return None
                 first = _operands(node.left)

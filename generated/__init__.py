@@ -14,6 +14,7 @@
 - bias_relu: y = relu(x + bias)
 - bias_swiglu: y = silu(a) * b, where x + bias = [a, b] along the last dim
 - cross_entropy: per-row cross-entropy of logits x at int64 targets, and the lse
+- dlrm_mlp: y = sigmoid(relu(x @ w1.T + b1) @ w2.T + b2)
 - geglu: y = activation(a) * b, where x = [a, b] along the last dim
 - gelu: y = gelu(x), exact (erf) form
 - gelu_tanh: y = gelu_tanh(x), the tanh approximation of GELU
@@ -58,6 +59,7 @@ OPS = (
     "bias_relu",
     "bias_swiglu",
     "cross_entropy",
+    "dlrm_mlp",
     "geglu",
     "gelu",
     "gelu_tanh",

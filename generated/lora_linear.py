@@ -32,7 +32,7 @@ from fusegen.backends.triton.kernel_lib import (
     indices, load_tile, store_column_sums, store_gradient, store_tile,
 )
 from fusegen.backends.triton.gemm_lib import (
-    column_part, lowrank_part, matmul_lowrank_tile, matmul_lowrank_tile_tma, tile_of, tma_b,
+    column_part, inner_matmul, matmul_lowrank_tile, matmul_lowrank_tile_tma, tile_of, tma_b,
     tma_operands,
 )
 
@@ -95,7 +95,7 @@ def lora_linear_kernel(
         for part in tl.static_range(PARTS):  # PARTS 2: the epilogue a half tile at a time
             cols, product = column_part(tile_n, product_tile, part, PARTS, BLOCK_N, INDEX_64)
             product = product.to(compute)
-            lowrank = lowrank_part(
+            lowrank = inner_matmul(
                 inner, lora_b_ptr, lora_b_stride_k, lora_b_stride_n,
                 cols, N, R, BLOCK_R, INDEX_64, INPUT_PRECISION, FP64_PRODUCT,
                 y_ptr.dtype.element_ty,  # the inner product rounded so, as torch's

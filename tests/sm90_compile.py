@@ -76,6 +76,8 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = (64 if "BLOCK_K" in names else 2) if name == "BLOCK_M" else 4
             elif name == "BLOCK_R":  # a low-rank product's rank, rounded up (LoRA's r = 16)
                 constexprs[name] = 16
+            elif name == "BLOCK_H":  # a hidden layer's width, rounded up (a DLRM top MLP's 256)
+                constexprs[name] = 256
             elif name in ("BLOCK_K", "GROUP_M"):  # the gemm kind's (gemm_tuning)
                 constexprs[name] = 64 if name == "BLOCK_K" else 8
             elif name == "PARTS":  # the gemm epilogue's halves, with TMA (one tile's worth otherwise)

@@ -95,7 +95,7 @@ def _check_signature(protocol, obj) -> None:
 def test_the_protocols_are_what_the_docs_list():
     assert _members(backend.BackendKernels) == ["bind", "gradients", "statistics"]
     assert _members(backend.BoundKernels) == ["backward", "check_device", "forward", "prepare_backward",
-                                              "prepare_forward", "traceable"]
+                                              "prepare_forward", "statistics_width", "traceable"]
     assert _members(backend.PreparedForward) == ["__call__", "native_form"]
     assert _members(backend.PreparedBackward) == ["__call__", "native_form"]
 
@@ -191,6 +191,10 @@ class _OnlyBound:
     def backward(self, call, tensors, grads, needs, seed, *, statistics=None, traced=False):
         self._log.calls.append("backward")
         return self._real.backward(call, tensors, grads, needs, seed, statistics=statistics, traced=traced)
+
+    def statistics_width(self, problem):
+        self._log.calls.append("statistics_width")
+        return self._real.statistics_width(problem)
 
     def prepare_forward(self, call, tensors):
         self._log.calls.append("prepare_forward")

@@ -322,7 +322,8 @@ CASES = [
      "specs/x.yaml:10: an op takes one matmul: x @ T(v) here, x @ T(w) at line 8"),
     ("matmul_of_expression", H + "inputs:\n  x: [..., K]\n  w: [N, K]\noutputs:\n  y: (x + 1) @ T(w)\n",
      "specs/x.yaml:7: '(x + 1) @ T(w)': @ multiplies two inputs, as x @ weight (weight [K, N]) or x @ T(weight) "
-     "(weight [N, K]); or a low-rank product, as (x @ T(lora_a)) @ T(lora_b)"),
+     "(weight [N, K]); a low-rank product, as (x @ T(lora_a)) @ T(lora_b); or a hidden layer, a function of one "
+     "matmul and [H] inputs, as relu(x @ T(w1) + b1) @ T(w2)"),
     ("matmul_transpose_alone", H + "inputs:\n  x: [..., N]\n  w: [N, N]\noutputs:\n  y: x * T(w)\n",
      "specs/x.yaml:7: T(...) transposes a matmul's right operand: write x @ T(weight), weight [N, K]"),
     ("matmul_operand_read", H + "inputs:\n  x: [..., K]\n  w: [K, K]\noutputs:\n  y: x @ w + x\n",

@@ -105,11 +105,23 @@ def test_an_op_with_a_low_rank_product_takes_r_from_a_five_part_shape():
     assert cases.output_shape(spec, bsh) == (1, 16384, 11008)
     m, k, n, r = 16384, 4096, 11008, 16
     assert cases.bytes_model(spec, bsh, torch.bfloat16).matmul_flops == 2 * m * k * n + 2 * m * r * (k + n)
-    assert cases.shape_problem(spec, (1, 2, 8, 8)) == ("shape 1x2x8x8: lora_linear has a low-rank product; give its "
-                                                       "rank too, as BxSxKxHxR")
+    assert cases.shape_problem(spec, (1, 2, 8, 8)) == ("shape 1x2x8x8: lora_linear has a chain of two matmuls; give "
+                                                       "its inner dim too (a low-rank product's rank, a hidden layer's "
+                                                       "width), as BxSxKxHxR")
     linear = load_spec(ROOT / "specs" / "linear_bias_gelu.yaml")
     assert cases.shape_problem(linear, (1, 2, 8, 8, 4)) == ("shape 1x2x8x8x4 is BxSxKxHxR, for ops with a low-rank "
-                                                            "product; linear_bias_gelu has none")
+                                                            "product or a hidden layer; linear_bias_gelu has neither")
+
+
+def test_an_op_with_a_hidden_layer_takes_its_width_from_a_five_part_shape():
+    """BxSxKxHxR for the DLRM MLP: w1 [R, K], w2 [H, R]; its flops count both layers."""
+    spec = load_spec(ROOT / "specs" / "dlrm_mlp.yaml")
+    bsh = (1, 4096, 512, 64, 256)
+    assert cases.input_shapes(spec, bsh) == {"x": (1, 4096, 512), "w1": (256, 512), "b1": (256,), "w2": (64, 256),
+                                            "b2": (64,)}
+    assert cases.output_shape(spec, bsh) == (1, 4096, 64)
+    m, k, n, h = 4096, 512, 64, 256
+    assert cases.bytes_model(spec, bsh, torch.bfloat16).matmul_flops == 2 * m * k * h + 2 * m * h * n
 
 
 def test_an_op_with_a_matmul_has_the_matmul_providers():

@@ -25,7 +25,7 @@ def test_llama_runs_every_variant_the_device_can(tmp_path, device, capsys):
     assert list(results) == ran
     assert meta["variants_left_out"] == {v: "CUDA graphs need a CUDA device" for v in VARIANTS if v not in ran}
     assert meta["compile_backend"] == ("inductor" if device == "cuda" else "aot_eager")
-    assert "swiglu" in meta["patches"]["llama"] and "left as they were" not in meta["patches"]["llama"]
+    assert "linear_swiglu" in meta["patches"]["llama"] and "left as they were" not in meta["patches"]["llama"]
     for variant, r in results.items():
         assert r["error"] is None and r["step_ms"] > 0 and len(r["losses"]) == 1, variant
         assert abs(r["losses"][0] - math.log(64)) < 1.0  # untrained: about a uniform guess over the vocabulary
@@ -41,7 +41,8 @@ def test_gpt2_runs_with_its_dropout_on(tmp_path, capsys):
     assert hf_model.main(["--model", "gpt2", *ONE_STEP, "--variants", "eager,fusegen", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["metadata"]["gpt2_dropout"] == 0.1
-    assert "bias_dropout_add_layernorm" in data["metadata"]["patches"]["gpt2"]
+    summary = data["metadata"]["patches"]["gpt2"]
+    assert all(op in summary for op in ("bias_dropout_add_layernorm", "linear_bias_dropout_add", "linear_bias_gelu"))
     assert [r["variant"] for r in data["results"]] == ["eager", "fusegen"]
     assert all(r["error"] is None and abs(r["losses"][0] - math.log(64)) < 1.0 for r in data["results"])
     assert "GPT-2 ran with dropout 0.1" in capsys.readouterr().out

@@ -149,7 +149,14 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
         for p in spec.scalar_params
     }
     matmul = op_ir.matmul  # as eager code writes it: x @ weight.mT, in the inputs' dtype
-    if matmul is not None:  # each chunk's product of its chunk of b, where b holds chunks
+    hidden = None
+    if matmul is not None and matmul.hidden is not None:  # f(a @ w1) @ b: the layer after `value` below
+        h = matmul.hidden
+        hidden = {"a": values.pop(matmul.a), "w1": values.pop(h.weight), "b": values.pop(matmul.b),
+                  "inputs": {n: values.pop(n) for n in h.inputs}}
+        width = hidden["b"].shape[0] if matmul.transposed else hidden["b"].shape[1]
+        values["@"] = torch.empty(hidden["a"].shape[:-1] + (width,), dtype=dtype)  # its shape, for now
+    elif matmul is not None:  # each chunk's product of its chunk of b, where b holds chunks
         a, b = values.pop(matmul.a), values.pop(matmul.b)
         values["@"] = tuple(a @ (c.mT if matmul.transposed else c) for c in b) if isinstance(b, tuple) else \
             a @ (b.mT if matmul.transposed else b)
@@ -212,6 +219,11 @@ def eager(op, tensors: dict, params: dict, seed: int, training: bool = True, gel
             return reduce(_tensor(value(expr.value), dtype), dim=-1, keepdim=True)
         raise TypeError(f"unknown IR node {expr!r}")
 
+    if hidden is not None:  # the layer's product, function and product with b, in the inputs' dtype
+        h, b = matmul.hidden, hidden["b"]
+        values.update(hidden["inputs"], **{"@": hidden["a"] @ (hidden["w1"].mT if h.transposed else hidden["w1"])})
+        layer = _tensor(value(op_ir.hidden), dtype)
+        values["@"] = layer @ (b.mT if matmul.transposed else b)
     results = {}
     for name, expr in op_ir.outputs:
         out = _tensor(value(expr), dtype)

@@ -51,7 +51,7 @@ DEFAULT_FIRST_CALL_TIMEOUT_S = 120.0
 def parse_shape(text: str) -> tuple[int, ...]:
     """"8x2048x4096" → (B, S, H); "1x16384x4096x11008" → (B, S, K, H): an op with a matmul's
     dim summed over, K (without it, K is H); "1x16384x4096x4096x16" → (B, S, K, H, R): an op
-    with a low-rank product too, its rank R."""
+    with a low-rank product too, its rank R (a hidden layer, its width)."""
     parts = text.strip().lower().split("x")
     try:
         sizes = tuple(int(part) for part in parts)
@@ -121,7 +121,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     shapes.add_argument("--shapes", type=parse_shape_list, default=None, metavar="BxSxH,...",
                         help="comma-separated (B, S, H) shapes, e.g. 8x2048x4096,1x128x1024; for an op with a "
                              "matmul, (B, S, K, H) too: 1x16384x4096x11008 (K, the dim summed over, else H); with a "
-                             "low-rank product, (B, S, K, H, R): 1x16384x4096x4096x16")
+                             "low-rank product, (B, S, K, H, R): 1x16384x4096x4096x16 (R its rank; a hidden layer's "
+                             "width)")
     shapes.add_argument("--sweep", action="store_true",
                         help="the default sweep: " + ", ".join("x".join(map(str, s)) for s in SWEEP_SHAPES))
     parser.add_argument("--p", dest="ps", type=parse_p_list, default=list(SWEEP_P), metavar="LIST",

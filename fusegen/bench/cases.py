@@ -184,12 +184,16 @@ def contraction_dim(spec: OpSpec) -> str | None:
 
 
 def rank_dim(spec: OpSpec) -> str | None:
-    """A low-rank product's inner dim (lora_a [R, K]'s R), or None without one."""
+    """The inner dim of a chain of two matmuls, R of BxSxKxHxR: a low-rank product's (lora_a
+    [R, K]'s R) or a hidden layer's width (w1 [H, K]'s H); None without one."""
     matmul = _ir_of(spec).matmul
-    if matmul is None or matmul.lowrank is None:
+    if matmul is None or (matmul.lowrank is None and matmul.hidden is None):
         return None
-    down = next(i for i in spec.inputs if i.name == matmul.lowrank.down)
-    return down.dims[0 if matmul.lowrank.down_transposed else 1]
+    if matmul.hidden is not None:
+        first, transposed = matmul.hidden.weight, matmul.hidden.transposed
+    else:
+        first, transposed = matmul.lowrank.down, matmul.lowrank.down_transposed
+    return next(i for i in spec.inputs if i.name == first).dims[0 if transposed else 1]
 
 
 def input_shape(inp: InputSpec, bsh: tuple[int, ...], hidden: str | None,
@@ -217,9 +221,11 @@ def shape_problem(spec: OpSpec, bsh: tuple[int, ...]) -> str | None:
     shown = "x".join(map(str, bsh))
     rank = rank_dim(spec)
     if rank is not None and len(bsh) != 5:
-        return f"shape {shown}: {spec.name} has a low-rank product; give its rank too, as BxSxKxHxR"
+        return (f"shape {shown}: {spec.name} has a chain of two matmuls; give its inner dim too (a low-rank "
+                "product's rank, a hidden layer's width), as BxSxKxHxR")
     if len(bsh) == 5 and rank is None:
-        return f"shape {shown} is BxSxKxHxR, for ops with a low-rank product; {spec.name} has none"
+        return (f"shape {shown} is BxSxKxHxR, for ops with a low-rank product or a hidden layer; {spec.name} "
+                "has neither")
     if len(bsh) < 4:
         return None
     contraction = contraction_dim(spec)
@@ -279,6 +285,10 @@ def bytes_model(spec: OpSpec, bsh: tuple[int, int, int], dtype: torch.dtype) -> 
         a, b = shapes[matmul.a], shapes[matmul.b]
         width = b[0] if matmul.transposed else b[1]
         flops = 2 * math.prod(a[:-1]) * a[-1] * width
+        if matmul.hidden is not None:  # f(x @ w1) @ b: M·K·H, then M·H·N multiply-adds
+            first = shapes[matmul.hidden.weight]
+            hidden = first[0] if matmul.hidden.transposed else first[1]
+            flops = 2 * math.prod(a[:-1]) * hidden * (a[-1] + width)
         if matmul.lowrank is not None:  # (x @ down) @ up: M·K·R, then M·R·N multiply-adds
             down = shapes[matmul.lowrank.down]
             rank = down[0] if matmul.lowrank.down_transposed else down[1]

@@ -22,7 +22,7 @@ from .timing import COPY_BANDWIDTH_BYTES, DEFAULT_TIMER, TRITON_FLUSH_BYTES, Mea
 # Rows: one per (case, provider), the unit of the table, the JSON and the CSV
 
 ROW_FIELDS = (
-    # K: a matmul's dim summed over, R: a low-rank product's rank (None without one)
+    # K: a matmul's dim summed over, R: a low-rank product's rank or a hidden layer's width (None without)
     "op", "dtype", "B", "S", "H", "K", "R", "p", "provider",
     "output_elements", "bytes_read", "bytes_written",
     "ms", "ms_p20", "ms_p80", "gelem_per_s", "gb_per_s", "copy_fraction", "tflop_per_s",
@@ -157,7 +157,8 @@ def host_overhead_table(rows: Sequence[dict]):
     from rich.table import Table
 
     table = Table(title=f"host overhead: µs per call on a {'x'.join(map(str, HOST_OVERHEAD_SHAPE))} input (rank "
-                        f"{HOST_OVERHEAD_RANK} for a low-rank product; median wall time, no sync per call)",
+                        f"{HOST_OVERHEAD_RANK} for a low-rank product or hidden layer; median wall time, no sync per "
+                        "call)",
                   header_style="bold")
     for column in ("op", "dtype", "p", "provider"):
         table.add_column(column)

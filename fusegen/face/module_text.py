@@ -47,7 +47,13 @@ def op_declaration(plan: OpPlan, binding: str, kernel_names: tuple[str, str],
         lines.append(f"no_gradient={_strings(no_gradient)},  # outputs without a gradient")
     if plan.matmul:
         m = plan.matmul
-        if m.lowrank is None:
+        if m.hidden is not None:
+            h = m.hidden
+            inputs = "(" + ", ".join(f'"{i.name}"' for i in h.inputs) + "," * (len(h.inputs) == 1) + ")"
+            lines += [f'matmul=runtime.MatMul("{m.a.name}", "{m.b.name}", transposed={m.transposed}, hidden=runtime.Hidden(',
+                      f'    "{h.weight.name}", transposed={h.transposed}, inputs={inputs}, text="{h.text}",',
+                      ')),  # the product of the hidden layer [..., H]: [..., N]']
+        elif m.lowrank is None:
             lines.append(f'matmul=runtime.MatMul("{m.a.name}", "{m.b.name}", transposed={m.transposed}),  '
                          '# its product: [..., N]')
         else:

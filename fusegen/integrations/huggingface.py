@@ -11,14 +11,19 @@ What is replaced, by kind (`ops="all"`, or a subset of OPS):
 - "norms": each LLaMA-style RMSNorm (a module whose forward is LlamaRMSNorm's: MistralRMSNorm,
   Qwen2RMSNorm, Qwen3RMSNorm and their copies) → `rmsnorm`; each torch.nn.LayerNorm → `layernorm`.
 - "mlps": each SwiGLU MLP (LlamaMLP's forward, gate_proj/up_proj/down_proj without bias,
-  act_fn SiLU) → `down_proj(swiglu(F.linear(x, [W_gate; W_up])))`; GPT-2's MLP → c_fc's
-  matmul without its bias, then `bias_gelu` (tanh GELU for gelu_new/gelu_pytorch_tanh,
-  exact for gelu).
+  act_fn SiLU) → `down_proj(linear_swiglu(x, [W_gate; W_up]))`: gate_proj's and up_proj's
+  matmul and the SwiGLU in one kernel. GPT-2's MLP with a tanh GELU (gelu_new,
+  gelu_pytorch_tanh) → `linear_bias_gelu(x, c_fc.weight.T, c_fc.bias)`: c_fc's matmul, bias
+  and GELU in one kernel; with the exact GELU (gelu), which no gemm op takes, c_fc's matmul
+  without its bias, then `bias_gelu`. c_proj and dropout stay the model's (unless "residuals").
 - "residuals": in each LLaMA-style decoder layer, the attention's residual add and
   post_attention_layernorm → `add_rmsnorm`; in each GPT-2 block, the attention's c_proj bias,
   resid_dropout, residual add and ln_2 → `bias_dropout_add_layernorm`, and the MLP's c_proj
-  bias, dropout and residual add → `bias_dropout_add`. Dropout follows the Dropout modules'
-  p and train()/eval(), as torch's does (its masks are fusegen's, not torch's).
+  (matmul and bias), dropout and residual add → `linear_bias_dropout_add`. The block then
+  runs its MLP's parts itself, not the MLP: c_fc and the GELU as "mlps" replaces them where it
+  does (the MLP also gets that forward, for direct calls), else the model's own modules, then
+  the fused c_proj. Dropout follows the Dropout modules' p and train()/eval(), as torch's
+  does (its masks are fusegen's, not torch's).
 
 How: each module replaced gets a `forward` of its own, an instance attribute that reads the
 module's own parameters at every call. Nothing is copied or re-registered: the parameters,
@@ -27,21 +32,28 @@ or after the patch keeps working, and undo() deletes those attributes again. A d
 layer's new forward calls its attention module exactly as transformers does (same arguments,
 **kwargs passed on); a GPT-2 block's attention keeps its forward, only its c_proj runs without
 the bias and its resid_dropout passes its input on, while the block is patched, so that the
-block adds both in the fused op.
+block adds both in the fused op. GPT-2's Conv1D holds its weight as [in, out] and the gemm ops
+take nn.Linear's [out, in]: they get its transpose, a view, which the kernels read through its
+strides, so the forward copies nothing. The weight's gradient comes back [out, in], reaching
+the parameter transposed; autograd lays it out as the parameter when it stores it (a copy of
+the weight's size).
 
 What is not replaced, and why:
 
 - A model with no LLaMA-style decoder layer and no GPT-2 block is not a family this module
   knows: patch() raises UnsupportedModelError, one line, and changes nothing.
 - In a family it knows, a module that does not fit (a forward that is not the one transformers
-  5.17 writes, an activation other than SiLU in a SwiGLU MLP, biases on gate_proj/up_proj, a
-  LayerNorm without bias, a GPT-2 block with cross-attention, a module carrying forward hooks
-  that would see other values (transformers' own, recording an attention's weights, pass) or a
-  forward of its own, such as accelerate's) is left as it was: it computes what it
-  computed, only unfused. Each is listed with its reason in Patch.summary() and in one
-  warning. `strict=True` raises instead, on the first. Nothing fitting at all raises.
+  5.17 writes, an activation other than SiLU in a SwiGLU MLP or GELU in GPT-2's, biases on
+  gate_proj/up_proj, a LayerNorm without bias, a GPT-2 block with cross-attention, a module
+  carrying forward hooks that would see other values (transformers' own, recording an
+  attention's weights, pass) or a forward of its own, such as accelerate's) is left as it
+  was: it computes what it computed, only unfused. Each is listed with its reason in
+  Patch.summary() and in one warning. `strict=True` raises instead, on the first. Nothing
+  fitting at all raises.
 - Fusing a layer's MLP residual add with the next layer's input norm would need a new
   LlamaModel.forward: out of scope (fusegen.bench.model's synthetic stack measures it).
+- linear_bias_gelu_dropout_add (a GELU's output added to a residual) fits none of these
+  models: their GELU feeds a down-projection.
 
 Patch the model before torch.compile (a compiled model is refused); under torch.compile the
 generated ops are torch.library ops, and the patched forwards trace like the originals.
@@ -66,7 +78,6 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .loading import load_ops as _load_ops
@@ -265,15 +276,15 @@ class _Planner:
             elif _has_modules(module, _GPT2_BLOCK):
                 self.families.add("gpt2")
                 if "residuals" in wanted:
-                    self._decide(name, "bias_dropout_add_layernorm", self._gpt2_block(module))
+                    self._decide(name, "bias_dropout_add_layernorm", self._gpt2_block(module, "mlps" in wanted))
             elif "norms" in wanted and isinstance(module, nn.LayerNorm):
                 self._decide(name, "layernorm", self._layer_norm(module))
             elif "norms" in wanted and hasattr(module, "variance_epsilon") and hasattr(module, "weight"):
                 self._decide(name, "rmsnorm", self._rms_norm(module))
             elif "mlps" in wanted and _has_modules(module, ("gate_proj", "up_proj", "down_proj")):
-                self._decide(name, "swiglu", self._swiglu_mlp(module))
+                self._decide(name, "linear_swiglu", self._swiglu_mlp(module))
             elif "mlps" in wanted and _has_modules(module, ("c_fc", "c_proj", "act", "dropout")):
-                self._decide(name, "bias_gelu", self._gpt2_mlp(module))
+                self._decide(name, "linear_bias_gelu", self._gpt2_mlp(module))
 
     def _decide(self, name: str, op: str, outcome: "_Fit | str") -> None:
         """outcome: the fit, or why the module keeps its forward (it would have taken `op`)."""
@@ -328,9 +339,10 @@ class _Planner:
         if gate.bias is not None or up.bias is not None:
             return "gate_proj and up_proj have biases (mlp_bias=True)"
         if type(getattr(module, "act_fn", None)) not in self._silu:
-            return f"act_fn is {type(getattr(module, 'act_fn', None)).__name__}; swiglu needs SiLU"
+            return f"act_fn is {type(getattr(module, 'act_fn', None)).__name__}; linear_swiglu needs SiLU"
         return self._untouched(module, bypassed=(gate, up, module.act_fn)) or _Fit(
-            "swiglu (gate_proj and up_proj in one matmul)", ("swiglu",), ((module, _swiglu_mlp_forward),))
+            "linear_swiglu (gate_proj's and up_proj's matmul and SwiGLU in one kernel)", ("linear_swiglu",),
+            ((module, _swiglu_mlp_forward),))
 
     def _gpt2_mlp(self, module):
         if not _same_code(type(module).forward, _GPT2_MLP):
@@ -339,10 +351,14 @@ class _Planner:
             return f"{self._name(module.c_fc)} is a {type(module.c_fc).__name__}, not transformers' Conv1D"
         activation = self._gelu.get(type(module.act))
         if activation is None:
-            return f"act is {type(module.act).__name__}; bias_gelu takes gelu_new, gelu_pytorch_tanh or gelu"
+            return (f"act is {type(module.act).__name__}; linear_bias_gelu takes gelu_new or gelu_pytorch_tanh, "
+                    "bias_gelu gelu")
+        if activation == "gelu_tanh":
+            label, op = "linear_bias_gelu (c_fc's matmul, bias and tanh GELU in one kernel)", "linear_bias_gelu"
+        else:
+            label, op = "bias_gelu (c_fc's bias and exact GELU: no gemm op takes the exact GELU)", "bias_gelu"
         forward = functools.partial(_gpt2_mlp_forward, activation=activation)
-        return self._untouched(module, bypassed=(module.c_fc, module.act)) or _Fit(
-            f"bias_gelu ({activation})", ("bias_gelu",), ((module, forward),))
+        return self._untouched(module, bypassed=(module.c_fc, module.act)) or _Fit(label, (op,), ((module, forward),))
 
     # -- residual adds fused with what follows them -------------------------------------------
 
@@ -356,7 +372,8 @@ class _Planner:
             "add_rmsnorm (attention's residual add + post_attention_layernorm)", ("add_rmsnorm",),
             ((layer, _llama_layer_forward),))
 
-    def _gpt2_block(self, block):
+    def _gpt2_block(self, block, fuse_mlp: bool):
+        """fuse_mlp: the MLP's c_fc and GELU run as "mlps" replaces them, where their module fits."""
         if not _same_code(type(block).forward, _GPT2_BLOCK_FORWARD):
             return f"{type(block).__name__}.forward is not GPT2Block's (as of transformers 5.17)"
         if hasattr(block, "crossattention"):
@@ -372,17 +389,19 @@ class _Planner:
                 return f"{self._name(part)} is a {type(part).__name__}, not a {kind.__name__}"
         if ln.weight is None or ln.bias is None:
             return "ln_2 has no weight or bias"
-        tails = (attn.c_proj, attn.resid_dropout, mlp.c_proj, mlp.dropout)
+        # The MLP's own fit decides its first half (and has checked c_fc's and act's hooks);
+        # where it has none, the block calls c_fc and act as the MLP would.
+        up = self._gpt2_mlp(mlp) if fuse_mlp else None
+        activation = self._gelu[type(mlp.act)] if isinstance(up, _Fit) else None
         label = "bias_dropout_add_layernorm (attention's c_proj bias, dropout, residual add, ln_2) + " \
-                "bias_dropout_add (the MLP's c_proj bias, dropout, residual add)"
-        # Hooks on attn and mlp would see their outputs without bias and dropout (but for
-        # transformers' own on attn, which record its attention weights).
-        return self._untouched(block, bypassed=(ln, mlp, *tails), observed=(attn,)) or _Fit(
-            label, ("bias_dropout_add_layernorm", "bias_dropout_add"), (
-                (block, _gpt2_block_forward),
-                (attn.c_proj, _conv1d_without_bias), (attn.resid_dropout, _passes_through),
-                (mlp.c_proj, _conv1d_without_bias), (mlp.dropout, _passes_through),
-            ))
+                "linear_bias_dropout_add (the MLP's c_proj, its bias, dropout, residual add)"
+        ops = ("bias_dropout_add_layernorm", "linear_bias_dropout_add", *(up.ops if activation else ()))
+        # Hooks on attn would see its output without bias and dropout (but for transformers' own,
+        # which record its attention weights); mlp, its c_proj and its dropout are not called.
+        bypassed = (ln, mlp, attn.c_proj, attn.resid_dropout, mlp.c_proj, mlp.dropout)
+        forward = functools.partial(_gpt2_block_forward, activation=activation)
+        return self._untouched(block, bypassed=bypassed, observed=(attn,)) or _Fit(label, ops, (
+            (block, forward), (attn.c_proj, _conv1d_without_bias), (attn.resid_dropout, _passes_through)))
 
 
 def _records_a_later_output(hook) -> bool:
@@ -424,26 +443,36 @@ def _layer_norm_forward(ops):
 
 
 def _swiglu_mlp_forward(ops):
-    swiglu = ops["swiglu"]
+    linear_swiglu = ops["linear_swiglu"]
 
     def forward(self, x):
-        # gate_proj and up_proj as one matmul, their weights stacked: its output is [gate, up]
-        # along the last dim, swiglu's input. The stacking copies 2 × hidden × intermediate
-        # weights per call (its backward splits the gradient as views, no copy): for training
-        # batches of more tokens than hidden, less than concatenating the two outputs would.
-        gate_up = F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight)))
-        return self.down_proj(swiglu(gate_up))
+        # linear_swiglu takes one weight, nn.Linear's [2N, K] with the gate's rows first. The
+        # model keeps gate_proj's and up_proj's apart (the patch re-registers nothing), so they
+        # are stacked at every call: a copy of 2 × intermediate × hidden elements, as many as
+        # the matmul reads of them (its backward splits the gradient as views, no copy).
+        weight = torch.cat((self.gate_proj.weight, self.up_proj.weight))
+        return self.down_proj(linear_swiglu(x, weight))
 
     return forward
 
 
-def _gpt2_mlp_forward(ops, activation):
+def _gpt2_up(ops, activation):
+    """GPT-2's c_fc and GELU, fused: a function of (the MLP, its input)."""
+    if activation == "gelu_tanh":
+        linear_bias_gelu = ops["linear_bias_gelu"]
+        # Conv1D's weight is [in, out]; its transpose is the op's nn.Linear layout, as a view.
+        return lambda mlp, x: linear_bias_gelu(x, mlp.c_fc.weight.T, mlp.c_fc.bias)
     bias_gelu = ops["bias_gelu"]
+    # No gemm op takes the exact GELU: c_fc's matmul without its bias (Conv1D adds it inside
+    # addmm), then bias_gelu adds it.
+    return lambda mlp, x: bias_gelu(torch.matmul(x, mlp.c_fc.weight), mlp.c_fc.bias, activation)
+
+
+def _gpt2_mlp_forward(ops, activation):
+    up = _gpt2_up(ops, activation)
 
     def forward(self, hidden_states):
-        # c_fc's matmul without its bias (Conv1D adds it inside addmm): bias_gelu adds it.
-        hidden_states = bias_gelu(torch.matmul(hidden_states, self.c_fc.weight), self.c_fc.bias, activation)
-        return self.dropout(self.c_proj(hidden_states))
+        return self.dropout(self.c_proj(up(self, hidden_states)))
 
     return forward
 
@@ -475,13 +504,16 @@ def _llama_layer_forward(ops):
     return forward
 
 
-def _gpt2_block_forward(ops):
-    bias_dropout_add_layernorm, bias_dropout_add = ops["bias_dropout_add_layernorm"], ops["bias_dropout_add"]
+def _gpt2_block_forward(ops, activation):
+    """activation: the MLP's c_fc and GELU fused as _gpt2_up fuses them; None: its own modules."""
+    bias_dropout_add_layernorm = ops["bias_dropout_add_layernorm"]
+    linear_bias_dropout_add = ops["linear_bias_dropout_add"]
+    up = _gpt2_up(ops, activation) if activation else lambda mlp, x: mlp.act(mlp.c_fc(x))
 
     # GPT2Block.forward (transformers 5.17) for a block without cross-attention. While the block
-    # is patched, attn.c_proj and mlp.c_proj leave out their biases and attn.resid_dropout and
-    # mlp.dropout pass their input on: each sublayer's bias, dropout and residual add are the
-    # fused op's, with ln_2 after the attention's.
+    # is patched, attn.c_proj leaves out its bias and attn.resid_dropout passes its input on:
+    # the attention's bias, dropout and residual add are the fused op's, with ln_2. The MLP
+    # (GPT2MLP's forward) is run here part by part, its c_proj, dropout and residual add fused.
     def forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, use_cache=False, **kwargs):
         if encoder_hidden_states is not None:  # as GPT2Block.forward refuses it without cross-attention
@@ -502,7 +534,8 @@ def _gpt2_block_forward(ops):
         residual, hidden_states = bias_dropout_add_layernorm(
             attn_output, attn.c_proj.bias, residual, ln.weight, ln.bias, ln.eps,
             attn.resid_dropout.p, attn.resid_dropout.training)
-        return bias_dropout_add(mlp(hidden_states), mlp.c_proj.bias, residual, mlp.dropout.p, mlp.dropout.training)
+        return linear_bias_dropout_add(up(mlp, hidden_states), mlp.c_proj.weight.T, mlp.c_proj.bias, residual,
+                                       mlp.dropout.p, mlp.dropout.training)
 
     return forward
 

@@ -1,7 +1,7 @@
 """What generated modules share at run time, whatever their backend (they import it as
 `fusegen.runtime`): the op's plumbing (op.FusedOp), argument checks, views, gradient
 buffers, out= and dropout's seeds and reference masks."""
-from ..layout import Choice, Input, LowRank, MatMul, Scalar
+from ..layout import Choice, Hidden, Input, LowRank, MatMul, Scalar
 from .arguments import FusegenArgumentError, Problem, broadcast_problem, check_choice, check_scalar, range_text
 from .dropout import check_seed, dropout_keep, dropout_mask_reference, dropout_scale, dropout_threshold, seed_tensor
 from .gradients import GradTarget, sum_to_input
@@ -17,6 +17,7 @@ __all__ = [
     "FusegenArgumentError",
     "GradTarget",
     "Input",
+    "Hidden",
     "LowRank",
     "MatMul",
     "Problem",

@@ -91,6 +91,7 @@ class Problem:
     # False for meta tensors and FakeTensors: shapes without memory. An op on them only
     # makes outputs of the right shape, as torch's own ops do, and launches nothing.
     has_data: bool = True
+    hidden: int = 0  # a matmul's hidden layer's width H (an MLP's), 0 without one
 
     @property
     def launches(self) -> bool:
@@ -170,7 +171,11 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, mat
     out_dtype = functools.reduce(torch.promote_types, (t.dtype for i, t in zip(inputs, tensors) if i.dtype == "float"))
     compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     has_data = device.type != "meta" and not any(is_fake(t) for t in tensors)
-    return Problem(shape, m, n, out_dtype, compute_dtype, device, has_data)
+    hidden = 0
+    if matmul is not None and matmul.hidden is not None:
+        weight = tensors[[i.name for i in inputs].index(matmul.hidden.weight)]
+        hidden = weight.shape[0] if matmul.hidden.transposed else weight.shape[1]
+    return Problem(shape, m, n, out_dtype, compute_dtype, device, has_data, hidden)
 
 
 def _broadcast_shapes(shapes: list) -> torch.Size:
@@ -191,6 +196,8 @@ def _broadcast_shapes(shapes: list) -> torch.Size:
 
 # A low-rank product's inner dim: each output tile holds its rows' [BLOCK_M, R] inner product.
 MAX_RANK = 128
+# A hidden layer's width: each output tile holds its rows' [BLOCK_M, H] hidden values.
+MAX_HIDDEN = 256
 
 
 def _with_product(op: str, inputs, tensors, value_shapes: list, matmul: MatMul) -> list:
@@ -206,6 +213,13 @@ def _with_product(op: str, inputs, tensors, value_shapes: list, matmul: MatMul) 
             raise FusegenArgumentError(f"{op}(): {matmul.lowrank.down} {list(down.shape)} has rank {rank}; the "
                                        f"low-rank product takes at most {MAX_RANK} (a tile holds its [rows, rank] "
                                        "product)")
+    if matmul.hidden is not None:
+        weight = tensors[names.index(matmul.hidden.weight)]
+        width = weight.shape[0] if matmul.hidden.transposed else weight.shape[1]
+        if width > MAX_HIDDEN:
+            raise FusegenArgumentError(f"{op}(): {matmul.hidden.weight} {list(weight.shape)} makes a hidden layer "
+                                       f"{width} wide; it takes at most {MAX_HIDDEN} (a tile holds its rows' hidden "
+                                       "values)")
     others = [s for name, s in zip(names, value_shapes) if name not in matmul.operands]
     return [a.shape[:-1] + (n,), *others]
 

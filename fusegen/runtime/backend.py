@@ -73,6 +73,11 @@ class BoundKernels(Protocol):
         """Launch the backward once: the gradients of the inputs flagged in `needs` (all of
         them among `BackendKernels.gradients`), in input order, each in new memory."""
 
+    def statistics_width(self, problem) -> int:
+        """The width of the [..., width] buffer the forward keeps for the backward: the
+        statistics per row; with a matmul, what the backend lays out (its product, all its
+        chunks side by side; a hidden layer's values)."""
+
     def prepare_forward(self, call: Call, tensors: Sequence[torch.Tensor]) -> PreparedForward:
         """The forward's launch for `call`'s call key (shapes, strides, dtypes, params) with these tensors."""
 

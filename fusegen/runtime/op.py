@@ -326,11 +326,9 @@ class FusedOp:
     def statistics_shape(self, problem: Problem) -> tuple:
         """The row statistics kept for the backward: [..., statistics], one row per output row
         (laid out as [M, statistics]; shaped so that a DTensor shard of the rows is one too);
-        with a matmul, its product (the problem's shape; all its chunks side by side, [..., 2N],
-        where the matmul's right operand holds chunks)."""
-        if self.matmul is not None:
-            return (*problem.shape[:-1], problem.shape[-1] * self.product_chunks)
-        return (*problem.shape[:-1], self.statistics)
+        with a matmul, what its forward keeps, laid out by the backend (its product, all its chunks
+        side by side; a hidden layer's values)."""
+        return (*problem.shape[:-1], self.kernels.statistics_width(problem))
 
     def statistics_dtype(self, problem: Problem) -> torch.dtype:
         """Statistics in the compute dtype; a matmul's product in the outputs' (as autograd keeps

@@ -22,12 +22,14 @@ from .kernel_text import (
     shared_arguments,
     triton_constant,
 )
-from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, FP64_PRODUCT, GROUP_M, INPUT_PRECISION, K, M,
-                     M_BUCKET, N, PARTS, RANK, TMA, TritonNames)
+from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_H, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, FP64_PRODUCT, GROUP_M, HIDDEN,
+                     INPUT_PRECISION, K, M, M_BUCKET, N, PARTS, RANK, TMA, TritonNames)
 from .printer import COMPUTE_DTYPE, TritonPrinter
 
 
 def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
+    if plan.matmul.hidden is not None:
+        return _hidden_forward_kernel(plan, names, printer)
     kernel, m = plan.forward, plan.matmul
     (a_ptr, a_stride_m, a_stride_k), (b_ptr, b_stride_k, b_stride_n) = (names.operands[m.a.name],
                                                                         names.operands[m.b.name])
@@ -137,7 +139,7 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     if lowrank is not None:  # the part's columns of the low-rank product: the inner product times up's
         value, output = lowrank.value.local, names.output_pointer[plan.outputs[0][0]]
         epilogue += [
-            f"{value} = lowrank_part(",
+            f"{value} = inner_matmul(",
             f"    {inner}, {', '.join(names.operands[lowrank.up.name])},",
             f"    cols, {N}, {RANK}, {BLOCK_R}, INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
             f"    {output}.dtype.element_ty,  # the inner product rounded so, as torch's",
@@ -156,12 +158,99 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
     return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines, space)
 
 
-def _epilogue(plan, kernel, names, printer, lines, values, saved, tensors) -> list[str]:
+def _hidden_forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
+    """A program a tile of the product hidden(a) @ b (an MLP's two layers): the hidden layer's
+    [BLOCK_M, H] product over all of K (gemm_lib.matmul_tile with the whole layer one tile), its
+    function and partial derivatives, then its values (rounded to the outputs' dtype, as torch
+    rounds a layer's output) times b's [H, BLOCK_N] columns, then the epilogue. The tiles of one
+    row block each form the hidden layer again (N / BLOCK_N times); the first keeps its values
+    and partials for the backward. The pointer mainloop only: K may be small and unaligned (a
+    DLRM's 13 dense features), which TMA cannot read."""
+    kernel, m, h = plan.forward, plan.matmul, plan.matmul.hidden
+    (a_ptr, a_stride_m, a_stride_k), (b_ptr, b_stride_k, b_stride_n), (w_ptr, w_stride_k, w_stride_n) = (
+        names.operands[m.a.name], names.operands[m.b.name], names.operands[h.weight.name])
+    declared = lambda i, t, as_: f"{i.name} {i.layout.declared}" + (f", read as its transpose {as_}" if t else "")  # noqa: E731
+    arguments = [f"{a_ptr}, {a_stride_m}, {a_stride_k},  # {m.a.name} {m.a.layout.declared}, as [M, K]",
+                 f"{w_ptr}, {w_stride_k}, {w_stride_n},  # {declared(h.weight, h.transposed, '[K, H]')}",
+                 *(f"{names.inputs[i.name].pointer}, {names.inputs[i.name].stride_n},  # {i.name} [H]" for i in h.inputs),
+                 f"{b_ptr}, {b_stride_k}, {b_stride_n},  # {declared(m.b, m.transposed, '[H, N]')}"]
+    arguments += [input_argument(i, names) for i in kernel.inputs]
+    arguments += [f"{names.output_pointer[name]},  # {name}, contiguous [M, N]" for name, _ in plan.outputs]
+    saved = names.inputs[m.product.name].pointer
+    kept = ["the product"] * m.saved + ["the hidden values"] + [f"partial {k}" for k in range(len(h.partials))]
+    arguments.append(f"{saved},  # for the backward, contiguous [M, {_saved_width(m)}]: {', '.join(kept)}")
+    arguments += [f"{M}, {N}, {K},  # the product's rows (all leading dims), columns, and the first layer's dim summed over",
+                  f"{HIDDEN},  # the hidden layer's width",
+                  f"{M_BUCKET},  # M rounded up to a power of two: what tuning keys on"]
+    arguments += shared_arguments(plan, kernel, names, forward=True)
+    arguments += [f"{FP64_PRODUCT}: tl.constexpr,  # the fp64 compute dtype: the products in fp64 too",
+                  f'{INPUT_PRECISION}: tl.constexpr,  # tl.dot\'s: "ieee" (fp32 as torch.mm), "tf32"',
+                  f"{BLOCK_H}: tl.constexpr,  # H rounded up to a power of two, at least 16",
+                  f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,",
+                  f"{PARTS}: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)"]
+    hidden_cols, in_hidden = names.claim_once("hidden cols", "hidden_cols"), names.claim_once("in hidden", "in_hidden")
+    width = names.claim_once("saved width", "saved_width")
+    tile = names.claim_once("product tile", f"{m.product.local}_tile")
+    tensors = {v.local for i in kernel.inputs for v in i.values} | {m.product.local, h.product, *(i.local for i in h.inputs)}
+    output = names.output_pointer[plan.outputs[0][0]]
+    lines = [
+        COMPUTE_LINE,
+        *scalars_in_compute_type(plan, kernel, names),
+        f"tile_m, tile_n = tile_of(tl.program_id(0), {M}, {N}, {BLOCK_M}, {BLOCK_N}, {GROUP_M})",
+        f"rows, {hidden_cols}, {h.product} = matmul_tile(",
+        f"    {a_ptr}, {a_stride_m}, {a_stride_k},",
+        f"    {w_ptr}, {w_stride_k}, {w_stride_n},",
+        f"    tile_m, 0, {M}, {HIDDEN}, {K}, {BLOCK_M}, {BLOCK_H}, {BLOCK_K},",
+        f"    INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
+        ")",
+        f"{h.product} = {h.product}.to({COMPUTE_DTYPE})",
+        f"{in_hidden} = (rows[:, None] < {M}) & ({hidden_cols}[None, :] < {HIDDEN})",
+        *(f"{i.local} = load_tile({names.inputs[i.name].pointer}, 0, {names.inputs[i.name].stride_n}, rows, "
+          f"{hidden_cols}, {in_hidden}, {COMPUTE_DTYPE})" for i in h.inputs),
+        *statements(h.body, printer, triton_constant, tensors),
+        # A NaN value's partials are NaN: its gradient then is NaN, as torch's (relu's backward
+        # passes the gradient on where its input is NaN; a zero partial gives zero elsewhere).
+        *(f"{p} = tl.where({h.value} == {h.value}, {p}, {h.value})" for p in h.partials),
+        f"{width} = {_saved_width(m)}",
+        "if tile_n == 0:  # one tile of the row block keeps its hidden values and partials",
+        *(f"    store_tile({saved}, {value}, rows, {' + '.join([hidden_cols, *_offset(m.saved, k)])}, {width}, "
+          f"{in_hidden})" for k, value in enumerate((h.value, *h.partials))),
+        f"{tile} = inner_matmul(",
+        f"    {h.value}, {b_ptr}, {b_stride_k}, {b_stride_n},",
+        f"    indices(tile_n * {BLOCK_N}, {BLOCK_N}, INDEX_64), {N}, {HIDDEN}, {BLOCK_H},",
+        f"    INDEX_64, {INPUT_PRECISION}, {FP64_PRODUCT},",
+        f"    {output}.dtype.element_ty,  # the hidden values rounded so, as torch's",
+        ")",
+        f"for part in tl.static_range({PARTS}):  # {PARTS} 2: the epilogue a half tile at a time",
+    ]
+    epilogue = [f"cols, {m.product.local} = column_part(tile_n, {tile}, part, {PARTS}, {BLOCK_N}, INDEX_64)",
+                f"{m.product.local} = {m.product.local}.to({COMPUTE_DTYPE})",
+                "in_bounds = (rows[:, None] < M) & (cols[None, :] < N)"]
+    lines += ["    " + line for line in _epilogue(plan, kernel, names, printer, epilogue, [m.product.local], saved,
+                                                   tensors, width)]
+    layout = (K, a_stride_k, w_stride_k, b_stride_k, HIDDEN)
+    return KernelText(f"{plan.op}_kernel", kernel_key(plan, backward=False, layout=layout), arguments, lines,
+                      "gemm_tuning.HIDDEN_FORWARD")
+
+
+def _offset(saved: bool, k: int) -> list[str]:
+    """Where the k-th of a hidden layer's kept values starts in a row: past the product (if
+    kept) and k H-wide values."""
+    return [N] * saved + ([HIDDEN] if k == 1 else [f"{k} * {HIDDEN}"] if k else [])
+
+
+def _saved_width(m) -> str:
+    """The row width of what a forward with a hidden layer keeps: the product's N columns where
+    the backward reads it, then H each for the hidden values and each partial."""
+    return " + ".join([N] * m.saved + [f"{1 + len(m.hidden.partials)} * {HIDDEN}"])
+
+
+def _epilogue(plan, kernel, names, printer, lines, values, saved, tensors, width: str | None = None) -> list[str]:
     """The loop's body: the mainloop's `lines`, then the epilogue on the product's tile (its
-    chunks': `values`)."""
+    chunks': `values`); `width`: the saved buffer's row width (N a chunk, else)."""
     m = plan.matmul
     if m.saved:  # all chunks side by side: [M, 2N]
-        width = "N" if len(values) == 1 else f"{len(values)} * N"
+        width = width or ("N" if len(values) == 1 else f"{len(values)} * N")
         for k, value in enumerate(values):
             cols = "cols" if k == 0 else "cols + N" if k == 1 else f"cols + {k} * N"
             lines.append(f"store_tile({saved}, {value}, rows, {cols}, {width}, in_bounds)")
@@ -188,7 +277,8 @@ def _keywords(plan: OpPlan) -> tuple[str, ...]:
     if m.lowrank is not None:
         lowrank = (f'lowrank="{m.lowrank.value.name}"',
                    *((f'lowrank_gradient="{m.lowrank.incoming}"',) if m.lowrank.incoming else ()))
-    return (product, *incoming, *lowrank)
+    hidden = (f"hidden_partials={tuple(m.hidden.partial_of)}",) if m.hidden is not None else ()
+    return (product, *incoming, *lowrank, *hidden)
 
 
 KIND = TritonKind(
@@ -199,7 +289,8 @@ KIND = TritonKind(
     doc="The forward kernel multiplies in fp32 (fp64 for fp64 operands) on the tensor cores and runs the "
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
-    reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, RANK, BLOCK_R, "tile_m",
+    reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, RANK, BLOCK_R, HIDDEN,
+                        BLOCK_H, "tile_m",
                         "tile_n", "tiles", "tile", "part", PARTS, "a_desc", "b_desc", "down_desc", "gemm_launch",
                         "gemm_tuning"}),
     modules=("gemm_launch", "gemm_tuning", "tuning"),

@@ -16,21 +16,24 @@ from fusegen.runtime.views import INT32_LIMIT
 
 from . import gemm_lib, gemm_tuning, tuning
 from .launch import Kernels, Launch, Slot, _Bound, _launches, _Tile
-from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, COMPUTE_FP64, FP64_PRODUCT, GROUP_M,
-                     INDEX_64, INPUT_PRECISION, K, PARTS, RANK, TMA)
+from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_H, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, COMPUTE_FP64, FP64_PRODUCT,
+                     GROUP_M, HIDDEN, INDEX_64, INPUT_PRECISION, K, PARTS, RANK, TMA)
 
 
 class GemmKernels(Kernels):
     """A gemm op's kernels, as its module declares them: `backward_reads` and `gradients` are
     the g kernel's (the epilogue's inputs, `product` the product's name among them);
     `product_gradient`: the output whose incoming gradient is g (the product passes through
-    to it), where the g kernel does not form g."""
+    to it), where the g kernel does not form g; `hidden_partials`: with a hidden layer, which of
+    the partials its forward keeps (after its values, H-wide each) is its product's, then each
+    [H] input's."""
 
     def __init__(self, *args, product: str, product_gradient: str | None = None, lowrank: str | None = None,
-                 lowrank_gradient: str | None = None, **kwargs):
+                 lowrank_gradient: str | None = None, hidden_partials: tuple[int, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
         self.product, self.product_gradient = product, product_gradient
         self.lowrank, self.lowrank_gradient = lowrank, lowrank_gradient
+        self.hidden_partials = hidden_partials
 
     def bind(self, op) -> "_BoundGemm":
         return _BoundGemm(self, op)
@@ -58,6 +61,11 @@ class _BoundGemm(_Bound):
         self._a, self._b, self._transposed = names.index(matmul.a), names.index(matmul.b), matmul.transposed
         self._others = [k for k, name in enumerate(names) if name not in matmul.operands]
         self._saved = bool(kernels.statistics)
+        # With a hidden layer the forward keeps its values and partials beside the product (if
+        # kept): the product is saved where the g kernel reads it (its signature takes it).
+        self._hidden, self._hidden_partials = matmul.hidden, kernels.hidden_partials
+        self._hidden_values = 1 + max(kernels.hidden_partials) + 1 if kernels.hidden_partials else 0
+        self._product_saved = kernels.product in kernels.backward_reads if matmul.hidden else self._saved
         self._product_gradient = None if kernels.product_gradient is None else op.outputs.index(kernels.product_gradient)
         parameter = kernels.names
         self._operand_names = (
@@ -75,11 +83,31 @@ class _BoundGemm(_Bound):
                                         for n in (r.down, r.up))
             if kernels.lowrank_gradient is not None:
                 self._lowrank_gradient = op.outputs.index(kernels.lowrank_gradient)
+        if matmul.hidden is not None:
+            h = matmul.hidden
+            self._weight, self._layer_inputs = names.index(h.weight), [names.index(n) for n in h.inputs]
+            self._weight_names = (parameter("pointer", h.weight), parameter("stride_k", h.weight),
+                                  parameter("stride_n", h.weight))
+            self._layer_input_names = [(parameter("pointer", n), parameter("stride_n", n)) for n in h.inputs]
         self._product_pointer = parameter("pointer", kernels.product)
 
-    def _product_buffer(self, problem) -> torch.Tensor:
-        """A buffer for the saved product, [..., k·N] in the outputs' dtype, as the op keeps it."""
+    def statistics_width(self, problem) -> int:
+        """What the forward keeps a row: the product (all its chunks side by side, [..., k·N]),
+        where the backward reads it; with a hidden layer, then its values and each partial (H each)."""
+        width = problem.n * self.fused.product_chunks if self._product_saved else 0
+        return width + problem.hidden * self._hidden_values
+
+    def _kept_buffer(self, problem) -> torch.Tensor:
+        """A buffer for what the forward keeps, as the op keeps it."""
         return torch.empty(self.fused.statistics_shape(problem), dtype=problem.out_dtype, device=problem.device)
+
+    def _product_buffer(self, problem) -> torch.Tensor:
+        """A buffer for the saved product, [..., k·N] in the outputs' dtype, as the op keeps it
+        (with a hidden layer, the first columns of what its forward keeps)."""
+        if self._hidden is not None and self._product_saved:
+            return _product_of(self._kept_buffer(problem), problem.n)
+        shape = (*problem.shape[:-1], problem.n * self.fused.product_chunks)
+        return torch.empty(shape, dtype=problem.out_dtype, device=problem.device)
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int, int] | None = None, statistics=None,
                 traced: bool = False) -> None:
@@ -87,13 +115,15 @@ class _BoundGemm(_Bound):
         least 16, as tl.dot takes it)."""
         problem = call.problem
         if statistics is None and self._saved:  # a caller with no backward to feed (tests)
-            statistics = self._product_buffer(problem)
+            statistics = self._kept_buffer(problem)
         if _launches(problem, traced):
             self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, statistics, seed))
 
     def prepare_forward(self, call, tensors, tile: tuple[int, int, int] | None = None, traced: bool = False) -> Launch:
         """`traced`: the tensors are a traced graph's; the operands' [M, K] and [K, N] go into the
         argument list themselves (reshaped as the graph records it), as _Bound's views do."""
+        if self._hidden is not None:
+            return self._prepare_hidden_forward(call, tensors, tile, traced)
         problem = call.problem
         m, n = problem.m, problem.n
         count, outputs = len(tensors), len(self.op.outputs)
@@ -158,6 +188,52 @@ class _BoundGemm(_Bound):
         return Launch(self._graph_forward if traced else self._forward,
                       lambda meta: (_grid(m, n, meta[BLOCK_M], meta[BLOCK_N], programs),), args, tuple(copies))
 
+    def _prepare_hidden_forward(self, call, tensors, tile: tuple[int, int, int] | None, traced: bool) -> Launch:
+        """prepare_forward with a hidden layer: its weight and [H] inputs beside the operands;
+        the pointer mainloop, a program a tile."""
+        problem = call.problem
+        m, n = problem.m, problem.n
+        count, outputs = len(tensors), len(self.op.outputs)
+        others = [tensors[k] for k in self._others]
+        args, copies, views = self._views(problem, others, self._chunks[1:], self._others, self._input_names[1:], traced)
+        a, b, weight = tensors[self._a], tensors[self._b], tensors[self._weight]
+        k = a.shape[-1]
+        if traced:
+            a_2d = a.reshape(m, k)
+            a_value, b_value, weight_value = a_2d, b, weight
+        else:
+            a_2d, a_copy = _rows_of(a)
+            a_value, b_value, weight_value = Slot(self._a), Slot(self._b), Slot(self._weight)
+            if a_copy:
+                copies.append((self._a, _copied_rows))
+        (a_ptr, a_stride_m, a_stride_k), (b_ptr, b_stride_k, b_stride_n) = self._operand_names
+        weight_ptr, weight_stride_k, weight_stride_n = self._weight_names
+        args[a_ptr], args[a_stride_m], args[a_stride_k] = a_value, a_2d.stride(0), a_2d.stride(1)
+        args[b_ptr], (args[b_stride_k], args[b_stride_n]) = b_value, _strides_kn(b, self._transposed)
+        args[weight_ptr], (args[weight_stride_k], args[weight_stride_n]) = (weight_value,
+                                                                            _strides_kn(weight, self._hidden.transposed))
+        for (pointer, stride), index in zip(self._layer_input_names, self._layer_inputs):
+            args[pointer], args[stride] = tensors[index] if traced else Slot(index), tensors[index].stride(0)
+        for j, name in enumerate(self._output_names):
+            args[name] = Slot(count + j)
+        args[self._product_pointer] = Slot(count + outputs)
+        args.update(self._common(call, Slot(count + outputs + 1), traced))
+        args[K], args[HIDDEN] = k, problem.hidden
+        args[INDEX_64] = bool(self._index_64(problem, views) or m * self.statistics_width(problem) >= INT32_LIMIT
+                              or any(_reach(t) >= INT32_LIMIT for t in (a_2d, b, weight)))
+        args[COMPUTE_FP64] = args[FP64_PRODUCT] = problem.compute_dtype == torch.float64
+        args[INPUT_PRECISION] = "ieee"
+        args[BLOCK_H] = max(gemm_tuning.SMALLEST, triton.next_power_of_2(problem.hidden))
+        args = self._signatures[0].ordered(args)
+        if tile is not None:  # (BLOCK_M, BLOCK_N[, BLOCK_K]), each at least tl.dot's 16
+            block_m, block_n, block_k = (max(gemm_tuning.SMALLEST, size) for size in (*tile, 16)[:3])
+            constexprs = {BLOCK_M: block_m, BLOCK_N: block_n, BLOCK_K: block_k, GROUP_M: gemm_tuning.GROUP_M,
+                          PARTS: gemm_tuning.PINNED_PARTS or 1}
+            return Launch(_Tile(self.forward_kernel), (_grid(m, n, block_m, block_n, None),), args, tuple(copies),
+                          constexprs)
+        return Launch(self._graph_forward if traced else self._forward,
+                      lambda meta: (_grid(m, n, meta[BLOCK_M], meta[BLOCK_N], None),), args, tuple(copies))
+
     def _lowrank_arguments(self, args: dict, tensors, traced: bool) -> int:
         """The low-rank product's operands, R and BLOCK_R into `args`; their farthest reach."""
         r = self._lowrank
@@ -175,13 +251,15 @@ class _BoundGemm(_Bound):
         problem = call.problem
         if statistics is None and self._saved and problem.launches:
             # No forward's product at hand (tests launching the kernel): a forward makes it.
-            statistics = self._product_buffer(problem)
+            statistics = self._kept_buffer(problem)
             outputs = [torch.empty(self.fused.output_shape(problem, i), dtype=self.fused.output_dtype(problem, i),
                                    device=problem.device) for i in range(len(self.fused.outputs))]
             self.forward(call, tensors, outputs, seed, statistics=statistics)
         # A traced launch holds its tensors (no slots): the product itself, not its layout.
-        prepared = self.prepare_backward(call, tensors, grads, needs, traced=traced,
-                                         product=statistics if traced else None, **layout)
+        product = statistics if traced and self._hidden is None else None
+        if traced and self._hidden is not None and self._product_saved:  # its columns of what was kept
+            product = _product_of(statistics, call.problem.n)
+        prepared = self.prepare_backward(call, tensors, grads, needs, traced=traced, product=product, **layout)
         return prepared(tensors, grads, seed, statistics)
 
     def prepare_backward(self, call, tensors, grads, needs, tile: tuple[int, int] | None = None,
@@ -189,6 +267,8 @@ class _BoundGemm(_Bound):
                          product: torch.Tensor | None = None) -> "_PreparedGemmBackward":
         problem = call.problem
         needs_g = needs[self._a] or needs[self._b]
+        if self._hidden is not None:  # every gradient of the hidden layer is from g too
+            needs_g = needs_g or needs[self._weight] or any(needs[k] for k in self._layer_inputs)
         products = (needs_g and self._product_gradient is None,)
         if self._lowrank is not None:  # its gradient, where x's, down's or up's is wanted
             needs_lowrank = needs[self._a] or needs[self._down] or needs[self._up]
@@ -219,7 +299,10 @@ class _PreparedGemmBackward:
         results = []
         if self._epilogue is not None:
             # The saved product for each product the epilogue reads (the low-rank one's unread).
-            epilogue = (*(statistics,) * bound._products, *(tensors[k] for k in bound._others))
+            product = statistics
+            if bound._hidden is not None:  # its columns of what the forward kept, where it kept it
+                product = _product_of(statistics, grads[0].shape[-1]) if bound._product_saved else None
+            epilogue = (*(product,) * bound._products, *(tensors[k] for k in bound._others))
             results = self._epilogue(epilogue, grads, seed, None)
         g = results.pop(0) if self._forms[0] else None
         if g is None and bound._product_gradient is not None:
@@ -232,7 +315,9 @@ class _PreparedGemmBackward:
             x_grad = _lowrank_gradients(bound, tensors, needs, g_lowrank, gradients)
         else:
             x_grad = None
-        if needs[bound._a] or needs[bound._b]:
+        if bound._hidden is not None:
+            _hidden_gradients(bound, tensors, needs, g, statistics, gradients)
+        elif needs[bound._a] or needs[bound._b]:
             a, b = tensors[bound._a], tensors[bound._b]
             # In the operands' dtype (promoted), as autograd casts g back for F.linear's: bf16
             # operands take bf16 GEMMs (cuBLAS, fp32 accumulation) under an fp32 bias too.
@@ -281,6 +366,64 @@ def _lowrank_gradients(bound: _BoundGemm, tensors, needs, g_lowrank, gradients: 
         grad = g_inner.mT @ a_2d if r.down_transposed else a_2d.mT @ g_inner
         gradients[bound._down] = grad.to(down.dtype)
     return g_inner @ down_kr.mT if wanted[0] else None
+
+
+def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dict) -> None:
+    """With a hidden layer, its gradients and the matmul's into `gradients`, from g (the
+    product's gradient) and what the forward kept (`kept`: [..., k], its values and partials in
+    its last H-wide columns): b's is gᵀ hidden; the layer's, dh = g @ bᵀ times each input's
+    partial, summed over rows for its [H] inputs; then a's and the weight's are matmuls of
+    g_h = dh times the product's partial. The matmuls of the operands in their dtype, as
+    autograd's; dh, [M, H] (H, N small), in the compute dtype, so that the sums of the [H]
+    inputs' gradients round once. A zero partial gives a zero gradient, even of a NaN or inf
+    dh: as torch's relu backward (threshold_backward) gives it."""
+    h, a, b, weight = bound._hidden, tensors[bound._a], tensors[bound._b], tensors[bound._weight]
+    width = weight.shape[0] if h.transposed else weight.shape[1]
+    dtype = functools.reduce(torch.promote_types, (a.dtype, b.dtype, weight.dtype))
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    kept = _rows_of(kept)[0]
+    first = kept.shape[-1] - bound._hidden_values * width  # the values' first column
+    values = [kept[:, first + j * width:first + (j + 1) * width] for j in range(bound._hidden_values)]
+    hidden, partials = values[0].to(dtype), values[1:]
+    layer = [needs[k] for k in bound._layer_inputs]
+    if not (needs[bound._b] or needs[bound._a] or needs[bound._weight] or any(layer)):
+        return  # only the epilogue's own inputs' gradients: the g kernel's
+    g_2d = _rows_of(g)[0].to(dtype)
+    if needs[bound._b]:  # in b's own layout: [N, H] under T, else [H, N]
+        grad = g_2d.mT @ hidden if bound._transposed else hidden.mT @ g_2d
+        gradients[bound._b] = grad.to(b.dtype)
+    if not (needs[bound._a] or needs[bound._weight] or any(layer)):
+        return
+    g_wide, b_wide = g_2d.to(compute), b.to(compute)
+    dh = g_wide @ b_wide if bound._transposed else g_wide @ b_wide.mT  # [M, H]
+    partial_of = bound._hidden_partials
+    for index, wanted, k in zip(bound._layer_inputs, layer, partial_of[1:]):
+        if wanted:
+            gradients[index] = _times(dh, partials[k].to(compute)).sum(0).to(tensors[index].dtype)
+    if needs[bound._a] or needs[bound._weight]:
+        g_h = _times(dh, partials[partial_of[0]].to(compute)).to(dtype)
+        if needs[bound._a]:
+            grad = g_h @ weight.to(dtype) if h.transposed else g_h @ weight.to(dtype).mT
+            gradients[bound._a] = grad.reshape(a.shape).to(a.dtype)
+        if needs[bound._weight]:
+            a_2d = _rows_of(a)[0].to(dtype)
+            grad = g_h.mT @ a_2d if h.transposed else a_2d.mT @ g_h
+            gradients[bound._weight] = grad.to(weight.dtype)
+
+
+def _times(gradient: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+    """gradient × partial, 0 where the partial is 0 (whatever the gradient there)."""
+    return torch.where(partial == 0, 0.0, gradient * partial)
+
+
+def _product_of(kept: torch.Tensor, n: int) -> torch.Tensor:
+    """The product's [..., N] columns of what a forward with a hidden layer keeps (its first)."""
+    return kept[..., :n]
+
+
+def _strides_kn(t: torch.Tensor, transposed: bool) -> tuple[int, int]:
+    """A matmul's right operand's strides as [K, N] (its transpose's, stored [N, K] under T)."""
+    return (t.stride(1), t.stride(0)) if transposed else (t.stride(0), t.stride(1))
 
 
 def _grid(m: int, n: int, block_m: int, block_n: int, programs: int | None) -> int:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .kernel_lib import indices
 
-__all__ = ["grouped_tile", "tile_of", "matmul_tile", "matmul_lowrank_tile", "matmul_lowrank_tile_tma", "lowrank_part", "chunk_start", "tma_operands", "tma_b", "matmul_tile_tma",
+__all__ = ["grouped_tile", "tile_of", "matmul_tile", "matmul_lowrank_tile", "matmul_lowrank_tile_tma", "inner_matmul", "chunk_start", "tma_operands", "tma_b", "matmul_tile_tma",
            "column_halves", "column_part", "tma_layouts", "set_tma_allocator"]
 
 
@@ -81,7 +81,7 @@ def matmul_lowrank_tile(a_ptr, a_stride_m, a_stride_k, b_ptr, b_stride_k, b_stri
                         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, INDEX_64: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, FP64: tl.constexpr = False):
     """`matmul_tile`'s (rows, cols, acc), and from the same tiles of a the rows' inner product
-    of a low-rank product, a @ down (down [K, R], R at most BLOCK_R; `lowrank_part` finishes
+    of a low-rank product, a @ down (down [K, R], R at most BLOCK_R; `inner_matmul` finishes
     it): [BLOCK_M, BLOCK_R] more accumulated a K step, R / BLOCK_N of the tile's work."""
     rows = indices(tile_m * BLOCK_M, BLOCK_M, INDEX_64)
     cols = indices(tile_n * BLOCK_N, BLOCK_N, INDEX_64)
@@ -137,15 +137,16 @@ def matmul_lowrank_tile_tma(a_desc, b_desc, down_desc, tile_m, tile_n, K, BLOCK_
 
 
 @triton.jit
-def lowrank_part(inner, up_ptr, up_stride_r, up_stride_n, cols, N, R, BLOCK_R: tl.constexpr,
+def inner_matmul(inner, up_ptr, up_stride_r, up_stride_n, cols, N, R, BLOCK_R: tl.constexpr,
                  INDEX_64: tl.constexpr, INPUT_PRECISION: tl.constexpr, FP64: tl.constexpr,
                  INNER: tl.constexpr):
-    """The low-rank product (a @ down) @ up at the tile's columns `cols` (all of its columns, or
-    a part's), fp32 (fp64 with FP64): the inner product (`matmul_lowrank_tile`'s) rounded to
-    INNER, the outputs' dtype (torch's two matmuls round it so, in the operands' dtype once
-    promoted), times up's [R, cols] (up [R, N])."""
+    """inner @ up at the columns `cols` (a tile's, or a part's), fp32 (fp64 with FP64): the
+    rows' [BLOCK_M, R] inner values (a low-rank product's inner product, `matmul_lowrank_tile`'s;
+    a hidden layer's values), R at most BLOCK_R, rounded to INNER, the outputs' dtype (torch's
+    two matmuls round them so, in the operands' dtype once promoted), times up's [R, cols]
+    (up [R, N])."""
     ranks = indices(0, BLOCK_R, INDEX_64)
-    # The rank's tail is zero, not 0 * a: an inf in a would make it NaN, and NaN times up's zeros too.
+    # The tail past R is zero, not 0 * a: an inf in a would make it NaN, and NaN times up's zeros too.
     inner = tl.where(ranks[None, :] < R, inner, 0.0).to(INNER)
     up = tl.load(up_ptr + ranks[:, None] * up_stride_r + cols[None, :] * up_stride_n,
                  mask=(ranks[:, None] < R) & (cols[None, :] < N), other=0.0)

@@ -55,3 +55,25 @@ def forward_space(chunks: int) -> Space:
         return FORWARD
     return Space([c for c in FORWARD_CONFIGS if chunks * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= _MOST_VALUES],
                  prune_forward_configs)
+
+
+# A hidden layer's tiles (an MLP's two layers, gemm_kernel_text._hidden_forward_kernel): each
+# program holds its rows' [BLOCK_M, H] hidden values (H up to 256: BLOCK_H), their partials,
+# and the [BLOCK_M, BLOCK_N] product, so its row blocks are smaller than a plain matmul's.
+_HIDDEN_TILES = [(64, 64, 32, 3, 4), (64, 128, 32, 3, 8), (32, 64, 64, 3, 4), (32, 128, 32, 3, 4),
+                 (128, 64, 32, 3, 8), (16, 64, 64, 3, 4), (64, 32, 64, 3, 4), (16, 32, 64, 4, 4)]
+_HIDDEN_VALUES = 64 * 256  # at most BLOCK_M x BLOCK_H hidden values a program
+HIDDEN_FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": GROUP_M, "PARTS": 1},
+                                        num_stages=s, num_warps=w) for m, n, k, s, w in _HIDDEN_TILES]
+
+
+def prune_hidden_configs(configs, named_args, **kwargs):
+    """Tiles not far past the problem, holding at most _HIDDEN_VALUES hidden values; under the
+    interpreter one small tile."""
+    hidden = max(SMALLEST, triton.next_power_of_2(max(size_hint(named_args["H"]), 1)))
+    chosen = [c for c in prune_forward_configs(configs, named_args)
+              if is_interpreting() or c.kwargs["BLOCK_M"] * hidden <= _HIDDEN_VALUES]
+    return chosen or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+HIDDEN_FORWARD = Space(HIDDEN_FORWARD_CONFIGS, prune_hidden_configs)

@@ -362,6 +362,7 @@ class _Bound:
         self._output_names = [names("output", o) for o in op.outputs]
         self._scalar_names = [names("scalar", name) for name in kernels.scalars]
         self._dropout_names = [(names("threshold", params[i]), names("scale", params[i])) for i in self._dropout]
+        self._statistics = kernels.statistics
         self._choice_names = [names("choice", params[i]) for i in self._choices]
         self._gradient_names = [(names("gradient", name), names("needs", name), names("sums", name),
                                  names("column_sums", name)) for name in kernels.gradients]
@@ -379,6 +380,11 @@ class _Bound:
             twice = sorted({name for name in named if named.count(name) > 1})
             if twice:
                 raise KernelSignatureError(f"{signature.kernel}: values {', '.join(map(repr, twice))} share a name")
+
+
+    def statistics_width(self, problem) -> int:
+        """Values per row the forward keeps: the kernels' statistics."""
+        return self._statistics
 
     def check_device(self, device: torch.device) -> None:
         check_runs_off_cuda(self.op.name, device, self.forward_kernel)

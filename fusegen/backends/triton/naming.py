@@ -20,7 +20,7 @@ KERNEL_LIB_NAMES = (
 
 # The gemm_lib helpers a gemm kernel calls, imported by name as kernel_lib's are (Inductor
 # re-emits a kernel with the JIT functions it calls by name, not through a module attribute).
-GEMM_LIB_NAMES = ("chunk_start", "column_part", "lowrank_part", "matmul_lowrank_tile", "matmul_lowrank_tile_tma",
+GEMM_LIB_NAMES = ("chunk_start", "column_part", "inner_matmul", "matmul_lowrank_tile", "matmul_lowrank_tile_tma",
                   "matmul_tile", "matmul_tile_tma", "tile_of", "tma_b", "tma_operands")
 
 # What every generated module imports (each kind adds its own modules: kinds.py).
@@ -51,7 +51,8 @@ STATISTICS, ONE_TILE = "statistics_ptr", "ONE_TILE"  # the row kernels' (row_ker
 # The gemm kernels' (gemm_kernel_text.py): the reduced dim, the tile along it, the tiles' grouping.
 K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT = "K", "BLOCK_K", "GROUP_M", "INPUT_PRECISION", "FP64_PRODUCT"
 TMA, A_K_MAJOR, B_K_MAJOR, PARTS = "TMA", "A_K_MAJOR", "B_K_MAJOR", "PARTS"
-RANK, BLOCK_R = "R", "BLOCK_R"  # a low-rank product's inner dim, and its tile (gemm_lib.lowrank_part)
+RANK, BLOCK_R = "R", "BLOCK_R"  # a low-rank product's inner dim, and its tile (gemm_lib.inner_matmul)
+HIDDEN, BLOCK_H = "H", "BLOCK_H"  # a hidden layer's width, and its tile
 EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a split row's (kernel_lib.split_program)
 
 
@@ -121,8 +122,9 @@ class TritonNames:
         matmul = plan.matmul
         operands, products = (), ()
         if matmul:
-            lowrank = matmul.lowrank
-            operands = (matmul.a, matmul.b, *((lowrank.down, lowrank.up) if lowrank else ()))
+            lowrank, hidden = matmul.lowrank, matmul.hidden
+            operands = (matmul.a, matmul.b, *((lowrank.down, lowrank.up) if lowrank else ()),
+                        *((hidden.weight,) if hidden else ()))
             products = (matmul.product, *((lowrank.value,) if lowrank else ()))
         self.inputs = {
             i.name: InputNames(namer.claim(pointer(i.local)), namer.claim(WANTED["stride_m"](i.local)),
@@ -202,5 +204,6 @@ class TritonNames:
 
 
 def _operand_strides(k: int) -> tuple[str, str]:
-    """The strides of a matmul's k-th operand (a, b, then a low-rank product's down and up)."""
+    """The strides of a matmul's k-th operand (a, b, then a low-rank product's down and up, or a
+    hidden layer's weight)."""
     return ("stride_m", "stride_k") if k == 0 else ("stride_k", "stride_n")
