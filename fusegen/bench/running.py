@@ -114,11 +114,17 @@ def provider_names(bench_op: BenchOp) -> tuple[str, ...]:
 
 
 def _bare_matmul(bench_op: BenchOp, matmul) -> Callable:
+    """The product alone; with a hidden layer, its two matmuls (the layer's function left out)."""
     names = [i.name for i in bench_op.spec.inputs]
     a, b = names.index(matmul.a), names.index(matmul.b)
+    hidden = matmul.hidden
+    first = names.index(hidden.weight) if hidden else None
 
     def product(*inputs, **kwargs):
-        return inputs[a] @ (inputs[b].mT if matmul.transposed else inputs[b])
+        left = inputs[a]
+        if hidden is not None:
+            left = left @ (inputs[first].mT if hidden.transposed else inputs[first])
+        return left @ (inputs[b].mT if matmul.transposed else inputs[b])
 
     return product
 

@@ -374,9 +374,8 @@ def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dic
     its last H-wide columns): b's is gᵀ hidden; the layer's, dh = g @ bᵀ times each input's
     partial, summed over rows for its [H] inputs; then a's and the weight's are matmuls of
     g_h = dh times the product's partial. The matmuls of the operands in their dtype, as
-    autograd's; dh, [M, H] (H, N small), in the compute dtype, so that the sums of the [H]
-    inputs' gradients round once. A zero partial gives a zero gradient, even of a NaN or inf
-    dh: as torch's relu backward (threshold_backward) gives it."""
+    autograd's; dh, [M, H] (H, N small), in the compute dtype, so that the products and sums
+    after it round once (gemm_lib.hidden_gradient_kernel)."""
     h, a, b, weight = bound._hidden, tensors[bound._a], tensors[bound._b], tensors[bound._weight]
     width = weight.shape[0] if h.transposed else weight.shape[1]
     dtype = functools.reduce(torch.promote_types, (a.dtype, b.dtype, weight.dtype))
@@ -392,28 +391,48 @@ def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dic
     if needs[bound._b]:  # in b's own layout: [N, H] under T, else [H, N]
         grad = g_2d.mT @ hidden if bound._transposed else hidden.mT @ g_2d
         gradients[bound._b] = grad.to(b.dtype)
-    if not (needs[bound._a] or needs[bound._weight] or any(layer)):
+    wants_g_h = needs[bound._a] or needs[bound._weight]
+    if not (wants_g_h or any(layer)):
         return
     g_wide, b_wide = g_2d.to(compute), b.to(compute)
     dh = g_wide @ b_wide if bound._transposed else g_wide @ b_wide.mT  # [M, H]
-    partial_of = bound._hidden_partials
-    for index, wanted, k in zip(bound._layer_inputs, layer, partial_of[1:]):
-        if wanted:
-            gradients[index] = _times(dh, partials[k].to(compute)).sum(0).to(tensors[index].dtype)
-    if needs[bound._a] or needs[bound._weight]:
-        g_h = _times(dh, partials[partial_of[0]].to(compute)).to(dtype)
-        if needs[bound._a]:
-            grad = g_h @ weight.to(dtype) if h.transposed else g_h @ weight.to(dtype).mT
-            gradients[bound._a] = grad.reshape(a.shape).to(a.dtype)
-        if needs[bound._weight]:
-            a_2d = _rows_of(a)[0].to(dtype)
-            grad = g_h.mT @ a_2d if h.transposed else a_2d.mT @ g_h
-            gradients[bound._weight] = grad.to(weight.dtype)
+    partial_of, g_h = bound._hidden_partials, None
+    for k, partial in enumerate(partials):  # each partial once: g_h and the sums of the inputs sharing it
+        summed = [i for i, wanted, j in zip(bound._layer_inputs, layer, partial_of[1:]) if wanted and j == k]
+        write = wants_g_h and k == partial_of[0]
+        if write or summed:
+            product, sums = _layer_step(dh, partial, dtype, write, bool(summed))
+            g_h = product if write else g_h
+            for i in summed:
+                gradients[i] = sums.to(tensors[i].dtype)
+    if needs[bound._a]:
+        grad = g_h @ weight.to(dtype) if h.transposed else g_h @ weight.to(dtype).mT
+        gradients[bound._a] = grad.reshape(a.shape).to(a.dtype)
+    if needs[bound._weight]:
+        a_2d = _rows_of(a)[0].to(dtype)
+        grad = g_h.mT @ a_2d if h.transposed else a_2d.mT @ g_h
+        gradients[bound._weight] = grad.to(weight.dtype)
 
 
-def _times(gradient: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-    """gradient × partial, 0 where the partial is 0 (whatever the gradient there)."""
-    return torch.where(partial == 0, 0.0, gradient * partial)
+_LAYER_ROWS = 256  # rows a program of hidden_gradient_kernel sums
+
+
+def _layer_step(dh: torch.Tensor, partial: torch.Tensor, dtype: torch.dtype, write: bool,
+                sums: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dh × partial in `dtype` where `write`, its column sums where `sums`): one pass of
+    gemm_lib.hidden_gradient_kernel, its programs' sums added by torch, in a fixed order."""
+    m, width = dh.shape
+    programs = max(1, tuning.cdiv(m, _LAYER_ROWS))
+    block_h = max(gemm_tuning.SMALLEST, triton.next_power_of_2(width))
+    g = torch.empty((m, width), dtype=dtype, device=dh.device) if write else dh
+    column_sums = torch.empty((programs, width), dtype=dh.dtype, device=dh.device) if sums else dh
+    if m:
+        gemm_lib.hidden_gradient_kernel[(programs,)](
+            dh, partial, partial.stride(0), g, column_sums, m, width, WRITE_G=write, SUMS=sums, ROWS=_LAYER_ROWS,
+            BLOCK_M=max(1, 4096 // block_h), BLOCK_H=block_h)
+    elif sums:
+        column_sums.zero_()
+    return (g if write else None), (column_sums.sum(0) if sums else None)
 
 
 def _product_of(kept: torch.Tensor, n: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import triton.language as tl
 from .kernel_lib import indices
 
 __all__ = ["grouped_tile", "tile_of", "matmul_tile", "matmul_lowrank_tile", "matmul_lowrank_tile_tma", "inner_matmul", "chunk_start", "tma_operands", "tma_b", "matmul_tile_tma",
-           "column_halves", "column_part", "tma_layouts", "set_tma_allocator"]
+           "column_halves", "column_part", "tma_layouts", "set_tma_allocator", "hidden_gradient_kernel"]
 
 
 @triton.jit
@@ -313,3 +313,31 @@ def set_tma_allocator():
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)
+
+
+@triton.jit
+def hidden_gradient_kernel(dh_ptr, partial_ptr, partial_stride, g_ptr, sums_ptr, M, H, WRITE_G: tl.constexpr,
+                           SUMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A hidden layer's gradient step (gemm_launch._hidden_gradients): g = dh x partial, 0
+    where the partial is 0 (whatever dh is there, as torch's relu backward), in dh's dtype (the
+    compute dtype); dh [M, H] contiguous, the partial [M, H] with rows `partial_stride` apart
+    (a column block of what the forward kept). WRITE_G: g into g_ptr ([M, H], its dtype); SUMS:
+    its column sums over this program's ROWS rows into sums_ptr ([programs, H], dh's dtype),
+    for torch to sum in a fixed order."""
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    compute: tl.constexpr = dh_ptr.dtype.element_ty
+    sums = tl.zeros((BLOCK_H,), compute)
+    for offset in range(0, ROWS, BLOCK_M):
+        rows = (program * ROWS + offset + tl.arange(0, BLOCK_M)).to(tl.int64)
+        in_bounds = (rows[:, None] < M) & (cols[None, :] < H)
+        dh = tl.load(dh_ptr + rows[:, None] * H + cols[None, :], mask=in_bounds, other=0.0)
+        partial = tl.load(partial_ptr + rows[:, None] * partial_stride + cols[None, :], mask=in_bounds,
+                          other=0.0).to(compute)
+        g = tl.where(partial == 0, 0.0, dh * partial)
+        if WRITE_G:
+            tl.store(g_ptr + rows[:, None] * H + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=in_bounds)
+        if SUMS:
+            sums += tl.sum(g, axis=0)
+    if SUMS:
+        tl.store(sums_ptr + program * H + cols, sums, mask=cols < H)
