@@ -283,16 +283,18 @@ class _BoundGemm(_Bound):
             formed = (product,) * len(products)
             epilogue = super().prepare_backward(call, (*formed, *(tensors[k] for k in self._others)), grads,
                                                 epilogue_needs, tile, rows_per_program, traced)
-        return _PreparedGemmBackward(self, needs, epilogue, products)
+        return _PreparedGemmBackward(self, needs, epilogue, products, traced)
 
 
 class _PreparedGemmBackward:
     """The backward for one call key and backward key: the g kernel (where anything of the
     epilogue is needed), then the operands' gradients as matmuls of g."""
 
-    def __init__(self, bound: _BoundGemm, needs, epilogue, forms: tuple[bool, ...]):
-        """`forms`: whether the g kernel forms the product's gradient, and the low-rank one's."""
+    def __init__(self, bound: _BoundGemm, needs, epilogue, forms: tuple[bool, ...], traced: bool = False):
+        """`forms`: whether the g kernel forms the product's gradient, and the low-rank one's;
+        `traced`: the tensors are a traced graph's (a hidden layer's kernel recorded in it)."""
         self._bound, self._needs, self._epilogue, self._forms = bound, tuple(needs), epilogue, forms
+        self._traced = traced
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, needs = self._bound, self._needs
@@ -316,7 +318,7 @@ class _PreparedGemmBackward:
         else:
             x_grad = None
         if bound._hidden is not None:
-            _hidden_gradients(bound, tensors, needs, g, statistics, gradients)
+            _hidden_gradients(bound, tensors, needs, g, statistics, gradients, self._traced)
         elif needs[bound._a] or needs[bound._b]:
             a, b = tensors[bound._a], tensors[bound._b]
             # In the operands' dtype (promoted), as autograd casts g back for F.linear's: bf16
@@ -368,7 +370,7 @@ def _lowrank_gradients(bound: _BoundGemm, tensors, needs, g_lowrank, gradients: 
     return g_inner @ down_kr.mT if wanted[0] else None
 
 
-def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dict) -> None:
+def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dict, traced: bool = False) -> None:
     """With a hidden layer, its gradients and the matmul's into `gradients`, from g (the
     product's gradient) and what the forward kept (`kept`: [..., k], its values and partials in
     its last H-wide columns): b's is gᵀ hidden; the layer's, dh = g @ bᵀ times each input's
@@ -396,12 +398,14 @@ def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dic
         return
     g_wide, b_wide = g_2d.to(compute), b.to(compute)
     dh = g_wide @ b_wide if bound._transposed else g_wide @ b_wide.mT  # [M, H]
+    if g_2d.shape[-1] == 0:  # no product columns: no forward ran to keep the layer's values, nor needs to
+        partials = [torch.zeros_like(dh) for _ in partials]
     partial_of, g_h = bound._hidden_partials, None
     for k, partial in enumerate(partials):  # each partial once: g_h and the sums of the inputs sharing it
         summed = [i for i, wanted, j in zip(bound._layer_inputs, layer, partial_of[1:]) if wanted and j == k]
         write = wants_g_h and k == partial_of[0]
         if write or summed:
-            product, sums = _layer_step(dh, partial, dtype, write, bool(summed))
+            product, sums = _layer_step(dh, partial, dtype, write, bool(summed), traced)
             g_h = product if write else g_h
             for i in summed:
                 gradients[i] = sums.to(tensors[i].dtype)
@@ -417,22 +421,35 @@ def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dic
 _LAYER_ROWS = 256  # rows a program of hidden_gradient_kernel sums
 
 
-def _layer_step(dh: torch.Tensor, partial: torch.Tensor, dtype: torch.dtype, write: bool,
-                sums: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _layer_step(dh: torch.Tensor, partial: torch.Tensor, dtype: torch.dtype, write: bool, sums: bool,
+                traced: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dh × partial in `dtype` where `write`, its column sums where `sums`): one pass of
-    gemm_lib.hidden_gradient_kernel, its programs' sums added by torch, in a fixed order."""
+    gemm_lib.hidden_gradient_kernel (recorded by wrap_triton in a traced graph), its programs'
+    sums added by torch, in a fixed order."""
     m, width = dh.shape
     programs = max(1, tuning.cdiv(m, _LAYER_ROWS))
     block_h = max(gemm_tuning.SMALLEST, triton.next_power_of_2(width))
     g = torch.empty((m, width), dtype=dtype, device=dh.device) if write else dh
     column_sums = torch.empty((programs, width), dtype=dh.dtype, device=dh.device) if sums else dh
-    if m:
-        gemm_lib.hidden_gradient_kernel[(programs,)](
+    if m and (traced or _has_data(dh)):
+        kernel = gemm_lib.hidden_gradient_kernel
+        if traced:
+            from torch.library import wrap_triton
+
+            kernel = wrap_triton(kernel)
+        kernel[(programs,)](
             dh, partial, partial.stride(0), g, column_sums, m, width, WRITE_G=write, SUMS=sums, ROWS=_LAYER_ROWS,
             BLOCK_M=max(1, 4096 // block_h), BLOCK_H=block_h)
-    elif sums:
+    elif sums and _has_data(dh):
         column_sums.zero_()
     return (g if write else None), (column_sums.sum(0) if sums else None)
+
+
+def _has_data(t: torch.Tensor) -> bool:
+    """Not a meta tensor nor a FakeTensor (shapes only: nothing to launch on)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
 
 
 def _product_of(kept: torch.Tensor, n: int) -> torch.Tensor:

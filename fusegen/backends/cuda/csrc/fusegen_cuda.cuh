@@ -1,0 +1,93 @@
+// fusegen's device functions for CUDA C++ kernels (fusegen/backends/cuda): what the printed
+// expressions call (printer.py), and dropout's random words, bit for bit those of the Triton
+// kernels (kernel_lib.dropout_mask) and of the host reference (runtime/philox.py).
+//
+// Every function is FUSEGEN_HD: __host__ __device__ under nvcc, plain inline C++ elsewhere, so
+// that the tests compile and check them on a machine without a GPU. T is the compute type,
+// float or double, as the Triton kernels' `compute`.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#ifdef __CUDACC__
+#define FUSEGEN_HD __host__ __device__ __forceinline__
+#else
+#define FUSEGEN_HD inline
+#endif
+
+namespace fusegen {
+
+// The larger and smaller of a and b, NaN if either is (fmax and fmin drop a NaN), as torch.
+template <typename T>
+FUSEGEN_HD T maximum(T a, T b) {
+  return (a != a || b != b) ? a + b : (a > b ? a : b);
+}
+
+template <typename T>
+FUSEGEN_HD T minimum(T a, T b) {
+  return (a != a || b != b) ? a + b : (a < b ? a : b);
+}
+
+// 1 / (1 + exp(-x)), as Triton's tl.sigmoid (exp(-x) = inf for x far below 0 gives 0).
+template <typename T>
+FUSEGEN_HD T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+// 1 / sqrt(x), a correctly rounded division of the correctly rounded root (CUDA's rsqrtf is
+// approximate, as Triton's tl.rsqrt is; kernel_lib.rsqrt_rn says why that matters).
+template <typename T>
+FUSEGEN_HD T rsqrt_rn(T x) {
+  return T(1) / std::sqrt(x);
+}
+
+template <typename T>
+FUSEGEN_HD T infinity() {
+  return std::numeric_limits<T>::infinity();
+}
+
+// -- dropout's random words ----------------------------------------------------------------
+
+struct Words {
+  uint32_t w[4];
+};
+
+// Philox4x32 with 10 rounds, as Triton's tl.philox: key (seed's low word, seed's high word),
+// counter (c0, c1, c2, c3).
+FUSEGEN_HD Words philox(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t a = static_cast<uint64_t>(c0) * 0xD2511F53u;
+    const uint64_t b = static_cast<uint64_t>(c2) * 0xCD9E8D57u;
+    const uint32_t next0 = static_cast<uint32_t>(b >> 32) ^ c1 ^ k0;
+    const uint32_t next2 = static_cast<uint32_t>(a >> 32) ^ c3 ^ k1;
+    c1 = static_cast<uint32_t>(b);
+    c3 = static_cast<uint32_t>(a);
+    c0 = next0;
+    c2 = next2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return Words{{c0, c1, c2, c3}};
+}
+
+// The random word of the element at flat index `index` (row * N + col) of dropout stream
+// `stream`: word index % 4 of the Philox call on counter (group low, group high, stream, 0),
+// group = index / 4. The same word for any layout of the program's tile (kernel_lib's
+// _words_of_each_element and _words_of_whole_groups agree on it).
+FUSEGEN_HD uint32_t dropout_word(uint64_t seed, int64_t index, uint32_t stream) {
+  const uint64_t group = static_cast<uint64_t>(index) >> 2;
+  const Words words = philox(seed, static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32), stream, 0u);
+  return words.w[index & 3];
+}
+
+// Dropout's multiplier for that element: `scale` where its word's top 24 bits reach
+// `threshold` (runtime.dropout_threshold of p), else 0.
+template <typename T>
+FUSEGEN_HD T dropout_multiplier(uint64_t seed, int64_t index, uint32_t stream, int32_t threshold, T scale) {
+  return static_cast<int32_t>(dropout_word(seed, index, stream) >> 8) >= threshold ? scale : T(0);
+}
+
+}  // namespace fusegen

@@ -1,0 +1,85 @@
+"""CUDA C++ spellings of sympy expressions: the bodies of the CUDA backend's kernels.
+
+Values are scalars of the compute type T (float or double, a template parameter of each
+kernel, as Triton's `compute`); every number is written T(...), so that float kernels compute
+in float as the Triton ones do (a bare 0.5 is a double in C++, and would widen the arithmetic
+around it). The functions without a C++ spelling of their own are csrc/fusegen_cuda.cuh's,
+in namespace fusegen."""
+from __future__ import annotations
+
+import re
+
+from fusegen.printers import ElementwisePrinter
+
+# A number as the shared printer writes it (0.5, 1e-06, 2.5e+30, 3): made T(...) after printing.
+_NUMBER = re.compile(r"(?<![\w.])(\d+\.\d*(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)(?![\w.])")
+
+
+class CudaPrinter(ElementwisePrinter):
+    """CUDA C++ device code over the compute type T; std:: math, which nvcc maps to the device's
+    correctly rounded or 2-ulp functions for float and double alike."""
+
+    language = "C++"
+    known_functions = {
+        "exp": "std::exp",
+        "log": "std::log",
+        "tanh": "std::tanh",
+        "erf": "std::erf",
+        "Abs": "std::fabs",
+        "sigmoid": "fusegen::sigmoid",
+        "round_half_even": "std::nearbyint",  # the default rounding mode: halves to even, as torch.round
+        "floor": "std::floor",
+        "log1p": "std::log1p",
+        "expm1": "std::expm1",
+        "sin": "std::sin",
+        "cos": "std::cos",
+    }
+    sqrt, rsqrt, power = "std::sqrt", "fusegen::rsqrt_rn", "std::pow"
+    column = "col"  # each kernel names the element's index along the row so
+
+    def doprint(self, expr, assign_to=None):
+        return _NUMBER.sub(r"T(\1)", super().doprint(expr, assign_to))
+
+    def _get_comment(self, text):
+        return f"// {text}"
+
+    def converted(self, value):
+        return f"T({value})"
+
+    def choose(self, cond, if_true, if_false, false_text):
+        # Only the side taken is computed (the values are those of a where of both).
+        return f"({self._print(cond)} ? {self._print(if_true)} : {false_text})"
+
+    def maximum(self, a, b):
+        return f"fusegen::maximum<T>({a}, {b})"
+
+    def minimum(self, a, b):
+        return f"fusegen::minimum<T>({a}, {b})"
+
+    def scalar(self, number):
+        return f"T({number})"
+
+    def _print_relu(self, expr):
+        return self.maximum(self._print(expr.args[0]), "0.0")
+
+    def _print_infinity(self, expr):
+        return "fusegen::infinity<T>()"
+
+    def _print_And(self, expr):
+        return " && ".join(f"({self._print(a)})" for a in expr.args)
+
+    def _print_Or(self, expr):
+        return " || ".join(f"({self._print(a)})" for a in expr.args)
+
+    def _print_negated(self, expr):
+        return f"!({self._print(expr.args[0])})"
+
+    def _print_Heaviside(self, expr):
+        # As the shared printer's, in a ternary (where has no C++ spelling of its own).
+        x = self._print(expr.args[0])
+        return f"({x} > 0 ? 1.0 : 0.0)" if (expr.pargs[1:] or [None])[0] == 0 else \
+            f"({x} > 0 ? 1.0 : ({x} < 0 ? 0.0 : 0.5))"
+
+    def _print_sign(self, expr):
+        x = self._print(expr.args[0])
+        return f"({x} > 0 ? 1.0 : ({x} < 0 ? -1.0 : 0.0))"
