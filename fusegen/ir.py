@@ -557,20 +557,23 @@ class _Scope:
         nodes = list(walk(expr))
         inner = list(dict.fromkeys(n for n in nodes if isinstance(n, MatMul)))
         text = _snippet(node.left)
-        if len(inner) != 1 or inner[0].hidden is not None:
-            raise _Located(f"'{_snippet(node)}': {_MATMUL_USAGE}")
-        first = inner[0]
         refused = [(Dropout, "dropout"), (Reduce, "a row reduction"), (Col, "col"), (LowRank, "a low-rank product"),
                    (ProductChunk, "a chunk of a product"), (ChunkRef, "a chunk of an input")]
         for kind, what in refused:
             if any(isinstance(n, kind) for n in nodes):
                 raise _Located(f"'{text}': {what} in a hidden layer is not supported yet")
+        if len(inner) != 1 or inner[0].hidden is not None:
+            raise _Located(f"'{_snippet(node)}': {_MATMUL_USAGE}")
+        first = inner[0]
         if self.chunks[first.b] > 1 or self.chunks[b] > 1:
             raise _Located(f"'{_snippet(node)}': a hidden layer's matmuls take weights without chunks")
         width = self.dims[first.b][0 if first.transposed else 1]
         names = tuple(dict.fromkeys(n.name for n in nodes if isinstance(n, InputRef)))
         for name in names:
-            if self.dims[name] != (width,) or name in self.bools or name in self.integers:
+            if name in self.bools or name in self.integers:
+                raise _Located(f"'{text}': '{name}' is a {'bool' if name in self.bools else 'integer'} input; the "
+                               "hidden layer's function takes float inputs only (for now)")
+            if self.dims[name] != (width,):
                 raise _Located(f"'{text}': '{name}' {_declared(self.dims[name])} is read by the hidden layer, whose "
                                f"function takes float inputs of one value per hidden column, [{width}]")
         b_dims = self.dims[b]
@@ -648,6 +651,9 @@ class _Scope:
         if isinstance(source, ast.BinOp) and isinstance(source.op, ast.MatMult):
             if isinstance(source.left, ast.BinOp) and isinstance(source.left.op, ast.MatMult):
                 raise _Located(f"'{_snippet(source)}': a low-rank product holds no chunks")
+            if not isinstance(source.left, ast.Name) or source.left.id in self.lets:
+                raise _Located(f"'{_snippet(source)}': the product of a hidden layer holds no chunks (its matmuls "
+                               "take weights without chunks)")
             matmul = self._matmul(source)
             count = self.chunks[matmul.b]
             if count == 1:

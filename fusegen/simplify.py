@@ -303,7 +303,11 @@ def _hidden_layer(op: ir.OpIR, params: dict) -> HiddenLayer:
     reads = (product, *inputs.values())
     distinct, partial_of = [], []
     for symbol in reads:
-        partial = derivative(value, symbol)
+        # relu's step as torch's relu backward takes it: 0 where x <= 0, else 1, NaN included
+        # (the backward's zero partial gives a zero gradient whatever dh is; a NaN x passes dh on).
+        partial = derivative(value, symbol).replace(
+            lambda e: isinstance(e, sympy.Heaviside) and len(e.args) > 1 and e.args[1] == 0,
+            lambda e: sympy.Piecewise((sympy.Float(0.0), e.args[0] <= 0), (sympy.Float(1.0), True)))
         try:
             constants.check_finite(partial)
         except constants.ConstantError as exc:

@@ -748,9 +748,11 @@ def _output_dims(inputs: tuple[InputSpec, ...], bindings) -> tuple[str, ...]:
     layers = {b.name: found[0] for b, found in zip(bindings, products) if len(found) == 1}
     texts = {b.name: b.text for b in bindings}
     found = [m for p in products for m in p]
-    consumed = {id(layers[a]) for a, *_ in found if a in layers}
+    consumed = {id(layers[n]) for a, _, _, inner, _ in found for n in ((a,) if a else inner) if n in layers}
     operands, shapes = set(), []
     for a, b, transposed, inner, text in (m for m in found if id(m) not in consumed):
+        if not a:  # a hidden layer whose matmul is an intermediate's it reads: that intermediate's a
+            a = next((n for n in inner if n in layers), "")
         if a in layers:  # its weight and what its function reads are the layer's
             read = (n.id for n in ast.walk(ast.parse(" ".join(texts[a].split()), mode="eval")) if isinstance(n, ast.Name))
             a, inner = layers[a][0], (*inner, layers[a][1], *read)
@@ -783,12 +785,17 @@ def matmul_operands(text: str) -> list[tuple[str, str, bool, tuple[str, ...], st
                     isinstance(node.left, ast.BinOp) and not isinstance(node.left.op, ast.MatMult)):
                 layer = [n for n in ast.walk(node.left) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult)]
                 one = len({ast.unparse(n) for n in layer}) == 1  # one matmul, read once or more
-                first, right = _operands(layer[0]) if one else None, _right(node)
+                right = _right(node)
+                names = tuple(n.id for n in ast.walk(node.left) if isinstance(n, ast.Name))
+                text = f"{ast.unparse(node.left)} @ {_operand_text(*right)}" if right else ""
+                if right is not None and not layer:  # its matmul in an intermediate it reads: a is "" until resolved
+                    found.append(("", *right, names, text))
+                    continue
+                first = _operands(layer[0]) if one else None
                 if first is None or right is None:
                     return None
                 inner.update(id(n) for n in layer)
-                names = tuple(n.id for n in ast.walk(node.left) if isinstance(n, ast.Name))
-                found.append((first[0], *right, (first[1], *names), f"{ast.unparse(node.left)} @ {_operand_text(*right)}"))
+                found.append((first[0], *right, (first[1], *names), text))
             elif operands is None:
                 if not (isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.MatMult)):
                     return None

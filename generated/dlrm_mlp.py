@@ -74,8 +74,7 @@ def dlrm_mlp_kernel(
     b1 = load_tile(b1_ptr, 0, b1_stride_n, rows, hidden_cols, in_hidden, compute)
     t0 = b1 + hidden_product
     hidden = maximum(t0, 0.0)
-    hidden_partial0 = tl.where(t0 > 0, 1.0, 0.0)
-    hidden_partial0 = tl.where(hidden == hidden, hidden_partial0, hidden)
+    hidden_partial0 = tl.where(t0 <= 0, 0.0, 1.0)
     saved_width = N + 2 * H
     if tile_n == 0:  # one tile of the row block keeps its hidden values and partials
         store_tile(product_ptr, hidden, rows, hidden_cols + N, saved_width, in_hidden)

@@ -182,11 +182,19 @@ def test_a_hidden_layer_past_the_tile_is_named(ops):
     ("w1: [H, K], b1: [H], w2: [N, H]", "relu(x @ T(w1) + b1) @ T(w2) + b1",
      "'b1' is an operand of (relu(x @ T(w1) + b1)) @ T(w2) and cannot also be read elementwise"),
     ("w1: [H, K], b1: [H], w2: [H, H]", "relu(x @ T(w1) + b1) @ T(w2) + x @ T(w1)", "an op takes one matmul"),
+    ("w1: [H, K], m: {dims: [H], dtype: bool}, w2: [N, H]", "where(m, x @ T(w1), 0.0) @ T(w2)",
+     "'m' is a bool input; the hidden layer's function takes float inputs only (for now)"),
+    ("w1: [H, K], w2: [2N, H]", "chunk(relu(x @ T(w1)) @ T(w2), 0)",
+     "the product of a hidden layer holds no chunks (its matmuls take weights without chunks)"),
+    ("w1: [2H, K], w2: [N, H]", "relu(chunk(x @ T(w1), 0)) @ T(w2)",
+     "a chunk of a product in a hidden layer is not supported yet"),
     ("w1: [H, K], b1: [H], w2: [N, H]", "relu(x @ T(w1) + b1 * (x @ T(w1))) @ T(w2)", None),  # one matmul, read twice
 ])
 def test_spec_errors_name_the_line(tmp_path, inputs, outputs, message):
     params = "params: {p: {type: float, default: 0.1, min: 0.0, max: 1.0}}\n" if "dropout" in outputs else ""
     text = f"name: bad\ndoc: a spec\ninputs: {{x: [..., K], {inputs}}}\n{params}outputs:\n  y: {outputs}\n"
+    if "chunk(" in outputs:  # the chunk's own line: one output a chunk
+        text = text.replace(f"  y: {outputs}\n", f"  y: {outputs} * 2.0\n")
     if message is None:
         module = build_and_import(tmp_path, text)
         assert "Outputs: y [..., N]" in module.__doc__
@@ -194,3 +202,51 @@ def test_spec_errors_name_the_line(tmp_path, inputs, outputs, message):
     with pytest.raises(SpecError) as error:
         build_and_import(tmp_path, text)
     assert message in str(error.value) and f":{5 + bool(params)}:" in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("outputs", ["let:\n  z: x @ T(w1) + b1\noutputs:\n  y: relu(z) @ T(w2) + b2\n",
+                                     "let:\n  h: relu(x @ T(w1) + b1)\noutputs:\n  y: (h + 1.0) @ T(w2) + b2\n"])
+def test_a_layer_whose_matmul_is_an_intermediate(tmp_path, outputs):
+    """The layer's matmul in a `let` that the layer's function reads: the same op, its output
+    [..., N] (the spec's dims, which the docstring and the bench read)."""
+    text = "name: layered\ndoc: a spec\ninputs: {x: [..., K], w1: [H, K], b1: [H], w2: [N, H], b2: [N]}\n" + outputs
+    module = build_and_import(tmp_path, text)
+    assert "Outputs: y [..., N]" in module.__doc__
+    torch.manual_seed(8)
+    inputs = [t.detach().requires_grad_() for t in _inputs("mlp_t", 5, 6, 4, torch.float64)]
+    shift = 1.0 if "h + 1.0" in outputs else 0.0
+    x, w1, b1, w2, b2 = inputs
+    truth = F.linear(F.relu(F.linear(x, w1, b1)) + shift, w2, b2)
+    torch.testing.assert_close(module.layered(*inputs), truth)
+    assert torch.autograd.gradcheck(module.layered, tuple(inputs))
+
+
+def test_nan_before_relu_passes_the_gradient_as_torch(ops, tmp_path):
+    """relu's step at a NaN input passes dh on (torch's relu backward, and the op's reference),
+    and a zero step gives a zero gradient whatever dh is."""
+    text = "name: plain\ndoc: a spec\ninputs: {x: [..., K], w1: [H, K], b1: [H], w2: [N, H], b2: [N]}\n" \
+           "outputs:\n  y: relu(x @ T(w1) + b1) @ T(w2) + b2\n"
+    module = build_and_import(tmp_path, text)
+    torch.manual_seed(9)
+    inputs = [t.detach() for t in _inputs("mlp_t", 5, 6, 4, torch.float64)]
+    inputs[2][1] = float("nan")  # b1: one hidden column NaN
+    got = [t.clone().requires_grad_() for t in inputs]
+    want = [t.clone().requires_grad_() for t in inputs]
+    module.plain(*got).sum().backward()
+    module.reference(*want).sum().backward()
+    for i, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g.grad, w.grad, equal_nan=True, msg=f"gradient {i}")
+
+
+def test_mixed_dtypes_keep_the_layer_inputs_gradients_precise(ops):
+    """bf16 operands, fp32 [H] and [N] inputs: b1's gradient as precise as b2's (dh from g as
+    the g kernel wrote it, fp32, not rounded to the operands' bf16 first)."""
+    torch.manual_seed(10)
+    x, w1, b1, w2, b2 = [t.detach() for t in _inputs("mlp_t", 8, 16, 12, torch.float64)]
+    inputs = [x.bfloat16(), w1.bfloat16(), b1.float(), w2.bfloat16(), b2.float()]
+    inputs = [t.requires_grad_() for t in inputs]
+    ops["mlp_t"].mlp_t(*inputs).sum().backward()
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    _truth("mlp_t", *exact).sum().backward()
+    error = lambda t, e: ((t.grad.double() - e.grad).norm() / e.grad.norm()).item()  # noqa: E731
+    assert error(inputs[2], exact[2]) < 1e-5 and error(inputs[4], exact[4]) < 1e-5

@@ -208,9 +208,6 @@ def _hidden_forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrin
         *(f"{i.local} = load_tile({names.inputs[i.name].pointer}, 0, {names.inputs[i.name].stride_n}, rows, "
           f"{hidden_cols}, {in_hidden}, {COMPUTE_DTYPE})" for i in h.inputs),
         *statements(h.body, printer, triton_constant, tensors),
-        # A NaN value's partials are NaN: its gradient then is NaN, as torch's (relu's backward
-        # passes the gradient on where its input is NaN; a zero partial gives zero elsewhere).
-        *(f"{p} = tl.where({h.value} == {h.value}, {p}, {h.value})" for p in h.partials),
         f"{width} = {_saved_width(m)}",
         "if tile_n == 0:  # one tile of the row block keeps its hidden values and partials",
         *(f"    store_tile({saved}, {value}, rows, {' + '.join([hidden_cols, *_offset(m.saved, k)])}, {width}, "

@@ -396,7 +396,7 @@ def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dic
     wants_g_h = needs[bound._a] or needs[bound._weight]
     if not (wants_g_h or any(layer)):
         return
-    g_wide, b_wide = g_2d.to(compute), b.to(compute)
+    g_wide, b_wide = _rows_of(g)[0].to(compute), b.to(compute)  # g as the g kernel wrote it, not rounded again
     dh = g_wide @ b_wide if bound._transposed else g_wide @ b_wide.mT  # [M, H]
     if g_2d.shape[-1] == 0:  # no product columns: no forward ran to keep the layer's values, nor needs to
         partials = [torch.zeros_like(dh) for _ in partials]
