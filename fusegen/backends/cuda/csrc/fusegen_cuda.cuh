@@ -48,6 +48,14 @@ FUSEGEN_HD T infinity() {
   return std::numeric_limits<T>::infinity();
 }
 
+// A value of the compute type as an output's element type, rounded to nearest even as torch's
+// tensor.to(dtype). float and double here; the 16-bit types where cuda_fp16.h and cuda_bf16.h
+// are (device code).
+template <typename Out, typename T>
+FUSEGEN_HD Out to(T value) {
+  return static_cast<Out>(value);
+}
+
 // -- dropout's random words ----------------------------------------------------------------
 
 struct Words {

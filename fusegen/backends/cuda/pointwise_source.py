@@ -1,0 +1,152 @@
+"""The pointwise kind's forward kernel in CUDA C++ (issue 33, step 2 of
+docs/design/cuda-backend-plan.md): the plan's forward body for one element of the [M, N]
+problem (`<op>_element`, FUSEGEN_HD: the tests run it on the host), and a `__global__` kernel of
+one thread an element around it. Not launched yet: no runtime compiles it (step 1).
+
+Each input is read as the Triton kernels read it, through an [M, N] view's two strides (0 where
+broadcast), converted to the compute type T; dropout's multiplier is drawn at the element's flat
+index, as theirs (fusegen_cuda.cuh). What this first slice does not render raises
+CudaUnsupported, one line naming it."""
+from __future__ import annotations
+
+from fusegen.names import Namer
+from fusegen.plan import Body, OpPlan
+
+from .printer import CudaPrinter
+
+
+class CudaUnsupported(ValueError):
+    """A plan the CUDA backend cannot render yet."""
+
+
+# Names the C++ source holds for itself, and C++'s keywords (a spec name may be any of them: it
+# is refused here, one line, until the backend renames its locals).
+OWN_NAMES = frozenset({"T", "Index", "fusegen", "std"})
+CPP_KEYWORDS = frozenset("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t
+char32_t class compl const constexpr const_cast continue decltype default delete do double dynamic_cast else enum
+explicit export extern false float for friend goto if inline int long mutable namespace new noexcept not not_eq
+nullptr operator or or_eq private protected public register reinterpret_cast return short signed sizeof static
+static_assert static_cast struct switch template this thread_local throw true try typedef typeid typename union
+unsigned using virtual void volatile wchar_t while xor xor_eq""".split())
+
+
+def forward_source(plan: OpPlan) -> str:
+    """The text of <op>.cu: its element function and forward kernel."""
+    if plan.kind != "pointwise":
+        raise CudaUnsupported(f"{plan.op}: the {plan.kind} kind is not supported by the CUDA backend yet")
+    kernel = plan.forward
+    locals_ = _locals(plan)
+    _check(plan, locals_)
+    namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS)
+    pointer = {i.name: namer.claim(f"{i.local}_ptr") for i in kernel.inputs}
+    stride = {i.name: (namer.claim(f"{i.local}_stride_m"), namer.claim(f"{i.local}_stride_n")) for i in kernel.inputs}
+    element_type = {i.name: namer.claim(f"{i.local.capitalize()}Type") for i in kernel.inputs}
+    out_pointer = {local: namer.claim(f"{local}_ptr") for local in kernel.outputs}
+    out_type = {local: namer.claim(f"{local.capitalize()}Type") for local in kernel.outputs}
+    threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
+    scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
+    row, col, n, m, seed, dropout, index = (namer.claim(w) for w in ("row", "col", "N", "M", "seed", "has_dropout",
+                                                                      "element"))
+    types = ["typename T", "typename Index", *(f"typename {t}" for t in (*element_type.values(), *out_type.values()))]
+    parameters = [f"const {element_type[i.name]}* {pointer[i.name]}, Index {stride[i.name][0]}, "
+                  f"Index {stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, N]" for i in kernel.inputs]
+    parameters += [f"{out_type[o]}* {out_pointer[o]},  // {name}, contiguous [M, N]"
+                   for (name, _), o in zip(plan.outputs, kernel.outputs)]
+    parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    if kernel.masks:
+        parameters += [f"uint64_t {seed}, bool {dropout},  // dropout's seed; off: training False or p 0"]
+        parameters += [f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale"
+                       for p in dict.fromkeys(mask.p.name for mask in kernel.masks)]
+    parameters.append(f"Index {n}")
+    arguments = [pointer[i.name] + f", {stride[i.name][0]}, {stride[i.name][1]}" for i in kernel.inputs]
+    arguments += [out_pointer[o] for o in kernel.outputs] + [p.local for p in kernel.scalars]
+    if kernel.masks:
+        arguments += [seed, dropout, *(f"{threshold[p]}, {scale[p]}" for p in dict.fromkeys(m.p.name for m in kernel.masks))]
+    arguments.append(n)
+
+    printer = CudaPrinter()
+    printer.column = col
+    flat = f"{row} * {n} + {col}"
+    body = [f"const T {i.local} = T({pointer[i.name]}[{row} * {stride[i.name][0]} + {col} * {stride[i.name][1]}]);"
+            for i in kernel.inputs]
+    body += [f"T {o};" for o in kernel.outputs] if kernel.masks else []
+    if kernel.masks:
+        masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
+                 f"{threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
+        body += [f"if ({dropout}) {{", *_indent(masks + _statements(kernel.body, printer, assign=True)), "} else {",
+                 *_indent(_statements(kernel.body_no_dropout, printer, assign=True)), "}"]
+    else:
+        body += _statements(kernel.body, printer, assign=False)
+    body += [f"{out_pointer[o]}[{flat}] = fusegen::to<{out_type[o]}>({o});" for o in kernel.outputs]
+
+    template = f"template <{', '.join(types)}>"
+    lines = [
+        f"// {plan.op}: generated by fusegen from {plan.spec_path}; do not edit.",
+        f"// spec sha256: {plan.spec_sha256}",
+        f"// {plan.doc}",
+        "// One element of the [M, N] problem a call of the element function; the forward kernel, one thread",
+        "// an element, in the compute type T (float, or double for fp64 inputs).",
+        '#include "fusegen_cuda.cuh"',
+        "",
+        template,
+        f"FUSEGEN_HD void {plan.op}_element(",
+        f"    Index {row}, Index {col},",
+        *(f"    {p}" for p in parameters),
+        ") {",
+        *_indent(body),
+        "}",
+        "",
+        "#ifdef __CUDACC__",
+        template,
+        f"__global__ void {plan.op}_forward(",
+        *(f"    {p}" for p in parameters[:-1]),
+        f"    Index {m}, Index {n}) {{",
+        f"  const Index {index} = Index(blockIdx.x) * Index(blockDim.x) + Index(threadIdx.x);",
+        f"  if ({index} >= {m} * {n}) return;",
+        f"  {plan.op}_element<T, Index>(",
+        f"      {index} / {n}, {index} % {n},",
+        *(f"      {a}," for a in arguments[:-1]),
+        f"      {arguments[-1]});",
+        "}",
+        "#endif",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _locals(plan: OpPlan) -> set[str]:
+    """Every name the forward body and its loads and stores use."""
+    kernel = plan.forward
+    names = {v.local for i in kernel.inputs for v in i.values} | set(kernel.outputs)
+    names |= {p.local for p in kernel.scalars} | {m.local for m in kernel.masks}
+    for body in (kernel.body, kernel.body_no_dropout):
+        if body is not None:
+            names |= {name for name, _ in (*body.temps, *body.results)}
+    return names
+
+
+def _check(plan: OpPlan, locals_: set[str]) -> None:
+    kernel = plan.forward
+    clash = sorted(locals_ & (OWN_NAMES | CPP_KEYWORDS))
+    what = (
+        f"the name '{clash[0]}' (C++'s or the source's own)" if clash else
+        "a choice param" if plan.helpers else
+        "an input in chunks" if any(len(i.values) > 1 for i in kernel.inputs) else
+        "an integer or bool input" if any(not i.layout.differentiable for i in kernel.inputs) else
+        "an output in parts" if plan.output_parts else
+        "an output of its own dtype" if plan.output_dtypes else None
+    )
+    if what is not None:
+        raise CudaUnsupported(f"{plan.op}: {what} is not supported by the CUDA backend yet")
+
+
+def _statements(body: Body, printer: CudaPrinter, assign: bool) -> list[str]:
+    """`const T t0 = ...;` for each temporary; each result declared (or, `assign`, assigned:
+    declared before a dropout branch)."""
+    lines = [f"const T {name} = {printer.doprint(expr)};" for name, expr in body.temps]
+    lines += [f"{name} = {printer.doprint(expr)};" if assign else f"const T {name} = {printer.doprint(expr)};"
+              for name, expr in body.results]
+    return lines
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return ["  " + line for line in lines]
