@@ -128,6 +128,27 @@ def test_the_element_function_computes_the_reference(built, name, params, p, dty
     torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.parametrize("expression", ["x + col / (col + 1)", "x * sigmoid(where(x > 0, 1, -1))", "x * exp(col - 1)",
+                                        "x ** 5 + 2 ** x"])
+def test_integers_and_col_compute_in_the_compute_type(tmp_path, expression):
+    """Integer literals and `col` are T in the source: no integer division, no integer overloads."""
+    from tests.helpers import build_and_import
+
+    text = f"name: ints\ndoc: a spec\ninputs: {{x: [..., N]}}\noutputs:\n  y: {expression}\n"
+    module = build_and_import(tmp_path, text)
+    backend = codegen()
+    spec = load_spec(tmp_path / "ints.yaml")
+    plan = build_plan(simplify(build_ir(spec)), backend.RESERVED_NAMES, backend.MODULE_IMPORTS)
+    (tmp_path / "ints.cu").write_text(forward_source(plan))
+    (tmp_path / "host.cpp").write_text('#include "ints.cu"\n' + _harness(plan, "double"))
+    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-I", str(HEADER), "-I",
+                    str(tmp_path), str(tmp_path / "host.cpp"), "-o", str(tmp_path / "ints.so")], check=True,
+                   capture_output=True)
+    library = ctypes.CDLL(str(tmp_path / "ints.so"))
+    x = (torch.randn(4, 6, dtype=torch.float64) * 0.5)
+    torch.testing.assert_close(_run(plan, library, [x], {}, None, (4, 6)), module.reference(x))
+
+
 def test_unsupported_plans_are_one_line_errors():
     with pytest.raises(CudaUnsupported) as error:
         forward_source(_plan("bias_gelu"))
@@ -135,6 +156,20 @@ def test_unsupported_plans_are_one_line_errors():
     with pytest.raises(CudaUnsupported) as error:
         forward_source(_plan("layernorm"))
     assert str(error.value) == "layernorm: the row kind is not supported by the CUDA backend yet"
+    from tests.helpers import build_and_import  # noqa: F401 - the spec's names reach the plan as they are
+
+    for name in ("blockDim", "NAN", "uint64_t"):
+        backend = codegen()
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp())
+        (folder / "named.yaml").write_text(f"name: named\ndoc: a spec\ninputs: {{{name}: [..., N]}}\n"
+                                           f"outputs:\n  y: {name} * 2.0\n")
+        plan = build_plan(simplify(build_ir(load_spec(folder / "named.yaml"))), backend.RESERVED_NAMES,
+                          backend.MODULE_IMPORTS)
+        with pytest.raises(CudaUnsupported) as error:
+            forward_source(plan)
+        assert f"the name '{name}'" in str(error.value)
 
 
 def test_the_source_compiles_as_sm90_device_code(built, tmp_path):
@@ -149,7 +184,8 @@ def test_the_source_compiles_as_sm90_device_code(built, tmp_path):
         unit = tmp_path / f"{name}_device.cu"
         unit.write_text(f'#include "{source.name}"\n' + "".join(_instance(i, plan, t) for i, t in
                                                             zip(instances, ("float", "double"))))
-        result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", "-I", str(HEADER), "-I", str(source.parent),
+        result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", "--Werror", "all-warnings", "-I", str(HEADER),
+                                 "-I", str(source.parent),
                                  str(unit), "-o", str(tmp_path / f"{name}.o")], capture_output=True, text=True)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
 
@@ -160,5 +196,5 @@ def _instance(head: str, plan, t: str) -> str:
     parameters = [f"const {t}*, int64_t, int64_t" for _ in kernel.inputs] + [f"{t}*" for _ in kernel.outputs]
     parameters += [t for _ in kernel.scalars]
     if kernel.masks:
-        parameters += ["uint64_t, bool"] + [f"int32_t, {t}" for _ in dict.fromkeys(m.p.name for m in kernel.masks)]
+        parameters += ["const int64_t*, bool"] + [f"int32_t, {t}" for _ in dict.fromkeys(m.p.name for m in kernel.masks)]
     return head + ", ".join(parameters + ["int64_t, int64_t"]) + ");\n"

@@ -1,23 +1,26 @@
 """CUDA C++ spellings of sympy expressions: the bodies of the CUDA backend's kernels.
 
 Values are scalars of the compute type T (float or double, a template parameter of each
-kernel, as Triton's `compute`); every number is written T(...), so that float kernels compute
-in float as the Triton ones do (a bare 0.5 is a double in C++, and would widen the arithmetic
-around it). The functions without a C++ spelling of their own are csrc/fusegen_cuda.cuh's,
-in namespace fusegen."""
+kernel, as Triton's `compute`); every number, integers too, is written T(...) and `col` is read
+as T(col), so that float kernels compute in float as the Triton ones do: a bare 0.5 is a double
+in C++ and would widen the arithmetic around it, a bare 1 would make `col / (col + 1)` an
+integer division and `exp(col)` a host-only integer overload. The functions without a C++
+spelling of their own are csrc/fusegen_cuda.cuh's, in namespace fusegen."""
 from __future__ import annotations
 
 import re
 
+import sympy
+
 from fusegen.printers import ElementwisePrinter
 
 # A number as the shared printer writes it (0.5, 1e-06, 2.5e+30, 3): made T(...) after printing.
-_NUMBER = re.compile(r"(?<![\w.])(\d+\.\d*(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)(?![\w.])")
+_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)(?![\w.])")
 
 
 class CudaPrinter(ElementwisePrinter):
     """CUDA C++ device code over the compute type T; std:: math, which nvcc maps to the device's
-    correctly rounded or 2-ulp functions for float and double alike."""
+    correctly rounded or 2-ulp functions for float and double alike (every argument is a T)."""
 
     language = "C++"
     known_functions = {
@@ -35,7 +38,7 @@ class CudaPrinter(ElementwisePrinter):
         "cos": "std::cos",
     }
     sqrt, rsqrt, power = "std::sqrt", "fusegen::rsqrt_rn", "std::pow"
-    column = "col"  # each kernel names the element's index along the row so
+    column = "T(col)"  # each kernel names the element's index along the row `col` (an integer)
 
     def doprint(self, expr, assign_to=None):
         return _NUMBER.sub(r"T(\1)", super().doprint(expr, assign_to))
@@ -77,8 +80,10 @@ class CudaPrinter(ElementwisePrinter):
     def _print_Heaviside(self, expr):
         # As the shared printer's, in a ternary (where has no C++ spelling of its own).
         x = self._print(expr.args[0])
-        return f"({x} > 0 ? 1.0 : 0.0)" if (expr.pargs[1:] or [None])[0] == 0 else \
-            f"({x} > 0 ? 1.0 : ({x} < 0 ? 0.0 : 0.5))"
+        at_zero = expr.pargs[1] if len(expr.pargs) > 1 else sympy.Rational(1, 2)
+        if at_zero == 0:
+            return f"({x} > 0 ? 1.0 : 0.0)"
+        return f"({x} > 0 ? 1.0 : ({x} < 0 ? 0.0 : {self._print(at_zero)}))"
 
     def _print_sign(self, expr):
         x = self._print(expr.args[0])
