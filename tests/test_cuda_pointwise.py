@@ -173,27 +173,28 @@ def test_unsupported_plans_are_one_line_errors():
 
 
 def test_the_source_compiles_as_sm90_device_code(built, tmp_path):
-    """Each op's .cu with its kernel instantiated for float and double (bf16 inputs: later)."""
+    """Each op's .cu with its kernel instantiated for float and double, and for bf16 and fp16
+    elements computed in float."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc here: the device build is checked where the CUDA toolkit is installed")
     for name, (plan, _, source) in built.items():
         types = len(plan.forward.inputs) + len(plan.forward.outputs)
-        instances = [f"template __global__ void {name}_forward<{t}, int64_t, {', '.join([t] * types)}>(" for t in
-                     ("float", "double")]
+        pairs = [("float", "float"), ("double", "double"), ("float", "__nv_bfloat16"), ("float", "__half")]
         unit = tmp_path / f"{name}_device.cu"
-        unit.write_text(f'#include "{source.name}"\n' + "".join(_instance(i, plan, t) for i, t in
-                                                            zip(instances, ("float", "double"))))
+        unit.write_text(f'#include "{source.name}"\n' + "".join(
+            _instance(f"template __global__ void {name}_forward<{t}, int64_t, {', '.join([e] * types)}>(", plan, t, e)
+            for t, e in pairs))
         result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", "--Werror", "all-warnings", "-I", str(HEADER),
                                  "-I", str(source.parent),
                                  str(unit), "-o", str(tmp_path / f"{name}.o")], capture_output=True, text=True)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
 
 
-def _instance(head: str, plan, t: str) -> str:
-    """An explicit instantiation of the forward kernel for compute type and element type t."""
+def _instance(head: str, plan, t: str, element: str) -> str:
+    """An explicit instantiation of the forward kernel for compute type t and element type `element`."""
     kernel = plan.forward
-    parameters = [f"const {t}*, int64_t, int64_t" for _ in kernel.inputs] + [f"{t}*" for _ in kernel.outputs]
+    parameters = [f"const {element}*, int64_t, int64_t" for _ in kernel.inputs] + [f"{element}*" for _ in kernel.outputs]
     parameters += [t for _ in kernel.scalars]
     if kernel.masks:
         parameters += ["const int64_t*, bool"] + [f"int32_t, {t}" for _ in dict.fromkeys(m.p.name for m in kernel.masks)]

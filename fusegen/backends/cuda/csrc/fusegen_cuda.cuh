@@ -49,12 +49,36 @@ FUSEGEN_HD T infinity() {
 }
 
 // A value of the compute type as an output's element type, rounded to nearest even as torch's
-// tensor.to(dtype). float and double here; the 16-bit types where cuda_fp16.h and cuda_bf16.h
-// are (device code).
+// tensor.to(dtype): float and double by a cast; fp16 and bf16 (device code, where nvcc has
+// cuda_fp16.h and cuda_bf16.h) by their _rn conversions. Loads convert the other way by T(x):
+// both 16-bit types convert to float exactly.
 template <typename Out, typename T>
 FUSEGEN_HD Out to(T value) {
   return static_cast<Out>(value);
 }
+
+}  // namespace fusegen
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace fusegen {
+
+template <>
+FUSEGEN_HD __half to<__half, float>(float value) {
+  return __float2half_rn(value);
+}
+
+template <>
+FUSEGEN_HD __nv_bfloat16 to<__nv_bfloat16, float>(float value) {
+  return __float2bfloat16_rn(value);
+}
+
+}  // namespace fusegen
+#endif
+
+namespace fusegen {
 
 // -- dropout's random words ----------------------------------------------------------------
 
