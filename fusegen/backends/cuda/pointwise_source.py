@@ -166,3 +166,114 @@ def _statements(body: Body, printer: CudaPrinter, assign: bool) -> list[str]:
 
 def _indent(lines: list[str]) -> list[str]:
     return ["  " + line for line in lines]
+
+
+def backward_source(plan: OpPlan) -> str:
+    """The text of the backward in <op>.cu: an element function giving each gradient the kernel
+    computes at one element, and a kernel of one thread a column and a chunk of rows that writes
+    each gradient, or sums it over its rows where its input is broadcast along them (a [chunks,
+    N] buffer in T, which torch adds up in order, as the Triton backward's column sums)."""
+    if plan.kind != "pointwise":
+        raise CudaUnsupported(f"{plan.op}: the {plan.kind} kind is not supported by the CUDA backend yet")
+    kernel = plan.backward
+    locals_ = _locals(plan) | {v.local for i in kernel.inputs for v in i.values} | set(kernel.incoming)
+    locals_ |= {v for g in kernel.gradients for v in g.values}
+    for body in (kernel.body, kernel.body_no_dropout):
+        if body is not None:
+            locals_ |= {name for name, _ in body.temps}
+    _check(plan, locals_)
+    if any(g.one_per_row for g in kernel.gradients):
+        raise CudaUnsupported(f"{plan.op}: the gradient of an input of one value per row is not supported by the "
+                              "CUDA backend yet")
+    functions = {f"{plan.op}_backward_element", f"{plan.op}_backward"}
+    namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | functions)
+    read = [(i.name, i.local, i.layout.declared) for i in kernel.inputs]
+    read += [(f"the incoming gradient of {name}", g, "") for (name, _), g in zip(plan.outputs, kernel.incoming)]
+    pointer = {key: namer.claim(f"{local}_ptr") for key, local, _ in read}
+    stride = {key: (namer.claim(f"{local}_stride_m"), namer.claim(f"{local}_stride_n")) for key, local, _ in read}
+    element_type = {key: namer.claim(f"{local.capitalize()}Type") for key, local, _ in read}
+    gradients = [v for g in kernel.gradients for v in g.values]
+    grad_pointer = {v: namer.claim(f"{v}_ptr") for v in gradients}
+    grad_type = {v: namer.claim(f"{v.capitalize()}Type") for v in gradients}
+    sums = {v: namer.claim(f"{v}_sums") for v in gradients}
+    total = {v: namer.claim(f"{v}_total") for v in gradients}
+    threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
+    scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
+    row, col, n, m, seed, dropout, rows, first = (namer.claim(w) for w in (
+        "row", "col", "N", "M", "seed", "has_dropout", "rows", "first_row"))
+    seed_pointer = namer.claim("seed_ptr")
+    ps = list(dict.fromkeys(mask.p.name for mask in kernel.masks))
+
+    shared = [f"const {element_type[k]}* {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  // "
+              f"{f'{k} {shown}' if shown else k}, as [M, N]" for k, _, shown in read]
+    shared += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    dropout_parameters = [f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale"
+                          for p in ps]
+    element_parameters = shared + ([f"uint64_t {seed}, bool {dropout},  // dropout's seed; off: training False or p 0",
+                                    *dropout_parameters] if kernel.masks else [])
+    element_parameters += [f"Index {n},", ", ".join(f"T& {v}" for v in gradients)]
+    printer = CudaPrinter()
+    printer.column = f"T({col})"
+    body = [f"const T {local} = T({pointer[k]}[{row} * {stride[k][0]} + {col} * {stride[k][1]}]);" for k, local, _ in read]
+    flat = f"{row} * {n} + {col}"
+    if kernel.masks:
+        masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
+                 f"{threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
+        body += [f"if ({dropout}) {{", *_indent(masks + _statements(kernel.body, printer, assign=True)), "} else {",
+                 *_indent(_statements(kernel.body_no_dropout, printer, assign=True)), "}"]
+    else:
+        body += _statements(kernel.body, printer, assign=True)
+    types = ["typename T", "typename Index", *(f"typename {t}" for t in element_type.values())]
+    template = f"template <{', '.join(types)}>"  # the element function's: its reads' types
+    kernel_template = f"template <{', '.join([*types, *(f'typename {t}' for t in grad_type.values())])}>"
+    arguments = [f"{pointer[k]}, {stride[k][0]}, {stride[k][1]}" for k, _, _ in read] + [p.local for p in kernel.scalars]
+    if kernel.masks:
+        arguments += [seed, dropout, *(f"{threshold[p]}, {scale[p]}" for p in ps)]
+    arguments += [n, ", ".join(gradients)]
+    kernel_parameters = shared + ([f"const int64_t* {seed_pointer}, bool {dropout},  // the seed tensor's one "
+                                   "element; off: training False or p 0", *dropout_parameters] if kernel.masks else [])
+    kernel_parameters += [f"{grad_type[v]}* {grad_pointer[v]}, bool {sums[v]},  // {v}: [M, N], or with {sums[v]} "
+                          "its sums over each chunk's rows, [chunks, N] in T; null where not wanted" for v in gradients]
+    loop = [f"T {', '.join(gradients)};",
+            f"{plan.op}_backward_element<T, Index>(",
+            f"    Index({row}), Index({col}),",
+            *(f"    {a}," for a in arguments[:-1]),
+            f"    {arguments[-1]});"]
+    for v in gradients:
+        loop += [f"if ({sums[v]}) {{", f"  {total[v]} += {v};",
+                 f"}} else if ({grad_pointer[v]} != nullptr) {{",
+                 f"  {grad_pointer[v]}[{row} * {n} + {col}] = fusegen::to<{grad_type[v]}>({v});", "}"]
+    lines = [
+        f"// {plan.op}'s backward: each gradient the kernel computes at one element of the [M, N] problem.",
+        template,
+        f"FUSEGEN_HD void {plan.op}_backward_element(",
+        f"    Index {row}, Index {col},",
+        *(f"    {p}" for p in element_parameters[:-1]),
+        f"    {element_parameters[-1]}) {{",
+        *_indent(body),
+        "}",
+        "",
+        "#ifdef __CUDACC__",
+        kernel_template,
+        f"__global__ void {plan.op}_backward(",
+        *(f"    {p}" for p in kernel_parameters),
+        f"    Index {m}, Index {n}, Index {rows}) {{  // rows: a chunk's, blockIdx.y its number",
+        f"  const int64_t {col} = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;",
+        f"  if ({col} >= {n}) return;",
+        *([f"  const uint64_t {seed} = uint64_t(*{seed_pointer});"] if kernel.masks else []),
+        f"  const int64_t {first} = int64_t(blockIdx.y) * {rows};",
+        *(f"  T {total[v]} = T(0);" for v in gradients),
+        f"  for (int64_t {row} = {first}; {row} < {first} + {rows} && {row} < {m}; ++{row}) {{",
+        *_indent(_indent(loop)),
+        "  }",
+        *(f"  if ({sums[v]}) {grad_pointer[v]}[int64_t(blockIdx.y) * {n} + {col}] = fusegen::to<{grad_type[v]}>({total[v]});"
+          for v in gradients),
+        "}",
+        "#endif",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def source(plan: OpPlan) -> str:
+    """The whole of <op>.cu: the forward, then the backward."""
+    return forward_source(plan) + "\n" + backward_source(plan)
