@@ -1,7 +1,11 @@
-"""The pointwise kind's forward kernel in CUDA C++ (issue 33, step 2 of
-docs/design/cuda-backend-plan.md): the plan's forward body for one element of the [M, N]
-problem (`<op>_element`, FUSEGEN_HD: the tests run it on the host), and a `__global__` kernel of
-one thread an element around it. Not launched yet: no runtime compiles it (step 1).
+"""The pointwise kind's kernels in CUDA C++ (issue 33, step 2 of docs/design/cuda-backend-plan.md).
+
+The forward: the plan's forward body for one element of the [M, N] problem (`<op>_element`,
+FUSEGEN_HD: the tests run it on the host) and a `__global__` kernel of one thread an element
+around it. The backward: each gradient the backward body computes at one element
+(`<op>_backward_element`) and a kernel of one thread a column and a chunk of rows, which writes
+each gradient or sums it over the chunk where its input is broadcast along rows. Not launched
+yet: no runtime compiles them (step 1).
 
 Each input is read as the Triton kernels read it, through an [M, N] view's two strides (0 where
 broadcast), converted to the compute type T; dropout's multiplier is drawn at the element's flat
