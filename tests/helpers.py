@@ -358,6 +358,27 @@ def rel_error(out: torch.Tensor, truth: torch.Tensor) -> float:
     return diff / norm
 
 
+def check_op_against_truth(op, truth_fn, inputs: list[torch.Tensor], params: tuple = (), what: str = "") -> None:
+    """op(*inputs, *params)'s value and every input's gradient against truth_fn on fp64 copies
+    (check_against_truth); in bf16, against the error of truth_fn run in bf16 (torch's own ops)."""
+    dtype = inputs[0].dtype
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    truth = truth_fn(*exact)
+    got = op(*inputs, *params)
+    low = truth_fn(*[t.detach() for t in inputs]) if dtype == torch.bfloat16 else None
+    check_against_truth(got, truth.detach(), low, what=f"{what} {dtype}")
+    grad = torch.randn_like(truth)
+    got.backward(grad.to(dtype))
+    truth.backward(grad)
+    low_grads = [None] * len(inputs)
+    if dtype == torch.bfloat16:
+        low_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        truth_fn(*low_inputs).backward(grad.to(dtype))
+        low_grads = [t.grad for t in low_inputs]
+    for i, (t, e, lo) in enumerate(zip(inputs, exact, low_grads)):
+        check_against_truth(t.grad, e.grad, lo, what=f"{what} {dtype} gradient {i}")
+
+
 def check_against_truth(got: torch.Tensor, truth: torch.Tensor, low_precision_ref: torch.Tensor | None = None, what=""):
     """fp32/fp64: tight; fp16/bf16: at most 2x the error of the same computation done by
     `reference` in that dtype, plus a small floor."""

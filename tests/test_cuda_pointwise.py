@@ -22,6 +22,7 @@ from fusegen.runtime import dropout_scale
 from fusegen.runtime.dropout import dropout_threshold
 from fusegen.simplify import simplify
 from fusegen.spec import load_spec
+from tests.helpers import build_and_import
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "fusegen" / "backends" / "cuda" / "csrc"
@@ -164,8 +165,6 @@ def test_the_element_function_computes_the_reference(built, name, params, p, dty
                                         "x ** 5 + 2 ** x"])
 def test_integers_and_col_compute_in_the_compute_type(tmp_path, expression):
     """Integer literals and `col` are T in the source: no integer division, no integer overloads."""
-    from tests.helpers import build_and_import
-
     text = f"name: ints\ndoc: a spec\ninputs: {{x: [..., N]}}\noutputs:\n  y: {expression}\n"
     module = build_and_import(tmp_path, text)
     backend = codegen()
@@ -222,24 +221,18 @@ def test_the_backward_element_function_computes_the_references_gradients(built, 
         torch.testing.assert_close(got, want, msg=f"{name}: gradient of {gradient.input.name}")
 
 
-def test_unsupported_plans_are_one_line_errors():
+def test_unsupported_plans_are_one_line_errors(tmp_path):
     with pytest.raises(CudaUnsupported) as error:
         forward_source(_plan("bias_gelu"))
     assert str(error.value) == "bias_gelu: a choice param is not supported by the CUDA backend yet"
     with pytest.raises(CudaUnsupported) as error:
         forward_source(_plan("layernorm"))
     assert str(error.value) == "layernorm: the row kind is not supported by the CUDA backend yet"
-    from tests.helpers import build_and_import  # noqa: F401 - the spec's names reach the plan as they are
-
-    for name in ("blockDim", "NAN", "uint64_t"):
-        backend = codegen()
-        import tempfile
-
-        folder = Path(tempfile.mkdtemp())
-        (folder / "named.yaml").write_text(f"name: named\ndoc: a spec\ninputs: {{{name}: [..., N]}}\n"
-                                           f"outputs:\n  y: {name} * 2.0\n")
-        plan = build_plan(simplify(build_ir(load_spec(folder / "named.yaml"))), backend.RESERVED_NAMES,
-                          backend.MODULE_IMPORTS)
+    backend = codegen()
+    for name in ("blockDim", "NAN", "uint64_t"):  # spec names reach the plan as they are
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(f"name: named\ndoc: a spec\ninputs: {{{name}: [..., N]}}\noutputs:\n  y: {name} * 2.0\n")
+        plan = build_plan(simplify(build_ir(load_spec(spec))), backend.RESERVED_NAMES, backend.MODULE_IMPORTS)
         with pytest.raises(CudaUnsupported) as error:
             forward_source(plan)
         assert f"the name '{name}'" in str(error.value)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fusegen.errors import SpecError
 from fusegen.runtime import FusegenArgumentError
 from tests.conftest import DEVICE
-from tests.helpers import build_and_import, check_against_truth
+from tests.helpers import build_and_import, check_op_against_truth
 
 # nn.Linear's layouts, the seed's MLP (specs/dlrm_mlp.yaml's).
 MLP = """\
@@ -70,25 +70,10 @@ def _params(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_values_and_gradients_against_float64_truth(ops, name, k, h, n, dtype):
     torch.manual_seed(k + h)
-    op = getattr(ops[name], name)
-    inputs = _inputs(name, k, h, n, dtype)
     alpha = dict(alpha=0.75) if name == "mlp_kn" else {}
-    exact = [t.detach().double().requires_grad_() for t in inputs]
-    truth = _truth(name, *exact, **alpha)
-    got = op(*inputs, *_params(name))
     # bf16: against the error of torch's own bf16 ops (two layers, the hidden values rounded).
-    low = _truth(name, *[t.detach() for t in inputs], **alpha) if dtype == torch.bfloat16 else None
-    check_against_truth(got, truth.detach(), low, what=f"{name} {dtype}")
-    grad = torch.randn_like(truth)
-    got.backward(grad.to(dtype))
-    truth.backward(grad)
-    low_grads = [None] * len(inputs)
-    if dtype == torch.bfloat16:
-        low_inputs = [t.detach().clone().requires_grad_() for t in inputs]
-        _truth(name, *low_inputs, **alpha).backward(grad.to(dtype))
-        low_grads = [t.grad for t in low_inputs]
-    for i, (t, e, lo) in enumerate(zip(inputs, exact, low_grads)):
-        check_against_truth(t.grad, e.grad, lo, what=f"{name} {dtype} gradient {i}")
+    check_op_against_truth(getattr(ops[name], name), lambda *t: _truth(name, *t, **alpha), _inputs(name, k, h, n, dtype),
+                           _params(name), what=name)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fusegen.errors import SpecError
 from fusegen.runtime import FusegenArgumentError
 from tests.conftest import DEVICE
-from tests.helpers import build_and_import, check_against_truth
+from tests.helpers import build_and_import, check_op_against_truth
 
 # nn.Linear's layouts throughout, a scale: the low-rank product's gradient is formed by the g kernel.
 LORA = """\
@@ -64,25 +64,10 @@ def _inputs(name, k, n, r, dtype, lead=(2, 3)):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_values_and_gradients_against_float64_truth(ops, name, k, n, r, dtype):
     torch.manual_seed(k + r)
-    op = getattr(ops[name], name)
-    inputs = _inputs(name, k, n, r, dtype)
     params = (0.5,) if name == "lora_t" else ()
-    exact = [t.detach().double().requires_grad_() for t in inputs]
-    truth = _truth(name, *exact, scale=0.5)
-    got = op(*inputs, *params)
     # bf16: against the error of torch's own bf16 ops (two matmuls, the inner product rounded).
-    low = _truth(name, *[t.detach() for t in inputs], scale=0.5) if dtype == torch.bfloat16 else None
-    check_against_truth(got, truth.detach(), low, what=f"{name} {dtype}")
-    grad = torch.randn_like(truth)
-    got.backward(grad.to(dtype))
-    truth.backward(grad)
-    low_grads = [None] * len(inputs)
-    if dtype == torch.bfloat16:
-        low_inputs = [t.detach().clone().requires_grad_() for t in inputs]
-        _truth(name, *low_inputs, scale=0.5).backward(grad.to(dtype))
-        low_grads = [t.grad for t in low_inputs]
-    for i, (t, e, lo) in enumerate(zip(inputs, exact, low_grads)):
-        check_against_truth(t.grad, e.grad, lo, what=f"{name} {dtype} gradient {i}")
+    check_op_against_truth(getattr(ops[name], name), lambda *t: _truth(name, *t, scale=0.5), _inputs(name, k, n, r, dtype),
+                           params, what=name)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

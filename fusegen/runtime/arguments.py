@@ -149,8 +149,10 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, mat
         t.shape[:-1] + (t.shape[-1] // i.chunks,) if i.chunks > 1 and i.chunk_dim == -1 else t.shape
         for i, t in zip(inputs, tensors)
     ]
+    hidden = 0
     if matmul is not None:
         value_shapes = _with_product(op, inputs, tensors, value_shapes, matmul)
+        hidden = _hidden_width(op, inputs, tensors, matmul)
     try:
         shape = _broadcast_shapes(value_shapes)
     except RuntimeError:
@@ -171,10 +173,6 @@ def _check_and_broadcast(op: str, inputs: tuple[Input, ...], tensors: tuple, mat
     out_dtype = functools.reduce(torch.promote_types, (t.dtype for i, t in zip(inputs, tensors) if i.dtype == "float"))
     compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     has_data = device.type != "meta" and not any(is_fake(t) for t in tensors)
-    hidden = 0
-    if matmul is not None and matmul.hidden is not None:
-        weight = tensors[[i.name for i in inputs].index(matmul.hidden.weight)]
-        hidden = weight.shape[0] if matmul.hidden.transposed else weight.shape[1]
     return Problem(shape, m, n, out_dtype, compute_dtype, device, has_data, hidden)
 
 
@@ -213,15 +211,20 @@ def _with_product(op: str, inputs, tensors, value_shapes: list, matmul: MatMul) 
             raise FusegenArgumentError(f"{op}(): {matmul.lowrank.down} {list(down.shape)} has rank {rank}; the "
                                        f"low-rank product takes at most {MAX_RANK} (a tile holds its [rows, rank] "
                                        "product)")
-    if matmul.hidden is not None:
-        weight = tensors[names.index(matmul.hidden.weight)]
-        width = weight.shape[0] if matmul.hidden.transposed else weight.shape[1]
-        if width > MAX_HIDDEN:
-            raise FusegenArgumentError(f"{op}(): {matmul.hidden.weight} {list(weight.shape)} makes a hidden layer "
-                                       f"{width} wide; it takes at most {MAX_HIDDEN} (a tile holds its rows' hidden "
-                                       "values)")
     others = [s for name, s in zip(names, value_shapes) if name not in matmul.operands]
     return [a.shape[:-1] + (n,), *others]
+
+
+def _hidden_width(op: str, inputs, tensors, matmul: MatMul) -> int:
+    """The width H of the matmul's hidden layer (0 without one), checked against MAX_HIDDEN."""
+    if matmul.hidden is None:
+        return 0
+    weight = tensors[[i.name for i in inputs].index(matmul.hidden.weight)]
+    width = weight.shape[0] if matmul.hidden.transposed else weight.shape[1]
+    if width > MAX_HIDDEN:
+        raise FusegenArgumentError(f"{op}(): {matmul.hidden.weight} {list(weight.shape)} makes a hidden layer "
+                                   f"{width} wide; it takes at most {MAX_HIDDEN} (a tile holds its rows' hidden values)")
+    return width
 
 
 def _check_named_dims(op: str, inputs: tuple[Input, ...], tensors: tuple) -> None:

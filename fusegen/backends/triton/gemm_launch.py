@@ -10,6 +10,7 @@ import math
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 
 from fusegen.layout import Input
 from fusegen.runtime.views import INT32_LIMIT
@@ -389,14 +390,15 @@ def _hidden_gradients(bound: _BoundGemm, tensors, needs, g, kept, gradients: dic
     layer = [needs[k] for k in bound._layer_inputs]
     if not (needs[bound._b] or needs[bound._a] or needs[bound._weight] or any(layer)):
         return  # only the epilogue's own inputs' gradients: the g kernel's
-    g_2d = _rows_of(g)[0].to(dtype)
-    if needs[bound._b]:  # in b's own layout: [N, H] under T, else [H, N]
-        grad = g_2d.mT @ hidden if bound._transposed else hidden.mT @ g_2d
+    g_2d = _rows_of(g)[0]
+    if needs[bound._b]:  # in b's own layout: [N, H] under T, else [H, N], in the operands' dtype
+        g_low = g_2d.to(dtype)
+        grad = g_low.mT @ hidden if bound._transposed else hidden.mT @ g_low
         gradients[bound._b] = grad.to(b.dtype)
     wants_g_h = needs[bound._a] or needs[bound._weight]
     if not (wants_g_h or any(layer)):
         return
-    g_wide, b_wide = _rows_of(g)[0].to(compute), b.to(compute)  # g as the g kernel wrote it, not rounded again
+    g_wide, b_wide = g_2d.to(compute), b.to(compute)  # g as the g kernel wrote it, not rounded again
     dh = g_wide @ b_wide if bound._transposed else g_wide @ b_wide.mT  # [M, H]
     if g_2d.shape[-1] == 0:  # no product columns: no forward ran to keep the layer's values, nor needs to
         partials = [torch.zeros_like(dh) for _ in partials]
@@ -447,8 +449,6 @@ def _layer_step(dh: torch.Tensor, partial: torch.Tensor, dtype: torch.dtype, wri
 
 def _has_data(t: torch.Tensor) -> bool:
     """Not a meta tensor nor a FakeTensor (shapes only: nothing to launch on)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     return t.device.type != "meta" and not is_fake(t)
 
 
