@@ -58,6 +58,7 @@ def dlrm_mlp_kernel(
     FP64_PRODUCT: tl.constexpr,  # the fp64 compute dtype: the products in fp64 too
     INPUT_PRECISION: tl.constexpr,  # tl.dot's: "ieee" (fp32 as torch.mm), "tf32"
     BLOCK_H: tl.constexpr,  # H rounded up to a power of two, at least 16
+    KEEP: tl.constexpr,  # write what the backward reads (off: no gradient follows this call)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PARTS: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)
 ):
@@ -76,9 +77,12 @@ def dlrm_mlp_kernel(
     hidden = maximum(t0, 0.0)
     hidden_partial0 = tl.where(t0 <= 0, 0.0, 1.0)
     saved_width = N + 2 * H
-    if tile_n == 0:  # one tile of the row block keeps its hidden values and partials
-        store_tile(product_ptr, hidden, rows, hidden_cols + N, saved_width, in_hidden)
-        store_tile(product_ptr, hidden_partial0, rows, hidden_cols + N + H, saved_width, in_hidden)
+    if KEEP:
+        if tile_n == 0:  # one tile of the row block keeps its hidden values and partials
+            store_tile(product_ptr, hidden, rows, hidden_cols + N, saved_width, in_hidden)
+            store_tile(
+                product_ptr, hidden_partial0, rows, hidden_cols + N + H, saved_width, in_hidden
+            )
     product_tile = inner_matmul(
         hidden, w2_ptr, w2_stride_k, w2_stride_n,
         indices(tile_n * BLOCK_N, BLOCK_N, INDEX_64), N, H, BLOCK_H,
@@ -89,7 +93,8 @@ def dlrm_mlp_kernel(
         cols, product = column_part(tile_n, product_tile, part, PARTS, BLOCK_N, INDEX_64)
         product = product.to(compute)
         in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-        store_tile(product_ptr, product, rows, cols, saved_width, in_bounds)
+        if KEEP:
+            store_tile(product_ptr, product, rows, cols, saved_width, in_bounds)
         b2 = load_tile(b2_ptr, b2_stride_m, b2_stride_n, rows, cols, in_bounds, compute)
         y = tl.sigmoid(b2 + product)
         store_tile(y_ptr, y, rows, cols, N, in_bounds)

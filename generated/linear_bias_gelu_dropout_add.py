@@ -74,6 +74,7 @@ def linear_bias_gelu_dropout_add_kernel(
     TMA: tl.constexpr,
     # with TMA: which of each operand's strides is 1
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
+    KEEP: tl.constexpr,  # write what the backward reads (off: no gradient follows this call)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PARTS: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)
 ):
@@ -104,7 +105,8 @@ def linear_bias_gelu_dropout_add_kernel(
             cols, product = column_part(tile_n, product_tile, part, PARTS, BLOCK_N, INDEX_64)
             product = product.to(compute)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            store_tile(product_ptr, product, rows, cols, N, in_bounds)
+            if KEEP:
+                store_tile(product_ptr, product, rows, cols, N, in_bounds)
             bias = load_tile(bias_ptr, bias_stride_m, bias_stride_n, rows, cols, in_bounds, compute)
             residual = load_tile(
                 residual_ptr, residual_stride_m, residual_stride_n, rows, cols, in_bounds, compute

@@ -56,6 +56,7 @@ def linear_swiglu_kernel(
     TMA: tl.constexpr,
     # with TMA: which of each operand's strides is 1
     A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
+    KEEP: tl.constexpr,  # write what the backward reads (off: no gradient follows this call)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PARTS: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)
 ):
@@ -104,8 +105,9 @@ def linear_swiglu_kernel(
             product_chunk0 = product_chunk0.to(compute)
             product_chunk1 = product_chunk1.to(compute)
             in_bounds = (rows[:, None] < M) & (cols[None, :] < N)
-            store_tile(product_ptr, product_chunk0, rows, cols, 2 * N, in_bounds)
-            store_tile(product_ptr, product_chunk1, rows, cols + N, 2 * N, in_bounds)
+            if KEEP:
+                store_tile(product_ptr, product_chunk0, rows, cols, 2 * N, in_bounds)
+                store_tile(product_ptr, product_chunk1, rows, cols + N, 2 * N, in_bounds)
             y = tl.sigmoid(product_chunk0) * product_chunk0 * product_chunk1
             store_tile(y_ptr, y, rows, cols, N, in_bounds)
 

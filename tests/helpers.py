@@ -358,6 +358,36 @@ def rel_error(out: torch.Tensor, truth: torch.Tensor) -> float:
     return diff / norm
 
 
+def check_no_gradient_keeps_nothing(module, name: str, inputs: list[torch.Tensor], params: tuple = ()) -> None:
+    """A call that no gradient follows (its inputs want none, torch.no_grad, out=) runs the forward
+    with what it keeps for a backward left out: no buffer is made, one handed to the kernels is
+    not written, and the outputs are the keeping forward's, bit for bit."""
+    op, fused = getattr(module, name), module._OP
+    plain = (*(t.detach() for t in inputs), *params)
+    count = len(inputs)
+    kept = op(*(t.detach().requires_grad_() for t in inputs), *params)  # a backward may follow it
+    outputs, _, statistics = fused.forward(plain, keep=True)
+    assert statistics is not None
+    bare, _, none = fused.forward(plain, keep=False)
+    assert none is None, "a forward no gradient follows kept a buffer"
+    prepared = fused.prepare(plain)
+    assert prepared is None or prepared._bare is not prepared._launch, "the eager path has no launch that keeps nothing"
+    poison = torch.full_like(statistics, float("nan"))
+    handed = [torch.empty_like(o) for o in outputs]
+    fused.kernels.forward(fused.check(plain, needs_kernel=True), plain[:count], handed, None, statistics=poison,
+                          keep=False)
+    assert poison.isnan().all(), "the forward with keep off wrote into the buffer it was handed"
+    with torch.no_grad():
+        quiet = op(*(t.detach().requires_grad_() for t in inputs), *params)
+    out = [torch.empty_like(o) for o in outputs]
+    op(*plain, out=out[0] if len(out) == 1 else tuple(out))
+    plainly = op(*plain)
+    for results in (kept, outputs, bare, handed, quiet, out, plainly):
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        for got, want in zip(results, outputs):
+            assert torch.equal(got.detach(), want), f"{name}: a forward without a gradient to follow differs"
+
+
 def check_op_against_truth(op, truth_fn, inputs: list[torch.Tensor], params: tuple = (), what: str = "") -> None:
     """op(*inputs, *params)'s value and every input's gradient against truth_fn on fp64 copies
     (check_against_truth); in bf16, against the error of truth_fn run in bf16 (torch's own ops)."""

@@ -86,6 +86,8 @@ def signature(kernel, pointer: str, scalar_types: dict[str, str], settings: dict
                 constexprs[name] = "ieee"
             elif name == "FP64_PRODUCT":
                 constexprs[name] = settings["COMPUTE_FP64"]
+            elif name == "KEEP":  # a gemm forward that keeps the product (or not: no gradient follows)
+                constexprs[name] = settings.get("KEEP", True)
             elif name == "TMA":  # a gemm forward's descriptor mainloop (never for fp64: gemm_lib.tma_layouts)
                 constexprs[name] = settings.get("TMA", False)
             elif name in ("A_K_MAJOR", "B_K_MAJOR"):  # row-major x, nn.Linear's weight
@@ -163,6 +165,8 @@ def compile_module(path: Path) -> list[str]:
             cases += looped
         if any(p.name == "TMA" for p in kernel.params):  # a gemm forward: the descriptor mainloop too
             cases += [(pointer, {**settings, "TMA": True}) for pointer, settings in cases if pointer != "fp64"]
+        if any(p.name == "KEEP" for p in kernel.params):  # and the forward that keeps nothing, in fp32
+            cases += [(pointer, {**settings, "KEEP": False}) for pointer, settings in cases[:1]]
         for pointer, settings in cases:
             integer_inputs = {i.name: i.dtype for i in module._OP.inputs if getattr(i, "dtype", "float") != "float"}
             sig, constexprs = signature(kernel, pointer, scalar_types, settings, integer_inputs)

@@ -184,21 +184,21 @@ class _OnlyBound:
         self._log.calls.append("check_device")
         self._real.check_device(device)
 
-    def forward(self, call, tensors, outputs, seed, *, statistics=None, traced=False):
+    def forward(self, call, tensors, outputs, seed, *, statistics=None, traced=False, keep=True):
         self._log.calls.append("forward")
-        self._real.forward(call, tensors, outputs, seed, statistics=statistics, traced=traced)
+        self._real.forward(call, tensors, outputs, seed, statistics=statistics, traced=traced, keep=keep)
 
     def backward(self, call, tensors, grads, needs, seed, *, statistics=None, traced=False):
         self._log.calls.append("backward")
         return self._real.backward(call, tensors, grads, needs, seed, statistics=statistics, traced=traced)
 
-    def statistics_width(self, problem):
+    def statistics_width(self, problem, keep=True):
         self._log.calls.append("statistics_width")
-        return self._real.statistics_width(problem)
+        return self._real.statistics_width(problem, keep)
 
-    def prepare_forward(self, call, tensors):
+    def prepare_forward(self, call, tensors, *, keep=True):
         self._log.calls.append("prepare_forward")
-        return _OnlyForward(self._real.prepare_forward(call, tensors), self._log)
+        return _OnlyForward(self._real.prepare_forward(call, tensors, keep=keep), self._log)
 
     def prepare_backward(self, call, tensors, grads, needs):
         self._log.calls.append("prepare_backward")

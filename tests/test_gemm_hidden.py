@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fusegen.errors import SpecError
 from fusegen.runtime import FusegenArgumentError
 from tests.conftest import DEVICE
-from tests.helpers import build_and_import, check_op_against_truth
+from tests.helpers import build_and_import, check_no_gradient_keeps_nothing, check_op_against_truth
 
 # nn.Linear's layouts, the seed's MLP (specs/dlrm_mlp.yaml's).
 MLP = """\
@@ -112,6 +112,12 @@ def test_what_the_forward_keeps(ops):
                                 False).problem for n in NAMES]
     assert ops["mlp_t"]._OP.statistics_shape(problem[0]) == (3, 4 + 2 * 5)
     assert ops["mlp_kn"]._OP.statistics_shape(problem[1]) == (3, 4 * 5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_call_no_gradient_follows_keeps_nothing(ops, name):
+    torch.manual_seed(7)
+    check_no_gradient_keeps_nothing(ops[name], name, _inputs(name, 13, 20, 7, torch.float32), _params(name))
 
 
 def test_operand_views_and_tiles_of_several_columns(ops):

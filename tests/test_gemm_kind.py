@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fusegen.runtime import FusegenArgumentError
 from tests.conftest import DEVICE
-from tests.helpers import build_and_import, check_against_truth
+from tests.helpers import build_and_import, check_against_truth, check_no_gradient_keeps_nothing
 
 GELU = """\
 name: linear_gelu_add
@@ -156,6 +156,12 @@ def test_tuned_tiles_are_kept_per_operand_layout(ops):
     strides = forward.keys[3:-1]
     assert len(strides) == 2 and all(k.endswith("stride_k") for k in strides)
     assert {k.split("_stride")[0] for k in strides} == {"x", "weight"}
+
+
+@pytest.mark.parametrize("name", ["linear_gelu_add", "matmul_tanh"])  # both keep the product
+def test_a_call_no_gradient_follows_keeps_nothing(ops, name):
+    torch.manual_seed(6)
+    check_no_gradient_keeps_nothing(ops[name], name, _inputs(name, 12, torch.float32), (0.5,) * (name == "matmul_tanh"))
 
 
 def test_empty_and_one_row(ops):

@@ -63,9 +63,11 @@ class BoundKernels(Protocol):
         """Raise a FusegenArgumentError if the kernels cannot run on `device` (called off CUDA only)."""
 
     def forward(self, call: Call, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                seed: torch.Tensor | None, *, statistics: torch.Tensor | None = None, traced: bool = False) -> None:
+                seed: torch.Tensor | None, *, statistics: torch.Tensor | None = None, traced: bool = False,
+                keep: bool = True) -> None:
         """Launch the forward once for `call`, writing `outputs` (and `statistics`); `traced`: the
-        tensors are a traced graph's (fake) and the launch is to be recorded in it."""
+        tensors are a traced graph's (fake) and the launch is to be recorded in it; `keep` off:
+        no gradient follows (see statistics_width)."""
 
     def backward(self, call: Call, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                  needs: Sequence[bool], seed: torch.Tensor | None, *, statistics: torch.Tensor | None = None,
@@ -73,13 +75,17 @@ class BoundKernels(Protocol):
         """Launch the backward once: the gradients of the inputs flagged in `needs` (all of
         them among `BackendKernels.gradients`), in input order, each in new memory."""
 
-    def statistics_width(self, problem) -> int:
+    def statistics_width(self, problem, keep: bool = True) -> int:
         """The width of the [..., width] buffer the forward keeps for the backward: the
         statistics per row; with a matmul, what the backend lays out (its product, all its
-        chunks side by side; a hidden layer's values)."""
+        chunks side by side; a hidden layer's values). `keep` off: for a call that no gradient
+        follows; 0 where the forward then keeps nothing (the op passes `statistics` None and
+        asks for the forward with `keep` off), else the same width."""
 
-    def prepare_forward(self, call: Call, tensors: Sequence[torch.Tensor]) -> PreparedForward:
-        """The forward's launch for `call`'s call key (shapes, strides, dtypes, params) with these tensors."""
+    def prepare_forward(self, call: Call, tensors: Sequence[torch.Tensor], *, keep: bool = True) -> PreparedForward:
+        """The forward's launch for `call`'s call key (shapes, strides, dtypes, params) with these
+        tensors; `keep` off (asked only where statistics_width is then 0): one that writes nothing
+        for the backward and reads no `statistics` (passed None)."""
 
     def prepare_backward(self, call: Call, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                          needs: Sequence[bool]) -> PreparedBackward:

@@ -303,10 +303,12 @@ def forget_calls() -> None:
     _ops_with_calls.clear()
 
 
-def register_call(calls, args: tuple, device: int, outputs: list, statistics, launch: tuple, prepared, seed):
+def register_call(calls, args: tuple, device: int, outputs: list, statistics, launch: tuple, prepared, seed,
+                  bare: tuple | None = None):
     """Registers the call key of `args` with `calls` (see csrc/eager_call.cpp); its C++ half (Prepared),
-    to register backwards with, or None."""
-    return _state.module.register_call(calls, args, device, outputs, statistics, launch, prepared, seed)
+    to register backwards with, or None. `bare`: the launch for a call that no gradient follows,
+    which writes no statistics (None: `launch` for every call)."""
+    return _state.module.register_call(calls, args, device, outputs, statistics, launch, prepared, seed, bare)
 
 
 def register_backward(prepared, needs: tuple, grads: tuple, launch: tuple | None, targets: list, sources: list) -> None:

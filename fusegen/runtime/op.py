@@ -179,7 +179,7 @@ class FusedOp:
             check_out_without_grad(self.name, args[:self._n_inputs])
             if sharding.takes_dtensors(self, args[:self._n_inputs]):
                 raise FusegenArgumentError(f"{self.name}(): out= does not take DTensor inputs; drop out=")
-            outputs = self.forward(args, out=out)[0]
+            outputs = self.forward(args, out=out, keep=False)[0]
         elif compiling or sharding.takes_dtensors(self, args[:self._n_inputs]) or _tracing_graph(args[:self._n_inputs]):
             # The library op: a traced graph records it (and its kernels, where it can: _library_op),
             # DTensor runs its rule (runtime.sharding).
@@ -192,7 +192,8 @@ class FusedOp:
             outputs = _autograd_apply(self, self.prepare(args), bool(inplace_backward), *args)
         else:
             prepared = self.prepare(args)
-            outputs = (self.forward(args) if prepared is None else prepared.forward(args))[0]
+            # No gradient follows: the forward keeps nothing for a backward where it can leave it out.
+            outputs = (self.forward(args, keep=False) if prepared is None else prepared.forward(args, keep=False))[0]
         return outputs[0] if self._n_outputs == 1 else tuple(outputs)
 
     def _transformed(self, args: tuple, out):
@@ -290,9 +291,11 @@ class FusedOp:
                     has_dropout = True
         return Call(problem, tuple(params), has_dropout, check_seed(name, seed), shard)
 
-    def forward(self, args: tuple, out=None, eager: bool = True, shard=None, traced: bool = False):
+    def forward(self, args: tuple, out=None, eager: bool = True, shard=None, traced: bool = False,
+                keep: bool = True):
         """Launch the forward kernel; returns the outputs, the seed tensor it used (None
-        without dropout) and the statistics it kept for the backward (None without).
+        without dropout) and the statistics it kept for the backward (None without, or with
+        `keep` off where the kernels can then leave them out: no gradient follows the call).
         `eager`: not inside a compiled graph, which may be captured. `shard`: the tensors
         are a DTensor's local parts, placed so in the global problem (runtime.sharding).
         `traced`: the tensors are a traced graph's, which records the launch (the library op's
@@ -300,7 +303,7 @@ class FusedOp:
         if out is None and shard is None and not traced:
             prepared = self.prepare(args)
             if prepared is not None:
-                return prepared.forward(args, eager)
+                return prepared.forward(args, eager, keep)
         call = self.check(args, needs_kernel=True, shard=shard)
         problem = call.problem
         tensors = args[:self._n_inputs]
@@ -314,14 +317,21 @@ class FusedOp:
             outputs = [output_buffer(self.name, out, i, count, problem, tensors, self.output_shape(problem, i),
                                      self.output_dtype(problem, i)) for i in range(count)]
         statistics = None
-        if self.statistics:
+        keep = self.keeps(problem, keep)
+        if self.statistics and keep:
             statistics = torch.empty(self.statistics_shape(problem), dtype=self.statistics_dtype(problem),
                                      device=problem.device)
         if traced:
             self.kernels.forward(call, tensors, outputs, seed, statistics=statistics, traced=True)
         elif problem.launches:  # not without elements, nor without data (meta or fake tensors)
-            self.kernels.forward(call, tensors, outputs, seed, statistics=statistics)
+            self.kernels.forward(call, tensors, outputs, seed, statistics=statistics, keep=keep)
         return (outputs if out is None else write_out(out, tuple(outputs))), seed, statistics
+
+    def keeps(self, problem: Problem, keep: bool) -> bool:
+        """Whether a forward keeps its statistics: always where a gradient may follow (`keep`);
+        else where the kernels cannot leave them out (a row's few statistics; a gemm's product
+        and hidden values are left out: BoundKernels.statistics_width)."""
+        return keep or (bool(self.statistics) and self.kernels.statistics_width(problem, keep=False) > 0)
 
     def statistics_shape(self, problem: Problem) -> tuple:
         """The row statistics kept for the backward: [..., statistics], one row per output row

@@ -57,8 +57,8 @@ class PreparedCall:
     """One call key of one op: its checked `Call`, output shapes, the forward kernel's
     launch and the backward's, by backward key (`_backward_key`)."""
 
-    __slots__ = ("op", "call", "_tensors", "_outputs", "_statistics_shape", "_statistics_dtype", "_launch", "_backwards",
-                 "_offered", "_native_prepared", "_offered_backwards", "__weakref__")
+    __slots__ = ("op", "call", "_tensors", "_outputs", "_statistics_shape", "_statistics_dtype", "_launch", "_bare",
+                 "_backwards", "_offered", "_native_prepared", "_offered_backwards", "__weakref__")
 
     def __init__(self, op, call, tensors: tuple):
         problem = call.problem
@@ -68,14 +68,20 @@ class PreparedCall:
         self._statistics_shape = op.statistics_shape(problem) if op.statistics else None
         self._statistics_dtype = op.statistics_dtype(problem)
         self._launch: PreparedForward | None = op.kernels.prepare_forward(call, tensors) if problem.launches else None
+        # The launch for calls that no gradient follows, where it keeps nothing (FusedOp.keeps);
+        # else the keeping one.
+        self._bare = self._launch
+        if self._launch is not None and not op.keeps(problem, keep=False):
+            self._bare = op.kernels.prepare_forward(call, tensors, keep=False)
         self._backwards: dict[tuple, PreparedBackward] = {}
         self._offered = False  # to the op's eager call in C++ (offer_native)
         self._native_prepared = None  # its C++ half there (csrc/eager_call.cpp Prepared), once registered (held weakly)
         self._offered_backwards: set = set()  # keys of backwards offered to it
 
-    def forward(self, args: tuple, eager: bool = True):
+    def forward(self, args: tuple, eager: bool = True, keep: bool = True):
         """What FusedOp.forward returns: the outputs, the seed tensor (None without dropout)
-        and the statistics kept for the backward (None without)."""
+        and the statistics kept for the backward (None without, or with `keep` off where the
+        kernels leave them out)."""
         call = self.call
         problem = call.problem
         device = problem.device
@@ -86,10 +92,11 @@ class PreparedCall:
             check_seed(self.op.name, args[-1])  # never read without dropout, but checked as the full path does
         outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._outputs]
         statistics = None
-        if self._statistics_shape is not None:
+        launch = self._launch if keep else self._bare
+        if self._statistics_shape is not None and launch is self._launch:
             statistics = torch.empty(self._statistics_shape, dtype=self._statistics_dtype, device=device)
-        if self._launch is not None:
-            self._launch((*args[:self._tensors], *outputs, statistics, seed))
+        if launch is not None:
+            launch((*args[:self._tensors], *outputs, statistics, seed))
             if not self._offered and eager:
                 self.offer_native(args)
         return outputs, seed, statistics
@@ -103,12 +110,17 @@ class PreparedCall:
         form = None if calls is None else self._launch.native_form()
         if form is None:
             return
+        bare = None  # the C++ call's launch where no gradient follows: None, the keeping one
+        if self._bare is not self._launch:
+            bare = self._bare.native_form()
+            if bare is None:
+                return
         problem = self.call.problem
         draw = functools.partial(_draw_seed, self.op.name, problem.device) if self.call.has_dropout else None
         outputs = self._outputs  # (shape, dtype) each: the C++ call allocates them so
         statistics = None if self._statistics_shape is None else (self._statistics_shape, self._statistics_dtype)
         self._native_prepared = native.register_call(calls, args, problem.device.index, outputs, statistics, form, self,
-                                                     draw)
+                                                     draw, bare)
 
     def backward(self, grads: tuple, tensors: tuple, seed, needs, statistics, in_place: bool = False) -> list:
         """The backward kernel's gradients (inputs flagged in `needs`, in input order);

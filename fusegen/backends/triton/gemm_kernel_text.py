@@ -22,9 +22,12 @@ from .kernel_text import (
     shared_arguments,
     triton_constant,
 )
-from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_H, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, FP64_PRODUCT, GROUP_M, HIDDEN,
+from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_H, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, FP64_PRODUCT, GROUP_M, HIDDEN, KEEP,
                      INPUT_PRECISION, K, M, M_BUCKET, N, PARTS, RANK, TMA, TritonNames)
 from .printer import COMPUTE_DTYPE, TritonPrinter
+
+
+KEEP_ARGUMENT = f"{KEEP}: tl.constexpr,  # write what the backward reads (off: no gradient follows this call)"
 
 
 def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> KernelText:
@@ -64,6 +67,8 @@ def forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrinter) -> 
                   f"{A_K_MAJOR}: tl.constexpr, {B_K_MAJOR}: tl.constexpr,  # with TMA: which of each operand's strides is 1"]
     if lowrank is not None:
         arguments.append(f"{BLOCK_R}: tl.constexpr,  # R rounded up to a power of two, at least 16")
+    if m.saved:
+        arguments.append(KEEP_ARGUMENT)
     arguments += [f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,",
                   f"{PARTS}: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)"]
     # The product's values: itself, or each of its chunks (b holding them: [2N, K] under T),
@@ -186,6 +191,7 @@ def _hidden_forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrin
     arguments += [f"{FP64_PRODUCT}: tl.constexpr,  # the fp64 compute dtype: the products in fp64 too",
                   f'{INPUT_PRECISION}: tl.constexpr,  # tl.dot\'s: "ieee" (fp32 as torch.mm), "tf32"',
                   f"{BLOCK_H}: tl.constexpr,  # H rounded up to a power of two, at least 16",
+                  KEEP_ARGUMENT,
                   f"{BLOCK_M}: tl.constexpr, {BLOCK_N}: tl.constexpr, {BLOCK_K}: tl.constexpr, {GROUP_M}: tl.constexpr,",
                   f"{PARTS}: tl.constexpr,  # the epilogue's parts of a tile's columns: 1, or 2 (halves)"]
     hidden_cols, in_hidden = names.claim_once("hidden cols", "hidden_cols"), names.claim_once("in hidden", "in_hidden")
@@ -209,8 +215,9 @@ def _hidden_forward_kernel(plan: OpPlan, names: TritonNames, printer: TritonPrin
           f"{hidden_cols}, {in_hidden}, {COMPUTE_DTYPE})" for i in h.inputs),
         *statements(h.body, printer, triton_constant, tensors),
         f"{width} = {_saved_width(m)}",
-        "if tile_n == 0:  # one tile of the row block keeps its hidden values and partials",
-        *(f"    store_tile({saved}, {value}, rows, {' + '.join([hidden_cols, *_offset(m.saved, k)])}, {width}, "
+        f"if {KEEP}:",
+        "    if tile_n == 0:  # one tile of the row block keeps its hidden values and partials",
+        *(f"        store_tile({saved}, {value}, rows, {' + '.join([hidden_cols, *_offset(m.saved, k)])}, {width}, "
           f"{in_hidden})" for k, value in enumerate((h.value, *h.partials))),
         f"{tile} = inner_matmul(",
         f"    {h.value}, {b_ptr}, {b_stride_k}, {b_stride_n},",
@@ -248,9 +255,10 @@ def _epilogue(plan, kernel, names, printer, lines, values, saved, tensors, width
     m = plan.matmul
     if m.saved:  # all chunks side by side: [M, 2N]
         width = width or ("N" if len(values) == 1 else f"{len(values)} * N")
+        lines.append(f"if {KEEP}:")
         for k, value in enumerate(values):
             cols = "cols" if k == 0 else "cols + N" if k == 1 else f"cols + {k} * N"
-            lines.append(f"store_tile({saved}, {value}, rows, {cols}, {width}, in_bounds)")
+            lines.append(f"    store_tile({saved}, {value}, rows, {cols}, {width}, in_bounds)")
     lines += [line for i in kernel.inputs for line in input_loads(i, names.inputs[i.name])]
     tensors |= {m.local for m in kernel.masks}
     if kernel.body_no_dropout is not None:  # masks keyed by the product's flat index, as every kind's
@@ -287,7 +295,7 @@ KIND = TritonKind(
         "elementwise rest on each tile of the product before writing anything; the backward forms the product's "
         "gradient elementwise and the operands' by torch.matmul.",
     reserved=frozenset({K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT, TMA, A_K_MAJOR, B_K_MAJOR, RANK, BLOCK_R, HIDDEN,
-                        BLOCK_H, "tile_m",
+                        BLOCK_H, KEEP, "tile_m",
                         "tile_n", "tiles", "tile", "part", PARTS, "a_desc", "b_desc", "down_desc", "gemm_launch",
                         "gemm_tuning"}),
     modules=("gemm_launch", "gemm_tuning", "tuning"),

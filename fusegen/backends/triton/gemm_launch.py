@@ -18,7 +18,7 @@ from fusegen.runtime.views import INT32_LIMIT
 from . import gemm_lib, gemm_tuning, tuning
 from .launch import Kernels, Launch, Slot, _Bound, _launches, _Tile
 from .naming import (A_K_MAJOR, B_K_MAJOR, BLOCK_H, BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_R, COMPUTE_FP64, FP64_PRODUCT,
-                     GROUP_M, HIDDEN, INDEX_64, INPUT_PRECISION, K, PARTS, RANK, TMA)
+                     GROUP_M, HIDDEN, INDEX_64, INPUT_PRECISION, K, KEEP, PARTS, RANK, TMA)
 
 
 class GemmKernels(Kernels):
@@ -92,9 +92,12 @@ class _BoundGemm(_Bound):
             self._layer_input_names = [(parameter("pointer", n), parameter("stride_n", n)) for n in h.inputs]
         self._product_pointer = parameter("pointer", kernels.product)
 
-    def statistics_width(self, problem) -> int:
+    def statistics_width(self, problem, keep: bool = True) -> int:
         """What the forward keeps a row: the product (all its chunks side by side, [..., k·N]),
-        where the backward reads it; with a hidden layer, then its values and each partial (H each)."""
+        where the backward reads it; with a hidden layer, then its values and each partial (H each).
+        Nothing where no gradient follows (`keep` off): the kernel then writes none of it."""
+        if not keep:
+            return 0
         width = problem.n * self.fused.product_chunks if self._product_saved else 0
         return width + problem.hidden * self._hidden_values
 
@@ -111,20 +114,23 @@ class _BoundGemm(_Bound):
         return torch.empty(shape, dtype=problem.out_dtype, device=problem.device)
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int, int] | None = None, statistics=None,
-                traced: bool = False) -> None:
+                traced: bool = False, keep: bool = True) -> None:
         """`tile` (BLOCK_M, BLOCK_N[, BLOCK_K]): that tile, not the autotuner's (tests; each side at
         least 16, as tl.dot takes it)."""
         problem = call.problem
-        if statistics is None and self._saved:  # a caller with no backward to feed (tests)
+        if statistics is None and self._saved and keep:  # a caller with no backward to feed (tests)
             statistics = self._kept_buffer(problem)
         if _launches(problem, traced):
-            self.prepare_forward(call, tensors, tile, traced)((*tensors, *outputs, statistics, seed))
+            self.prepare_forward(call, tensors, tile, traced, keep)((*tensors, *outputs, statistics, seed))
 
-    def prepare_forward(self, call, tensors, tile: tuple[int, int, int] | None = None, traced: bool = False) -> Launch:
+    def prepare_forward(self, call, tensors, tile: tuple[int, int, int] | None = None, traced: bool = False,
+                        keep: bool = True) -> Launch:
         """`traced`: the tensors are a traced graph's; the operands' [M, K] and [K, N] go into the
-        argument list themselves (reshaped as the graph records it), as _Bound's views do."""
+        argument list themselves (reshaped as the graph records it), as _Bound's views do. `keep`
+        off: no gradient follows; the kernel writes nothing for the backward and reads no
+        `statistics` (its slot may hold None)."""
         if self._hidden is not None:
-            return self._prepare_hidden_forward(call, tensors, tile, traced)
+            return self._prepare_hidden_forward(call, tensors, tile, traced, keep)
         problem = call.problem
         m, n = problem.m, problem.n
         count, outputs = len(tensors), len(self.op.outputs)
@@ -148,7 +154,7 @@ class _BoundGemm(_Bound):
         for j, name in enumerate(self._output_names):
             args[name] = Slot(count + j)
         if self._saved:
-            args[self._product_pointer] = Slot(count + outputs)
+            self._kept_arguments(args, count, outputs, keep)
         args.update(self._common(call, Slot(count + outputs + 1), traced))
         args[K] = k
         reach = 0
@@ -189,7 +195,14 @@ class _BoundGemm(_Bound):
         return Launch(self._graph_forward if traced else self._forward,
                       lambda meta: (_grid(m, n, meta[BLOCK_M], meta[BLOCK_N], programs),), args, tuple(copies))
 
-    def _prepare_hidden_forward(self, call, tensors, tile: tuple[int, int, int] | None, traced: bool) -> Launch:
+    def _kept_arguments(self, args: dict, count: int, outputs: int, keep: bool) -> None:
+        """Where the forward writes what it keeps, and whether it does: without `keep`, the pointer
+        is the first output's, which the kernel then never writes through (no buffer at all)."""
+        args[self._product_pointer] = Slot(count + outputs) if keep else Slot(count)
+        args[KEEP] = keep
+
+    def _prepare_hidden_forward(self, call, tensors, tile: tuple[int, int, int] | None, traced: bool,
+                                keep: bool) -> Launch:
         """prepare_forward with a hidden layer: its weight and [H] inputs beside the operands;
         the pointer mainloop, a program a tile."""
         problem = call.problem
@@ -217,7 +230,7 @@ class _BoundGemm(_Bound):
             args[pointer], args[stride] = tensors[index] if traced else Slot(index), tensors[index].stride(0)
         for j, name in enumerate(self._output_names):
             args[name] = Slot(count + j)
-        args[self._product_pointer] = Slot(count + outputs)
+        self._kept_arguments(args, count, outputs, keep)
         args.update(self._common(call, Slot(count + outputs + 1), traced))
         args[K], args[HIDDEN] = k, problem.hidden
         args[INDEX_64] = bool(self._index_64(problem, views) or m * self.statistics_width(problem) >= INT32_LIMIT

@@ -382,8 +382,9 @@ class _Bound:
                 raise KernelSignatureError(f"{signature.kernel}: values {', '.join(map(repr, twice))} share a name")
 
 
-    def statistics_width(self, problem) -> int:
-        """Values per row the forward keeps: the kernels' statistics."""
+    def statistics_width(self, problem, keep: bool = True) -> int:
+        """Values per row the forward keeps: the kernels' statistics, also where no gradient
+        follows (`keep` off): a row's few statistics cost less than a kernel of its own."""
         return self._statistics
 
     def check_device(self, device: torch.device) -> None:
@@ -392,12 +393,12 @@ class _Bound:
     # -- the calls that tests and the slow path make: prepare, then launch once ---------
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, statistics=None,
-                traced: bool = False, **layout) -> None:
+                traced: bool = False, keep: bool = True, **layout) -> None:
         """`tile` (BLOCK_M, BLOCK_N): launch the kernel itself with that tile, not the
         autotuner (tests use it to check every tile computes the same); `layout`: a kind's
         other choices with it (a row kind's `splits`). Pointwise kernels keep nothing for the
         backward: `statistics` is None. `traced`: the tensors are a traced graph's (fake): the
-        launch is recorded in the graph (graph_launcher)."""
+        launch is recorded in the graph (graph_launcher). `keep`: see statistics_width."""
         if _launches(call.problem, traced):
             self.prepare_forward(call, tensors, tile, traced, **layout)((*tensors, *outputs, statistics, seed))
 
@@ -473,8 +474,10 @@ class _Bound:
     def _index_64(self, problem, views) -> bool:
         return needs_int64(problem, views)
 
-    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False) -> Launch:
-        """The forward's launch for calls like this one: `launch((*tensors, *outputs, statistics, seed))`."""
+    def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False,
+                        keep: bool = True) -> Launch:
+        """The forward's launch for calls like this one: `launch((*tensors, *outputs, statistics, seed))`.
+        `keep`: see statistics_width."""
         problem = call.problem
         m, n = problem.m, problem.n
         args, copies = self._forward_args(call, tensors, traced)

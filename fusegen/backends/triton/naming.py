@@ -53,6 +53,7 @@ K, BLOCK_K, GROUP_M, INPUT_PRECISION, FP64_PRODUCT = "K", "BLOCK_K", "GROUP_M", 
 TMA, A_K_MAJOR, B_K_MAJOR, PARTS = "TMA", "A_K_MAJOR", "B_K_MAJOR", "PARTS"
 RANK, BLOCK_R = "R", "BLOCK_R"  # a low-rank product's inner dim, and its tile (gemm_lib.inner_matmul)
 HIDDEN, BLOCK_H = "H", "BLOCK_H"  # a hidden layer's width, and its tile
+KEEP = "KEEP"  # whether a gemm forward writes what its backward reads (off where no gradient follows)
 EXCHANGE, SPLITS, SHARES = "exchange_ptr", "SPLITS", "SHARES"  # a split row's (kernel_lib.split_program)
 
 

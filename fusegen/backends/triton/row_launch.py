@@ -36,7 +36,7 @@ class _BoundRows(_Bound):
         self.shares = kernels.shares
 
     def forward(self, call, tensors, outputs, seed, tile: tuple[int, int] | None = None, statistics=None,
-                traced: bool = False, splits: int = 1) -> None:
+                traced: bool = False, keep: bool = True, splits: int = 1) -> None:
         if statistics is None and self.statistics:  # a caller with no backward to feed (tests launching the kernel)
             statistics = self._statistics_buffer(call.problem)
         super().forward(call, tensors, outputs, seed, tile, statistics, traced, splits=splits)
@@ -60,7 +60,7 @@ class _BoundRows(_Bound):
         return needs_int64(problem, views) or problem.m * self.statistics >= INT32_LIMIT
 
     def prepare_forward(self, call, tensors, tile: tuple[int, int] | None = None, traced: bool = False,
-                        splits: int = 1) -> Launch:
+                        keep: bool = True, splits: int = 1) -> Launch:
         """`splits` with a `tile`: its rows split across that many programs (tests reach the
         split layout so; otherwise the layout is measured among row_tuning.forward_layouts)."""
         problem = call.problem

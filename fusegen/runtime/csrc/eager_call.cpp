@@ -185,6 +185,10 @@ struct Prepared {
   bool has_statistics = false;
   Buffer statistics;  // each row's, kept for the backward
   Launch launch;
+  // For a call that no gradient follows: a launch that keeps nothing (a gemm's product), where
+  // the kernels have one (runtime.prepared.PreparedCall._bare); else `launch` serves.
+  bool has_bare = false;
+  Launch bare;
   // The Python PreparedCall: the Python backward goes through it, and it holds the compiled
   // kernels whose handles the launches use.
   pybind11::object python;
@@ -705,6 +709,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   }
   ensure_context(call.device);  // a thread's first call: take_seed asks the driver about the stream
   ++calls.hits;
+  const bool bare = !grad && call.has_bare;
 
   // The outputs, the statistics kept for the backward, the seed.
   const auto options = at::TensorOptions().device(at::kCUDA, call.device);
@@ -714,7 +719,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     outputs.push_back(at::empty(b.shape, options.dtype(b.dtype)));
   }
   at::Tensor statistics;
-  if (call.has_statistics) {
+  if (call.has_statistics && !bare) {
     statistics = at::empty(call.statistics.shape, options.dtype(call.statistics.dtype));
   }
   pybind11::object seed = pybind11::none();
@@ -734,9 +739,9 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
   for (const auto& t : outputs) {
     addresses[n++] = address(t);
   }
-  addresses[n++] = address(statistics);
+  addresses[n++] = address(statistics);  // 0 for a bare launch, which does not read it
   addresses[n++] = address(seed_tensor);
-  launch(call.launch, addresses, stream, call.hooks->name);
+  launch(bare ? call.bare : call.launch, addresses, stream, call.hooks->name);
 
   if (grad) {
     const bool in_place = argv[1] == Py_True;
@@ -866,11 +871,13 @@ struct PlanRef {
 };
 
 // Registers the call key of `args`: outputs [(shape, dtype)], statistics (shape, dtype) or None, the
-// launch (launch_of), the PreparedCall and the seed drawer or None. Returns the call's
-// handle, or None where `args` is not a call this path would take.
+// launch (launch_of), the PreparedCall, the seed drawer or None, and the launch for calls that no
+// gradient follows (keeping no statistics) or None. Returns the call's handle, or None where
+// `args` is not a call this path would take.
 pybind11::object register_call(const pybind11::object& function, const pybind11::tuple& args, int device,
                                const pybind11::list& outputs, const pybind11::object& statistics,
-                               const pybind11::tuple& launch_form, pybind11::object prepared, pybind11::object seed) {
+                               const pybind11::tuple& launch_form, pybind11::object prepared, pybind11::object seed,
+                               const pybind11::object& bare_form) {
   Calls& calls = calls_from(function);
   Key key;
   std::vector<at::Tensor> tensors;
@@ -893,6 +900,10 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
     call->statistics = buffer_of(pair[0], pair[1]);
   }
   call->launch = launch_of(launch_form, tensors.size() + call->outputs.size() + 2);
+  if (!bare_form.is_none()) {
+    call->has_bare = true;
+    call->bare = launch_of(bare_form, tensors.size() + call->outputs.size() + 2);
+  }
   call->python = std::move(prepared);
   call->seed = std::move(seed);
   call->hooks = calls.hooks;
