@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import ir, outdir, plan, planning, simplify, spec, write
-from .backends import codegen
+from .backends import BACKENDS, DEFAULT, Unsupported, codegen
 from .errors import SpecError
 from .kinds import KINDS
 
@@ -62,12 +62,15 @@ def specs_or_names(items: list[str], specs_dir: Path) -> list[Path]:
     return paths
 
 
-def build_op(path: Path) -> BuiltOp:
+def build_op(path: Path, backend_name: str = DEFAULT) -> BuiltOp:
     op_spec = spec.load_spec(path)
     simplified = simplify.simplify(ir.build_ir(op_spec))
-    backend = codegen()
+    backend = codegen(backend_name)
     op_plan = planning.plan(simplified, backend.RESERVED_NAMES, backend.MODULE_IMPORTS)
-    text = backend.render(op_plan)
+    try:
+        text = backend.render(op_plan)
+    except Unsupported as exc:
+        raise SpecError(str(path), None, f"--backend {backend_name}: {exc}") from None
     write.check_module(text, f"{op_spec.name}.py")
     return BuiltOp(op_spec, simplified, op_plan, text)
 
@@ -80,16 +83,16 @@ class Build:
     stale: list[outdir.GeneratedModule]  # fusegen's modules whose spec is gone from a built directory
 
 
-def generate(paths: list[Path], out: Path) -> Build:
+def generate(paths: list[Path], out: Path, backend: str = DEFAULT) -> Build:
     """What a build of `paths` into `out` writes and removes; computed whole before anything is
     written, so that a failed build changes nothing."""
-    return folder_build(build_ops(paths), paths, out)
+    return folder_build(build_ops(paths, backend), paths, out)
 
 
-def build_ops(paths: list[Path]) -> dict[str, BuiltOp]:
+def build_ops(paths: list[Path], backend: str = DEFAULT) -> dict[str, BuiltOp]:
     built: dict[str, BuiltOp] = {}
     for path in spec_files(paths):
-        op = build_op(path)
+        op = build_op(path, backend)
         if op.spec.name in built:
             other = built[op.spec.name].spec.path
             raise SpecError(op.spec.path, 1, f"op name '{op.spec.name}' is already defined by {other}")
@@ -109,7 +112,7 @@ def folder_build(built: dict[str, BuiltOp], paths: list[Path], out: Path) -> Bui
 
 def cmd_build(args) -> int:
     out = _out_folder(args.out)
-    ops = build_ops(args.paths)  # the slow part, before the folder is touched
+    ops = build_ops(args.paths, args.backend)  # the slow part, before the folder is touched
     try:
         with outdir.locked(out):  # planned under the lock: another build may just have changed it
             build = folder_build(ops, args.paths, out)
@@ -129,7 +132,7 @@ def cmd_build(args) -> int:
 
 def cmd_check(args) -> int:
     out = _out_folder(args.out)
-    build = generate(args.paths, out)
+    build = generate(args.paths, out, args.backend)
     stale = [
         out / name
         for name, text in sorted(build.files.items())
@@ -139,7 +142,7 @@ def cmd_check(args) -> int:
     for path in stale:
         print(f"stale: {path}", file=sys.stderr)
     if stale:
-        print(f"{out}/ is out of date: run `{_build_command(args.paths, out)}`", file=sys.stderr)
+        print(f"{out}/ is out of date: run `{_build_command(args.paths, out, args.backend)}`", file=sys.stderr)
         return 1
     print(f"{out}/ is up to date ({build.ops} ops)")
     return 0
@@ -152,11 +155,12 @@ def _out_folder(out: Path | None) -> Path:
     return out
 
 
-def _build_command(paths: list[Path], out: Path) -> str:
+def _build_command(paths: list[Path], out: Path, backend: str = DEFAULT) -> str:
     """The `fusegen build` that brings `out` up to date, defaults left out."""
     words = ["fusegen", "build"]
     words += [] if paths == [DEFAULT_SPECS] else [shlex.quote(str(p)) for p in paths]
     words += [] if out == DEFAULT_OUT else ["-o", shlex.quote(str(out))]
+    words += [] if backend == DEFAULT else ["--backend", backend]
     return " ".join(words)
 
 
@@ -322,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("paths", nargs="*", type=Path, default=[DEFAULT_SPECS], metavar="SPEC_OR_DIR")
         command.add_argument("-o", "--out", type=lambda text: Path(text) if text else None,  # "" is refused, not "."
                              default=DEFAULT_OUT, help="output folder (default: generated)")
+        command.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT,
+                             help="the kernels' language: triton (default), or cuda (CUDA C++ compiled by NVRTC on "
+                                  "first use; the pointwise kind only, for now)")
     show = commands.add_parser("show", help="print a spec's IR, simplified/CSE'd forms, gradients and generated code")
     show.add_argument("spec", metavar="SPEC_OR_NAME", help="a spec file, or an op name looked up in --specs")
     listing = commands.add_parser("list", help="every op with its signature and doc")

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import re
 
+from fusegen.backends import Unsupported
 from fusegen.names import Namer
 from fusegen.plan import Body, OpPlan
 
 from .printer import CudaPrinter
 
 
-class CudaUnsupported(ValueError):
+class CudaUnsupported(Unsupported):
     """A plan the CUDA backend cannot render yet."""
 
 
@@ -121,7 +122,8 @@ def forward_source(plan: OpPlan) -> str:
         "  // In 64 bits whatever Index is: M * N may reach 2**31 before an element does.",
         f"  const int64_t {index} = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;",
         f"  if ({index} >= int64_t({m}) * {n}) return;",
-        *([f"  const uint64_t {seed} = uint64_t(*{seed_pointer});"] if kernel.masks else []),
+        # The seed tensor is there only with dropout on (training, some p above 0).
+        *([f"  const uint64_t {seed} = {dropout} ? uint64_t(*{seed_pointer}) : 0u;"] if kernel.masks else []),
         f"  {plan.op}_element<T, Index>(",
         f"      Index({index} / {n}), Index({index} % {n}),",
         *(f"      {a}," for a in arguments[:-1]),
@@ -264,7 +266,7 @@ def backward_source(plan: OpPlan) -> str:
         f"    Index {m}, Index {n}, Index {rows}) {{  // rows: a chunk's, blockIdx.y its number",
         f"  const int64_t {col} = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;",
         f"  if ({col} >= {n}) return;",
-        *([f"  const uint64_t {seed} = uint64_t(*{seed_pointer});"] if kernel.masks else []),
+        *([f"  const uint64_t {seed} = {dropout} ? uint64_t(*{seed_pointer}) : 0u;"] if kernel.masks else []),
         f"  const int64_t {first} = int64_t(blockIdx.y) * {rows};",
         *(f"  T {total[v]} = T(0);" for v in gradients),
         f"  for (int64_t {row} = {first}; {row} < {first} + {rows} && {row} < {m}; ++{row}) {{",

@@ -7,9 +7,38 @@
 // float or double, as the Triton kernels' `compute`.
 #pragma once
 
+#ifdef __CUDACC_RTC__
+// NVRTC (the run-time compiler) has no system headers: its built-in CUDA math, float and double
+// overloads in the global namespace, stands in for <cmath> under the std:: names the printed
+// expressions use, and the fixed-width integers are LP64's, as <cstdint> has them on Linux.
+namespace std {
+using ::cos;
+using ::erf;
+using ::exp;
+using ::expm1;
+using ::fabs;
+using ::floor;
+using ::log;
+using ::log1p;
+using ::nearbyint;
+using ::pow;
+using ::sin;
+using ::sqrt;
+using ::tanh;
+}  // namespace std
+typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
+typedef long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long uint64_t;
+#else
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#endif
 
 #ifdef __CUDACC__
 #define FUSEGEN_HD __host__ __device__ __forceinline__
@@ -43,10 +72,25 @@ FUSEGEN_HD T rsqrt_rn(T x) {
   return T(1) / std::sqrt(x);
 }
 
+#ifdef __CUDACC_RTC__
+template <typename T>
+FUSEGEN_HD T infinity();
+
+template <>
+FUSEGEN_HD float infinity<float>() {
+  return __int_as_float(0x7f800000);
+}
+
+template <>
+FUSEGEN_HD double infinity<double>() {
+  return __longlong_as_double(0x7ff0000000000000LL);
+}
+#else
 template <typename T>
 FUSEGEN_HD T infinity() {
   return std::numeric_limits<T>::infinity();
 }
+#endif
 
 // A value of the compute type as an output's element type, rounded to nearest even as torch's
 // tensor.to(dtype): float and double by a cast; fp16 and bf16 (device code, where nvcc has

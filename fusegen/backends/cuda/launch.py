@@ -1,0 +1,275 @@
+"""The CUDA backend's run-time kernels (runtime.backend's contract): a generated module's CUDA C++
+source, compiled by NVRTC on first use per dtype combination (compiler.py), launched through
+cuda-core on torch's current stream (so CUDA graphs capture the launches).
+
+The pointwise kind: the forward one thread an element, the backward one thread a column and a
+chunk of rows (pointwise_source.py). Each input is read through its [M, N] view's strides, as the
+Triton kernels read it (runtime.views); a gradient is written as the input's own dtype where the
+input is the problem's shape, summed over each chunk's rows where the input is one row broadcast
+to all (a [chunks, N] buffer in the compute type that torch then adds up in order: deterministic),
+else written whole in the compute type and summed to the input's shape by torch.
+
+Not yet: launches recorded in a compiled graph (the library ops stay opaque to torch.compile),
+the C++ eager call (calls stay in Python), DTensor shards."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from fusegen.runtime.arguments import FusegenArgumentError
+from fusegen.runtime.dropout import dropout_scale, dropout_threshold
+from fusegen.runtime.views import view_2d
+
+from . import compiler
+
+BLOCK = 256  # threads a block: the forward's elements, the backward's columns
+_C_TYPES = {torch.float32: "float", torch.float64: "double", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+class CudaKernels:
+    """What a generated module hands its FusedOp: the op's CUDA source and which inputs and params
+    each kernel reads, by spec name (fusegen.backends.cuda.codegen writes them from the plan)."""
+
+    def __init__(self, source: str, op: str, *, scalars: tuple[str, ...] = (), backward_reads: tuple[str, ...],
+                 gradients: tuple[str, ...], forward_reads: tuple[str, ...], backward_scalars: tuple[str, ...] = (),
+                 forward_dropout: tuple[str, ...] = (), backward_dropout: tuple[str, ...] = ()):
+        self.source, self.op = source, op
+        self.gradients = gradients
+        self.statistics = 0  # the pointwise kind keeps nothing for the backward
+        self._reads = (forward_reads, backward_reads)
+        self._scalars = (scalars, backward_scalars)
+        self._dropout = (forward_dropout, backward_dropout)
+
+    def bind(self, op) -> "_BoundCuda":
+        return _BoundCuda(self, op)
+
+
+class _BoundCuda:
+    traceable = False  # a compiled graph keeps the library ops opaque
+
+    def __init__(self, kernels: CudaKernels, op):
+        self.kernels, self.op = kernels, op
+        inputs = [i.name for i in op.inputs]
+        params = [p.name for p in op.params]
+        self._reads = tuple(tuple(inputs.index(n) for n in reads) for reads in kernels._reads)
+        self._scalars = tuple(tuple(params.index(n) for n in names) for names in kernels._scalars)
+        self._dropout = tuple(tuple(params.index(n) for n in names) for names in kernels._dropout)
+        self._gradients = tuple(inputs.index(n) for n in kernels.gradients)
+        self._modules: dict[tuple, dict] = {}  # (arch, expressions) → kernels by expression
+        self._lock = threading.Lock()
+
+    # -- the contract --------------------------------------------------------------------
+
+    def check_device(self, device: torch.device) -> None:
+        raise FusegenArgumentError(f"{self.op.name}(): tensors are on {device.type}, but this op's kernels are "
+                                   "CUDA C++ (built with --backend cuda); use CUDA tensors, or call reference(...)")
+
+    def statistics_width(self, problem, keep: bool = True) -> int:
+        return 0
+
+    def forward(self, call, tensors, outputs, seed, *, statistics=None, traced: bool = False, keep: bool = True) -> None:
+        if call.problem.launches:
+            self.prepare_forward(call, tensors)((*tensors, *outputs, statistics, seed))
+
+    def backward(self, call, tensors, grads, needs, seed, *, statistics=None, traced: bool = False) -> list:
+        return self.prepare_backward(call, tensors, grads, needs)(tensors, grads, seed, statistics)
+
+    def prepare_forward(self, call, tensors, *, keep: bool = True) -> "_Forward":
+        self._refuse_shards(call)
+        return _Forward(self, call, tensors)
+
+    def prepare_backward(self, call, tensors, grads, needs) -> "_Backward":
+        self._refuse_shards(call)
+        return _Backward(self, call, tensors, grads, needs)
+
+    # -- shared by the launches ----------------------------------------------------------
+
+    def _refuse_shards(self, call) -> None:
+        if call.shard is not None:
+            raise FusegenArgumentError(f"{self.op.name}(): DTensor inputs are not supported by the CUDA backend yet; "
+                                       "build the op with --backend triton")
+
+    def kernel(self, device: torch.device, expression: str, others: tuple[str, ...]):
+        """The kernel of `expression` on `device`, compiled (with `others`, the call's other kernel,
+        in one NVRTC run) on first use."""
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = f"sm_{major}{minor}"
+        key = (arch, expression)
+        module = self._modules.get(key)
+        if module is None:
+            with self._lock:
+                module = self._modules.get(key)
+                if module is None:
+                    expressions = tuple(sorted({expression, *others}))
+                    binary = compiler.compile_source(self.kernels.source, f"{self.kernels.op}.cu", expressions, arch)
+                    module = _load(binary)
+                    for e in expressions:
+                        self._modules[(arch, e)] = module
+        return module[expression]
+
+    def scalar_arguments(self, call, which: int) -> list:
+        """The params the kernel reads, in the compute type, then dropout's flag, thresholds and scales."""
+        t = _NUMPY[call.problem.compute_dtype]
+        params = call.params
+        values = [t(params[i]) for i in self._scalars[which]]
+        return values
+
+    def dropout_arguments(self, call, which: int, seed) -> list:
+        if not self._dropout[which]:
+            return []
+        t = _NUMPY[call.problem.compute_dtype]
+        params = call.params
+        values = [0 if seed is None or not call.has_dropout else seed.data_ptr(), np.bool_(call.has_dropout)]
+        for i in self._dropout[which]:
+            values += [np.int32(dropout_threshold(params[i])), t(dropout_scale(params[i]))]
+        return values
+
+
+def _load(binary: compiler.Binary) -> dict:
+    from cuda.core import ObjectCode
+
+    code = ObjectCode.from_cubin(binary.cubin, symbol_mapping=dict(binary.lowered))
+    return {expression: code.get_kernel(expression) for expression in binary.lowered}
+
+
+_STREAMS: dict[int, object] = {}
+_CURRENT = threading.local()
+
+
+def _launch(kernel, device: torch.device, grid: tuple[int, int], arguments: list) -> None:
+    from cuda.core import Device, LaunchConfig, Stream, launch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = getattr(_CURRENT, "devices", None)
+    if current is None:
+        current = _CURRENT.devices = set()
+    if index not in current:  # torch's primary context, current in this thread for cuda-core
+        Device(index).set_current()
+        current.add(index)
+    handle = torch.cuda.current_stream(index).cuda_stream
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        stream = _STREAMS[handle] = Stream.from_handle(handle)
+    launch(stream, LaunchConfig(grid=grid, block=(BLOCK, 1, 1)), kernel, *arguments)
+
+
+def _view(tensor: torch.Tensor, problem) -> list:
+    """A pointer and the [M, N] view's strides (the view a copy where no strides make it)."""
+    view, stride_m, stride_n = view_2d(tensor, problem)
+    return [view.data_ptr(), np.int64(stride_m), np.int64(stride_n)], view
+
+
+class _Forward:
+    """The forward's launch for one call key: `launch((*tensors, *outputs, statistics, seed))`."""
+
+    def __init__(self, bound: _BoundCuda, call, tensors):
+        self._bound, self._call = bound, call
+        problem = call.problem
+        op = bound.kernels.op
+        t = _C_TYPES[problem.compute_dtype]
+        reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[0]]
+        outputs = [_C_TYPES[bound.op.output_dtype(problem, j)] for j in range(len(bound.op.outputs))]
+        self._expression = f"{op}_forward<{', '.join([t, 'int64_t', *reads, *outputs])}>"
+        self._count = len(tensors)
+        self._grid = (-(-problem.m * problem.n // BLOCK), 1)
+
+    def __call__(self, values: tuple) -> None:
+        bound, call = self._bound, self._call
+        problem = call.problem
+        tensors, rest = values[:self._count], values[self._count:]
+        outputs, seed = rest[:-2], rest[-1]
+        arguments, keep = [], []
+        for i in bound._reads[0]:
+            pointer, view = _view(tensors[i], problem)
+            arguments += pointer
+            keep.append(view)  # a copied view lives until the launch is queued
+        arguments += [o.data_ptr() for o in outputs]
+        arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
+        arguments += [np.int64(problem.m), np.int64(problem.n)]
+        _launch(bound.kernel(problem.device, self._expression, ()), problem.device, self._grid, arguments)
+
+    def native_form(self) -> None:
+        return None  # calls stay in Python
+
+
+class _Backward:
+    """The backward's launch for one call key, incoming gradients' layout and `needs`."""
+
+    def __init__(self, bound: _BoundCuda, call, tensors, grads, needs):
+        self._bound, self._call, self._needs = bound, call, tuple(needs)
+        problem = call.problem
+        t = _C_TYPES[problem.compute_dtype]
+        reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[1]] + [_C_TYPES[g.dtype] for g in grads]
+        # Each gradient: ("write", its dtype), ("sums", T) for an input of one row broadcast to all,
+        # ("whole", T) for another broadcast one; (None, T) where not wanted.
+        self._forms = []
+        for i in bound._gradients:
+            tensor = tensors[i]
+            if not needs[i]:
+                form = None
+            elif tensor.shape == problem.shape:
+                form = "write"
+            elif problem.m > 1 and tensor.numel() == problem.n and view_2d(tensor, problem)[1] == 0:
+                form = "sums"
+            else:
+                form = "whole"
+            self._forms.append(form)
+        grad_types = [_C_TYPES[tensors[i].dtype] if form == "write" else t for i, form in zip(bound._gradients, self._forms)]
+        op = bound.kernels.op
+        self._expression = f"{op}_backward<{', '.join([t, 'int64_t', *reads, *grad_types])}>"
+        columns = -(-problem.n // BLOCK)
+        programs = 4 * torch.cuda.get_device_properties(problem.device).multi_processor_count if problem.launches else 1
+        chunks = max(1, min(problem.m, -(-programs // columns)))
+        self._rows = -(-problem.m // chunks) if problem.m else 1
+        self._chunks = -(-problem.m // self._rows) if problem.m else 0
+        self._grid = (columns, self._chunks)
+
+    def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
+        bound, call = self._bound, self._call
+        problem = call.problem
+        device, compute = problem.device, problem.compute_dtype
+        buffers = []
+        for i, form in zip(bound._gradients, self._forms):
+            if form is None:
+                buffers.append(None)
+            elif form == "write":
+                buffers.append(torch.empty(problem.shape, dtype=tensors[i].dtype, device=device))
+            elif form == "sums":
+                buffers.append(torch.empty((self._chunks, problem.n), dtype=compute, device=device))
+            else:
+                buffers.append(torch.empty((problem.m, problem.n), dtype=compute, device=device))
+        if problem.launches:
+            arguments, keep = [], []
+            for i in bound._reads[1]:
+                pointer, view = _view(tensors[i], problem)
+                arguments += pointer
+                keep.append(view)
+            for g in grads:
+                pointer, view = _view(g, problem)
+                arguments += pointer
+                keep.append(view)
+            arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)
+            for buffer, form in zip(buffers, self._forms):
+                arguments += [0 if buffer is None else buffer.data_ptr(), np.bool_(form == "sums")]
+            arguments += [np.int64(problem.m), np.int64(problem.n), np.int64(self._rows)]
+            _launch(bound.kernel(device, self._expression, ()), device, self._grid, arguments)
+        elif problem.m * problem.n == 0:
+            buffers = [None if b is None else b.zero_() for b in buffers]
+        results = []
+        for i, need in enumerate(self._needs):
+            if not need:
+                continue
+            k = bound._gradients.index(i)
+            buffer, form, tensor = buffers[k], self._forms[k], tensors[i]
+            if form == "sums":
+                buffer = buffer.sum(0)
+            if form != "write":
+                buffer = buffer.reshape(problem.shape).sum_to_size(tensor.shape).to(tensor.dtype)
+            results.append(buffer.reshape(tensor.shape))
+        return results
+
+    def native_form(self) -> None:
+        return None
