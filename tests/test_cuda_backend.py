@@ -196,3 +196,22 @@ def test_cuda_graphs_and_torch_compile(modules):
     torch.testing.assert_close(y, expected.detach(), rtol=0, atol=0)
     compiled = torch.compile(fn, fullgraph=True)
     torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+
+
+def test_the_cuda_backend_satisfies_the_protocols(modules):
+    """CudaKernels and what it prepares against runtime.backend's Protocols, as the Triton
+    backend's (tests/test_backend_contract.py), on meta tensors (nothing launches)."""
+    from fusegen.runtime import backend
+    from tests.test_backend_contract import _check_signature
+
+    op = modules["bias_dropout_add"]._OP
+    args = (torch.randn(4, 8, device="meta"), torch.randn(8, device="meta"), torch.randn(4, 8, device="meta"), 0.3,
+            True, 5)
+    call = op.check(args, needs_kernel=False)
+    tensors, grads = args[:3], [torch.randn(4, 8, device="meta")]
+    bound = op.kernels
+    forms = [(backend.BoundKernels, bound), (backend.PreparedForward, bound.prepare_forward(call, tensors)),
+             (backend.PreparedBackward, bound.prepare_backward(call, tensors, grads, [True, True, False]))]
+    for protocol, obj in forms:
+        assert isinstance(obj, protocol), f"{type(obj).__name__} is no {protocol.__name__}"
+        _check_signature(protocol, obj)
