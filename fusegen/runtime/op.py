@@ -329,9 +329,14 @@ class FusedOp:
 
     def keeps(self, problem: Problem, keep: bool) -> bool:
         """Whether a forward keeps its statistics: always where a gradient may follow (`keep`);
-        else where the kernels cannot leave them out (a row's few statistics; a gemm's product
-        and hidden values are left out: BoundKernels.statistics_width)."""
-        return keep or (bool(self.statistics) and self.kernels.statistics_width(problem, keep=False) > 0)
+        else where the kernels cannot leave them out (a row's few statistics)."""
+        return keep or not self.leaves_out(problem)
+
+    def leaves_out(self, problem: Problem) -> bool:
+        """Whether a forward that no gradient follows has a launch of its own, which keeps nothing:
+        where there is something to leave out (a gemm's product and hidden values, not a row's
+        statistics: BoundKernels.statistics_width)."""
+        return bool(self.statistics) and self.kernels.statistics_width(problem, keep=False) == 0
 
     def statistics_shape(self, problem: Problem) -> tuple:
         """The row statistics kept for the backward: [..., statistics], one row per output row

@@ -189,6 +189,10 @@ struct Prepared {
   // the kernels have one (runtime.prepared.PreparedCall._bare); else `launch` serves.
   bool has_bare = false;
   Launch bare;
+  // A bare launch not launched yet: calls that no gradient follows return to Python, which
+  // launches it and registers it then (register_bare).
+  bool bare_pending = false;
+  size_t values = 0;  // the launches' values: *inputs, *outputs, statistics, seed
   // The Python PreparedCall: the Python backward goes through it, and it holds the compiled
   // kernels whose handles the launches use.
   pybind11::object python;
@@ -708,6 +712,9 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     Py_RETURN_NONE;
   }
   ensure_context(call.device);  // a thread's first call: take_seed asks the driver about the stream
+  if (!grad && call.bare_pending) {
+    Py_RETURN_NONE;
+  }
   ++calls.hits;
   const bool bare = !grad && call.has_bare;
 
@@ -899,10 +906,13 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
     call->has_statistics = true;
     call->statistics = buffer_of(pair[0], pair[1]);
   }
-  call->launch = launch_of(launch_form, tensors.size() + call->outputs.size() + 2);
-  if (!bare_form.is_none()) {
+  call->values = tensors.size() + call->outputs.size() + 2;
+  call->launch = launch_of(launch_form, call->values);
+  if (bare_form.ptr() == Py_True) {
+    call->bare_pending = true;
+  } else if (!bare_form.is_none()) {
     call->has_bare = true;
-    call->bare = launch_of(bare_form, tensors.size() + call->outputs.size() + 2);
+    call->bare = launch_of(bare_form, call->values);
   }
   call->python = std::move(prepared);
   call->seed = std::move(seed);
@@ -912,6 +922,20 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
   }
   calls.prepared[std::move(key)] = call;
   return pybind11::cast(PlanRef{call});
+}
+
+// Registers the launch for calls that no gradient follows of a call registered with it pending:
+// a launch form, or None (such calls then stay in Python).
+void register_bare(const PlanRef& ref, const pybind11::object& bare_form) {
+  std::shared_ptr<Prepared> call = ref.call.lock();
+  if (!call) {
+    return;  // forgotten (its op's cache was full, or cleared)
+  }
+  if (!bare_form.is_none()) {
+    call->bare = launch_of(bare_form, call->values);
+    call->has_bare = true;
+    call->bare_pending = false;
+  }
 }
 
 // Registers a backward of a call: for the gradients asked for (`needs`, one per input) and
@@ -1017,6 +1041,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<PlanRef>(m, "PlanRef", "A registered call key's Prepared, held weakly (eager_call.cpp).");
   m.def("new_calls", &new_calls, "A new op's eager call (see eager_call.cpp's head).");
   m.def("register_call", &register_call, "Register the call key of `args` (see eager_call.cpp).");
+  m.def("register_bare", &register_bare, "Register a call key's launch for calls no gradient follows.");
   m.def("register_backward", &register_backward, "Register a backward of a registered call key.");
   m.def("call_key", &call_key, "The key of a call, or None (for tests).");
   m.def("configure_seeds", &configure_seeds, "Seeds per batch and their exclusive bound (runtime.dropout's).");
