@@ -306,16 +306,17 @@ def forget_calls() -> None:
 def register_call(calls, args: tuple, device: int, outputs: list, statistics, launch: tuple, prepared, seed,
                   bare: tuple | None = None):
     """Registers the call key of `args` with `calls` (see csrc/eager_call.cpp); its C++ half (Prepared),
-    to register backwards with, or None. `bare`: the launch for a call that no gradient follows,
-    which writes no statistics (None: `launch` for every call; True: one not launched yet, whose
-    calls the C++ call leaves to Python until register_bare gives it)."""
+    to register backwards with, or None. `launch`: None where it has not launched yet (then the
+    C++ call leaves the calls a gradient may follow to Python until register_pending gives it).
+    `bare`: the launch for a call that no gradient follows, which writes no statistics (None:
+    `launch` for every call; True: one not launched yet, as `launch` None)."""
     return _state.module.register_call(calls, args, device, outputs, statistics, launch, prepared, seed, bare)
 
 
-def register_bare(prepared, launch: tuple | None) -> None:
-    """The launch of a registered call key for calls that no gradient follows (see register_call):
-    None, where it has no form the C++ call takes (then such calls stay in Python)."""
-    _state.module.register_bare(prepared, launch)
+def register_pending(prepared, launch: tuple | None, bare: bool) -> None:
+    """A launch of a registered call key registered as pending (see register_call), the bare one or
+    the keeping one: None, where it has no form the C++ call takes (its calls then stay in Python)."""
+    _state.module.register_pending(prepared, launch, bare)
 
 
 def register_backward(prepared, needs: tuple, grads: tuple, launch: tuple | None, targets: list, sources: list) -> None:

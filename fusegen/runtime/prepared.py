@@ -58,7 +58,7 @@ class PreparedCall:
     launch and the backward's, by backward key (`_backward_key`)."""
 
     __slots__ = ("op", "call", "_tensors", "_outputs", "_statistics_shape", "_statistics_dtype", "_launch", "_bare",
-                 "_bare_pending", "_backwards", "_offered", "_native_prepared", "_offered_backwards", "__weakref__")
+                 "_pending", "_backwards", "_offered", "_native_prepared", "_offered_backwards", "__weakref__")
 
     def __init__(self, op, call, tensors: tuple):
         problem = call.problem
@@ -73,7 +73,7 @@ class PreparedCall:
         self._bare = self._launch
         if self._launch is not None and op.leaves_out(problem):
             self._bare = op.kernels.prepare_forward(call, tensors, keep=False)
-        self._bare_pending = False  # registered with the C++ call before its first launch (offer_native)
+        self._pending = ()  # launches registered with the C++ call before their first launch (offer_native)
         self._backwards: dict[tuple, PreparedBackward] = {}
         self._offered = False  # to the op's eager call in C++ (offer_native)
         self._native_prepared = None  # its C++ half there (csrc/eager_call.cpp Prepared), once registered (held weakly)
@@ -100,8 +100,8 @@ class PreparedCall:
             launch((*args[:self._tensors], *outputs, statistics, seed))
             if not self._offered and eager:
                 self.offer_native(args)
-            elif self._bare_pending and launch is self._bare and self._native_prepared is not None:
-                self._offer_bare()
+            elif launch in self._pending and self._native_prepared is not None:
+                self._offer_pending(launch)
         return outputs, seed, statistics
 
     def offer_native(self, args: tuple) -> None:
@@ -110,16 +110,23 @@ class PreparedCall:
         a launch it cannot make (a broadcast view copied per call, scratch memory) stays here."""
         self._offered = True
         calls = self.op.native_calls()
-        form = None if calls is None else self._launch.native_form()
-        if form is None:
+        if calls is None:
             return
-        # The C++ call's launch where no gradient follows: None (the keeping one), its form, or True:
-        # not launched yet, so the C++ call leaves such calls here until it is (_offer_bare).
-        bare = None
+        # Each launch as the C++ call takes it; one not launched yet has no form: registered as
+        # pending, its calls stay here until it has launched (_offer_pending).
+        form = self._launch.native_form()
+        bare = None  # the C++ call's launch where no gradient follows: None (the keeping one), its form, True
         if self._bare is not self._launch:
             bare = self._bare.native_form()
-            if bare is None:
-                bare = self._bare_pending = True
+            if (form is None) == (bare is None):
+                if form is None:
+                    return  # neither it takes: a launch it cannot make (a copied view, scratch memory)
+            elif form is None:
+                self._pending = (self._launch,)
+            else:
+                bare, self._pending = True, (self._bare,)
+        elif form is None:
+            return
         problem = self.call.problem
         draw = functools.partial(_draw_seed, self.op.name, problem.device) if self.call.has_dropout else None
         outputs = self._outputs  # (shape, dtype) each: the C++ call allocates them so
@@ -127,12 +134,11 @@ class PreparedCall:
         self._native_prepared = native.register_call(calls, args, problem.device.index, outputs, statistics, form, self,
                                                      draw, bare)
 
-    def _offer_bare(self) -> None:
-        """The launch that keeps nothing, once launched, to the C++ call (which took every call a
-        gradient follows meanwhile, and left the others here)."""
-        self._bare_pending = False
-        form = self._bare.native_form()
-        native.register_bare(self._native_prepared, form)
+    def _offer_pending(self, launch) -> None:
+        """A launch registered as pending, once launched, to the C++ call (which took the calls of
+        the other meanwhile, and left this one's here)."""
+        self._pending = ()
+        native.register_pending(self._native_prepared, launch.native_form(), launch is self._bare)
 
     def backward(self, grads: tuple, tensors: tuple, seed, needs, statistics, in_place: bool = False) -> list:
         """The backward kernel's gradients (inputs flagged in `needs`, in input order);

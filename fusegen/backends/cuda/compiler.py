@@ -33,6 +33,7 @@ class Binary:
 
     cubin: bytes
     lowered: dict[str, str]
+    name: str = ""  # the source file's, for cuda-core's messages
 
 
 def _nvrtc():
@@ -105,7 +106,7 @@ def compile_source(source: str, file_name: str, expressions: tuple[str, ...], ar
     cubin_path, names_path = folder / f"{key}.cubin", folder / f"{key}.json"
     with _LOCK:
         if cubin_path.is_file() and names_path.is_file():
-            return Binary(cubin_path.read_bytes(), json.loads(names_path.read_text()))
+            return Binary(cubin_path.read_bytes(), json.loads(names_path.read_text()), file_name)
         (program,) = _check(nvrtc, nvrtc.nvrtcCreateProgram(source.encode(), file_name.encode(), 1, [header],
                                                               [HEADER.name.encode()]), what="create")
         try:
@@ -125,4 +126,4 @@ def compile_source(source: str, file_name: str, expressions: tuple[str, ...], ar
             partial = path.with_suffix(path.suffix + f".{os.getpid()}.partial")
             partial.write_bytes(data)
             os.replace(partial, path)
-        return Binary(cubin, lowered)
+        return Binary(cubin, lowered, file_name)

@@ -131,8 +131,9 @@ class _BoundCuda:
 def _load(binary: compiler.Binary) -> dict:
     from cuda.core import ObjectCode
 
-    code = ObjectCode.from_cubin(binary.cubin, symbol_mapping=dict(binary.lowered))
-    return {expression: code.get_kernel(expression) for expression in binary.lowered}
+    code = ObjectCode.from_cubin(binary.cubin, name=binary.name)
+    # By the mangled names: the kernels are templates (pointwise_source), instantiated by expression.
+    return {expression: code.get_kernel(lowered.encode()) for expression, lowered in binary.lowered.items()}
 
 
 _STREAMS: dict[int, object] = {}

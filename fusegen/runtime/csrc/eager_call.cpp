@@ -189,8 +189,9 @@ struct Prepared {
   // the kernels have one (runtime.prepared.PreparedCall._bare); else `launch` serves.
   bool has_bare = false;
   Launch bare;
-  // A bare launch not launched yet: calls that no gradient follows return to Python, which
-  // launches it and registers it then (register_bare).
+  // A launch not launched yet (the keeping one, or the bare one): the calls that take it return
+  // to Python, which launches it and registers it then (register_pending).
+  bool launch_pending = false;
   bool bare_pending = false;
   size_t values = 0;  // the launches' values: *inputs, *outputs, statistics, seed
   // The Python PreparedCall: the Python backward goes through it, and it holds the compiled
@@ -712,7 +713,7 @@ PyObject* eager_call(PyObject* capsule, PyObject* const* argv, Py_ssize_t argc) 
     Py_RETURN_NONE;
   }
   ensure_context(call.device);  // a thread's first call: take_seed asks the driver about the stream
-  if (!grad && call.bare_pending) {
+  if (grad ? call.launch_pending : call.bare_pending) {
     Py_RETURN_NONE;
   }
   ++calls.hits;
@@ -883,7 +884,7 @@ struct PlanRef {
 // `args` is not a call this path would take.
 pybind11::object register_call(const pybind11::object& function, const pybind11::tuple& args, int device,
                                const pybind11::list& outputs, const pybind11::object& statistics,
-                               const pybind11::tuple& launch_form, pybind11::object prepared, pybind11::object seed,
+                               const pybind11::object& launch_form, pybind11::object prepared, pybind11::object seed,
                                const pybind11::object& bare_form) {
   Calls& calls = calls_from(function);
   Key key;
@@ -907,7 +908,11 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
     call->statistics = buffer_of(pair[0], pair[1]);
   }
   call->values = tensors.size() + call->outputs.size() + 2;
-  call->launch = launch_of(launch_form, call->values);
+  if (launch_form.is_none()) {
+    call->launch_pending = true;
+  } else {
+    call->launch = launch_of(launch_form, call->values);
+  }
   if (bare_form.ptr() == Py_True) {
     call->bare_pending = true;
   } else if (!bare_form.is_none()) {
@@ -924,17 +929,20 @@ pybind11::object register_call(const pybind11::object& function, const pybind11:
   return pybind11::cast(PlanRef{call});
 }
 
-// Registers the launch for calls that no gradient follows of a call registered with it pending:
-// a launch form, or None (such calls then stay in Python).
-void register_bare(const PlanRef& ref, const pybind11::object& bare_form) {
+// Registers a launch of a call registered with it pending: the bare one (for calls that no
+// gradient follows) or the keeping one; a launch form, or None (those calls then stay in Python).
+void register_pending(const PlanRef& ref, const pybind11::object& form, bool bare) {
   std::shared_ptr<Prepared> call = ref.call.lock();
-  if (!call) {
-    return;  // forgotten (its op's cache was full, or cleared)
+  if (!call || form.is_none()) {
+    return;  // forgotten (its op's cache was full, or cleared), or no form the C++ call takes
   }
-  if (!bare_form.is_none()) {
-    call->bare = launch_of(bare_form, call->values);
+  if (bare) {
+    call->bare = launch_of(form, call->values);
     call->has_bare = true;
     call->bare_pending = false;
+  } else {
+    call->launch = launch_of(form, call->values);
+    call->launch_pending = false;
   }
 }
 
@@ -1041,7 +1049,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<PlanRef>(m, "PlanRef", "A registered call key's Prepared, held weakly (eager_call.cpp).");
   m.def("new_calls", &new_calls, "A new op's eager call (see eager_call.cpp's head).");
   m.def("register_call", &register_call, "Register the call key of `args` (see eager_call.cpp).");
-  m.def("register_bare", &register_bare, "Register a call key's launch for calls no gradient follows.");
+  m.def("register_pending", &register_pending, "Register a call key's launch registered as pending.");
   m.def("register_backward", &register_backward, "Register a backward of a registered call key.");
   m.def("call_key", &call_key, "The key of a call, or None (for tests).");
   m.def("configure_seeds", &configure_seeds, "Seeds per batch and their exclusive bound (runtime.dropout's).");
