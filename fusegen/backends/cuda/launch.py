@@ -265,9 +265,9 @@ class _Backward:
                 continue
             k = bound._gradients.index(i)
             buffer, form, tensor = buffers[k], self._forms[k], tensors[i]
-            if form == "sums":
-                buffer = buffer.sum(0)
-            if form != "write":
+            if form == "sums":  # each chunk's sums, added up in order: the input's N values
+                buffer = buffer.sum(0).to(tensor.dtype)
+            elif form == "whole":
                 buffer = buffer.reshape(problem.shape).sum_to_size(tensor.shape).to(tensor.dtype)
             results.append(buffer.reshape(tensor.shape))
         return results
