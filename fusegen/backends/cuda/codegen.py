@@ -20,7 +20,7 @@ MODULE_IMPORTS = frozenset({"torch", "F", "runtime", "cuda_launch", "CUDA_SOURCE
 RESERVED_NAMES = (MODULE_IMPORTS | {"reference", "eager", "_OP", "_reference", "problem", "masks", "self", "training"}
                   | PYTHON_BUILTINS | OWN_NAMES | CPP_KEYWORDS)
 
-DOC = ("The forward kernel computes every output element by element, one CUDA thread an element; the backward "
+DOC = ("The forward kernel computes every output element by element, four elements a CUDA thread; the backward "
        "kernel one thread a column over a chunk of rows, summing the gradients of inputs broadcast along rows. "
        "CUDA C++ (CUDA_SOURCE), compiled by NVRTC on first use per dtype combination and cached on disk.")
 

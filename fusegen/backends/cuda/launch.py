@@ -2,8 +2,8 @@
 source, compiled by NVRTC on first use per dtype combination (compiler.py), launched through
 cuda-core on torch's current stream (so CUDA graphs capture the launches).
 
-The pointwise kind: the forward one thread an element, the backward one thread a column and a
-chunk of rows (pointwise_source.py). Each input is read through its [M, N] view's strides, as the
+The pointwise kind: the forward four elements a thread (compiler.ELEMENTS), the backward one
+thread a column and a chunk of rows (pointwise_source.py). Each input is read through its [M, N] view's strides, as the
 Triton kernels read it (runtime.views); a gradient is written as the input's own dtype where the
 input is the problem's shape, summed over each chunk's rows where the input is one row broadcast
 to all (a [chunks, N] buffer in the compute type that torch then adds up in order: deterministic),
@@ -175,7 +175,8 @@ class _Forward:
         outputs = [_C_TYPES[bound.op.output_dtype(problem, j)] for j in range(len(bound.op.outputs))]
         self._expression = f"{op}_forward<{', '.join([t, 'int64_t', *reads, *outputs])}>"
         self._count = len(tensors)
-        self._grid = (-(-problem.m * problem.n // BLOCK), 1)
+        # Columns in blocks of ELEMENTS * BLOCK; rows by blockIdx.y, gridDim.y apart (at most 65535).
+        self._grid = (-(-problem.n // (BLOCK * compiler.ELEMENTS)), min(problem.m, 65535))
 
     def __call__(self, values: tuple) -> None:
         bound, call = self._bound, self._call

@@ -1,7 +1,7 @@
 """The pointwise kind's kernels in CUDA C++ (issue 33, step 2 of docs/design/cuda-backend-plan.md).
 
 The forward: the plan's forward body for one element of the [M, N] problem (`<op>_element`,
-FUSEGEN_HD: the tests run it on the host) and a `__global__` kernel of one thread an element
+FUSEGEN_HD: the tests run it on the host) and a `__global__` kernel of four elements a thread
 around it. The backward: each gradient the backward body computes at one element
 (`<op>_backward_element`) and a kernel of one thread a column and a chunk of rows, which writes
 each gradient or sums it over the chunk where its input is broadcast along rows. Not launched
@@ -59,11 +59,11 @@ def forward_source(plan: OpPlan) -> str:
     threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
     scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
     row, col, n, m, seed, dropout, index = (namer.claim(w) for w in ("row", "col", "N", "M", "seed", "has_dropout",
-                                                                      "element"))
+                                                                      "first_col"))
     types = ["typename T", "typename Index", *(f"typename {t}" for t in (*element_type.values(), *out_type.values()))]
-    parameters = [f"const {element_type[i.name]}* {pointer[i.name]}, Index {stride[i.name][0]}, "
+    parameters = [f"const {element_type[i.name]}* __restrict__ {pointer[i.name]}, Index {stride[i.name][0]}, "
                   f"Index {stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, N]" for i in kernel.inputs]
-    parameters += [f"{out_type[o]}* {out_pointer[o]},  // {name}, contiguous [M, N]"
+    parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous [M, N]"
                    for (name, _), o in zip(plan.outputs, kernel.outputs)]
     parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
     if kernel.masks:
@@ -119,15 +119,22 @@ def forward_source(plan: OpPlan) -> str:
         f"__global__ void {plan.op}_forward(",
         *(f"    {p}" for p in kernel_parameters),
         f"    Index {m}, Index {n}) {{",
-        "  // In 64 bits whatever Index is: M * N may reach 2**31 before an element does.",
-        f"  const int64_t {index} = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;",
-        f"  if ({index} >= int64_t({m}) * {n}) return;",
+        f"  // A block: FUSEGEN_ELEMENTS * blockDim.x columns of every gridDim.y-th row from blockIdx.y on;",
+        "  // a thread: FUSEGEN_ELEMENTS of them, blockDim.x apart (each load a warp's 32 neighbours).",
+        f"  const int64_t {index} = int64_t(blockIdx.x) * blockDim.x * FUSEGEN_ELEMENTS + threadIdx.x;",
         # The seed tensor is there only with dropout on (training, some p above 0).
         *([f"  const uint64_t {seed} = {dropout} ? uint64_t(*{seed_pointer}) : 0u;"] if kernel.masks else []),
-        f"  {plan.op}_element<T, Index>(",
-        f"      Index({index} / {n}), Index({index} % {n}),",
-        *(f"      {a}," for a in arguments[:-1]),
-        f"      {arguments[-1]});",
+        f"  for (int64_t {row} = blockIdx.y; {row} < {m}; {row} += gridDim.y) {{",
+        "#pragma unroll",
+        "    for (int k = 0; k < FUSEGEN_ELEMENTS; ++k) {",
+        f"      const int64_t {col} = {index} + int64_t(k) * blockDim.x;",
+        f"      if ({col} >= {n}) break;",
+        f"      {plan.op}_element<T, Index>(",
+        f"          Index({row}), Index({col}),",
+        *(f"          {a}," for a in arguments[:-1]),
+        f"          {arguments[-1]});",
+        "    }",
+        "  }",
         "}",
         "#endif",
     ]
@@ -210,7 +217,7 @@ def backward_source(plan: OpPlan) -> str:
     seed_pointer = namer.claim("seed_ptr")
     ps = list(dict.fromkeys(mask.p.name for mask in kernel.masks))
 
-    shared = [f"const {element_type[k]}* {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  // "
+    shared = [f"const {element_type[k]}* __restrict__ {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  // "
               f"{f'{k} {shown}' if shown else k}, as [M, N]" for k, _, shown in read]
     shared += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
     dropout_parameters = [f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale"
@@ -238,7 +245,7 @@ def backward_source(plan: OpPlan) -> str:
     arguments += [n, ", ".join(gradients)]
     kernel_parameters = shared + ([f"const int64_t* {seed_pointer}, bool {dropout},  // the seed tensor's one "
                                    "element; off: training False or p 0", *dropout_parameters] if kernel.masks else [])
-    kernel_parameters += [f"{grad_type[v]}* {grad_pointer[v]}, bool {sums[v]},  // {v}: [M, N], or with {sums[v]} "
+    kernel_parameters += [f"{grad_type[v]}* __restrict__ {grad_pointer[v]}, bool {sums[v]},  // {v}: [M, N], or with {sums[v]} "
                           "its sums over each chunk's rows, [chunks, N] in T; null where not wanted" for v in gradients]
     loop = [f"T {', '.join(gradients)};",
             f"{plan.op}_backward_element<T, Index>(",
@@ -269,6 +276,7 @@ def backward_source(plan: OpPlan) -> str:
         *([f"  const uint64_t {seed} = {dropout} ? uint64_t(*{seed_pointer}) : 0u;"] if kernel.masks else []),
         f"  const int64_t {first} = int64_t(blockIdx.y) * {rows};",
         *(f"  T {total[v]} = T(0);" for v in gradients),
+        "#pragma unroll 4",
         f"  for (int64_t {row} = {first}; {row} < {first} + {rows} && {row} < {m}; ++{row}) {{",
         *_indent(_indent(loop)),
         "  }",

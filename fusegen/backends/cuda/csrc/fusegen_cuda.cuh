@@ -40,6 +40,12 @@ typedef unsigned long uint64_t;
 #include <limits>
 #endif
 
+// Elements a thread of a forward kernel computes (the run-time compile passes the launcher's,
+// compiler.ELEMENTS; this default serves a build without it).
+#ifndef FUSEGEN_ELEMENTS
+#define FUSEGEN_ELEMENTS 4
+#endif
+
 #ifdef __CUDACC__
 #define FUSEGEN_HD __host__ __device__ __forceinline__
 #else
