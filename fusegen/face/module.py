@@ -13,6 +13,7 @@ import jinja2
 from fusegen import templating
 from fusegen.body_text import statements
 from fusegen.kinds import KINDS
+from fusegen.names import PYTHON_BUILTINS
 from fusegen.plan import Body, HelperPlan, OpPlan
 from fusegen.printers import ElementwisePrinter, TorchPrinter
 
@@ -36,6 +37,15 @@ class Helper:
     arguments: str
     selector: str
     branches: list[dict]
+
+
+def module_class_name(op_name: str, imports: frozenset[str]) -> str:
+    """The op's torch.nn.Module class: its name in CamelCase (bias_gelu_dropout_add →
+    BiasGeluDropoutAdd), with "Module" added where that is the op's own name or a name the
+    module already uses (`imports`, the backend's; op Gelu → GeluModule, op f → FModule)."""
+    name = "".join(word[:1].upper() + word[1:] for word in op_name.split("_"))
+    taken = name == op_name or name in imports or name in PYTHON_BUILTINS
+    return f"{name}Module" if taken else name
 
 
 def branches(choices: tuple[tuple[str, Body], ...], printer: ElementwisePrinter) -> list[dict]:

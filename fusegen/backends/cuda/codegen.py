@@ -40,7 +40,8 @@ def render(plan: OpPlan) -> str:
     for which, kernel in (("forward", forward), ("backward", backward)):
         if kernel.masks:
             keywords.append(f"{which}_dropout={_names(dict.fromkeys(m.p.name for m in kernel.masks))}")
-    the_face = face.face(plan, backend="CUDA", class_name=_class_name(plan.op), binding="cuda_launch.CudaKernels",
+    the_face = face.face(plan, backend="CUDA", class_name=face.module_class_name(plan.op, MODULE_IMPORTS),
+                         binding="cuda_launch.CudaKernels",
                          kernel_names=("CUDA_SOURCE", f'"{plan.op}"'), kernels_doc=DOC, kernel_keywords=tuple(keywords))
     lines = [
         *outdir.header_lines(plan.op, plan.spec_path),
@@ -68,8 +69,3 @@ def _names(names) -> str:
     names = [f'"{n}"' for n in names]
     return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
 
-
-def _class_name(op: str) -> str:
-    from fusegen.backends.triton.naming import module_class_name
-
-    return module_class_name(op)

@@ -97,12 +97,10 @@ class ParameterNames:
 
 
 def module_class_name(op_name: str) -> str:
-    """The op's torch.nn.Module class: its name in CamelCase (bias_gelu_dropout_add →
-    BiasGeluDropoutAdd), with "Module" added where that is the op's own name or a name the
-    module already uses (op Gelu → GeluModule, op f → FModule)."""
-    name = "".join(word[:1].upper() + word[1:] for word in op_name.split("_"))
-    taken = name == op_name or name in MODULE_IMPORTS or name in PYTHON_BUILTINS
-    return f"{name}Module" if taken else name
+    """The op's torch.nn.Module class in a Triton module (fusegen.face.module_class_name)."""
+    from fusegen.face import module_class_name as class_name  # the face brings jinja: on use only
+
+    return class_name(op_name, MODULE_IMPORTS)
 
 
 @dataclass(frozen=True)
