@@ -24,8 +24,8 @@ from fusegen.runtime import FusegenArgumentError
 from tests.helpers import ShapeCase, make_inputs, op_by_name, params_for
 
 ROOT = Path(__file__).resolve().parent.parent
-OPS = ("add_relu", "bias_dropout_add", "bias_relu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "softcap",
-       "squared_relu")
+OPS = ("add_mul_activation", "add_relu", "bias_dropout_add", "bias_gelu", "bias_gelu_dropout_add", "bias_relu", "gelu",
+       "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "softcap", "squared_relu")
 HAS_CUDA = torch.cuda.is_available()
 try:
     from fusegen.backends.cuda import compiler
@@ -71,7 +71,7 @@ def test_every_shipped_spec_builds_or_is_refused_in_one_line():
             assert "not supported by the CUDA backend yet" in message, message
             refused.append(path.stem)
     assert tuple(built) == OPS
-    assert {"layernorm", "softmax", "linear_bias_gelu", "swiglu", "bias_gelu"} <= set(refused)
+    assert {"layernorm", "softmax", "linear_bias_gelu", "swiglu"} <= set(refused)
 
 
 def test_the_module_reads_as_written(modules):
@@ -108,13 +108,14 @@ def test_the_cli_builds_and_checks_with_the_backend(tmp_path, capsys):
     assert not (out / "layernorm.py").exists()
 
 
-def _expressions(module, name: str, t: str, element: str) -> tuple[str, ...]:
+def _expressions(module, name: str, t: str, element: str, choice: int = 0) -> tuple[str, ...]:
     kernels = module._OP.kernels
     reads = len(kernels._reads[0])
-    forward = f"{name}_cuda_forward<{', '.join([t, 'int64_t', *[element] * (reads + len(module._OP.outputs))])}>"
+    chosen = [[str(choice)] * len(c) for c in kernels._choices]
+    forward = f"{name}_cuda_forward<{', '.join([t, 'int64_t', *chosen[0], *[element] * (reads + len(module._OP.outputs))])}>"
     back_reads = len(kernels._reads[1]) + len(module._OP.outputs)
     grads = len(kernels._gradients)
-    backward = f"{name}_cuda_backward<{', '.join([t, 'int64_t', *[element] * back_reads, *[element] * grads])}>"
+    backward = f"{name}_cuda_backward<{', '.join([t, 'int64_t', *chosen[1], *[element] * back_reads, *[element] * grads])}>"
     return forward, backward
 
 
@@ -130,6 +131,11 @@ def test_nvrtc_compiles_every_dtype(modules, name, tmp_path, monkeypatch):
         # The second time from the cache folder, without NVRTC.
         assert compiler.compile_source(module.CUDA_SOURCE, f"{name}_cuda.cu", expressions, "sm_90") == binary
     assert len(list(tmp_path.glob("cuda/*.cubin"))) == 4
+    if name == "add_mul_activation":  # every choice of its activation
+        for choice in range(6):
+            expressions = _expressions(module, name, "float", "__nv_bfloat16", choice)
+            assert set(compiler.compile_source(module.CUDA_SOURCE, f"{name}_cuda.cu", expressions, "sm_90").lowered) == set(
+                expressions)
 
 
 # -- on the GPU: against the Triton backend's op ------------------------------------------------
@@ -168,6 +174,25 @@ def test_values_gradients_and_masks_as_the_triton_backend(modules, name, dtype, 
         torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[dtype])
     if op.has_dropout:  # the same elements dropped: x's gradient is its mask times the scale
         assert torch.equal(ours["x"].grad == 0, theirs["x"].grad == 0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("activation", ["relu", "sigmoid", "silu", "gelu", "gelu_tanh", "identity"])
+def test_every_choice_as_the_triton_backend(modules, activation):
+    """The seed's add_mul_activation with each activation (a template argument of the kernels)."""
+    op = op_by_name("add_mul_activation")
+    fn = modules["add_mul_activation"].add_mul_activation_cuda
+    tensors = make_inputs(op, CASES[1], torch.float32, device="cuda", seed=3)
+    ours = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    theirs = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    got = fn(*ours.values(), 0.7, activation)
+    want = op.fn(*theirs.values(), 0.7, activation)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+    for key in tensors:
+        torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[torch.float32])
 
 
 @needs_gpu

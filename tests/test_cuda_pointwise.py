@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import itertools
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,12 +30,29 @@ HEADER = ROOT / "fusegen" / "backends" / "cuda" / "csrc"
 # (op, its params for the call, p where it has dropout)
 OPS = [("gelu", {}, None), ("gelu_tanh", {}, None), ("add_relu", {}, None), ("scale_add", {}, None),
        ("softcap", {"cap": 3.0}, None), ("leaky_relu", {"slope": 0.2}, None), ("mish", {}, None),
-       ("bias_dropout_add", {}, 0.3), ("bias_dropout_add", {}, 0.0)]
+       ("bias_dropout_add", {}, 0.3), ("bias_dropout_add", {}, 0.0),
+       # Choice params: each choice a template argument of the element functions.
+       *(("add_mul_activation", {"multiplier": 0.7, "activation": a}, None)
+         for a in ("relu", "sigmoid", "silu", "gelu", "gelu_tanh", "identity")),
+       ("bias_gelu", {"activation": "gelu_tanh"}, None), ("bias_gelu_dropout_add", {"activation": "gelu"}, 0.3)]
 SEED = 123
 NO_BACKWARD = {"scale_add"}  # a [..., 1] input's gradient: not rendered yet (CudaUnsupported)
 
 
-def _backward_harness(plan) -> str:
+def _chosen(plan, params: dict | None = None) -> list[str]:
+    """The template arguments of choice params: each combination of choices' indices (", 3"),
+    or the one `params` names; [""] without choice params."""
+    choices = [h.param.declaration.choices for h in plan.helpers]
+    if params is not None:
+        return ["".join(f", {c.index(params[h.param.name])}" for h, c in zip(plan.helpers, choices))]
+    return ["".join(f", {k}" for k in ks) for ks in itertools.product(*(range(len(c)) for c in choices))]
+
+
+def _suffix(chosen: str) -> str:
+    return chosen.replace(", ", "_c")
+
+
+def _backward_harness(plan, chosen: str = "") -> str:
     """extern "C" run_backward: the backward's element function over M x N in double, each gradient
     written in full [M, N] (the test sums a broadcast input's, as the kernel's column sums would)."""
     kernel = plan.backward
@@ -52,11 +70,11 @@ def _backward_harness(plan) -> str:
     values = ", ".join(f"g{k}" for k, _ in enumerate(gradients))
     stores = " ".join(f"grad{k}[row * N + col] = g{k};" for k, _ in enumerate(gradients))
     return f"""
-extern "C" void run_backward({', '.join(parameters)}, int64_t M, int64_t N) {{
+extern "C" void run_backward{_suffix(chosen)}({', '.join(parameters)}, int64_t M, int64_t N) {{
   for (int64_t row = 0; row < M; ++row)
     for (int64_t col = 0; col < N; ++col) {{
       double {values};
-      {plan.op}_backward_element<double, int64_t>(row, col, {', '.join(arguments)}, N, {values});
+      {plan.op}_backward_element<double, int64_t{chosen}>(row, col, {', '.join(arguments)}, N, {values});
       {stores}
     }}
 }}
@@ -69,7 +87,7 @@ def _plan(name: str):
                       backend.MODULE_IMPORTS)
 
 
-def _harness(plan, dtype: str) -> str:
+def _harness(plan, dtype: str, chosen: str = "") -> str:
     """extern "C" run_<dtype>: the element function over M x N, arguments as forward_source orders them."""
     kernel = plan.forward
     parameters = [f"const {dtype}* in{k}, int64_t in{k}_m, int64_t in{k}_n" for k, _ in enumerate(kernel.inputs)]
@@ -83,10 +101,10 @@ def _harness(plan, dtype: str) -> str:
     if kernel.masks:
         arguments += ["seed, has_dropout"] + [f"threshold{k}, scale{k}" for k, _ in enumerate(ps)]
     return f"""
-extern "C" void run_{dtype}({', '.join(parameters)}, int64_t M, int64_t N) {{
+extern "C" void run_{dtype}{_suffix(chosen)}({', '.join(parameters)}, int64_t M, int64_t N) {{
   for (int64_t row = 0; row < M; ++row)
     for (int64_t col = 0; col < N; ++col)
-      {plan.op}_element<{dtype}, int64_t>(row, col, {', '.join(arguments)}, N);
+      {plan.op}_element<{dtype}, int64_t{chosen}>(row, col, {', '.join(arguments)}, N);
 }}
 """
 
@@ -101,8 +119,9 @@ def built(tmp_path_factory):
         backward = name not in NO_BACKWARD
         (folder / f"{name}.cu").write_text(forward_source(plan) + ("\n" + backward_source(plan) if backward else ""))
         source = folder / f"{name}_host.cpp"
-        source.write_text(f'#include "{name}.cu"\n' + _harness(plan, "double") + _harness(plan, "float")
-                          + (_backward_harness(plan) if backward else ""))
+        source.write_text(f'#include "{name}.cu"\n' + "".join(
+            _harness(plan, "double", c) + _harness(plan, "float", c) + (_backward_harness(plan, c) if backward else "")
+            for c in _chosen(plan)))
         library = folder / f"{name}.so"
         subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-I", str(HEADER),
                         "-I", str(folder), str(source), "-o", str(library)], check=True, capture_output=True)
@@ -131,7 +150,8 @@ def _run(plan, library, tensors: list[torch.Tensor], params: dict, p: float | No
     if plan.forward.masks:
         args += [ctypes.c_uint64(SEED), ctypes.c_bool(bool(p)), ctypes.c_int32(dropout_threshold(p)),
                  pointer(dropout_scale(p))]
-    getattr(library, f"run_{'double' if dtype == torch.float64 else 'float'}")(*args, ctypes.c_int64(m), ctypes.c_int64(n))
+    function = f"run_{'double' if dtype == torch.float64 else 'float'}{_suffix(_chosen(plan, params)[0])}"
+    getattr(library, function)(*args, ctypes.c_int64(m), ctypes.c_int64(n))
     return out.reshape(shape)
 
 
@@ -211,7 +231,7 @@ def test_the_backward_element_function_computes_the_references_gradients(built, 
                  ctypes.c_double(dropout_scale(p))]
     grads = [torch.empty((m, n), dtype=torch.float64) for g in kernel.gradients for _ in g.values]
     args += [ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_double)) for t in grads]
-    library.run_backward(*args, ctypes.c_int64(m), ctypes.c_int64(n))
+    getattr(library, f"run_backward{_suffix(_chosen(plan, params)[0])}")(*args, ctypes.c_int64(m), ctypes.c_int64(n))
     for gradient, got in zip(kernel.gradients, grads):
         leaf = leaves[names.index(gradient.input.name)]
         want = leaf.grad
@@ -223,8 +243,8 @@ def test_the_backward_element_function_computes_the_references_gradients(built, 
 
 def test_unsupported_plans_are_one_line_errors(tmp_path):
     with pytest.raises(CudaUnsupported) as error:
-        forward_source(_plan("bias_gelu"))
-    assert str(error.value) == "bias_gelu: a choice param is not supported by the CUDA backend yet"
+        forward_source(_plan("swiglu"))
+    assert str(error.value) == "swiglu: an input in chunks is not supported by the CUDA backend yet"
     with pytest.raises(CudaUnsupported) as error:
         forward_source(_plan("layernorm"))
     assert str(error.value) == "layernorm: the row kind is not supported by the CUDA backend yet"
@@ -253,17 +273,17 @@ def test_the_source_compiles_as_sm90_device_code(built, tmp_path):
             if kernel.masks:
                 parameters += ["const int64_t*, bool"] + ["int32_t, {t}"] * len(set(m.p.name for m in kernel.masks))
             parameters += ["{e}*, bool"] * grads + ["int64_t, int64_t, int64_t"]
-            backward = [f"template __global__ void {name}_backward<{t}, int64_t, {', '.join([e] * (reads + grads))}>("
+            backward = [f"template __global__ void {name}_backward<{t}, int64_t{c}, {', '.join([e] * (reads + grads))}>("
                         + ", ".join(parameters).format(t=t, e=e) + ");\n" for t, e in
-                        (("float", "float"), ("double", "double"), ("float", "__nv_bfloat16"))]
+                        (("float", "float"), ("double", "double"), ("float", "__nv_bfloat16")) for c in _chosen(plan)]
         else:
             backward = []
         types = len(plan.forward.inputs) + len(plan.forward.outputs)
         pairs = [("float", "float"), ("double", "double"), ("float", "__nv_bfloat16"), ("float", "__half")]
         unit = tmp_path / f"{name}_device.cu"
         unit.write_text(f'#include "{source.name}"\n' + "".join(
-            _instance(f"template __global__ void {name}_forward<{t}, int64_t, {', '.join([e] * types)}>(", plan, t, e)
-            for t, e in pairs) + "".join(backward))
+            _instance(f"template __global__ void {name}_forward<{t}, int64_t{c}, {', '.join([e] * types)}>(", plan, t, e)
+            for t, e in pairs for c in _chosen(plan)) + "".join(backward))
         result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", "--Werror", "all-warnings", "-I", str(HEADER),
                                  "-I", str(source.parent),
                                  str(unit), "-o", str(tmp_path / f"{name}.o")], capture_output=True, text=True)

@@ -40,6 +40,8 @@ def render(plan: OpPlan) -> str:
     for which, kernel in (("forward", forward), ("backward", backward)):
         if kernel.masks:
             keywords.append(f"{which}_dropout={_names(dict.fromkeys(m.p.name for m in kernel.masks))}")
+        if kernel.choices:
+            keywords.append(f"{which}_choices={_names(p.name for p in kernel.choices)}")
     the_face = face.face(plan, backend="CUDA", class_name=face.module_class_name(plan.op, MODULE_IMPORTS),
                          binding="cuda_launch.CudaKernels",
                          kernel_names=("CUDA_SOURCE", f'"{plan.op}"'), kernels_doc=DOC, kernel_keywords=tuple(keywords))

@@ -35,13 +35,15 @@ class CudaKernels:
 
     def __init__(self, source: str, op: str, *, scalars: tuple[str, ...] = (), backward_reads: tuple[str, ...],
                  gradients: tuple[str, ...], forward_reads: tuple[str, ...], backward_scalars: tuple[str, ...] = (),
-                 forward_dropout: tuple[str, ...] = (), backward_dropout: tuple[str, ...] = ()):
+                 forward_dropout: tuple[str, ...] = (), backward_dropout: tuple[str, ...] = (),
+                 forward_choices: tuple[str, ...] = (), backward_choices: tuple[str, ...] = ()):
         self.source, self.op = source, op
         self.gradients = gradients
         self.statistics = 0  # the pointwise kind keeps nothing for the backward
         self._reads = (forward_reads, backward_reads)
         self._scalars = (scalars, backward_scalars)
         self._dropout = (forward_dropout, backward_dropout)
+        self._choices = (forward_choices, backward_choices)  # template arguments: the choice's index
 
     def bind(self, op) -> "_BoundCuda":
         return _BoundCuda(self, op)
@@ -57,6 +59,7 @@ class _BoundCuda:
         self._reads = tuple(tuple(inputs.index(n) for n in reads) for reads in kernels._reads)
         self._scalars = tuple(tuple(params.index(n) for n in names) for names in kernels._scalars)
         self._dropout = tuple(tuple(params.index(n) for n in names) for names in kernels._dropout)
+        self._choices = tuple(tuple(params.index(n) for n in names) for names in kernels._choices)
         self._gradients = tuple(inputs.index(n) for n in kernels.gradients)
         self._modules: dict[tuple, dict] = {}  # (arch, expressions) → kernels by expression
         self._lock = threading.Lock()
@@ -109,6 +112,10 @@ class _BoundCuda:
                     for e in expressions:
                         self._modules[(arch, e)] = module
         return module[expression]
+
+    def template_choices(self, call, which: int) -> list[str]:
+        """Each choice param's template argument: the call's choice, by its index among the choices."""
+        return [str(self.op.params[i].choices.index(call.params[i])) for i in self._choices[which]]
 
     def scalar_arguments(self, call, which: int) -> list:
         """The params the kernel reads, in the compute type, then dropout's flag, thresholds and scales."""
@@ -173,7 +180,8 @@ class _Forward:
         t = _C_TYPES[problem.compute_dtype]
         reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[0]]
         outputs = [_C_TYPES[bound.op.output_dtype(problem, j)] for j in range(len(bound.op.outputs))]
-        self._expression = f"{op}_forward<{', '.join([t, 'int64_t', *reads, *outputs])}>"
+        chosen = bound.template_choices(call, 0)
+        self._expression = f"{op}_forward<{', '.join([t, 'int64_t', *chosen, *reads, *outputs])}>"
         self._count = len(tensors)
         # Columns in blocks of ELEMENTS * BLOCK; rows by blockIdx.y, gridDim.y apart (at most 65535).
         self._grid = (-(-problem.n // (BLOCK * compiler.ELEMENTS)), min(problem.m, 65535))
@@ -221,7 +229,8 @@ class _Backward:
             self._forms.append(form)
         grad_types = [_C_TYPES[tensors[i].dtype] if form == "write" else t for i, form in zip(bound._gradients, self._forms)]
         op = bound.kernels.op
-        self._expression = f"{op}_backward<{', '.join([t, 'int64_t', *reads, *grad_types])}>"
+        chosen = bound.template_choices(call, 1)
+        self._expression = f"{op}_backward<{', '.join([t, 'int64_t', *chosen, *reads, *grad_types])}>"
         columns = -(-problem.n // BLOCK)
         programs = 4 * torch.cuda.get_device_properties(problem.device).multi_processor_count if problem.launches else 1
         chunks = max(1, min(problem.m, -(-programs // columns)))

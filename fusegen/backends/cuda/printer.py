@@ -88,3 +88,12 @@ class CudaPrinter(ElementwisePrinter):
     def _print_sign(self, expr):
         x = self._print(expr.args[0])
         return f"({x} > 0 ? 1.0 : ({x} < 0 ? -1.0 : 0.0))"
+
+    def _print_Function(self, expr):
+        # A choice param's function: its helper instantiated for the call's choice, a template
+        # argument of the kernel (pointwise_source's helpers), as Triton's constexpr selects it.
+        param = getattr(expr.func, "choice_param", None)
+        if param is not None:
+            args = ", ".join(self._print(a) for a in expr.args)
+            return f"{self.helpers[(param, expr.func.derivative)]}<T, {self.choices[param]}>({args})"
+        return super()._print_Function(expr)
