@@ -34,7 +34,10 @@ OPS = [("gelu", {}, None), ("gelu_tanh", {}, None), ("add_relu", {}, None), ("sc
        # Choice params: each choice a template argument of the element functions.
        *(("add_mul_activation", {"multiplier": 0.7, "activation": a}, None)
          for a in ("relu", "sigmoid", "silu", "gelu", "gelu_tanh", "identity")),
-       ("bias_gelu", {"activation": "gelu_tanh"}, None), ("bias_gelu_dropout_add", {"activation": "gelu"}, 0.3)]
+       ("bias_gelu", {"activation": "gelu_tanh"}, None), ("bias_gelu_dropout_add", {"activation": "gelu"}, 0.3),
+       # Inputs in chunks: x [..., 2N] as two N-wide halves (a bias [2N] too).
+       ("swiglu", {}, None), ("bias_swiglu", {}, None), ("geglu", {"activation": "gelu_tanh"}, None),
+       ("bias_geglu", {"activation": "gelu"}, None)]
 SEED = 123
 NO_BACKWARD = {"scale_add"}  # a [..., 1] input's gradient: not rendered yet (CudaUnsupported)
 
@@ -139,8 +142,9 @@ def _run(plan, library, tensors: list[torch.Tensor], params: dict, p: float | No
         m *= d
     pointer = ctypes.c_double if dtype == torch.float64 else ctypes.c_float
     args, keep = [], []
-    for t in tensors:
-        view = torch.broadcast_to(t, shape).reshape(m, n)  # a view with stride 0 where broadcast
+    for t, i in zip(tensors, plan.inputs):
+        width = n * i.layout.chunks  # the chunks side by side: [M, chunks·N]
+        view = torch.broadcast_to(t, (*shape[:-1], width)).reshape(m, width)  # a view with stride 0 where broadcast
         keep.append(view)
         args += [ctypes.cast(view.data_ptr(), ctypes.POINTER(pointer)), ctypes.c_int64(view.stride(0)),
                  ctypes.c_int64(view.stride(1))]
@@ -164,6 +168,7 @@ def _inputs(plan, dtype):
         dims = i.layout.dims
         shape = [*lead, n] if dims == ("...",) else [s for d in dims for s in (shapes[d] if d == "..." else
                                                                                 (1,) if d == "1" else (n,))]
+        shape[-1] *= i.layout.chunks  # x [..., 2N]: two N-wide chunks
         tensors.append((torch.randn(shape, generator=g, dtype=torch.float64) * 2).to(dtype))
     return tensors, (*lead, n)
 
@@ -219,7 +224,8 @@ def test_the_backward_element_function_computes_the_references_gradients(built, 
     kernel = plan.backward
     m, n = incoming[0].numel() // shape[-1], shape[-1]
     names = [i.name for i in plan.inputs]
-    reads = [torch.broadcast_to(tensors[names.index(i.name)], shape).reshape(m, n) for i in kernel.inputs]
+    reads = [torch.broadcast_to(tensors[names.index(i.name)], (*shape[:-1], n * i.layout.chunks)).reshape(
+        m, n * i.layout.chunks) for i in kernel.inputs]
     reads += [gr.reshape(m, n) for gr in incoming]
     args = []
     for view in reads:
@@ -232,10 +238,11 @@ def test_the_backward_element_function_computes_the_references_gradients(built, 
     grads = [torch.empty((m, n), dtype=torch.float64) for g in kernel.gradients for _ in g.values]
     args += [ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_double)) for t in grads]
     getattr(library, f"run_backward{_suffix(_chosen(plan, params)[0])}")(*args, ctypes.c_int64(m), ctypes.c_int64(n))
-    for gradient, got in zip(kernel.gradients, grads):
+    values = iter(grads)
+    for gradient in kernel.gradients:
         leaf = leaves[names.index(gradient.input.name)]
         want = leaf.grad
-        got = got.reshape(shape)
+        got = torch.cat([next(values) for _ in gradient.values], dim=-1).reshape(*shape[:-1], -1)  # chunks side by side
         if want.shape != got.shape:  # broadcast along rows: summed over them
             got = got.sum(dim=tuple(range(got.dim() - want.dim()))).reshape(want.shape)
         torch.testing.assert_close(got, want, msg=f"{name}: gradient of {gradient.input.name}")
@@ -243,8 +250,8 @@ def test_the_backward_element_function_computes_the_references_gradients(built, 
 
 def test_unsupported_plans_are_one_line_errors(tmp_path):
     with pytest.raises(CudaUnsupported) as error:
-        forward_source(_plan("swiglu"))
-    assert str(error.value) == "swiglu: an input in chunks is not supported by the CUDA backend yet"
+        forward_source(_plan("rope"))
+    assert str(error.value) == "rope: an output in parts is not supported by the CUDA backend yet"
     with pytest.raises(CudaUnsupported) as error:
         forward_source(_plan("layernorm"))
     assert str(error.value) == "layernorm: the row kind is not supported by the CUDA backend yet"
@@ -268,7 +275,7 @@ def test_the_source_compiles_as_sm90_device_code(built, tmp_path):
         if name not in NO_BACKWARD:  # the backward kernel too, its reads and gradients in the element type
             kernel = plan.backward
             reads = len(kernel.inputs) + len(kernel.incoming)
-            grads = sum(len(g.values) for g in kernel.gradients)
+            grads = len(kernel.gradients)  # one buffer a gradient, its chunks side by side
             parameters = [f"const {{e}}*, int64_t, int64_t"] * reads + ["{t}"] * len(kernel.scalars)
             if kernel.masks:
                 parameters += ["const int64_t*, bool"] + ["int32_t, {t}"] * len(set(m.p.name for m in kernel.masks))

@@ -61,6 +61,7 @@ class _BoundCuda:
         self._dropout = tuple(tuple(params.index(n) for n in names) for names in kernels._dropout)
         self._choices = tuple(tuple(params.index(n) for n in names) for names in kernels._choices)
         self._gradients = tuple(inputs.index(n) for n in kernels.gradients)
+        self.chunks = tuple(i.chunks for i in op.inputs)  # k N-wide chunks side by side in the last dim
         self._modules: dict[tuple, dict] = {}  # (arch, expressions) → kernels by expression
         self._lock = threading.Lock()
 
@@ -164,9 +165,9 @@ def _launch(kernel, device: torch.device, grid: tuple[int, int], arguments: list
     launch(stream, LaunchConfig(grid=grid, block=(BLOCK, 1, 1)), kernel, *arguments)
 
 
-def _view(tensor: torch.Tensor, problem) -> list:
-    """A pointer and the [M, N] view's strides (the view a copy where no strides make it)."""
-    view, stride_m, stride_n = view_2d(tensor, problem)
+def _view(tensor: torch.Tensor, problem, chunks: int = 1) -> list:
+    """A pointer and the [M, chunks·N] view's strides (the view a copy where no strides make it)."""
+    view, stride_m, stride_n = view_2d(tensor, problem, chunks)
     return [view.data_ptr(), np.int64(stride_m), np.int64(stride_n)], view
 
 
@@ -193,7 +194,7 @@ class _Forward:
         outputs, seed = rest[:-2], rest[-1]
         arguments, keep = [], []
         for i in bound._reads[0]:
-            pointer, view = _view(tensors[i], problem)
+            pointer, view = _view(tensors[i], problem, bound.chunks[i])
             arguments += pointer
             keep.append(view)  # a copied view lives until the launch is queued
         arguments += [o.data_ptr() for o in outputs]
@@ -217,12 +218,12 @@ class _Backward:
         # ("whole", T) for another broadcast one; (None, T) where not wanted.
         self._forms = []
         for i in bound._gradients:
-            tensor = tensors[i]
+            tensor, width = tensors[i], problem.n * bound.chunks[i]
             if not needs[i]:
                 form = None
-            elif tensor.shape == problem.shape:
+            elif tensor.shape == (*problem.shape[:-1], width):
                 form = "write"
-            elif problem.m > 1 and tensor.numel() == problem.n and view_2d(tensor, problem)[1] == 0:
+            elif problem.m > 1 and tensor.numel() == width and view_2d(tensor, problem, bound.chunks[i])[1] == 0:
                 form = "sums"
             else:
                 form = "whole"
@@ -244,18 +245,19 @@ class _Backward:
         device, compute = problem.device, problem.compute_dtype
         buffers = []
         for i, form in zip(bound._gradients, self._forms):
+            width = problem.n * bound.chunks[i]
             if form is None:
                 buffers.append(None)
             elif form == "write":
-                buffers.append(torch.empty(problem.shape, dtype=tensors[i].dtype, device=device))
+                buffers.append(torch.empty((*problem.shape[:-1], width), dtype=tensors[i].dtype, device=device))
             elif form == "sums":
-                buffers.append(torch.empty((self._chunks, problem.n), dtype=compute, device=device))
+                buffers.append(torch.empty((self._chunks, width), dtype=compute, device=device))
             else:
-                buffers.append(torch.empty((problem.m, problem.n), dtype=compute, device=device))
+                buffers.append(torch.empty((problem.m, width), dtype=compute, device=device))
         if problem.launches:
             arguments, keep = [], []
             for i in bound._reads[1]:
-                pointer, view = _view(tensors[i], problem)
+                pointer, view = _view(tensors[i], problem, bound.chunks[i])
                 arguments += pointer
                 keep.append(view)
             for g in grads:
@@ -278,7 +280,8 @@ class _Backward:
             if form == "sums":  # each chunk's sums, added up in order: the input's N values
                 buffer = buffer.sum(0).to(tensor.dtype)
             elif form == "whole":
-                buffer = buffer.reshape(problem.shape).sum_to_size(tensor.shape).to(tensor.dtype)
+                whole = (*problem.shape[:-1], problem.n * bound.chunks[i])
+                buffer = buffer.reshape(whole).sum_to_size(tensor.shape).to(tensor.dtype)
             results.append(buffer.reshape(tensor.shape))
         return results
 

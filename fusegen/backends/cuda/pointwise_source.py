@@ -65,7 +65,8 @@ def forward_source(plan: OpPlan) -> str:
     types = ["typename T", "typename Index", *(f"int {c}" for c in chosen),
              *(f"typename {t}" for t in (*element_type.values(), *out_type.values()))]
     parameters = [f"const {element_type[i.name]}* __restrict__ {pointer[i.name]}, Index {stride[i.name][0]}, "
-                  f"Index {stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, N]" for i in kernel.inputs]
+                  f"Index {stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, {_shown(len(i.values))}]"
+                  for i in kernel.inputs]
     parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous [M, N]"
                    for (name, _), o in zip(plan.outputs, kernel.outputs)]
     parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
@@ -83,8 +84,7 @@ def forward_source(plan: OpPlan) -> str:
     printer = CudaPrinter(helpers, choices)
     printer.column = col
     flat = f"{row} * {n} + {col}"
-    body = [f"const T {i.local} = T({pointer[i.name]}[{row} * {stride[i.name][0]} + {col} * {stride[i.name][1]}]);"
-            for i in kernel.inputs]
+    body = [line for i in kernel.inputs for line in _loads(i, pointer[i.name], stride[i.name], row, col, n)]
     body += [f"T {o};" for o in kernel.outputs] if kernel.masks else []
     if kernel.masks:
         masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
@@ -164,7 +164,7 @@ def _check(plan: OpPlan, locals_: set[str]) -> None:
     clash = sorted((locals_ & (OWN_NAMES | CPP_KEYWORDS | functions)) | {n for n in locals_ if _MACRO.fullmatch(n)})
     what = (
         f"the name '{clash[0]}' (C++'s or the source's own)" if clash else
-        "an input in chunks" if any(len(i.values) > 1 for i in kernel.inputs) else
+        "an input in chunks along a dim other than the last" if any(i.layout.chunk_dim != -1 for i in plan.inputs) else
         "an integer or bool input" if any(not i.layout.differentiable for i in kernel.inputs) else
         "an output in parts" if plan.output_parts else
         "an output of its own dtype" if plan.output_dtypes else None
@@ -180,6 +180,26 @@ def _statements(body: Body, printer: CudaPrinter, assign: bool) -> list[str]:
     lines += [f"{name} = {printer.doprint(expr)};" if assign else f"const T {name} = {printer.doprint(expr)};"
               for name, expr in body.results]
     return lines
+
+
+def _loads(i, pointer: str, strides: tuple[str, str], row: str, col: str, n: str) -> list[str]:
+    """An input's values at the element, each chunk's k·N columns along (x [..., 2N]: x_chunk0 at
+    col, x_chunk1 at col + N), through the [M, chunks·N] view's strides."""
+    return [f"const T {v.local} = T({pointer}[{row} * {strides[0]} + {_column(col, k, n)} * {strides[1]}]);"
+            for k, v in enumerate(i.values)]
+
+
+def _column(col: str, k: int, n: str) -> str:
+    """Chunk k's column of the element at `col`."""
+    return col if k == 0 else f"({col} + {n})" if k == 1 else f"({col} + {k} * {n})"
+
+
+def _shown(chunks: int) -> str:
+    return "N" if chunks == 1 else f"{chunks}N"
+
+
+def _width(chunks: int, n: str) -> str:
+    return n if chunks == 1 else f"{chunks} * {n}"
 
 
 def _indent(lines: list[str]) -> list[str]:
@@ -206,15 +226,17 @@ def backward_source(plan: OpPlan) -> str:
     helpers, choices = choice_names(plan)
     functions = {f"{plan.op}_backward_element", f"{plan.op}_backward", *helpers.values(), *choices.values()}
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | functions)
-    read = [(i.name, i.local, i.layout.declared) for i in kernel.inputs]
+    read = [(i.name, i.local, f"{i.layout.declared}, as [M, {_shown(len(i.values))}]") for i in kernel.inputs]
     read += [(f"the incoming gradient of {name}", g, "") for (name, _), g in zip(plan.outputs, kernel.incoming)]
     pointer = {key: namer.claim(f"{local}_ptr") for key, local, _ in read}
     stride = {key: (namer.claim(f"{local}_stride_m"), namer.claim(f"{local}_stride_n")) for key, local, _ in read}
     element_type = {key: namer.claim(f"{local.capitalize()}Type") for key, local, _ in read}
     gradients = [v for g in kernel.gradients for v in g.values]
-    grad_pointer = {v: namer.claim(f"{v}_ptr") for v in gradients}
-    grad_type = {v: namer.claim(f"{v.capitalize()}Type") for v in gradients}
-    sums = {v: namer.claim(f"{v}_sums") for v in gradients}
+    # One buffer a gradient, all its chunks side by side ([M, k·N]); named for its value where it has one.
+    base = {g.input.name: g.values[0] if len(g.values) == 1 else f"grad_{g.input.local}" for g in kernel.gradients}
+    grad_pointer = {g.input.name: namer.claim(f"{base[g.input.name]}_ptr") for g in kernel.gradients}
+    grad_type = {g.input.name: namer.claim(f"{base[g.input.name].capitalize()}Type") for g in kernel.gradients}
+    sums = {g.input.name: namer.claim(f"{base[g.input.name]}_sums") for g in kernel.gradients}
     total = {v: namer.claim(f"{v}_total") for v in gradients}
     threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
     scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
@@ -224,7 +246,7 @@ def backward_source(plan: OpPlan) -> str:
     ps = list(dict.fromkeys(mask.p.name for mask in kernel.masks))
 
     shared = [f"const {element_type[k]}* __restrict__ {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  // "
-              f"{f'{k} {shown}' if shown else k}, as [M, N]" for k, _, shown in read]
+              f"{f'{k} {shown}' if shown else f'{k}, as [M, N]'}" for k, _, shown in read]
     shared += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
     dropout_parameters = [f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale"
                           for p in ps]
@@ -233,7 +255,9 @@ def backward_source(plan: OpPlan) -> str:
     element_parameters += [f"Index {n},", ", ".join(f"T& {v}" for v in gradients)]
     printer = CudaPrinter(helpers, choices)
     printer.column = f"T({col})"
-    body = [f"const T {local} = T({pointer[k]}[{row} * {stride[k][0]} + {col} * {stride[k][1]}]);" for k, local, _ in read]
+    body = [line for i in kernel.inputs for line in _loads(i, pointer[i.name], stride[i.name], row, col, n)]
+    body += [f"const T {local} = T({pointer[k]}[{row} * {stride[k][0]} + {col} * {stride[k][1]}]);"
+             for k, local, _ in read[len(kernel.inputs):]]
     flat = f"{row} * {n} + {col}"
     if kernel.masks:
         masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
@@ -245,24 +269,29 @@ def backward_source(plan: OpPlan) -> str:
     chosen = [choices[p.name] for p in kernel.choices]
     types = ["typename T", "typename Index", *(f"int {c}" for c in chosen), *(f"typename {t}" for t in element_type.values())]
     template = f"template <{', '.join(types)}>"  # the element function's: its reads' types
-    kernel_template = f"template <{', '.join([*types, *(f'typename {t}' for t in grad_type.values())])}>"
+    kernel_template = f"template <{', '.join([*types, *(f'typename {t}' for t in grad_type.values())])}>"  # noqa: E501
     arguments = [f"{pointer[k]}, {stride[k][0]}, {stride[k][1]}" for k, _, _ in read] + [p.local for p in kernel.scalars]
     if kernel.masks:
         arguments += [seed, dropout, *(f"{threshold[p]}, {scale[p]}" for p in ps)]
     arguments += [n, ", ".join(gradients)]
     kernel_parameters = shared + ([f"const int64_t* {seed_pointer}, bool {dropout},  // the seed tensor's one "
                                    "element; off: training False or p 0", *dropout_parameters] if kernel.masks else [])
-    kernel_parameters += [f"{grad_type[v]}* __restrict__ {grad_pointer[v]}, bool {sums[v]},  // {v}: [M, N], or with {sums[v]} "
-                          "its sums over each chunk's rows, [chunks, N] in T; null where not wanted" for v in gradients]
+    kernel_parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
+                          f"  // {base[g.input.name]}: [M, {_shown(len(g.values))}], or with {sums[g.input.name]} its sums "
+                          f"over each block of rows, [blocks, {_shown(len(g.values))}] in T; null where not wanted"
+                          + (", its chunks side by side" if len(g.values) > 1 else "")
+                          for g in kernel.gradients]
     loop = [f"T {', '.join(gradients)};",
             f"{plan.op}_backward_element<{', '.join(['T', 'Index', *chosen])}>(",
             f"    Index({row}), Index({col}),",
             *(f"    {a}," for a in arguments[:-1]),
             f"    {arguments[-1]});"]
-    for v in gradients:
-        loop += [f"if ({sums[v]}) {{", f"  {total[v]} += {v};",
-                 f"}} else if ({grad_pointer[v]} != nullptr) {{",
-                 f"  {grad_pointer[v]}[{row} * {n} + {col}] = fusegen::to<{grad_type[v]}>({v});", "}"]
+    for g in kernel.gradients:
+        name, width = g.input.name, _width(len(g.values), n)
+        loop += [f"if ({sums[name]}) {{", *(f"  {total[v]} += {v};" for v in g.values),
+                 f"}} else if ({grad_pointer[name]} != nullptr) {{",
+                 *(f"  {grad_pointer[name]}[{row} * {width} + {_column(col, k, n)}] = fusegen::to<{grad_type[name]}>({v});"
+                   for k, v in enumerate(g.values)), "}"]
     lines = [
         f"// {plan.op}'s backward: each gradient the kernel computes at one element of the [M, N] problem.",
         template,
@@ -277,7 +306,7 @@ def backward_source(plan: OpPlan) -> str:
         kernel_template,
         f"__global__ void {plan.op}_backward(",
         *(f"    {p}" for p in kernel_parameters),
-        f"    Index {m}, Index {n}, Index {rows}) {{  // rows: a chunk's, blockIdx.y its number",
+        f"    Index {m}, Index {n}, Index {rows}) {{  // rows: a block's, blockIdx.y its number",
         f"  const int64_t {col} = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;",
         f"  if ({col} >= {n}) return;",
         *([f"  const uint64_t {seed} = {dropout} ? uint64_t(*{seed_pointer}) : 0u;"] if kernel.masks else []),
@@ -287,8 +316,9 @@ def backward_source(plan: OpPlan) -> str:
         f"  for (int64_t {row} = {first}; {row} < {first} + {rows} && {row} < {m}; ++{row}) {{",
         *_indent(_indent(loop)),
         "  }",
-        *(f"  if ({sums[v]}) {grad_pointer[v]}[int64_t(blockIdx.y) * {n} + {col}] = fusegen::to<{grad_type[v]}>({total[v]});"
-          for v in gradients),
+        *(f"  if ({sums[g.input.name]}) {grad_pointer[g.input.name]}[int64_t(blockIdx.y) * {_width(len(g.values), n)} + "
+          f"{_column(col, k, n)}] = fusegen::to<{grad_type[g.input.name]}>({total[v]});"
+          for g in kernel.gradients for k, v in enumerate(g.values)),
         "}",
         "#endif",
     ]
