@@ -260,8 +260,8 @@ class _Backward:
                 pointer, view = _view(tensors[i], problem, bound.chunks[i])
                 arguments += pointer
                 keep.append(view)
-            for g in grads:
-                pointer, view = _view(g, problem)
+            for g, parts in zip(grads, bound.op.output_parts):  # an output in parts: [M, k·N]
+                pointer, view = _view(g, problem, parts)
                 arguments += pointer
                 keep.append(view)
             arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)

@@ -67,7 +67,9 @@ def forward_source(plan: OpPlan) -> str:
     parameters = [f"const {element_type[i.name]}* __restrict__ {pointer[i.name]}, Index {stride[i.name][0]}, "
                   f"Index {stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, {_shown(len(i.values))}]"
                   for i in kernel.inputs]
-    parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous [M, N]"
+    parts = _parts(plan)  # each output's values: itself, or its parts side by side ([..., k·N])
+    parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous [M, {_shown(len(parts[o]))}]"
+                   + (", its parts side by side" if len(parts[o]) > 1 else "")
                    for (name, _), o in zip(plan.outputs, kernel.outputs)]
     parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
     if kernel.masks:
@@ -85,7 +87,7 @@ def forward_source(plan: OpPlan) -> str:
     printer.column = col
     flat = f"{row} * {n} + {col}"
     body = [line for i in kernel.inputs for line in _loads(i, pointer[i.name], stride[i.name], row, col, n)]
-    body += [f"T {o};" for o in kernel.outputs] if kernel.masks else []
+    body += [f"T {v};" for o in kernel.outputs for v in parts[o]] if kernel.masks else []
     if kernel.masks:
         masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
                  f"{threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
@@ -93,7 +95,8 @@ def forward_source(plan: OpPlan) -> str:
                  *_indent(_statements(kernel.body_no_dropout, printer, assign=True)), "}"]
     else:
         body += _statements(kernel.body, printer, assign=False)
-    body += [f"{out_pointer[o]}[{flat}] = fusegen::to<{out_type[o]}>({o});" for o in kernel.outputs]
+    body += [f"{out_pointer[o]}[{row} * {_width(len(parts[o]), n)} + {_column(col, k, n)}] = fusegen::to<{out_type[o]}>({v});"
+             for o in kernel.outputs for k, v in enumerate(parts[o])]
 
     template = f"template <{', '.join(types)}>"
     # The kernel reads the seed from the one-element int64 tensor the runtime draws on the device
@@ -166,7 +169,6 @@ def _check(plan: OpPlan, locals_: set[str]) -> None:
         f"the name '{clash[0]}' (C++'s or the source's own)" if clash else
         "an input in chunks along a dim other than the last" if any(i.layout.chunk_dim != -1 for i in plan.inputs) else
         "an integer or bool input" if any(not i.layout.differentiable for i in kernel.inputs) else
-        "an output in parts" if plan.output_parts else
         "an output of its own dtype" if plan.output_dtypes else None
     )
     if what is not None:
@@ -187,6 +189,12 @@ def _loads(i, pointer: str, strides: tuple[str, str], row: str, col: str, n: str
     col, x_chunk1 at col + N), through the [M, chunks·N] view's strides."""
     return [f"const T {v.local} = T({pointer}[{row} * {strides[0]} + {_column(col, k, n)} * {strides[1]}]);"
             for k, v in enumerate(i.values)]
+
+
+def _parts(plan: OpPlan) -> dict[str, tuple[str, ...]]:
+    """Each forward output's values by its local: its parts where it has some (rope's y), else itself."""
+    parts = {p.name: p.values for p in plan.output_parts}
+    return {o: parts.get(name, (o,)) for (name, _), o in zip(plan.outputs, plan.forward.outputs)}
 
 
 def _column(col: str, k: int, n: str) -> str:
@@ -220,14 +228,15 @@ def backward_source(plan: OpPlan) -> str:
         if body is not None:
             locals_ |= {name for name, _ in body.temps}
     _check(plan, locals_)
-    if any(g.one_per_row for g in kernel.gradients):
-        raise CudaUnsupported(f"{plan.op}: the gradient of an input of one value per row is not supported by the "
-                              "CUDA backend yet")
+    # An input of one value per row ([..., 1]) has its gradient written at every element, in T, and
+    # summed along the rows by torch (launch.py: the "whole" form), as any other broadcast input's.
     helpers, choices = choice_names(plan)
     functions = {f"{plan.op}_backward_element", f"{plan.op}_backward", *helpers.values(), *choices.values()}
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | functions)
     read = [(i.name, i.local, f"{i.layout.declared}, as [M, {_shown(len(i.values))}]") for i in kernel.inputs]
-    read += [(f"the incoming gradient of {name}", g, "") for (name, _), g in zip(plan.outputs, kernel.incoming)]
+    widths = {p.name: len(p.values) for p in plan.output_parts}
+    read += [(f"the incoming gradient of {name}", g, f"as [M, {_shown(widths.get(name, 1))}]" if name in widths else "")
+             for (name, _), g in zip(plan.outputs, kernel.incoming)]
     pointer = {key: namer.claim(f"{local}_ptr") for key, local, _ in read}
     stride = {key: (namer.claim(f"{local}_stride_m"), namer.claim(f"{local}_stride_n")) for key, local, _ in read}
     element_type = {key: namer.claim(f"{local.capitalize()}Type") for key, local, _ in read}
@@ -246,7 +255,7 @@ def backward_source(plan: OpPlan) -> str:
     ps = list(dict.fromkeys(mask.p.name for mask in kernel.masks))
 
     shared = [f"const {element_type[k]}* __restrict__ {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  // "
-              f"{f'{k} {shown}' if shown else f'{k}, as [M, N]'}" for k, _, shown in read]
+              f"{k}{' ' if shown.startswith('[') else ', '}{shown or 'as [M, N]'}" for k, _, shown in read]
     shared += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
     dropout_parameters = [f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale"
                           for p in ps]
@@ -256,8 +265,10 @@ def backward_source(plan: OpPlan) -> str:
     printer = CudaPrinter(helpers, choices)
     printer.column = f"T({col})"
     body = [line for i in kernel.inputs for line in _loads(i, pointer[i.name], stride[i.name], row, col, n)]
-    body += [f"const T {local} = T({pointer[k]}[{row} * {stride[k][0]} + {col} * {stride[k][1]}]);"
-             for k, local, _ in read[len(kernel.inputs):]]
+    incoming_parts = {g: p.incoming for p in plan.output_parts for (name, _), g in zip(plan.outputs, kernel.incoming)
+                      if name == p.name}
+    body += [f"const T {value} = T({pointer[k]}[{row} * {stride[k][0]} + {_column(col, c, n)} * {stride[k][1]}]);"
+             for k, local, _ in read[len(kernel.inputs):] for c, value in enumerate(incoming_parts.get(local, (local,)))]
     flat = f"{row} * {n} + {col}"
     if kernel.masks:
         masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
