@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,81 @@ def test_nvrtc_compiles_every_dtype(modules, name, tmp_path, monkeypatch):
             expressions = _expressions(module, name, "float", "__nv_bfloat16", choice)
             assert set(compiler.compile_source(module.CUDA_SOURCE, f"{name}_cuda.cu", expressions, "sm_90").lowered) == set(
                 expressions)
+
+
+# -- on the host: the launcher and the kernels compiled by g++ (tests/cuda_host.py) ----------------
+
+needs_host_build = pytest.mark.skipif(shutil.which("g++") is None or (not HAS_NVRTC and not os.environ.get("CI")),
+                                      reason="needs g++ and cuda-core (pip install 'fusegen[cuda]')")
+HOST_CASES = (ShapeCase("rows", (37,), 300), ShapeCase("bcast", (2, 3, 5), 130, layout="bcast"),
+              ShapeCase("tall", (66000,), 3, layout="bcast"),  # more rows than a grid's 65535
+              ShapeCase("wide", (3,), 2100))
+
+
+def _against_the_reference(module, name: str, op, case, dtype, params: dict) -> None:
+    """Values and every gradient of `module`'s op against its reference in fp64."""
+    fn = getattr(module, name)
+    kwargs = dict(params, **({"training": True, "seed": 1234} if op.has_dropout else {}))
+    tensors = make_inputs(op, case, dtype, seed=5)
+    ours = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    exact = {k: v.clone().double().requires_grad_() for k, v in tensors.items()}
+    got, want = fn(*ours.values(), **kwargs), module.reference(*exact.values(), **kwargs)
+    got, want = (got,) if torch.is_tensor(got) else got, (want,) if torch.is_tensor(want) else want
+    grads = [torch.randn(w.shape, dtype=torch.float64) for w in want]
+    torch.autograd.backward(got, [g.to(dtype) for g in grads])
+    torch.autograd.backward(want, grads)
+    tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, **tolerance)
+    for key in tensors:
+        torch.testing.assert_close(ours[key].grad.double(), exact[key].grad, **tolerance, msg=f"{name}: {key}'s gradient")
+
+
+@needs_host_build
+@pytest.mark.parametrize("name", OPS)
+def test_the_launcher_and_kernels_on_the_host(modules, name, tmp_path, monkeypatch):
+    """Every op through launch.py and its kernels (compiled for the host, run over the grid), in
+    fp64 and fp32, against its reference: full, broadcast, past 65535 rows, wide rows."""
+    from tests.cuda_host import on_the_host
+
+    op = op_by_name(name)
+    with on_the_host(tmp_path, monkeypatch) as launches:
+        for case in HOST_CASES[:2] if name not in ("gelu", "bias_dropout_add", "swiglu", "rope") else HOST_CASES:
+            for dtype in (torch.float64, torch.float32):
+                _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
+    assert launches, "nothing launched"
+
+
+@needs_host_build
+@pytest.mark.parametrize("text", [
+    "params: {k: {type: float, default: 2.5}}\noutputs: {y: x * k}",  # a param named as the kernel's loop counter
+    "outputs: {y: x * exp(-col) + col / (col + 1)}",  # col as a number of the compute type
+    "inputs: {x: [..., N], r: [..., N]}\noutputs: {y: x + r}",  # every gradient an output's own: no backward kernel
+])
+def test_names_col_and_ops_without_a_backward_kernel(tmp_path, monkeypatch, text):
+    from tests.cuda_host import on_the_host
+
+    spec = tmp_path / "odd_cuda.yaml"
+    inputs = "" if text.startswith("inputs") else "inputs: {x: [..., N]}\n"
+    spec.write_text(f"name: odd_cuda\ndoc: a spec\n{inputs}{text}\n")
+    (tmp_path / "odd_cuda.py").write_text(cli.build_op(spec, "cuda").text)
+    loader = importlib.util.spec_from_file_location("odd_cuda", tmp_path / "odd_cuda.py")
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    if HAS_NVRTC:  # the whole source compiles for the device
+        op = module._OP
+        compiler.compile_source(module.CUDA_SOURCE, "odd_cuda.cu", _expressions(module, "odd", "float", "float")[
+            :1 if not op.kernels._gradients else 2], "sm_90")
+    with on_the_host(tmp_path, monkeypatch):
+        x = torch.randn(3, 600, dtype=torch.float64, requires_grad=True)
+        args = (x, torch.randn(3, 600, dtype=torch.float64)) if "r:" in text else (x,)
+        params = (2.5,) if "k:" in text else ()
+        y = module.odd_cuda(*args, *params)
+        torch.testing.assert_close(y, module.reference(*args, *params))
+        y.sum().backward()
+        exact = x.detach().clone().requires_grad_()
+        module.reference(exact, *args[1:], *params).sum().backward()
+        torch.testing.assert_close(x.grad, exact.grad)
 
 
 # -- on the GPU: against the Triton backend's op ------------------------------------------------

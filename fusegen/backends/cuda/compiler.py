@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,10 +122,14 @@ def compile_source(source: str, file_name: str, expressions: tuple[str, ...], ar
             lowered = {e: _check(nvrtc, nvrtc.nvrtcGetLoweredName(program, e.encode()))[0].decode() for e in expressions}
         finally:
             nvrtc.nvrtcDestroyProgram(program)
-        folder.mkdir(parents=True, exist_ok=True)
-        # Written whole, then renamed: a process reading the cache never sees half a file.
-        for path, data in ((cubin_path, cubin), (names_path, json.dumps(lowered).encode())):
-            partial = path.with_suffix(path.suffix + f".{os.getpid()}.partial")
-            partial.write_bytes(data)
-            os.replace(partial, path)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            # Written whole, then renamed: a process reading the cache never sees half a file; the
+            # names first, so that a cubin there always has its names.
+            for path, data in ((names_path, json.dumps(lowered).encode()), (cubin_path, cubin)):
+                partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+                partial.write_bytes(data)
+                os.replace(partial, path)
+        except OSError:
+            pass  # a cache that cannot be written (read-only, full): compiled again next process
         return Binary(cubin, lowered, file_name)

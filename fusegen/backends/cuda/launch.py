@@ -152,6 +152,10 @@ def _launch(kernel, device: torch.device, grid: tuple[int, int], arguments: list
     from cuda.core import Device, LaunchConfig, Stream, launch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if index != torch.cuda.current_device():  # the tensors' device's context current, torch's device restored
+        with torch.cuda.device(index):
+            _launch(kernel, torch.device("cuda", index), grid, arguments)
+        return
     current = getattr(_CURRENT, "devices", None)
     if current is None:
         current = _CURRENT.devices = set()

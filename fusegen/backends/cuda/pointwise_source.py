@@ -59,8 +59,8 @@ def forward_source(plan: OpPlan) -> str:
     out_type = {local: namer.claim(f"{local.capitalize()}Type") for local in kernel.outputs}
     threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
     scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
-    row, col, n, m, seed, dropout, index = (namer.claim(w) for w in ("row", "col", "N", "M", "seed", "has_dropout",
-                                                                      "first_col"))
+    row, col, n, m, seed, dropout, index, step = (namer.claim(w) for w in ("row", "col", "N", "M", "seed", "has_dropout",
+                                                                            "first_col", "k"))
     chosen = [choices[p.name] for p in kernel.choices]  # each choice param's index: a template argument
     types = ["typename T", "typename Index", *(f"int {c}" for c in chosen),
              *(f"typename {t}" for t in (*element_type.values(), *out_type.values()))]
@@ -84,7 +84,7 @@ def forward_source(plan: OpPlan) -> str:
     arguments.append(n)
 
     printer = CudaPrinter(helpers, choices)
-    printer.column = col
+    printer.column = f"T({col})"  # the element's column as a T, as the backward's: never integer arithmetic
     flat = f"{row} * {n} + {col}"
     body = [line for i in kernel.inputs for line in _loads(i, pointer[i.name], stride[i.name], row, col, n)]
     body += [f"T {v};" for o in kernel.outputs for v in parts[o]] if kernel.masks else []
@@ -133,8 +133,8 @@ def forward_source(plan: OpPlan) -> str:
         *([f"  const uint64_t {seed} = {dropout} ? uint64_t(*{seed_pointer}) : 0u;"] if kernel.masks else []),
         f"  for (int64_t {row} = blockIdx.y; {row} < {m}; {row} += gridDim.y) {{",
         "#pragma unroll",
-        "    for (int k = 0; k < FUSEGEN_ELEMENTS; ++k) {",
-        f"      const int64_t {col} = {index} + int64_t(k) * blockDim.x;",
+        f"    for (int {step} = 0; {step} < FUSEGEN_ELEMENTS; ++{step}) {{",
+        f"      const int64_t {col} = {index} + int64_t({step}) * blockDim.x;",
         f"      if ({col} >= {n}) break;",
         f"      {plan.op}_element<{', '.join(['T', 'Index', *chosen])}>(",
         f"          Index({row}), Index({col}),",
@@ -377,4 +377,5 @@ def helper_source(plan: OpPlan) -> list[str]:
 
 def source(plan: OpPlan) -> str:
     """The whole of <op>.cu: the forward, then the backward."""
-    return forward_source(plan) + "\n" + backward_source(plan)
+    # An op whose every gradient is an output's own (y = x + r) has no backward kernel.
+    return forward_source(plan) + ("\n" + backward_source(plan) if plan.backward.gradients else "")

@@ -1,0 +1,102 @@
+"""The CUDA backend's launcher and kernels run on the CPU, for tests on a machine without a GPU.
+
+The generated source is compiled by g++ with its `__global__` kernels as host functions that a
+loop calls for every block and thread of the grid (blockIdx, blockDim, threadIdx and gridDim are
+host variables); the launcher (fusegen.backends.cuda.launch) runs unchanged but for its two
+GPU-bound calls, which `on_the_host` replaces: loading a kernel (here: the host build of its
+expression) and launching it (here: cuda-core's own ParamHolder packs the arguments, as a launch
+does, and the loop runs the kernel over the grid). So the arguments' order and types, the views,
+the grid, the index arithmetic and the gradients' sums are the ones a GPU launch takes."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import subprocess
+from pathlib import Path
+
+import torch
+
+from fusegen.backends.cuda import compiler
+from fusegen.backends.cuda import launch as cuda_launch
+
+_HOST = r'''
+#include <cstddef>
+#include <cstdio>
+#include <type_traits>
+#include <utility>
+struct FusegenDim3 { unsigned x = 0, y = 0, z = 0; };
+static FusegenDim3 blockIdx, blockDim, gridDim, threadIdx;
+#define __global__
+'''
+_RUN = r'''
+template <typename... P, size_t... I>
+static void fusegen_call(void (*f)(P...), void** args, std::index_sequence<I...>) {
+  f(*static_cast<std::remove_cv_t<std::remove_reference_t<P>>*>(args[I])...);
+}
+template <typename... P>
+static int fusegen_run(void (*f)(P...), void** args, int count, unsigned gx, unsigned gy, unsigned bx) {
+  if (count != (int)sizeof...(P)) return 1;  // the launcher's arguments and the kernel's parameters disagree
+  gridDim.x = gx; gridDim.y = gy; gridDim.z = 1; blockDim.x = bx; blockDim.y = blockDim.z = 1;
+  for (unsigned y = 0; y < gy; ++y)
+    for (unsigned x = 0; x < gx; ++x)
+      for (unsigned t = 0; t < bx; ++t) {
+        blockIdx.x = x; blockIdx.y = y; threadIdx.x = t;
+        fusegen_call(f, args, std::index_sequence_for<P...>{});
+      }
+  return 0;
+}
+'''
+
+
+class HostKernels:
+    """Host builds of kernels, one shared library an expression, in `folder`."""
+
+    def __init__(self, folder: Path):
+        self.folder, self._libraries = folder, {}
+
+    def library(self, source: str, expression: str):
+        key = hashlib.sha256((source + expression).encode()).hexdigest()[:16]
+        library = self._libraries.get(key)
+        if library is None:
+            text = _HOST + source.replace("#ifdef __CUDACC__", "#if 1") + _RUN
+            text += (f'extern "C" int run(void** a, int n, unsigned gx, unsigned gy, unsigned bx) '
+                     f"{{ return fusegen_run(&{expression}, a, n, gx, gy, bx); }}\n")
+            cpp, so = self.folder / f"{key}.cpp", self.folder / f"{key}.so"
+            cpp.write_text(text)
+            subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{compiler.HEADER.parent}",
+                            f"-DFUSEGEN_ELEMENTS={compiler.ELEMENTS}", str(cpp), "-o", str(so)], check=True,
+                           capture_output=True)
+            library = self._libraries[key] = ctypes.CDLL(str(so))
+            library.run.restype = ctypes.c_int
+            library.run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
+        return library
+
+
+class _Properties:
+    multi_processor_count = 132  # an H100's: the backward's blocks of rows as there
+
+
+@contextlib.contextmanager
+def on_the_host(folder: Path, monkeypatch):
+    """The CUDA backend's ops run their kernels on the CPU (module docstring) while inside."""
+    from cuda.core._kernel_arg_handler import ParamHolder
+
+    kernels = HostKernels(folder)
+    launches = []
+
+    def kernel(self, device, expression, others):
+        return self.kernels.source, expression
+
+    def launch(kernel, device, grid, arguments):
+        source, expression = kernel
+        launches.append((expression, grid))
+        holder = ParamHolder(arguments)
+        if kernels.library(source, expression).run(holder.ptr, len(arguments), grid[0], grid[1], cuda_launch.BLOCK):
+            raise AssertionError(f"{expression}: the launcher's {len(arguments)} arguments are not the kernel's")
+
+    monkeypatch.setattr(cuda_launch._BoundCuda, "kernel", kernel)
+    monkeypatch.setattr(cuda_launch, "_launch", launch)
+    monkeypatch.setattr(cuda_launch._BoundCuda, "check_device", lambda self, device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Properties())
+    yield launches
