@@ -62,15 +62,20 @@ def specs_or_names(items: list[str], specs_dir: Path) -> list[Path]:
     return paths
 
 
-def build_op(path: Path, backend_name: str = DEFAULT) -> BuiltOp:
+def build_op(path: Path, backend_name: str | None = None) -> BuiltOp:
+    """`backend_name`: the backend asked for (--backend), over the spec's own (`backend:`), over
+    the default."""
     op_spec = spec.load_spec(path)
     simplified = simplify.simplify(ir.build_ir(op_spec))
-    backend = codegen(backend_name)
+    chosen = backend_name or op_spec.backend or DEFAULT
+    backend = codegen(chosen)
     op_plan = planning.plan(simplified, backend.RESERVED_NAMES, backend.MODULE_IMPORTS)
     try:
         text = backend.render(op_plan)
     except Unsupported as exc:
-        raise SpecError(str(path), None, f"--backend {backend_name}: {exc}") from None
+        if backend_name is None and op_spec.backend is not None:
+            raise SpecError(str(path), op_spec.backend_line, f"backend {chosen}: {exc}") from None
+        raise SpecError(str(path), None, f"--backend {chosen}: {exc}") from None
     write.check_module(text, f"{op_spec.name}.py")
     return BuiltOp(op_spec, simplified, op_plan, text)
 
@@ -83,13 +88,13 @@ class Build:
     stale: list[outdir.GeneratedModule]  # fusegen's modules whose spec is gone from a built directory
 
 
-def generate(paths: list[Path], out: Path, backend: str = DEFAULT) -> Build:
+def generate(paths: list[Path], out: Path, backend: str | None = None) -> Build:
     """What a build of `paths` into `out` writes and removes; computed whole before anything is
     written, so that a failed build changes nothing."""
     return folder_build(build_ops(paths, backend), paths, out)
 
 
-def build_ops(paths: list[Path], backend: str = DEFAULT) -> dict[str, BuiltOp]:
+def build_ops(paths: list[Path], backend: str | None = None) -> dict[str, BuiltOp]:
     built: dict[str, BuiltOp] = {}
     for path in spec_files(paths):
         op = build_op(path, backend)
@@ -155,12 +160,12 @@ def _out_folder(out: Path | None) -> Path:
     return out
 
 
-def _build_command(paths: list[Path], out: Path, backend: str = DEFAULT) -> str:
+def _build_command(paths: list[Path], out: Path, backend: str | None = None) -> str:
     """The `fusegen build` that brings `out` up to date, defaults left out."""
     words = ["fusegen", "build"]
     words += [] if paths == [DEFAULT_SPECS] else [shlex.quote(str(p)) for p in paths]
     words += [] if out == DEFAULT_OUT else ["-o", shlex.quote(str(out))]
-    words += [] if backend == DEFAULT else ["--backend", backend]
+    words += [] if backend is None else ["--backend", backend]
     return " ".join(words)
 
 
@@ -326,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("paths", nargs="*", type=Path, default=[DEFAULT_SPECS], metavar="SPEC_OR_DIR")
         command.add_argument("-o", "--out", type=lambda text: Path(text) if text else None,  # "" is refused, not "."
                              default=DEFAULT_OUT, help="output folder (default: generated)")
-        command.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT,
-                             help="the kernels' language: triton (default), or cuda (CUDA C++ compiled by NVRTC on "
-                                  "first use; the pointwise kind only, for now)")
+        command.add_argument("--backend", choices=tuple(BACKENDS), default=None,
+                             help="the kernels' language, over each spec's own `backend:`: triton (the default), or "
+                                  "cuda (CUDA C++ compiled by NVRTC on first use; the pointwise kind only, for now)")
     show = commands.add_parser("show", help="print a spec's IR, simplified/CSE'd forms, gradients and generated code")
     show.add_argument("spec", metavar="SPEC_OR_NAME", help="a spec file, or an op name looked up in --specs")
     listing = commands.add_parser("list", help="every op with its signature and doc")

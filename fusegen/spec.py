@@ -141,6 +141,8 @@ class OpSpec:
     sha256: str
     out_dims: tuple[str, ...]
     name_line: int = 1  # where `name:` is written
+    backend: str | None = None  # `backend:`, the kernels' language where the spec names one (fusegen.backends)
+    backend_line: int = 1
 
     @property
     def scalar_params(self) -> tuple[ScalarParam, ...]:
@@ -475,7 +477,7 @@ def _parse(data: bytes, shown: str) -> OpSpec:
     if not isinstance(doc, _LineDict):
         raise _Located(1, f"a spec must be a mapping with keys name, doc, inputs, outputs; got {_describe(doc)}")
 
-    known = ["name", "doc", "inputs", "params", "let", "outputs"]
+    known = ["name", "doc", "inputs", "params", "let", "outputs", "backend"]
     _check_keys(doc, known, ["name", "doc", "inputs", "outputs"], "the spec", doc.line)
     lines = doc.value_lines
     name = _check_identifier(_as_written(doc, "name"), lines["name"], "op")
@@ -486,6 +488,7 @@ def _parse(data: bytes, shown: str) -> OpSpec:
     lets = _parse_bindings(doc.get("let"), lines.get("let", doc.line), "let", "intermediate", names, required=False)
     outputs = _parse_bindings(doc["outputs"], lines["outputs"], "outputs", "output", names, required=True)
     out_dims = _output_dims(inputs, (*lets, *outputs))
+    backend = _parse_backend(doc.get("backend"), lines.get("backend", doc.line)) if "backend" in doc else None
     for binding in outputs:
         if binding.parts and not out_dims:
             raise _Located(binding.line, f"output '{binding.name}': a concatenated output needs a last dim, and the inputs have none")
@@ -500,7 +503,18 @@ def _parse(data: bytes, shown: str) -> OpSpec:
         sha256=hashlib.sha256(data).hexdigest(),
         out_dims=out_dims,
         name_line=lines["name"],
+        backend=backend,
+        backend_line=lines.get("backend", 1),
     )
+
+
+def _parse_backend(raw: Any, line: int) -> str:
+    from fusegen.backends import BACKENDS
+
+    value = _expect(raw, str, "'backend'", line)
+    if value not in BACKENDS:
+        raise _Located(line, f"'backend' must be one of {', '.join(BACKENDS)}; got {value!r}")
+    return value
 
 
 def _parse_doc(raw: Any, line: int) -> str:

@@ -60,7 +60,7 @@ CASES = [
     ("missing_key", H + "inputs:\n  x: [N]\n",
      "specs/x.yaml:1: missing required key 'outputs' in the spec"),
     ("unknown_key", H + "inputs:\n  x: [N]\noutput:\n  y: x\n",
-     "specs/x.yaml:5: unknown key 'output' in the spec (known: name, doc, inputs, params, let, outputs)"),
+     "specs/x.yaml:5: unknown key 'output' in the spec (known: name, doc, inputs, params, let, outputs, backend)"),
     ("unknown_param_key", H + "inputs:\n  x: [N]\nparams:\n  s: {type: float, default: 1.0, step: 0.1}\noutputs:\n  y: x * s\n",
      "specs/x.yaml:6: unknown key 'step' in param 's' (known: type, default, min, max, gt, lt)"),
     ("duplicate_yaml_key", H + "inputs:\n  x: [N]\noutputs:\n  y: x\nname: op2\n",

@@ -110,6 +110,26 @@ def test_the_cli_builds_and_checks_with_the_backend(tmp_path, capsys):
     assert not (out / "layernorm.py").exists()
 
 
+def test_a_spec_names_its_backend(tmp_path, capsys):
+    """`backend: cuda` in a spec builds its kernels in CUDA C++; --backend wins over it; an unknown
+    backend, and a kind the spec's backend cannot build, are one line naming the spec's line."""
+    text = (ROOT / "specs" / "gelu.yaml").read_text().rstrip("\n") + "\nbackend: cuda\n"
+    (tmp_path / "gelu.yaml").write_text(text)
+    assert "CUDA_SOURCE" in cli.build_op(tmp_path / "gelu.yaml").text
+    assert "CUDA_SOURCE" not in cli.build_op(tmp_path / "gelu.yaml", "triton").text
+    out = tmp_path / "out"
+    assert cli.main(["build", str(tmp_path / "gelu.yaml"), "-o", str(out)]) == 0
+    assert cli.main(["check", str(tmp_path / "gelu.yaml"), "-o", str(out)]) == 0
+    line = len(text.splitlines())
+    (tmp_path / "gelu.yaml").write_text(text.replace("backend: cuda", "backend: metal"))
+    with pytest.raises(SpecError, match=rf"gelu.yaml:{line}: 'backend' must be one of triton, cuda; got 'metal'"):
+        cli.build_op(tmp_path / "gelu.yaml")
+    norm = (ROOT / "specs" / "rmsnorm.yaml").read_text().rstrip("\n") + "\nbackend: cuda\n"
+    (tmp_path / "rmsnorm.yaml").write_text(norm)
+    with pytest.raises(SpecError, match=rf"rmsnorm.yaml:{len(norm.splitlines())}: backend cuda: rmsnorm: the row kind"):
+        cli.build_op(tmp_path / "rmsnorm.yaml")
+
+
 def _expressions(module, name: str, t: str, element: str, choice: int = 0) -> tuple[str, ...]:
     kernels = module._OP.kernels
     reads = len(kernels._reads[0])
