@@ -2,7 +2,7 @@
 for shipped ops: its element function compiled as host C++ (g++) and run over every element of
 broadcast inputs, against the generated module's `reference` in fp64 and fp32 (dropout's masks
 from the same seed, bit for bit); the whole source, kernel included, compiled as sm_90 device
-code where nvcc is installed. The kernels are not launched: no runtime compiles them yet."""
+code where nvcc is installed. (tests/test_cuda_backend.py runs the kernels themselves.)"""
 from __future__ import annotations
 
 import ctypes

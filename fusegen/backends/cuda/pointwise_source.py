@@ -3,14 +3,15 @@
 The forward: the plan's forward body for one element of the [M, N] problem (`<op>_element`,
 FUSEGEN_HD: the tests run it on the host) and a `__global__` kernel of four elements a thread
 around it. The backward: each gradient the backward body computes at one element
-(`<op>_backward_element`) and a kernel of one thread a column and a chunk of rows, which writes
-each gradient or sums it over the chunk where its input is broadcast along rows. Not launched
-yet: no runtime compiles them (step 1).
+(`<op>_backward_element`) and a kernel of one thread a column and a block of rows, which writes
+each gradient or sums it over the block where its input is broadcast along rows. compiler.py
+compiles them at run time, launch.py launches them.
 
-Each input is read as the Triton kernels read it, through an [M, N] view's two strides (0 where
-broadcast), converted to the compute type T; dropout's multiplier is drawn at the element's flat
-index, as theirs (fusegen_cuda.cuh). What this first slice does not render raises
-CudaUnsupported, one line naming it."""
+Each input is read as the Triton kernels read it, through an [M, k·N] view's two strides (0 where
+broadcast; k chunks side by side), converted to the compute type T; a choice param's functions are
+templates on the choice's index; dropout's multiplier is drawn at the element's flat index, as
+theirs (fusegen_cuda.cuh). What this backend does not render raises CudaUnsupported, one line
+naming it."""
 from __future__ import annotations
 
 import re
