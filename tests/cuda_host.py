@@ -85,10 +85,10 @@ def on_the_host(folder: Path, monkeypatch):
     kernels = HostKernels(folder)
     launches = []
 
-    def kernel(self, device, expression, others):
+    def kernel(self, device, expression):
         return self.kernels.source, expression
 
-    def launch(kernel, device, grid, arguments):
+    def launch(kernel, device, grid, arguments):  # the config: the grid itself (cuda_launch._config's stand-in)
         source, expression = kernel
         launches.append((expression, grid))
         holder = ParamHolder(arguments)
@@ -97,6 +97,7 @@ def on_the_host(folder: Path, monkeypatch):
 
     monkeypatch.setattr(cuda_launch._BoundCuda, "kernel", kernel)
     monkeypatch.setattr(cuda_launch, "_launch", launch)
+    monkeypatch.setattr(cuda_launch, "_config", lambda grid: grid)
     monkeypatch.setattr(cuda_launch._BoundCuda, "check_device", lambda self, device: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Properties())
     yield launches

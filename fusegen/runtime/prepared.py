@@ -68,7 +68,7 @@ class PreparedCall:
         self._statistics_shape = op.statistics_shape(problem) if op.statistics else None
         self._statistics_dtype = op.statistics_dtype(problem)
         self._launch: PreparedForward | None = op.kernels.prepare_forward(call, tensors) if problem.launches else None
-        # The launch for calls that no gradient follows, where it keeps nothing (FusedOp.keeps);
+        # The launch for calls that no gradient follows, where it keeps nothing (FusedOp.leaves_out);
         # else the keeping one.
         self._bare = self._launch
         if self._launch is not None and op.leaves_out(problem):
@@ -118,12 +118,11 @@ class PreparedCall:
         bare = None  # the C++ call's launch where no gradient follows: None (the keeping one), its form, True
         if self._bare is not self._launch:
             bare = self._bare.native_form()
-            if (form is None) == (bare is None):
-                if form is None:
-                    return  # neither it takes: a launch it cannot make (a copied view, scratch memory)
-            elif form is None:
+            if form is None and bare is None:
+                return  # neither it takes: a launch it cannot make (a copied view, scratch memory)
+            if form is None:
                 self._pending = (self._launch,)
-            else:
+            elif bare is None:
                 bare, self._pending = True, (self._bare,)
         elif form is None:
             return

@@ -62,7 +62,7 @@ class _BoundCuda:
         self._choices = tuple(tuple(params.index(n) for n in names) for names in kernels._choices)
         self._gradients = tuple(inputs.index(n) for n in kernels.gradients)
         self.chunks = tuple(i.chunks for i in op.inputs)  # k N-wide chunks side by side in the last dim
-        self._modules: dict[tuple, dict] = {}  # (arch, expressions) → kernels by expression
+        self._modules: dict[tuple, object] = {}  # (arch, expression) → its kernel
         self._lock = threading.Lock()
 
     # -- the contract --------------------------------------------------------------------
@@ -96,36 +96,29 @@ class _BoundCuda:
             raise FusegenArgumentError(f"{self.op.name}(): DTensor inputs are not supported by the CUDA backend yet; "
                                        "build the op with --backend triton")
 
-    def kernel(self, device: torch.device, expression: str, others: tuple[str, ...]):
-        """The kernel of `expression` on `device`, compiled (with `others`, the call's other kernel,
-        in one NVRTC run) on first use."""
+    def kernel(self, device: torch.device, expression: str):
+        """The kernel of `expression` for `device`'s arch, compiled on first use (each prepared
+        launch asks once, then keeps it)."""
         major, minor = torch.cuda.get_device_capability(device)
-        arch = f"sm_{major}{minor}"
-        key = (arch, expression)
-        module = self._modules.get(key)
-        if module is None:
-            with self._lock:
-                module = self._modules.get(key)
-                if module is None:
-                    expressions = tuple(sorted({expression, *others}))
-                    binary = compiler.compile_source(self.kernels.source, f"{self.kernels.op}.cu", expressions, arch)
-                    module = _load(binary)
-                    for e in expressions:
-                        self._modules[(arch, e)] = module
-        return module[expression]
+        key = (f"sm_{major}{minor}", expression)
+        with self._lock:
+            kernel = self._modules.get(key)
+            if kernel is None:
+                binary = compiler.compile_source(self.kernels.source, f"{self.kernels.op}.cu", (expression,), key[0])
+                kernel = self._modules[key] = _load(binary)[expression]
+        return kernel
 
     def template_choices(self, call, which: int) -> list[str]:
         """Each choice param's template argument: the call's choice, by its index among the choices."""
         return [str(self.op.params[i].choices.index(call.params[i])) for i in self._choices[which]]
 
     def scalar_arguments(self, call, which: int) -> list:
-        """The params the kernel reads, in the compute type, then dropout's flag, thresholds and scales."""
+        """The params the kernel reads, in the compute type."""
         t = _NUMPY[call.problem.compute_dtype]
-        params = call.params
-        values = [t(params[i]) for i in self._scalars[which]]
-        return values
+        return [t(call.params[i]) for i in self._scalars[which]]
 
     def dropout_arguments(self, call, which: int, seed) -> list:
+        """The seed tensor's address (0 without dropout), dropout's flag, each p's threshold and scale."""
         if not self._dropout[which]:
             return []
         t = _NUMPY[call.problem.compute_dtype]
@@ -148,13 +141,19 @@ _STREAMS: dict[int, object] = {}
 _CURRENT = threading.local()
 
 
-def _launch(kernel, device: torch.device, grid: tuple[int, int], arguments: list) -> None:
-    from cuda.core import Device, LaunchConfig, Stream, launch
+def _config(grid: tuple[int, int]):
+    from cuda.core import LaunchConfig
+
+    return LaunchConfig(grid=grid, block=(BLOCK, 1, 1))
+
+
+def _launch(kernel, device: torch.device, config, arguments: list) -> None:
+    from cuda.core import Device, Stream, launch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch.cuda.current_device():  # the tensors' device's context current, torch's device restored
         with torch.cuda.device(index):
-            _launch(kernel, torch.device("cuda", index), grid, arguments)
+            _launch(kernel, torch.device("cuda", index), config, arguments)
         return
     current = getattr(_CURRENT, "devices", None)
     if current is None:
@@ -166,7 +165,7 @@ def _launch(kernel, device: torch.device, grid: tuple[int, int], arguments: list
     stream = _STREAMS.get(handle)
     if stream is None:
         stream = _STREAMS[handle] = Stream.from_handle(handle)
-    launch(stream, LaunchConfig(grid=grid, block=(BLOCK, 1, 1)), kernel, *arguments)
+    launch(stream, config, kernel, *arguments)
 
 
 def _view(tensor: torch.Tensor, problem, chunks: int = 1) -> list:
@@ -189,7 +188,8 @@ class _Forward:
         self._expression = f"{op}_forward<{', '.join([t, 'int64_t', *chosen, *reads, *outputs])}>"
         self._count = len(tensors)
         # Columns in blocks of ELEMENTS * BLOCK; rows by blockIdx.y, gridDim.y apart (at most 65535).
-        self._grid = (-(-problem.n // (BLOCK * compiler.ELEMENTS)), min(problem.m, 65535))
+        self.grid = (-(-problem.n // (BLOCK * compiler.ELEMENTS)), min(problem.m, 65535))
+        self._kernel = self._config = None  # on the first launch (compiled then)
 
     def __call__(self, values: tuple) -> None:
         bound, call = self._bound, self._call
@@ -204,7 +204,9 @@ class _Forward:
         arguments += [o.data_ptr() for o in outputs]
         arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
         arguments += [np.int64(problem.m), np.int64(problem.n)]
-        _launch(bound.kernel(problem.device, self._expression, ()), problem.device, self._grid, arguments)
+        if self._kernel is None:
+            self._kernel, self._config = bound.kernel(problem.device, self._expression), _config(self.grid)
+        _launch(self._kernel, problem.device, self._config, arguments)
 
     def native_form(self) -> None:
         return None  # calls stay in Python
@@ -241,7 +243,8 @@ class _Backward:
         chunks = max(1, min(problem.m, -(-programs // columns)))
         self._rows = -(-problem.m // chunks) if problem.m else 1
         self._chunks = -(-problem.m // self._rows) if problem.m else 0
-        self._grid = (columns, self._chunks)
+        self.grid = (columns, self._chunks)
+        self._kernel = self._config = None  # on the first launch (compiled then)
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call
@@ -272,7 +275,9 @@ class _Backward:
             for buffer, form in zip(buffers, self._forms):
                 arguments += [0 if buffer is None else buffer.data_ptr(), np.bool_(form == "sums")]
             arguments += [np.int64(problem.m), np.int64(problem.n), np.int64(self._rows)]
-            _launch(bound.kernel(device, self._expression, ()), device, self._grid, arguments)
+            if self._kernel is None:
+                self._kernel, self._config = bound.kernel(device, self._expression), _config(self.grid)
+            _launch(self._kernel, device, self._config, arguments)
         elif problem.m * problem.n == 0:
             buffers = [None if b is None else b.zero_() for b in buffers]
         results = []
