@@ -121,9 +121,9 @@ def op_by_name(name: str) -> Op:
     return next(op for op in all_ops() if op.name == name)
 
 
-def build_and_import(folder: Path, spec_text: str):
+def build_and_import(folder: Path, spec_text: str, backend: str | None = None):
     """Build a spec given as YAML text into `folder` and import its module (a new spec's op,
-    for a test that needs one specs/ does not have)."""
+    for a test that needs one specs/ does not have); `backend` as `fusegen build --backend`."""
     import importlib.util
 
     from fusegen import cli
@@ -131,7 +131,7 @@ def build_and_import(folder: Path, spec_text: str):
     name = re.search(r"^name: *(\w+)", spec_text, re.M).group(1)
     spec_path = folder / f"{name}.yaml"
     spec_path.write_text(spec_text, encoding="utf-8")
-    (folder / f"{name}.py").write_text(cli.build_op(spec_path).text, encoding="utf-8")
+    (folder / f"{name}.py").write_text(cli.build_op(spec_path, backend).text, encoding="utf-8")
     module_spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -140,6 +140,12 @@ def build_and_import(folder: Path, spec_text: str):
 
 # ---------------------------------------------------------------------------
 # Params
+
+
+def shipped_as(name: str, new_name: str) -> str:
+    """The shipped spec `name`'s text under another op name (its library ops beside the shipped
+    op's, not in their place)."""
+    return re.sub(r"^name: *\w+", f"name: {new_name}", (ROOT / "specs" / f"{name}.yaml").read_text(), flags=re.M)
 
 
 def scalar_value(param: ScalarParam, is_dropout_p: bool):

@@ -10,9 +10,7 @@ graphs and torch.compile. Each op is built under its name with `_cuda` added, so
 ops (fusegen::<name>) do not replace the Triton op's in the same process."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch
 from fusegen import cli
 from fusegen.errors import SpecError
 from fusegen.runtime import FusegenArgumentError
-from tests.helpers import ShapeCase, make_inputs, op_by_name, params_for
+from tests.helpers import ShapeCase, build_and_import, make_inputs, op_by_name, params_for, shipped_as
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("add_mul_activation", "add_relu", "bias_dropout_add", "bias_geglu", "bias_gelu", "bias_gelu_dropout_add", "bias_relu",
@@ -44,15 +42,7 @@ needs_gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_NVRTC), reason="needs a CUD
 
 def _build(folder: Path, name: str):
     """The shipped spec `name`, built by the CUDA backend as `<name>_cuda`, imported."""
-    text = re.sub(r"^name: *\w+", f"name: {name}_cuda", (ROOT / "specs" / f"{name}.yaml").read_text(), flags=re.M)
-    path = folder / f"{name}_cuda.yaml"
-    path.write_text(text)
-    module_path = folder / f"{name}_cuda.py"
-    module_path.write_text(cli.build_op(path, "cuda").text)
-    spec = importlib.util.spec_from_file_location(f"{name}_cuda", module_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return build_and_import(folder, shipped_as(name, f"{name}_cuda"), "cuda")
 
 
 @pytest.fixture(scope="module")
@@ -212,13 +202,8 @@ def test_the_launcher_and_kernels_on_the_host(modules, name, tmp_path, monkeypat
 def test_names_col_and_ops_without_a_backward_kernel(tmp_path, monkeypatch, text):
     from tests.cuda_host import on_the_host
 
-    spec = tmp_path / "odd_cuda.yaml"
     inputs = "" if text.startswith("inputs") else "inputs: {x: [..., N]}\n"
-    spec.write_text(f"name: odd_cuda\ndoc: a spec\n{inputs}{text}\n")
-    (tmp_path / "odd_cuda.py").write_text(cli.build_op(spec, "cuda").text)
-    loader = importlib.util.spec_from_file_location("odd_cuda", tmp_path / "odd_cuda.py")
-    module = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(module)
+    module = build_and_import(tmp_path, f"name: odd_cuda\ndoc: a spec\n{inputs}{text}\n", "cuda")
     if HAS_NVRTC:  # the whole source compiles for the device
         op = module._OP
         compiler.compile_source(module.CUDA_SOURCE, "odd_cuda.cu", _expressions(module, "odd", "float", "float")[

@@ -4,9 +4,7 @@ and each op's first use (NVRTC compiling its forward and backward with an empty 
 first launches). `python docs/scripts/cuda_backend.py [--ops gelu,...] [--cells bf16:16384x8192,...]`
 (docs/benchmarks.md, "The CUDA backend")."""
 import argparse
-import importlib.util
 import os
-import re
 import sys
 import tempfile
 import time
@@ -17,26 +15,22 @@ from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from fusegen import cli  # noqa: E402
-from tests.helpers import ShapeCase, make_inputs, op_by_name, params_for  # noqa: E402
+from tests.helpers import ShapeCase, build_and_import, make_inputs, op_by_name, params_for, shipped_as  # noqa: E402
 
 OPS = ("add_relu", "bias_dropout_add", "bias_relu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "softcap",
        "squared_relu")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _cuda_op(folder: Path, name: str, tag: str):
+def _cuda_op(folder: Path, name: str):
     """The shipped spec `name` built by the CUDA backend as `<name>_cuda` (its library ops beside the
-    Triton op's, not in their place), imported."""
-    text = re.sub(r"^name: *\w+", f"name: {name}_cuda", (ROOT / "specs" / f"{name}.yaml").read_text(), flags=re.M)
-    spec = folder / f"{name}_cuda.yaml"
-    spec.write_text(text)
-    module_path = folder / f"{name}_cuda.py"
-    module_path.write_text(cli.build_op(spec, "cuda").text)
-    loader = importlib.util.spec_from_file_location(f"{name}_cuda_{tag}", module_path)
-    module = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(module)
-    return getattr(module, f"{name}_cuda")
+    Triton op's, not in their place), imported; built once."""
+    if name not in _BUILT:
+        _BUILT[name] = getattr(build_and_import(folder, shipped_as(name, f"{name}_cuda"), "cuda"), f"{name}_cuda")
+    return _BUILT[name]
+
+
+_BUILT: dict = {}
 
 
 def main() -> None:
@@ -51,7 +45,7 @@ def main() -> None:
         dtype_name, shape = cell.split(":")
         m, n = (int(s) for s in shape.split("x"))
         for name in args.ops.split(","):
-            cuda_fn = _cuda_op(folder, name, dtype_name)
+            cuda_fn = _cuda_op(folder, name)
             op = op_by_name(name)
             kwargs = dict(params_for(op, p=0.1), **({"training": True} if op.has_dropout else {}))
             tensors = make_inputs(op, ShapeCase("big", (m,), n), DTYPES[dtype_name], device="cuda", seed=1)

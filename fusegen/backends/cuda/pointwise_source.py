@@ -89,13 +89,7 @@ def forward_source(plan: OpPlan) -> str:
     flat = f"{row} * {n} + {col}"
     body = [line for i in kernel.inputs for line in _loads(i, pointer[i.name], stride[i.name], row, col, n)]
     body += [f"T {v};" for o in kernel.outputs for v in parts[o]] if kernel.masks else []
-    if kernel.masks:
-        masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
-                 f"{threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
-        body += [f"if ({dropout}) {{", *_indent(masks + _statements(kernel.body, printer, assign=True)), "} else {",
-                 *_indent(_statements(kernel.body_no_dropout, printer, assign=True)), "}"]
-    else:
-        body += _statements(kernel.body, printer, assign=False)
+    body += _body(kernel, printer, flat, seed, dropout, threshold, scale, assign=False)
     body += [f"{out_pointer[o]}[{row} * {_width(len(parts[o]), n)} + {_column(col, k, n)}] = fusegen::to<{out_type[o]}>({v});"
              for o in kernel.outputs for k, v in enumerate(parts[o])]
 
@@ -174,6 +168,18 @@ def _check(plan: OpPlan, locals_: set[str]) -> None:
     )
     if what is not None:
         raise CudaUnsupported(f"{plan.op}: {what} is not supported by the CUDA backend yet")
+
+
+def _body(kernel, printer: CudaPrinter, flat: str, seed: str, dropout: str, threshold: dict, scale: dict,
+          assign: bool) -> list[str]:
+    """The kernel's body at one element: with dropout, its masks drawn at the flat index and the body,
+    else the body without dropout; `assign`: the results declared before (as with dropout always)."""
+    if not kernel.masks:
+        return _statements(kernel.body, printer, assign)
+    masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
+             f"{threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
+    return [f"if ({dropout}) {{", *_indent(masks + _statements(kernel.body, printer, assign=True)), "} else {",
+            *_indent(_statements(kernel.body_no_dropout, printer, assign=True)), "}"]
 
 
 def _statements(body: Body, printer: CudaPrinter, assign: bool) -> list[str]:
@@ -270,14 +276,7 @@ def backward_source(plan: OpPlan) -> str:
                       if name == p.name}
     body += [f"const T {value} = T({pointer[k]}[{row} * {stride[k][0]} + {_column(col, c, n)} * {stride[k][1]}]);"
              for k, local, _ in read[len(kernel.inputs):] for c, value in enumerate(incoming_parts.get(local, (local,)))]
-    flat = f"{row} * {n} + {col}"
-    if kernel.masks:
-        masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
-                 f"{threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
-        body += [f"if ({dropout}) {{", *_indent(masks + _statements(kernel.body, printer, assign=True)), "} else {",
-                 *_indent(_statements(kernel.body_no_dropout, printer, assign=True)), "}"]
-    else:
-        body += _statements(kernel.body, printer, assign=True)
+    body += _body(kernel, printer, f"{row} * {n} + {col}", seed, dropout, threshold, scale, assign=True)
     chosen = [choices[p.name] for p in kernel.choices]
     types = ["typename T", "typename Index", *(f"int {c}" for c in chosen), *(f"typename {t}" for t in element_type.values())]
     template = f"template <{', '.join(types)}>"  # the element function's: its reads' types
