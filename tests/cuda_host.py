@@ -65,7 +65,7 @@ class HostKernels:
             cpp, so = self.folder / f"{key}.cpp", self.folder / f"{key}.so"
             cpp.write_text(text)
             subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{compiler.HEADER.parent}",
-                            f"-DFUSEGEN_ELEMENTS={compiler.ELEMENTS}", str(cpp), "-o", str(so)], check=True,
+                            str(cpp), "-o", str(so)], check=True,
                            capture_output=True)
             library = self._libraries[key] = ctypes.CDLL(str(so))
             library.run.restype = ctypes.c_int

@@ -120,14 +120,17 @@ def test_a_spec_names_its_backend(tmp_path, capsys):
         cli.build_op(tmp_path / "rmsnorm.yaml")
 
 
-def _expressions(module, name: str, t: str, element: str, choice: int = 0) -> tuple[str, ...]:
+def _expressions(module, name: str, t: str, element: str, choice: int = 0, pack: int = 8,
+                 index: str = "int32_t") -> tuple[str, ...]:
+    """The forward and backward kernels' name expressions, as the launcher writes them."""
     kernels = module._OP.kernels
     reads = len(kernels._reads[0])
     chosen = [[str(choice)] * len(c) for c in kernels._choices]
-    forward = f"{name}_cuda_forward<{', '.join([t, 'int64_t', *chosen[0], *[element] * (reads + len(module._OP.outputs))])}>"
-    back_reads = len(kernels._reads[1]) + len(module._OP.outputs)
+    outputs = len(module._OP.outputs)
+    forward = f"{name}_cuda_forward<{', '.join([t, index, *chosen[0], str(pack), *[element] * (reads + outputs)])}>"
+    back_reads = len(kernels._reads[1]) + outputs
     grads = len(kernels._gradients)
-    backward = f"{name}_cuda_backward<{', '.join([t, 'int64_t', *chosen[1], *[element] * back_reads, *[element] * grads])}>"
+    backward = f"{name}_cuda_backward<{', '.join([t, index, *chosen[1], str(pack), *[element] * (back_reads + grads)])}>"
     return forward, backward
 
 
@@ -136,8 +139,9 @@ def _expressions(module, name: str, t: str, element: str, choice: int = 0) -> tu
 def test_nvrtc_compiles_every_dtype(modules, name, tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEGEN_CACHE_DIR", str(tmp_path))
     module = modules[name]
-    for t, element in (("float", "float"), ("float", "__nv_bfloat16"), ("float", "__half"), ("double", "double")):
-        expressions = _expressions(module, name, t, element)
+    for t, element, pack in (("float", "float", 4), ("float", "__nv_bfloat16", 8), ("float", "__half", 1),
+                             ("double", "double", 4)):
+        expressions = _expressions(module, name, t, element, pack=pack, index="int64_t" if pack == 1 else "int32_t")
         binary = compiler.compile_source(module.CUDA_SOURCE, f"{name}_cuda.cu", expressions, "sm_90")
         assert set(binary.lowered) == set(expressions) and binary.cubin[:4] == b"\x7fELF"
         # The second time from the cache folder, without NVRTC.
@@ -191,6 +195,40 @@ def test_the_launcher_and_kernels_on_the_host(modules, name, tmp_path, monkeypat
             for dtype in (torch.float64, torch.float32):
                 _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
     assert launches, "nothing launched"
+
+
+@needs_host_build
+def test_packs_follow_the_views(modules, tmp_path, monkeypatch):
+    """A thread's pack of elements: 4 fp32 values (vector loads) where every row is aligned, 1
+    where a view is misaligned or strided, 8 where the launcher would take it; the same values,
+    masks and gradients each way."""
+    from fusegen.backends.cuda import launch as cuda_launch
+    from tests.cuda_host import on_the_host
+
+    module = modules["bias_dropout_add"]
+    base = torch.randn(6 * 64 + 1)
+    bias, residual = torch.randn(64), torch.randn(6, 64)
+    views = {4: base[:384].view(6, 64), 1: base[1:385].view(6, 64)}  # the second 4 bytes off: no vector loads
+    views[0] = torch.randn(6, 128)[:, ::2]  # strided columns: pack 1 too
+    with on_the_host(tmp_path, monkeypatch) as launches:
+        for pack, x in views.items():
+            ours = [x.detach().requires_grad_(), bias.clone().requires_grad_()]
+            exact = [x.detach().clone().requires_grad_(), bias.clone().requires_grad_()]
+            y = module.bias_dropout_add_cuda(*ours, residual, 0.3, seed=99)
+            want = module.reference(*exact, residual, 0.3, seed=99)
+            torch.testing.assert_close(y, want)
+            assert f"int32_t, {max(pack, 1)}, float" in launches[-1][0], launches[-1]  # the forward's pack
+            g = torch.randn(6, 64)
+            y.backward(g)
+            want.backward(g)
+            for a, b in zip(ours, exact):  # x's written, bias's summed over blocks of rows
+                torch.testing.assert_close(a.grad, b.grad)
+        original = cuda_launch._pack
+        monkeypatch.setattr(cuda_launch, "_pack", lambda *a: 8 if original(*a) == 4 else original(*a))
+        x = torch.randn(6, 64, requires_grad=True)
+        y = module.bias_dropout_add_cuda(x, bias, residual, 0.3, seed=99)
+        torch.testing.assert_close(y, module.reference(x.detach(), bias, residual, 0.3, seed=99))
+        assert "int32_t, 8, float" in launches[-1][0]
 
 
 @needs_host_build

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fusegen.backends import codegen
-from fusegen.backends.cuda.pointwise_source import CudaUnsupported, backward_source, forward_source
+from fusegen.backends.cuda.pointwise_source import CudaUnsupported, uses_col, backward_source, forward_source
 from fusegen.ir import build_ir
 from fusegen.planning import plan as build_plan
 from fusegen.runtime import dropout_scale
@@ -57,30 +57,48 @@ def _suffix(chosen: str) -> str:
     return chosen.replace(", ", "_c")
 
 
+def _element_call(kernel, function: str, t: str, chosen: str, reads: int, results: list[str]) -> list[str]:
+    """The C++ lines that read each value at (row, col) through in<k>'s strides (chunk c at col +
+    c·N), draw each mask's multiplier as a kernel's pack of one does, and call `function`."""
+    values = [f"v{k}_{c}" for k, count in enumerate(reads) for c in range(count)]
+    lines = [f"const {t} v{k}_{c} = in{k}[row * in{k}_m + (col + {c} * N) * in{k}_n];"
+             for k, count in enumerate(reads) for c in range(count)]
+    ps = list(dict.fromkeys(m.p.name for m in kernel.masks))
+    masks = [f"m{k}" for k, _ in enumerate(kernel.masks)]
+    lines += [f"{t} m{k}[1]; fusegen::dropout_multipliers<1>(m{k}, has_dropout, seed, row * N + col, {mask.stream}u, "
+              f"threshold{ps.index(mask.p.name)}, scale{ps.index(mask.p.name)});" for k, mask in enumerate(kernel.masks)]
+    arguments = values + (["T_(col)".replace("T_", t)] if uses_col(kernel.body, kernel.body_no_dropout) else [])
+    arguments += [f"scalar{k}" for k, _ in enumerate(kernel.scalars)]
+    arguments += ["has_dropout", *(f"{m}[0]" for m in masks)] if kernel.masks else []
+    lines += [f"{t} {', '.join(results)};", f"{function}<{t}{chosen}>({', '.join(arguments + results)});"]
+    return lines
+
+
+def _dropout_parameters(kernel, t: str) -> list[str]:
+    ps = list(dict.fromkeys(m.p.name for m in kernel.masks))
+    return ["uint64_t seed, bool has_dropout"] + [f"int32_t threshold{k}, {t} scale{k}" for k, _ in enumerate(ps)] \
+        if kernel.masks else []
+
+
 def _backward_harness(plan, chosen: str = "") -> str:
     """extern "C" run_backward: the backward's element function over M x N in double, each gradient
     written in full [M, N] (the test sums a broadcast input's, as the kernel's column sums would)."""
     kernel = plan.backward
-    reads = len(kernel.inputs) + len(kernel.incoming)
+    parts = {g: p.incoming for p in plan.output_parts for (name, _), g in zip(plan.outputs, kernel.incoming)
+             if name == p.name}
+    reads = [len(i.values) for i in kernel.inputs] + [len(parts.get(g, (g,))) for g in kernel.incoming]
     gradients = [v for g in kernel.gradients for v in g.values]
-    parameters = [f"const double* in{k}, int64_t in{k}_m, int64_t in{k}_n" for k in range(reads)]
-    parameters += [f"double scalar{k}" for k, _ in enumerate(kernel.scalars)]
-    ps = list(dict.fromkeys(m.p.name for m in kernel.masks))
-    if kernel.masks:
-        parameters += ["uint64_t seed, bool has_dropout"] + [f"int32_t threshold{k}, double scale{k}" for k, _ in enumerate(ps)]
+    parameters = [f"const double* in{k}, int64_t in{k}_m, int64_t in{k}_n" for k, _ in enumerate(reads)]
+    parameters += [f"double scalar{k}" for k, _ in enumerate(kernel.scalars)] + _dropout_parameters(kernel, "double")
     parameters += [f"double* grad{k}" for k, _ in enumerate(gradients)]
-    arguments = [f"in{k}, in{k}_m, in{k}_n" for k in range(reads)] + [f"scalar{k}" for k, _ in enumerate(kernel.scalars)]
-    if kernel.masks:
-        arguments += ["seed, has_dropout"] + [f"threshold{k}, scale{k}" for k, _ in enumerate(ps)]
-    values = ", ".join(f"g{k}" for k, _ in enumerate(gradients))
-    stores = " ".join(f"grad{k}[row * N + col] = g{k};" for k, _ in enumerate(gradients))
+    results = [f"g{k}" for k, _ in enumerate(gradients)]
+    body = _element_call(kernel, f"{plan.op}_backward_element", "double", chosen, reads, results)
+    body += [f"grad{k}[row * N + col] = g{k};" for k, _ in enumerate(gradients)]
     return f"""
 extern "C" void run_backward{_suffix(chosen)}({', '.join(parameters)}, int64_t M, int64_t N) {{
   for (int64_t row = 0; row < M; ++row)
     for (int64_t col = 0; col < N; ++col) {{
-      double {values};
-      {plan.op}_backward_element<double, int64_t{chosen}>(row, col, {', '.join(arguments)}, N, {values});
-      {stores}
+      {(chr(10) + "      ").join(body)}
     }}
 }}
 """
@@ -93,23 +111,23 @@ def _plan(name: str):
 
 
 def _harness(plan, dtype: str, chosen: str = "") -> str:
-    """extern "C" run_<dtype>: the element function over M x N, arguments as forward_source orders them."""
+    """extern "C" run_<dtype>: the element function over M x N, each output [M, parts·N]."""
     kernel = plan.forward
+    parts = {p.name: p.values for p in plan.output_parts}
+    outputs = [parts.get(name, (o,)) for (name, _), o in zip(plan.outputs, kernel.outputs)]
     parameters = [f"const {dtype}* in{k}, int64_t in{k}_m, int64_t in{k}_n" for k, _ in enumerate(kernel.inputs)]
     parameters += [f"{dtype}* out{k}" for k, _ in enumerate(kernel.outputs)]
-    parameters += [f"{dtype} scalar{k}" for k, _ in enumerate(kernel.scalars)]
-    ps = list(dict.fromkeys(m.p.name for m in kernel.masks))
-    if kernel.masks:
-        parameters += ["uint64_t seed, bool has_dropout"] + [f"int32_t threshold{k}, {dtype} scale{k}" for k, _ in enumerate(ps)]
-    arguments = [f"in{k}, in{k}_m, in{k}_n" for k, _ in enumerate(kernel.inputs)]
-    arguments += [f"out{k}" for k, _ in enumerate(kernel.outputs)] + [f"scalar{k}" for k, _ in enumerate(kernel.scalars)]
-    if kernel.masks:
-        arguments += ["seed, has_dropout"] + [f"threshold{k}, scale{k}" for k, _ in enumerate(ps)]
+    parameters += [f"{dtype} scalar{k}" for k, _ in enumerate(kernel.scalars)] + _dropout_parameters(kernel, dtype)
+    results = [f"o{k}_{c}" for k, values in enumerate(outputs) for c, _ in enumerate(values)]
+    body = _element_call(kernel, f"{plan.op}_element", dtype, chosen, [len(i.values) for i in kernel.inputs], results)
+    body += [f"out{k}[row * {len(values)} * N + col + {c} * N] = o{k}_{c};"
+             for k, values in enumerate(outputs) for c, _ in enumerate(values)]
     return f"""
 extern "C" void run_{dtype}{_suffix(chosen)}({', '.join(parameters)}, int64_t M, int64_t N) {{
   for (int64_t row = 0; row < M; ++row)
-    for (int64_t col = 0; col < N; ++col)
-      {plan.op}_element<{dtype}, int64_t{chosen}>(row, col, {', '.join(arguments)}, N);
+    for (int64_t col = 0; col < N; ++col) {{
+      {(chr(10) + "      ").join(body)}
+    }}
 }}
 """
 
@@ -269,42 +287,25 @@ def test_unsupported_plans_are_one_line_errors(tmp_path):
 
 
 def test_the_source_compiles_as_sm90_device_code(built, tmp_path):
-    """Each op's .cu with its kernel instantiated for float and double, and for bf16 and fp16
-    elements computed in float."""
+    """Each op's .cu with its kernels instantiated for float and double, and for bf16 and fp16
+    elements computed in float, by packs of 1, 4 and 8, with nvcc's warnings as errors."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc here: the device build is checked where the CUDA toolkit is installed")
     for name, (plan, _, source) in built.items():
-        if name not in NO_BACKWARD:  # the backward kernel too, its reads and gradients in the element type
-            kernel = plan.backward
-            reads = len(kernel.inputs) + len(kernel.incoming)
-            grads = len(kernel.gradients)  # one buffer a gradient, its chunks side by side
-            parameters = [f"const {{e}}*, int64_t, int64_t"] * reads + ["{t}"] * len(kernel.scalars)
-            if kernel.masks:
-                parameters += ["const int64_t*, bool"] + ["int32_t, {t}"] * len(set(m.p.name for m in kernel.masks))
-            parameters += ["{e}*, bool"] * grads + ["int64_t, int64_t, int64_t"]
-            backward = [f"template __global__ void {name}_backward<{t}, int64_t{c}, {', '.join([e] * (reads + grads))}>("
-                        + ", ".join(parameters).format(t=t, e=e) + ");\n" for t, e in
-                        (("float", "float"), ("double", "double"), ("float", "__nv_bfloat16")) for c in _chosen(plan)]
-        else:
-            backward = []
-        types = len(plan.forward.inputs) + len(plan.forward.outputs)
-        pairs = [("float", "float"), ("double", "double"), ("float", "__nv_bfloat16"), ("float", "__half")]
+        forward_types = len(plan.forward.inputs) + len(plan.forward.outputs)
+        backward_types = len(plan.backward.inputs) + len(plan.backward.incoming) + len(plan.backward.gradients)
+        kernels = [f"{name}_forward<{t}, {index}{c}, {pack}, {', '.join([e] * forward_types)}>"
+                   for t, e in (("float", "float"), ("double", "double"), ("float", "__nv_bfloat16"), ("float", "__half"))
+                   for c in _chosen(plan) for pack, index in ((1, "int64_t"), (4, "int32_t"), (8, "int64_t"))]
+        if name not in NO_BACKWARD and plan.backward.gradients:
+            kernels += [f"{name}_backward<{t}, {index}{c}, {pack}, {', '.join([e] * backward_types)}>"
+                        for t, e in (("float", "float"), ("double", "double"), ("float", "__nv_bfloat16"))
+                        for c in _chosen(plan) for pack, index in ((1, "int64_t"), (8, "int32_t"))]
         unit = tmp_path / f"{name}_device.cu"
-        unit.write_text(f'#include "{source.name}"\n' + "".join(
-            _instance(f"template __global__ void {name}_forward<{t}, int64_t{c}, {', '.join([e] * types)}>(", plan, t, e)
-            for t, e in pairs for c in _chosen(plan)) + "".join(backward))
+        unit.write_text(f'#include "{source.name}"\nvoid* instances[] = {{\n' +
+                        "".join(f"    (void*)&{k},\n" for k in kernels) + "};\n")
         result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", "--Werror", "all-warnings", "-I", str(HEADER),
-                                 "-I", str(source.parent),
-                                 str(unit), "-o", str(tmp_path / f"{name}.o")], capture_output=True, text=True)
+                                 "-I", str(source.parent), str(unit), "-o", str(tmp_path / f"{name}.o")],
+                                capture_output=True, text=True)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
-
-
-def _instance(head: str, plan, t: str, element: str) -> str:
-    """An explicit instantiation of the forward kernel for compute type t and element type `element`."""
-    kernel = plan.forward
-    parameters = [f"const {element}*, int64_t, int64_t" for _ in kernel.inputs] + [f"{element}*" for _ in kernel.outputs]
-    parameters += [t for _ in kernel.scalars]
-    if kernel.masks:
-        parameters += ["const int64_t*, bool"] + [f"int32_t, {t}" for _ in dict.fromkeys(m.p.name for m in kernel.masks)]
-    return head + ", ".join(parameters + ["int64_t, int64_t"]) + ");\n"

@@ -67,7 +67,23 @@ void dropout_words(uint64_t seed, const int64_t* index, int64_t n, uint32_t stre
 }}
 void dropout_multipliers(uint64_t seed, const int64_t* index, int64_t n, uint32_t stream, int32_t threshold,
                          float scale, float* out) {{
-  for (int64_t i = 0; i < n; ++i) out[i] = fusegen::dropout_multiplier<float>(seed, index[i], stream, threshold, scale);
+  for (int64_t i = 0; i < n; ++i) out[i] = fusegen::dropout_multiplier<float>(fusegen::dropout_word(seed, index[i], stream),
+                                                                             threshold, scale);
+}}
+// The kernels' packs: eight elements from a multiple of 8 on (two Philox calls), or one (a call each).
+void dropout_packs(uint64_t seed, int64_t first, int64_t packs, int pack, uint32_t stream, int32_t threshold,
+                   float scale, float* out) {{
+  for (int64_t i = 0; i < packs; ++i) {{
+    if (pack == 8) {{
+      float m[8];
+      fusegen::dropout_multipliers<8>(m, true, seed, first + 8 * i, stream, threshold, scale);
+      for (int k = 0; k < 8; ++k) out[8 * i + k] = m[k];
+    }} else {{
+      float m[1];
+      fusegen::dropout_multipliers<1>(m, true, seed, first + i, stream, threshold, scale);
+      out[i] = m[0];
+    }}
+  }}
 }}
 }}
 """
@@ -157,6 +173,14 @@ def test_dropout_words_are_the_references_bit_for_bit(library, seed, stream):
                                 ctypes.c_int32(dropout_threshold(p)), ctypes.c_float(1 / (1 - p)),
                                 multipliers.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
     assert torch.equal(torch.from_numpy(multipliers) != 0, keep)
+    for first in (0, 2**34 - 8):  # a kernel's packs of 8 and of 1 from there on
+        for pack in (8, 1):
+            packs = np.empty(4096, dtype=np.float32)
+            library.dropout_packs(ctypes.c_uint64(seed), ctypes.c_int64(first), ctypes.c_int64(4096 // pack),
+                                  ctypes.c_int(pack), ctypes.c_uint32(stream), ctypes.c_int32(dropout_threshold(p)),
+                                  ctypes.c_float(1 / (1 - p)), packs.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+            keep = dropout_keep(seed, torch.arange(first, first + 4096, dtype=torch.int64), stream, p)
+            assert torch.equal(torch.from_numpy(packs) != 0, keep), (first, pack)
 
 
 def test_the_code_compiles_as_sm90_device_code(tmp_path):
@@ -175,7 +199,7 @@ __global__ void all_cases(const T* x, const T* y, T* out, int64_t n) {{
   if (i >= n) return;
   out[i] = T(0);
 {calls}
-  out[i] *= fusegen::dropout_multiplier<T>(1234u, i, 0u, 1 << 23, T(2));
+  out[i] *= fusegen::dropout_multiplier<T>(fusegen::dropout_word(1234u, i, 0u), 1 << 23, T(2));
 }}
 template __global__ void all_cases<float>(const float*, const float*, float*, int64_t);
 template __global__ void all_cases<double>(const double*, const double*, double*, int64_t);

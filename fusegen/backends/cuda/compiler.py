@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HEADER = Path(__file__).with_name("csrc") / "fusegen_cuda.cuh"
-ELEMENTS = 4  # a forward thread's elements (FUSEGEN_ELEMENTS): the launcher's grid is cut to it
-OPTIONS = ("-std=c++17", "--fmad=true", f"-DFUSEGEN_ELEMENTS={ELEMENTS}")  # no fast math: rounded as torch rounds
+OPTIONS = ("-std=c++17", "--fmad=true")  # no fast math: rounded as torch rounds
 
 
 class CudaBackendMissing(RuntimeError):

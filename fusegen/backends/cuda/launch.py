@@ -2,12 +2,14 @@
 source, compiled by NVRTC on first use per dtype combination (compiler.py), launched through
 cuda-core on torch's current stream (so CUDA graphs capture the launches).
 
-The pointwise kind: the forward four elements a thread (compiler.ELEMENTS), the backward one
-thread a column and a chunk of rows (pointwise_source.py). Each input is read through its [M, N] view's strides, as the
-Triton kernels read it (runtime.views); a gradient is written as the input's own dtype where the
-input is the problem's shape, summed over each chunk's rows where the input is one row broadcast
-to all (a [chunks, N] buffer in the compute type that torch then adds up in order: deterministic),
-else written whole in the compute type and summed to the input's shape by torch.
+The pointwise kind (pointwise_source.py): a forward thread takes a pack of adjacent elements of a
+row, a backward thread a pack of columns over a block of rows; the pack is 16 bytes of vector
+loads where the call's views allow it (_pack), else one element. Each input is read through its
+[M, N] view's strides, as the Triton kernels read it (runtime.views); a gradient is written as the
+input's own dtype where the input is the problem's shape, summed over each block's rows where the
+input is one row broadcast to all (a [blocks, N] buffer in the compute type that torch then adds
+up in order: deterministic), else written whole in the compute type and summed to the input's
+shape by torch.
 
 Not yet: launches recorded in a compiled graph (the library ops stay opaque to torch.compile),
 the C++ eager call (calls stay in Python), DTensor shards."""
@@ -168,52 +170,89 @@ def _launch(kernel, device: torch.device, config, arguments: list) -> None:
     launch(stream, config, kernel, *arguments)
 
 
-def _view(tensor: torch.Tensor, problem, chunks: int = 1) -> list:
-    """A pointer and the [M, chunks·N] view's strides (the view a copy where no strides make it)."""
-    view, stride_m, stride_n = view_2d(tensor, problem, chunks)
-    return [view.data_ptr(), np.int64(stride_m), np.int64(stride_n)], view
+def _views(tensors, indices, chunks, problem) -> list[tuple[torch.Tensor, int, int]]:
+    """Each read tensor's [M, chunks·N] view and strides (the view a copy where no strides make it)."""
+    return [view_2d(tensors[i], problem, chunks[i]) for i in indices]
+
+
+def _pack(problem, views, outputs) -> int:
+    """Elements a thread takes side by side: 16 bytes of the narrowest element type (at least 4,
+    for dropout's groups of four; at most 8), where every view's column stride is 1 or 0 (one
+    value for the row), N a multiple of the pack and each row of a view and each output aligned to
+    it (pointwise_source); else 1."""
+    sizes = [v.element_size() for v, _, _ in views] + [o.element_size() for o in outputs]
+    pack = min(8, max(4, 16 // min(sizes)))
+    if problem.n % pack:
+        return 1
+    for view, stride_m, stride_n in views:
+        if stride_n == 0:
+            continue
+        if stride_n != 1 or (problem.m > 1 and stride_m % pack) or view.data_ptr() % (pack * view.element_size()):
+            return 1
+    if any(o.data_ptr() % (pack * o.element_size()) for o in outputs):
+        return 1
+    return pack
+
+
+def _index(problem, views, widest: int) -> type:
+    """int32 index arithmetic where no element offset, nor a thread's number, can reach 2**31."""
+    last = problem.m * problem.n * widest + BLOCK * 8
+    for view, stride_m, stride_n in views:
+        width = view.shape[-1] if view.dim() else 1
+        last = max(last, (problem.m - 1) * abs(stride_m) + (width - 1) * abs(stride_n) + 1)
+    return np.int32 if last < 2**31 else np.int64
+
+
+_INDEX = {np.int32: "int32_t", np.int64: "int64_t"}
 
 
 class _Forward:
-    """The forward's launch for one call key: `launch((*tensors, *outputs, statistics, seed))`."""
+    """The forward's launch for one call key: `launch((*tensors, *outputs, statistics, seed))`,
+    Pack and the index type chosen at each call (its pointers' alignment), a kernel each."""
 
     def __init__(self, bound: _BoundCuda, call, tensors):
         self._bound, self._call = bound, call
         problem = call.problem
-        op = bound.kernels.op
         t = _C_TYPES[problem.compute_dtype]
         reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[0]]
         outputs = [_C_TYPES[bound.op.output_dtype(problem, j)] for j in range(len(bound.op.outputs))]
-        chosen = bound.template_choices(call, 0)
-        self._expression = f"{op}_forward<{', '.join([t, 'int64_t', *chosen, *reads, *outputs])}>"
+        self._types = (t, bound.template_choices(call, 0), [*reads, *outputs])
         self._count = len(tensors)
-        # Columns in blocks of ELEMENTS * BLOCK; rows by blockIdx.y, gridDim.y apart (at most 65535).
-        self.grid = (-(-problem.n // (BLOCK * compiler.ELEMENTS)), min(problem.m, 65535))
-        self._kernel = self._config = None  # on the first launch (compiled then)
+        self._widest = max([*(bound.chunks[i] for i in bound._reads[0]), *bound.op.output_parts, 1])
+        self._kernels: dict[tuple, tuple] = {}  # (pack, index) → (kernel, launch config), compiled on first use
+
+    def expression(self, pack: int, index: type) -> str:
+        t, chosen, types = self._types
+        return f"{self._bound.kernels.op}_forward<{', '.join([t, _INDEX[index], *chosen, str(pack), *types])}>"
+
+    def grid(self, pack: int) -> tuple[int, int]:
+        problem = self._call.problem
+        return (-(-problem.m * (problem.n // pack) // BLOCK), 1)
 
     def __call__(self, values: tuple) -> None:
         bound, call = self._bound, self._call
         problem = call.problem
         tensors, rest = values[:self._count], values[self._count:]
         outputs, seed = rest[:-2], rest[-1]
-        arguments, keep = [], []
-        for i in bound._reads[0]:
-            pointer, view = _view(tensors[i], problem, bound.chunks[i])
-            arguments += pointer
-            keep.append(view)  # a copied view lives until the launch is queued
+        views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
+        pack, index = _pack(problem, views, outputs), _index(problem, views, self._widest)
+        arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
         arguments += [o.data_ptr() for o in outputs]
         arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
-        arguments += [np.int64(problem.m), np.int64(problem.n)]
-        if self._kernel is None:
-            self._kernel, self._config = bound.kernel(problem.device, self._expression), _config(self.grid)
-        _launch(self._kernel, problem.device, self._config, arguments)
+        arguments += [index(problem.m), index(problem.n)]
+        launch = self._kernels.get((pack, index))
+        if launch is None:
+            launch = self._kernels[(pack, index)] = (bound.kernel(problem.device, self.expression(pack, index)),
+                                                     _config(self.grid(pack)))
+        _launch(launch[0], problem.device, launch[1], arguments)
 
     def native_form(self) -> None:
         return None  # calls stay in Python
 
 
 class _Backward:
-    """The backward's launch for one call key, incoming gradients' layout and `needs`."""
+    """The backward's launch for one call key, incoming gradients' layout and `needs`; Pack and
+    the index type chosen at each call, as the forward's."""
 
     def __init__(self, bound: _BoundCuda, call, tensors, grads, needs):
         self._bound, self._call, self._needs = bound, call, tuple(needs)
@@ -235,21 +274,44 @@ class _Backward:
                 form = "whole"
             self._forms.append(form)
         grad_types = [_C_TYPES[tensors[i].dtype] if form == "write" else t for i, form in zip(bound._gradients, self._forms)]
-        op = bound.kernels.op
-        chosen = bound.template_choices(call, 1)
-        self._expression = f"{op}_backward<{', '.join([t, 'int64_t', *chosen, *reads, *grad_types])}>"
-        columns = -(-problem.n // BLOCK)
-        programs = 4 * torch.cuda.get_device_properties(problem.device).multi_processor_count if problem.launches else 1
-        chunks = max(1, min(problem.m, -(-programs // columns)))
-        self._rows = -(-problem.m // chunks) if problem.m else 1
-        self._chunks = -(-problem.m // self._rows) if problem.m else 0
-        self.grid = (columns, self._chunks)
-        self._kernel = self._config = None  # on the first launch (compiled then)
+        self._types = (t, bound.template_choices(call, 1), [*reads, *grad_types])
+        self._widest = max([*(bound.chunks[i] for i in bound._reads[1]), *bound.op.output_parts,
+                            *(bound.chunks[i] for i in bound._gradients), 1])
+        self._kernels: dict[tuple, tuple] = {}  # (pack, index) → (kernel, launch config), compiled on first use
+        self._geometry: dict[int, tuple] = {}  # pack → geometry(pack)
+
+    def expression(self, pack: int, index: type) -> str:
+        t, chosen, types = self._types
+        return f"{self._bound.kernels.op}_backward<{', '.join([t, _INDEX[index], *chosen, str(pack), *types])}>"
+
+    def geometry(self, pack: int) -> tuple[tuple[int, int], int]:
+        """The grid (blocks of BLOCK packs of columns, blocks of rows) and a block's rows: where a
+        gradient is summed over rows, about four blocks an SM (each block's sums one row of the
+        buffer torch adds up); else a block a row, up to 65535 blocks."""
+        problem = self._call.problem
+        columns = max(1, -(-(problem.n // pack) // BLOCK))
+        if "sums" in self._forms:
+            programs = 4 * torch.cuda.get_device_properties(problem.device).multi_processor_count
+            chunks = max(1, min(problem.m, -(-programs // columns)))
+        else:
+            chunks = max(1, min(problem.m, 65535))
+        rows = -(-problem.m // chunks) if problem.m else 1
+        return (columns, -(-problem.m // rows) if problem.m else 0), rows
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call
         problem = call.problem
         device, compute = problem.device, problem.compute_dtype
+        views = []
+        if problem.launches:
+            views = _views(tensors, bound._reads[1], bound.chunks, problem)
+            views += [view_2d(g, problem, parts) for g, parts in zip(grads, bound.op.output_parts)]  # parts: [M, k·N]
+        # The buffers are torch's (aligned, each row a multiple of the pack): only the reads decide.
+        pack = _pack(problem, views, []) if views else 1
+        geometry = self._geometry.get(pack)
+        if geometry is None:
+            geometry = self._geometry[pack] = self.geometry(pack) if problem.launches else ((1, problem.m), 1)
+        grid, rows = geometry
         buffers = []
         for i, form in zip(bound._gradients, self._forms):
             width = problem.n * bound.chunks[i]
@@ -258,26 +320,21 @@ class _Backward:
             elif form == "write":
                 buffers.append(torch.empty((*problem.shape[:-1], width), dtype=tensors[i].dtype, device=device))
             elif form == "sums":
-                buffers.append(torch.empty((self._chunks, width), dtype=compute, device=device))
+                buffers.append(torch.empty((grid[1], width), dtype=compute, device=device))
             else:
                 buffers.append(torch.empty((problem.m, width), dtype=compute, device=device))
         if problem.launches:
-            arguments, keep = [], []
-            for i in bound._reads[1]:
-                pointer, view = _view(tensors[i], problem, bound.chunks[i])
-                arguments += pointer
-                keep.append(view)
-            for g, parts in zip(grads, bound.op.output_parts):  # an output in parts: [M, k·N]
-                pointer, view = _view(g, problem, parts)
-                arguments += pointer
-                keep.append(view)
+            index = _index(problem, views, self._widest)
+            arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
             arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)
             for buffer, form in zip(buffers, self._forms):
                 arguments += [0 if buffer is None else buffer.data_ptr(), np.bool_(form == "sums")]
-            arguments += [np.int64(problem.m), np.int64(problem.n), np.int64(self._rows)]
-            if self._kernel is None:
-                self._kernel, self._config = bound.kernel(device, self._expression), _config(self.grid)
-            _launch(self._kernel, device, self._config, arguments)
+            arguments += [index(problem.m), index(problem.n), index(rows)]
+            launch = self._kernels.get((pack, index))
+            if launch is None:
+                launch = self._kernels[(pack, index)] = (bound.kernel(device, self.expression(pack, index)),
+                                                         _config(grid))
+            _launch(launch[0], device, launch[1], arguments)
         elif problem.m * problem.n == 0:
             buffers = [None if b is None else b.zero_() for b in buffers]
         results = []
@@ -286,7 +343,7 @@ class _Backward:
                 continue
             k = bound._gradients.index(i)
             buffer, form, tensor = buffers[k], self._forms[k], tensors[i]
-            if form == "sums":  # each chunk's sums, added up in order: the input's N values
+            if form == "sums":  # each block's sums, added up in order: the input's N values
                 buffer = buffer.sum(0).to(tensor.dtype)
             elif form == "whole":
                 whole = (*problem.shape[:-1], problem.n * bound.chunks[i])

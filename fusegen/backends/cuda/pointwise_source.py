@@ -1,22 +1,25 @@
 """The pointwise kind's kernels in CUDA C++ (issue 33, step 2 of docs/design/cuda-backend-plan.md).
 
-The forward: the plan's forward body for one element of the [M, N] problem (`<op>_element`,
-FUSEGEN_HD: the tests run it on the host) and a `__global__` kernel of four elements a thread
-around it. The backward: each gradient the backward body computes at one element
-(`<op>_backward_element`) and a kernel of one thread a column and a block of rows, which writes
-each gradient or sums it over the block where its input is broadcast along rows. compiler.py
-compiles them at run time, launch.py launches them.
+The forward: the plan's forward body at one element (`<op>_element`: the outputs from the inputs'
+values there, FUSEGEN_HD, so the tests can run it on the host) and a `__global__` kernel around
+it of Pack adjacent elements of a row a thread. The backward: each gradient the backward body
+computes at one element (`<op>_backward_element`) and a kernel of Pack adjacent columns a thread
+over a block of rows, which writes each gradient or sums it over the block where its input is
+broadcast along rows. compiler.py compiles them at run time, launch.py launches them and picks
+Pack.
 
 Each input is read as the Triton kernels read it, through an [M, k·N] view's two strides (0 where
-broadcast; k chunks side by side), converted to the compute type T; a choice param's functions are
-templates on the choice's index; dropout's multiplier is drawn at the element's flat index, as
-theirs (fusegen_cuda.cuh). What this backend does not render raises CudaUnsupported, one line
-naming it."""
+broadcast; k chunks side by side), converted to the compute type T: with Pack > 1 a vector load
+a pack (fusegen::load), with Pack 1 an element at a time at any strides. A choice param's
+functions are templates on the choice's index; dropout's multipliers are drawn at the elements'
+flat indices, as the Triton kernels' (fusegen_cuda.cuh; one Philox call for four elements). What
+this backend does not render raises CudaUnsupported, one line naming it."""
 from __future__ import annotations
 
 import re
 
 from fusegen.backends import Unsupported
+from fusegen.functions import COL
 from fusegen.names import Namer
 from fusegen.plan import Body, OpPlan
 
@@ -60,87 +63,112 @@ def forward_source(plan: OpPlan) -> str:
     out_type = {local: namer.claim(f"{local.capitalize()}Type") for local in kernel.outputs}
     threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
     scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
-    row, col, n, m, seed, dropout, index, step = (namer.claim(w) for w in ("row", "col", "N", "M", "seed", "has_dropout",
-                                                                            "first_col", "k"))
+    row, col, n, m, seed, dropout, pack, packs, step, seed_pointer = (namer.claim(w) for w in (
+        "row", "col", "N", "M", "seed", "has_dropout", "pack", "packs", "k", "seed_ptr"))
     chosen = [choices[p.name] for p in kernel.choices]  # each choice param's index: a template argument
-    types = ["typename T", "typename Index", *(f"int {c}" for c in chosen),
-             *(f"typename {t}" for t in (*element_type.values(), *out_type.values()))]
+    parts = _parts(plan)  # each output's values: itself, or its parts side by side ([..., k·N])
+    results = [v for o in kernel.outputs for v in parts[o]]
+    printer = CudaPrinter(helpers, choices)
+    printer.column = f"{col}"  # a T in the element function (never integer arithmetic)
+    column = uses_col(kernel.body, kernel.body_no_dropout)
+
+    element = [", ".join(f"T {v.local}" for i in kernel.inputs for v in i.values) + ",  // the inputs' values"]
+    element += [f"T {col},  // the element's column"] if column else []
+    element += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    if kernel.masks:
+        element.append(f"bool {dropout}, {', '.join(f'T {mask.local}' for mask in kernel.masks)},  // dropout on "
+                       "(training, p above 0); its multipliers at the element")
+    element.append(", ".join(f"T& {v}" for v in results))
+
     parameters = [f"const {element_type[i.name]}* __restrict__ {pointer[i.name]}, Index {stride[i.name][0]}, "
                   f"Index {stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, {_shown(len(i.values))}]"
                   for i in kernel.inputs]
-    parts = _parts(plan)  # each output's values: itself, or its parts side by side ([..., k·N])
     parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous [M, {_shown(len(parts[o]))}]"
                    + (", its parts side by side" if len(parts[o]) > 1 else "")
                    for (name, _), o in zip(plan.outputs, kernel.outputs)]
     parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
-    if kernel.masks:
-        parameters += [f"uint64_t {seed}, bool {dropout},  // dropout's seed; off: training False or p 0"]
-        parameters += [f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale"
-                       for p in dict.fromkeys(mask.p.name for mask in kernel.masks)]
-    parameters.append(f"Index {n}")
-    arguments = [pointer[i.name] + f", {stride[i.name][0]}, {stride[i.name][1]}" for i in kernel.inputs]
-    arguments += [out_pointer[o] for o in kernel.outputs] + [p.local for p in kernel.scalars]
-    if kernel.masks:
-        arguments += [seed, dropout, *(f"{threshold[p]}, {scale[p]}" for p in dict.fromkeys(m.p.name for m in kernel.masks))]
-    arguments.append(n)
-
-    printer = CudaPrinter(helpers, choices)
-    printer.column = f"T({col})"  # the element's column as a T, as the backward's: never integer arithmetic
-    flat = f"{row} * {n} + {col}"
-    body = [line for i in kernel.inputs for line in _loads(i, pointer[i.name], stride[i.name], row, col, n)]
-    body += [f"T {v};" for o in kernel.outputs for v in parts[o]] if kernel.masks else []
-    body += _body(kernel, printer, flat, seed, dropout, threshold, scale, assign=False)
-    body += [f"{out_pointer[o]}[{row} * {_width(len(parts[o]), n)} + {_column(col, k, n)}] = fusegen::to<{out_type[o]}>({v});"
-             for o in kernel.outputs for k, v in enumerate(parts[o])]
-
-    template = f"template <{', '.join(types)}>"
     # The kernel reads the seed from the one-element int64 tensor the runtime draws on the device
     # (no host sync; a CUDA graph replays the draw), as the Triton kernels do.
-    seed_pointer = namer.claim("seed_ptr")
-    kernel_parameters = [f"const int64_t* {seed_pointer}, bool {dropout},  // the seed tensor's one element; off: "
-                         "training False or p 0" if p.startswith("uint64_t ") else p for p in parameters[:-1]]
+    parameters += _dropout_parameters(kernel, seed_pointer, dropout, threshold, scale)
+
+    loads = [f"T {', '.join(f'{v.local}[Pack]' for i in kernel.inputs for v in i.values)};"]
+    loads += [f"fusegen::load<Pack>({v.local}, {pointer[i.name]} + {row} * {stride[i.name][0]} + "
+              f"{_column(col, k, n)} * {stride[i.name][1]}, {stride[i.name][1]});"
+              for i in kernel.inputs for k, v in enumerate(i.values)]
+    loads += _mask_lines(kernel, row, col, n, seed, dropout, threshold, scale)
+    arguments = [f"{v.local}[{step}]" for i in kernel.inputs for v in i.values]
+    arguments += [f"T({col} + {step})"] if column else []
+    arguments += [p.local for p in kernel.scalars]
+    arguments += [dropout, *(f"{mask.local}[{step}]" for mask in kernel.masks)] if kernel.masks else []
+    arguments += [f"{v}[{step}]" for v in results]
+    stores = [f"fusegen::store<Pack>({out_pointer[o]} + {row} * {_width(len(parts[o]), n)} + {_column(col, k, n)}, {v});"
+              for o in kernel.outputs for k, v in enumerate(parts[o])]
+
+    template = ", ".join(["typename T", *(f"int {c}" for c in chosen)])
+    kernel_template = ", ".join(["typename T", "typename Index", *(f"int {c}" for c in chosen), "int Pack",
+                                 *(f"typename {t}" for t in (*element_type.values(), *out_type.values()))])
     lines = [
         f"// {plan.op}: generated by fusegen from {plan.spec_path}; do not edit.",
         f"// spec sha256: {plan.spec_sha256}",
         f"// {plan.doc}",
-        "// One element of the [M, N] problem a call of the element function; the forward kernel, a few",
-        "// elements a thread, in the compute type T (float, or double for fp64 inputs).",
         '#include "fusegen_cuda.cuh"',
         "",
         *helper_source(plan),
-        template,
+        "// The outputs at one element from the inputs' values there, in the compute type T (float, or",
+        "// double for fp64 inputs).",
+        f"template <{template}>",
         f"FUSEGEN_HD void {plan.op}_element(",
-        f"    Index {row}, Index {col},",
-        *(f"    {p}" for p in parameters),
-        ") {",
-        *_indent(body),
+        *(f"    {p}" for p in element[:-1]),
+        f"    {element[-1]}) {{",
+        *_indent(_body(kernel, printer, dropout)),
         "}",
         "",
         "#ifdef __CUDACC__",
-        template,
+        "// A thread: Pack adjacent elements of a row. Pack > 1 where every input's column stride is 1",
+        "// (read a vector at a time) or 0 (one value for the row), N a multiple of Pack and every row",
+        "// aligned to it (the launcher checks); Pack 1 for any strides.",
+        f"template <{kernel_template}>",
         f"__global__ void {plan.op}_forward(",
-        *(f"    {p}" for p in kernel_parameters),
+        *(f"    {p}" for p in parameters),
         f"    Index {m}, Index {n}) {{",
-        f"  // A block: FUSEGEN_ELEMENTS * blockDim.x columns of every gridDim.y-th row from blockIdx.y on;",
-        "  // a thread: FUSEGEN_ELEMENTS of them, blockDim.x apart (each load a warp's 32 neighbours).",
-        f"  const int64_t {index} = int64_t(blockIdx.x) * blockDim.x * FUSEGEN_ELEMENTS + threadIdx.x;",
-        # The seed tensor is there only with dropout on (training, some p above 0).
+        f"  const Index {packs} = {n} / Pack;  // a row's",
+        f"  const Index {pack} = Index(blockIdx.x) * blockDim.x + threadIdx.x;",
+        f"  if ({pack} >= {m} * {packs}) return;",
+        f"  const Index {row} = {pack} / {packs}, {col} = ({pack} - {row} * {packs}) * Pack;",
         *([f"  const uint64_t {seed} = {dropout} ? uint64_t(*{seed_pointer}) : 0u;"] if kernel.masks else []),
-        f"  for (int64_t {row} = blockIdx.y; {row} < {m}; {row} += gridDim.y) {{",
+        *_indent(loads),
+        f"  T {', '.join(f'{v}[Pack]' for v in results)};",
         "#pragma unroll",
-        f"    for (int {step} = 0; {step} < FUSEGEN_ELEMENTS; ++{step}) {{",
-        f"      const int64_t {col} = {index} + int64_t({step}) * blockDim.x;",
-        f"      if ({col} >= {n}) break;",
-        f"      {plan.op}_element<{', '.join(['T', 'Index', *chosen])}>(",
-        f"          Index({row}), Index({col}),",
-        *(f"          {a}," for a in arguments[:-1]),
-        f"          {arguments[-1]});",
-        "    }",
+        f"  for (int {step} = 0; {step} < Pack; ++{step}) {{",
+        f"    {plan.op}_element<{', '.join(['T', *chosen])}>({', '.join(arguments)});",
         "  }",
+        *_indent(stores),
         "}",
         "#endif",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _dropout_parameters(kernel, seed_pointer: str, dropout: str, threshold: dict, scale: dict) -> list[str]:
+    if not kernel.masks:
+        return []
+    ps = dict.fromkeys(mask.p.name for mask in kernel.masks)
+    return [f"const int64_t* {seed_pointer}, bool {dropout},  // the seed tensor's one element; off: training False or p 0",
+            *(f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale" for p in ps)]
+
+
+def _mask_lines(kernel, row: str, col: str, n: str, seed: str, dropout: str, threshold: dict, scale: dict) -> list[str]:
+    """Each mask's multipliers at the pack's elements, drawn at their flat indices (1 with dropout off)."""
+    if not kernel.masks:
+        return []
+    lines = [f"T {', '.join(f'{mask.local}[Pack]' for mask in kernel.masks)};"]
+    lines += [f"fusegen::dropout_multipliers<Pack>({mask.local}, {dropout}, {seed}, int64_t({row}) * {n} + {col}, "
+              f"{mask.stream}u, {threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
+    return lines
+
+
+def uses_col(*bodies) -> bool:
+    return any(expr.has(COL) for body in bodies if body is not None for _, expr in (*body.temps, *body.results))
 
 
 def _locals(plan: OpPlan) -> set[str]:
@@ -170,15 +198,12 @@ def _check(plan: OpPlan, locals_: set[str]) -> None:
         raise CudaUnsupported(f"{plan.op}: {what} is not supported by the CUDA backend yet")
 
 
-def _body(kernel, printer: CudaPrinter, flat: str, seed: str, dropout: str, threshold: dict, scale: dict,
-          assign: bool) -> list[str]:
-    """The kernel's body at one element: with dropout, its masks drawn at the flat index and the body,
-    else the body without dropout; `assign`: the results declared before (as with dropout always)."""
+def _body(kernel, printer: CudaPrinter, dropout: str) -> list[str]:
+    """The kernel's body at one element, its results assigned: with dropout on, the body with
+    the masks' multipliers, else the body without dropout."""
     if not kernel.masks:
-        return _statements(kernel.body, printer, assign)
-    masks = [f"const T {mask.local} = fusegen::dropout_multiplier<T>({seed}, {flat}, {mask.stream}u, "
-             f"{threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
-    return [f"if ({dropout}) {{", *_indent(masks + _statements(kernel.body, printer, assign=True)), "} else {",
+        return _statements(kernel.body, printer, assign=True)
+    return [f"if ({dropout}) {{", *_indent(_statements(kernel.body, printer, assign=True)), "} else {",
             *_indent(_statements(kernel.body_no_dropout, printer, assign=True)), "}"]
 
 
@@ -189,13 +214,6 @@ def _statements(body: Body, printer: CudaPrinter, assign: bool) -> list[str]:
     lines += [f"{name} = {printer.doprint(expr)};" if assign else f"const T {name} = {printer.doprint(expr)};"
               for name, expr in body.results]
     return lines
-
-
-def _loads(i, pointer: str, strides: tuple[str, str], row: str, col: str, n: str) -> list[str]:
-    """An input's values at the element, each chunk's k·N columns along (x [..., 2N]: x_chunk0 at
-    col, x_chunk1 at col + N), through the [M, chunks·N] view's strides."""
-    return [f"const T {v.local} = T({pointer}[{row} * {strides[0]} + {_column(col, k, n)} * {strides[1]}]);"
-            for k, v in enumerate(i.values)]
 
 
 def _parts(plan: OpPlan) -> dict[str, tuple[str, ...]]:
@@ -218,14 +236,15 @@ def _width(chunks: int, n: str) -> str:
 
 
 def _indent(lines: list[str]) -> list[str]:
-    return ["  " + line for line in lines]
+    return [line if line.startswith("#") else "  " + line for line in lines]
 
 
 def backward_source(plan: OpPlan) -> str:
     """The text of the backward in <op>.cu: an element function giving each gradient the kernel
-    computes at one element, and a kernel of one thread a column and a chunk of rows that writes
-    each gradient, or sums it over its rows where its input is broadcast along them (a [chunks,
-    N] buffer in T, which torch adds up in order, as the Triton backward's column sums)."""
+    computes at one element, and a kernel of Pack adjacent columns a thread over a block of rows
+    that writes each gradient, or sums it over its rows where its input is broadcast along them
+    (a [blocks, N] buffer in T, which torch adds up in order, as the Triton backward's column
+    sums)."""
     if plan.kind != "pointwise":
         raise CudaUnsupported(f"{plan.op}: the {plan.kind} kind is not supported by the CUDA backend yet")
     kernel = plan.backward
@@ -240,13 +259,18 @@ def backward_source(plan: OpPlan) -> str:
     helpers, choices = choice_names(plan)
     functions = {f"{plan.op}_backward_element", f"{plan.op}_backward", *helpers.values(), *choices.values()}
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | functions)
-    read = [(i.name, i.local, f"{i.layout.declared}, as [M, {_shown(len(i.values))}]") for i in kernel.inputs]
     widths = {p.name: len(p.values) for p in plan.output_parts}
-    read += [(f"the incoming gradient of {name}", g, f"as [M, {_shown(widths.get(name, 1))}]" if name in widths else "")
+    incoming_parts = {g: p.incoming for p in plan.output_parts for (name, _), g in zip(plan.outputs, kernel.incoming)
+                      if name == p.name}
+    # What the kernel reads: (key, local, its values' locals, the comment's layout)
+    read = [(i.name, i.local, tuple(v.local for v in i.values), f"{i.layout.declared}, as [M, {_shown(len(i.values))}]")
+            for i in kernel.inputs]
+    read += [(f"the incoming gradient of {name}", g, incoming_parts.get(g, (g,)),
+              f"as [M, {_shown(widths.get(name, 1))}]" if name in widths else "")
              for (name, _), g in zip(plan.outputs, kernel.incoming)]
-    pointer = {key: namer.claim(f"{local}_ptr") for key, local, _ in read}
-    stride = {key: (namer.claim(f"{local}_stride_m"), namer.claim(f"{local}_stride_n")) for key, local, _ in read}
-    element_type = {key: namer.claim(f"{local.capitalize()}Type") for key, local, _ in read}
+    pointer = {key: namer.claim(f"{local}_ptr") for key, local, _, _ in read}
+    stride = {key: (namer.claim(f"{local}_stride_m"), namer.claim(f"{local}_stride_n")) for key, local, _, _ in read}
+    element_type = {key: namer.claim(f"{local.capitalize()}Type") for key, local, _, _ in read}
     gradients = [v for g in kernel.gradients for v in g.values]
     # One buffer a gradient, all its chunks side by side ([M, k·N]); named for its value where it has one.
     base = {g.input.name: g.values[0] if len(g.values) == 1 else f"grad_{g.input.local}" for g in kernel.gradients}
@@ -256,79 +280,81 @@ def backward_source(plan: OpPlan) -> str:
     total = {v: namer.claim(f"{v}_total") for v in gradients}
     threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
     scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
-    row, col, n, m, seed, dropout, rows, first = (namer.claim(w) for w in (
-        "row", "col", "N", "M", "seed", "has_dropout", "rows", "first_row"))
-    seed_pointer = namer.claim("seed_ptr")
-    ps = list(dict.fromkeys(mask.p.name for mask in kernel.masks))
-
-    shared = [f"const {element_type[k]}* __restrict__ {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  // "
-              f"{k}{' ' if shown.startswith('[') else ', '}{shown or 'as [M, N]'}" for k, _, shown in read]
-    shared += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
-    dropout_parameters = [f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale"
-                          for p in ps]
-    element_parameters = shared + ([f"uint64_t {seed}, bool {dropout},  // dropout's seed; off: training False or p 0",
-                                    *dropout_parameters] if kernel.masks else [])
-    element_parameters += [f"Index {n},", ", ".join(f"T& {v}" for v in gradients)]
+    row, col, n, m, seed, dropout, rows, first, last, step, seed_pointer = (namer.claim(w) for w in (
+        "row", "col", "N", "M", "seed", "has_dropout", "rows", "first_row", "last_row", "k", "seed_ptr"))
     printer = CudaPrinter(helpers, choices)
-    printer.column = f"T({col})"
-    body = [line for i in kernel.inputs for line in _loads(i, pointer[i.name], stride[i.name], row, col, n)]
-    incoming_parts = {g: p.incoming for p in plan.output_parts for (name, _), g in zip(plan.outputs, kernel.incoming)
-                      if name == p.name}
-    body += [f"const T {value} = T({pointer[k]}[{row} * {stride[k][0]} + {_column(col, c, n)} * {stride[k][1]}]);"
-             for k, local, _ in read[len(kernel.inputs):] for c, value in enumerate(incoming_parts.get(local, (local,)))]
-    body += _body(kernel, printer, f"{row} * {n} + {col}", seed, dropout, threshold, scale, assign=True)
-    chosen = [choices[p.name] for p in kernel.choices]
-    types = ["typename T", "typename Index", *(f"int {c}" for c in chosen), *(f"typename {t}" for t in element_type.values())]
-    template = f"template <{', '.join(types)}>"  # the element function's: its reads' types
-    kernel_template = f"template <{', '.join([*types, *(f'typename {t}' for t in grad_type.values())])}>"  # noqa: E501
-    arguments = [f"{pointer[k]}, {stride[k][0]}, {stride[k][1]}" for k, _, _ in read] + [p.local for p in kernel.scalars]
+    printer.column = f"{col}"
+    column = uses_col(kernel.body, kernel.body_no_dropout)
+    values = [v for _, _, vs, _ in read for v in vs]
+
+    element = [", ".join(f"T {v}" for v in values) + ",  // the inputs' and incoming gradients' values"]
+    element += [f"T {col},  // the element's column"] if column else []
+    element += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
     if kernel.masks:
-        arguments += [seed, dropout, *(f"{threshold[p]}, {scale[p]}" for p in ps)]
-    arguments += [n, ", ".join(gradients)]
-    kernel_parameters = shared + ([f"const int64_t* {seed_pointer}, bool {dropout},  // the seed tensor's one "
-                                   "element; off: training False or p 0", *dropout_parameters] if kernel.masks else [])
-    kernel_parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
-                          f"  // {base[g.input.name]}: [M, {_shown(len(g.values))}], or with {sums[g.input.name]} its sums "
-                          f"over each block of rows, [blocks, {_shown(len(g.values))}] in T; null where not wanted"
-                          + (", its chunks side by side" if len(g.values) > 1 else "")
-                          for g in kernel.gradients]
-    loop = [f"T {', '.join(gradients)};",
-            f"{plan.op}_backward_element<{', '.join(['T', 'Index', *chosen])}>(",
-            f"    Index({row}), Index({col}),",
-            *(f"    {a}," for a in arguments[:-1]),
-            f"    {arguments[-1]});"]
+        element.append(f"bool {dropout}, {', '.join(f'T {mask.local}' for mask in kernel.masks)},  // dropout on "
+                       "(training, p above 0); its multipliers at the element")
+    element.append(", ".join(f"T& {v}" for v in gradients))
+
+    parameters = [f"const {element_type[k]}* __restrict__ {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  "
+                  f"// {k}{' ' if shown.startswith('[') else ', '}{shown or 'as [M, N]'}" for k, _, _, shown in read]
+    parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    parameters += _dropout_parameters(kernel, seed_pointer, dropout, threshold, scale)
+    parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
+                   f"  // {base[g.input.name]}: [M, {_shown(len(g.values))}], or with {sums[g.input.name]} its sums "
+                   f"over each block of rows, [blocks, {_shown(len(g.values))}] in T; null where not wanted"
+                   + (", its chunks side by side" if len(g.values) > 1 else "")
+                   for g in kernel.gradients]
+
+    loads = [f"T {', '.join(f'{v}[Pack]' for v in values)};"]
+    loads += [f"fusegen::load<Pack>({v}, {pointer[k]} + {row} * {stride[k][0]} + {_column(col, c, n)} * {stride[k][1]}, "
+              f"{stride[k][1]});" for k, _, vs, _ in read for c, v in enumerate(vs)]
+    loads += _mask_lines(kernel, row, col, n, seed, dropout, threshold, scale)
+    arguments = [f"{v}[{step}]" for v in values]
+    arguments += [f"T({col} + {step})"] if column else []
+    arguments += [p.local for p in kernel.scalars]
+    arguments += [dropout, *(f"{mask.local}[{step}]" for mask in kernel.masks)] if kernel.masks else []
+    arguments += [f"{v}[{step}]" for v in gradients]
+    chosen = [choices[p.name] for p in kernel.choices]
+    loop = [*loads, f"T {', '.join(f'{v}[Pack]' for v in gradients)};", "#pragma unroll",
+            f"for (int {step} = 0; {step} < Pack; ++{step}) {{",
+            f"  {plan.op}_backward_element<{', '.join(['T', *chosen])}>({', '.join(arguments)});", "}"]
     for g in kernel.gradients:
         name, width = g.input.name, _width(len(g.values), n)
-        loop += [f"if ({sums[name]}) {{", *(f"  {total[v]} += {v};" for v in g.values),
+        loop += [f"if ({sums[name]}) {{", "#pragma unroll",
+                 f"  for (int {step} = 0; {step} < Pack; ++{step}) {{",
+                 *(f"    {total[v]}[{step}] += {v}[{step}];" for v in g.values), "  }",
                  f"}} else if ({grad_pointer[name]} != nullptr) {{",
-                 *(f"  {grad_pointer[name]}[{row} * {width} + {_column(col, k, n)}] = fusegen::to<{grad_type[name]}>({v});"
+                 *(f"  fusegen::store<Pack>({grad_pointer[name]} + {row} * {width} + {_column(col, k, n)}, {v});"
                    for k, v in enumerate(g.values)), "}"]
+    template = ", ".join(["typename T", *(f"int {c}" for c in chosen)])
+    kernel_template = ", ".join(["typename T", "typename Index", *(f"int {c}" for c in chosen), "int Pack",
+                                 *(f"typename {t}" for t in (*element_type.values(), *grad_type.values()))])
     lines = [
-        f"// {plan.op}'s backward: each gradient the kernel computes at one element of the [M, N] problem.",
-        template,
+        f"// {plan.op}'s backward: each gradient the kernel computes at one element, from the values there.",
+        f"template <{template}>",
         f"FUSEGEN_HD void {plan.op}_backward_element(",
-        f"    Index {row}, Index {col},",
-        *(f"    {p}" for p in element_parameters[:-1]),
-        f"    {element_parameters[-1]}) {{",
-        *_indent(body),
+        *(f"    {p}" for p in element[:-1]),
+        f"    {element[-1]}) {{",
+        *_indent(_body(kernel, printer, dropout)),
         "}",
         "",
         "#ifdef __CUDACC__",
-        kernel_template,
+        "// A thread: Pack adjacent columns (as the forward's packs) of the rows of block blockIdx.y.",
+        f"template <{kernel_template}>",
         f"__global__ void {plan.op}_backward(",
-        *(f"    {p}" for p in kernel_parameters),
-        f"    Index {m}, Index {n}, Index {rows}) {{  // rows: a block's, blockIdx.y its number",
-        f"  const int64_t {col} = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;",
+        *(f"    {p}" for p in parameters),
+        f"    Index {m}, Index {n}, Index {rows}) {{  // rows: a block's",
+        f"  const Index {col} = (Index(blockIdx.x) * blockDim.x + threadIdx.x) * Pack;",
         f"  if ({col} >= {n}) return;",
         *([f"  const uint64_t {seed} = {dropout} ? uint64_t(*{seed_pointer}) : 0u;"] if kernel.masks else []),
-        f"  const int64_t {first} = int64_t(blockIdx.y) * {rows};",
-        *(f"  T {total[v]} = T(0);" for v in gradients),
-        "#pragma unroll 4",
-        f"  for (int64_t {row} = {first}; {row} < {first} + {rows} && {row} < {m}; ++{row}) {{",
+        f"  const Index {first} = Index(blockIdx.y) * {rows};",
+        f"  const Index {last} = {first} + {rows} < {m} ? {first} + {rows} : {m};",
+        *(f"  T {total[v]}[Pack] = {{}};" for v in gradients),
+        f"  for (Index {row} = {first}; {row} < {last}; ++{row}) {{",
         *_indent(_indent(loop)),
         "  }",
-        *(f"  if ({sums[g.input.name]}) {grad_pointer[g.input.name]}[int64_t(blockIdx.y) * {_width(len(g.values), n)} + "
-          f"{_column(col, k, n)}] = fusegen::to<{grad_type[g.input.name]}>({total[v]});"
+        *(f"  if ({sums[g.input.name]}) fusegen::store<Pack>({grad_pointer[g.input.name]} + Index(blockIdx.y) * "
+          f"{_width(len(g.values), n)} + {_column(col, k, n)}, {total[v]});"
           for g in kernel.gradients for k, v in enumerate(g.values)),
         "}",
         "#endif",

@@ -40,12 +40,6 @@ typedef unsigned long uint64_t;
 #include <limits>
 #endif
 
-// Elements a thread of a forward kernel computes (the run-time compile passes the launcher's,
-// compiler.ELEMENTS; this default serves a build without it).
-#ifndef FUSEGEN_ELEMENTS
-#define FUSEGEN_ELEMENTS 4
-#endif
-
 #ifdef __CUDACC__
 #define FUSEGEN_HD __host__ __device__ __forceinline__
 #else
@@ -165,11 +159,66 @@ FUSEGEN_HD uint32_t dropout_word(uint64_t seed, int64_t index, uint32_t stream) 
   return words.w[index & 3];
 }
 
-// Dropout's multiplier for that element: `scale` where its word's top 24 bits reach
+// Dropout's multiplier for an element of that word: `scale` where the word's top 24 bits reach
 // `threshold` (runtime.dropout_threshold of p), else 0.
 template <typename T>
-FUSEGEN_HD T dropout_multiplier(uint64_t seed, int64_t index, uint32_t stream, int32_t threshold, T scale) {
-  return static_cast<int32_t>(dropout_word(seed, index, stream) >> 8) >= threshold ? scale : T(0);
+FUSEGEN_HD T dropout_multiplier(uint32_t word, int32_t threshold, T scale) {
+  return static_cast<int32_t>(word >> 8) >= threshold ? scale : T(0);
+}
+
+// The multipliers of Pack elements from flat index `index` on, or 1 with dropout off. Pack a
+// multiple of 4 (and `index` one too: the kernels' packs start at a multiple of Pack): one
+// Philox call gives a group's four words; else a call an element.
+template <int Pack, typename T>
+FUSEGEN_HD void dropout_multipliers(T (&multipliers)[Pack], bool on, uint64_t seed, int64_t index, uint32_t stream,
+                                    int32_t threshold, T scale) {
+  if (!on) {
+    for (int k = 0; k < Pack; ++k) multipliers[k] = T(1);
+  } else if constexpr (Pack % 4 == 0) {
+    const uint64_t first = static_cast<uint64_t>(index) >> 2;
+#pragma unroll
+    for (int g = 0; g < Pack / 4; ++g) {
+      const uint64_t group = first + g;
+      const Words words = philox(seed, static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32), stream, 0u);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) multipliers[4 * g + k] = dropout_multiplier<T>(words.w[k], threshold, scale);
+    }
+  } else {
+    for (int k = 0; k < Pack; ++k)
+      multipliers[k] = dropout_multiplier<T>(dropout_word(seed, index + k, stream), threshold, scale);
+  }
+}
+
+// -- loads and stores a pack of elements at a time -----------------------------------------
+
+// Pack elements side by side, aligned to their whole size: one vector load or store (16 bytes
+// a thread for 16-bit elements by 8, 4-byte ones by 4).
+template <typename E, int Pack>
+struct alignas(sizeof(E) * Pack) Packed {
+  E v[Pack];
+};
+
+// The Pack values of an input from p on, in T: a vector load where its column stride is 1, one
+// value for all where it is 0 (broadcast along the row); Pack 1 reads p (any stride).
+template <int Pack, typename T, typename E, typename Index>
+FUSEGEN_HD void load(T (&values)[Pack], const E* p, Index stride) {
+  if (Pack == 1 || stride == 0) {
+    const T value = T(*p);
+    for (int k = 0; k < Pack; ++k) values[k] = value;
+  } else {
+    const Packed<E, Pack> packed = *reinterpret_cast<const Packed<E, Pack>*>(p);
+#pragma unroll
+    for (int k = 0; k < Pack; ++k) values[k] = T(packed.v[k]);
+  }
+}
+
+// Pack values stored from p on, each rounded to E: one vector store.
+template <int Pack, typename E, typename T>
+FUSEGEN_HD void store(E* p, const T (&values)[Pack]) {
+  Packed<E, Pack> packed;
+#pragma unroll
+  for (int k = 0; k < Pack; ++k) packed.v[k] = to<E>(values[k]);
+  *reinterpret_cast<Packed<E, Pack>*>(p) = packed;
 }
 
 }  // namespace fusegen
