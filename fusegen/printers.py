@@ -148,8 +148,12 @@ class ElementwisePrinter(CodePrinter):
             under = " * ".join(self.parenthesize(f, prec) for f in denominator)
             if len(denominator) > 1 or not _is_atom_text(under):
                 under = f"({under})"
-            text = f"{text} / {under}"
+            text = self.divide(text, under)
         return sign + text
+
+    def divide(self, numerator: str, denominator: str) -> str:
+        """numerator / denominator, each printed (a backend may divide by a function)."""
+        return f"{numerator} / {denominator}"
 
     def _number(self, value) -> str:
         if value.is_Integer:
@@ -170,11 +174,11 @@ class ElementwisePrinter(CodePrinter):
             if value == -0.5:
                 return f"{self.rsqrt}({self._print(base)})"
             if value == -1:
-                return f"1.0 / {self._wrapped(base)}"
+                return self.divide("1.0", self._wrapped(base))
             if value in _SMALL_POWERS:
                 return " * ".join([self._wrapped(base)] * int(value))
             if -value in _SMALL_POWERS:
-                return f"1.0 / ({' * '.join([self._wrapped(base)] * int(-value))})"
+                return self.divide("1.0", f"({' * '.join([self._wrapped(base)] * int(-value))})")
             if _is_half_integer(value) and abs(value) < max(_SMALL_POWERS):
                 # x**1.5 as x * sqrt(x): a correctly rounded root, not a general power;
                 # x**-1.5 as rsqrt(x) / x, not 1 / (x * sqrt(x)), which overflows first.
@@ -182,7 +186,7 @@ class ElementwisePrinter(CodePrinter):
                 if value > 0:
                     return " * ".join(whole + [f"{self.sqrt}({self._print(base)})"])
                 under = " * ".join(whole)
-                return f"{self.rsqrt}({self._print(base)}) / {under if len(whole) == 1 else f'({under})'}"
+                return self.divide(f"{self.rsqrt}({self._print(base)})", under if len(whole) == 1 else f"({under})")
         return f"{self.power}({self._power_operand(base)}, {self._power_operand(exp)})"
 
     def _power_operand(self, expr) -> str:

@@ -53,6 +53,10 @@ class CudaPrinter(ElementwisePrinter):
         # Only the side taken is computed (the values are those of a where of both).
         return f"({self._print(cond)} ? {self._print(if_true)} : {false_text})"
 
+    def divide(self, numerator, denominator):
+        # As the Triton kernels divide (fusegen_cuda.cuh: div.full.f32 in float).
+        return f"fusegen::divide({numerator}, {denominator})"
+
     def maximum(self, a, b):
         return f"fusegen::maximum<T>({a}, {b})"
 

@@ -48,6 +48,26 @@ typedef unsigned long uint64_t;
 
 namespace fusegen {
 
+// Float arithmetic as the Triton kernels' (so that the two backends agree bit for bit): in device
+// code, float division is div.full.f32 (within 2 ulp: Triton's lowering of '/'), max and min
+// propagate NaN in one instruction (tl.maximum's PropagateNan.ALL), and sigmoid is tl.sigmoid,
+// 1 / (1 + 2^(-x·log2(e))) by ex2.approx. Double, and the host (the tests), compute exactly.
+
+// a / b.
+FUSEGEN_HD double divide(double a, double b) {
+  return a / b;
+}
+
+FUSEGEN_HD float divide(float a, float b) {
+#ifdef __CUDA_ARCH__
+  float quotient;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(quotient) : "f"(a), "f"(b));
+  return quotient;
+#else
+  return a / b;
+#endif
+}
+
 // The larger and smaller of a and b, NaN if either is (fmax and fmin drop a NaN), as torch.
 template <typename T>
 FUSEGEN_HD T maximum(T a, T b) {
@@ -59,10 +79,43 @@ FUSEGEN_HD T minimum(T a, T b) {
   return (a != a || b != b) ? a + b : (a < b ? a : b);
 }
 
-// 1 / (1 + exp(-x)), as Triton's tl.sigmoid (exp(-x) = inf for x far below 0 gives 0).
+template <>
+FUSEGEN_HD float maximum<float>(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float larger;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(larger) : "f"(a), "f"(b));
+  return larger;
+#else
+  return (a != a || b != b) ? a + b : (a > b ? a : b);
+#endif
+}
+
+template <>
+FUSEGEN_HD float minimum<float>(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float smaller;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(smaller) : "f"(a), "f"(b));
+  return smaller;
+#else
+  return (a != a || b != b) ? a + b : (a < b ? a : b);
+#endif
+}
+
+// 1 / (1 + exp(-x)) (exp(-x) = inf for x far below 0 gives 0).
 template <typename T>
 FUSEGEN_HD T sigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));
+}
+
+template <>
+FUSEGEN_HD float sigmoid<float>(float x) {
+#ifdef __CUDA_ARCH__
+  float power;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(power) : "f"(-x * 1.44269502162933349609375f));
+  return divide(1.0f, 1.0f + power);
+#else
+  return 1.0f / (1.0f + std::exp(-x));
+#endif
 }
 
 // 1 / sqrt(x), a correctly rounded division of the correctly rounded root (CUDA's rsqrtf is
