@@ -6,7 +6,9 @@ host variables); the launcher (fusegen.backends.cuda.launch) runs unchanged but 
 GPU-bound calls, which `on_the_host` replaces: loading a kernel (here: the host build of its
 expression) and launching it (here: cuda-core's own ParamHolder packs the arguments, as a launch
 does, and the loop runs the kernel over the grid). So the arguments' order and types, the views,
-the grid, the index arithmetic and the gradients' sums are the ones a GPU launch takes."""
+the grid, the index arithmetic and the gradients' sums are the ones a GPU launch takes. A row
+kernel's block runs one thread (its block reductions need threads that run together: on the
+host, fusegen_cuda.cuh's block reductions are the one thread's value)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +21,7 @@ import torch
 
 from fusegen.backends.cuda import compiler
 from fusegen.backends.cuda import launch as cuda_launch
+from fusegen.backends.cuda import row_launch
 
 _HOST = r'''
 #include <cstddef>
@@ -28,6 +31,7 @@ _HOST = r'''
 struct FusegenDim3 { unsigned x = 0, y = 0, z = 0; };
 static FusegenDim3 blockIdx, blockDim, gridDim, threadIdx;
 #define __global__
+#define __shared__
 '''
 _RUN = r'''
 template <typename... P, size_t... I>
@@ -88,16 +92,18 @@ def on_the_host(folder: Path, monkeypatch):
     def kernel(self, device, expression):
         return self.kernels.source, expression
 
-    def launch(kernel, device, grid, arguments):  # the config: the grid itself (cuda_launch._config's stand-in)
+    def launch(kernel, device, config, arguments):  # the config: (grid, block), cuda_launch._config's stand-in
         source, expression = kernel
+        (grid, block) = config
         launches.append((expression, grid))
         holder = ParamHolder(arguments)
-        if kernels.library(source, expression).run(holder.ptr, len(arguments), grid[0], grid[1], cuda_launch.BLOCK):
+        if kernels.library(source, expression).run(holder.ptr, len(arguments), grid[0], grid[1], block):
             raise AssertionError(f"{expression}: the launcher's {len(arguments)} arguments are not the kernel's")
 
     monkeypatch.setattr(cuda_launch._BoundCuda, "kernel", kernel)
     monkeypatch.setattr(cuda_launch, "_launch", launch)
-    monkeypatch.setattr(cuda_launch, "_config", lambda grid: grid)
+    monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK: (grid, block))
+    monkeypatch.setattr(row_launch, "threads", lambda problem, pack: 1)  # a block's reductions need threads that run together
     monkeypatch.setattr(cuda_launch._BoundCuda, "check_device", lambda self, device: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Properties())
     yield launches

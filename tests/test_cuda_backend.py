@@ -1,5 +1,5 @@
-"""`fusegen build --backend cuda` (issue 33): every shipped pointwise op's module with CUDA C++
-kernels, compiled by NVRTC at run time and launched through cuda-core.
+"""`fusegen build --backend cuda` (issue 33): every shipped pointwise and row op's module with CUDA
+C++ kernels, compiled by NVRTC at run time and launched through cuda-core.
 
 Everywhere: which shipped specs the backend builds and the one line for those it refuses, the
 modules' Python face (meta tensors, the error for CPU tensors, the reference), and the CLI. Where
@@ -23,9 +23,12 @@ from fusegen.runtime import FusegenArgumentError
 from tests.helpers import ShapeCase, build_and_import, make_inputs, op_by_name, params_for, shipped_as
 
 ROOT = Path(__file__).resolve().parent.parent
-OPS = ("add_mul_activation", "add_relu", "bias_dropout_add", "bias_geglu", "bias_gelu", "bias_gelu_dropout_add", "bias_relu",
-       "bias_swiglu", "geglu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "rope", "scale_add", "softcap",
-       "squared_relu", "swiglu")
+POINTWISE = ("add_mul_activation", "add_relu", "bias_dropout_add", "bias_geglu", "bias_gelu", "bias_gelu_dropout_add",
+             "bias_relu", "bias_swiglu", "geglu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "rope", "scale_add",
+             "softcap", "squared_relu", "swiglu")
+ROWS = ("add_rmsnorm", "bias_dropout_add_layernorm", "bias_layernorm", "layernorm", "layernorm_dropout_add", "log_softmax",
+        "rmsnorm", "scaled_masked_softmax_dropout", "softmax")
+OPS = tuple(sorted(POINTWISE + ROWS))
 HAS_CUDA = torch.cuda.is_available()
 try:
     from fusegen.backends.cuda import compiler
@@ -63,7 +66,7 @@ def test_every_shipped_spec_builds_or_is_refused_in_one_line():
             assert "not supported by the CUDA backend yet" in message, message
             refused.append(path.stem)
     assert tuple(built) == OPS
-    assert {"layernorm", "softmax", "linear_bias_gelu", "rmsnorm_fp8", "dlrm_mlp"} <= set(refused)
+    assert {"cross_entropy", "linear_bias_gelu", "rmsnorm_fp8", "dlrm_mlp"} <= set(refused)
 
 
 def test_the_module_reads_as_written(modules):
@@ -95,9 +98,9 @@ def test_the_cli_builds_and_checks_with_the_backend(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["check", str(ROOT / "specs" / "gelu.yaml"), "-o", str(out)]) == 1  # the Triton build differs
     assert "--backend" not in capsys.readouterr().err  # the command it names builds with Triton, the default
-    assert cli.main(["build", str(ROOT / "specs" / "layernorm.yaml"), "-o", str(out), "--backend", "cuda"]) == 2  # a spec error
-    assert "layernorm.yaml: --backend cuda: layernorm: the row kind is not supported" in capsys.readouterr().err
-    assert not (out / "layernorm.py").exists()
+    assert cli.main(["build", str(ROOT / "specs" / "linear_bias_gelu.yaml"), "-o", str(out), "--backend", "cuda"]) == 2
+    assert "linear_bias_gelu.yaml: --backend cuda: linear_bias_gelu: the gemm kind is not supported" in capsys.readouterr().err
+    assert not (out / "linear_bias_gelu.py").exists()
 
 
 def test_a_spec_names_its_backend(tmp_path, capsys):
@@ -114,10 +117,11 @@ def test_a_spec_names_its_backend(tmp_path, capsys):
     (tmp_path / "gelu.yaml").write_text(text.replace("backend: cuda", "backend: metal"))
     with pytest.raises(SpecError, match=rf"gelu.yaml:{line}: 'backend' must be one of triton, cuda; got 'metal'"):
         cli.build_op(tmp_path / "gelu.yaml")
-    norm = (ROOT / "specs" / "rmsnorm.yaml").read_text().rstrip("\n") + "\nbackend: cuda\n"
-    (tmp_path / "rmsnorm.yaml").write_text(norm)
-    with pytest.raises(SpecError, match=rf"rmsnorm.yaml:{len(norm.splitlines())}: backend cuda: rmsnorm: the row kind"):
-        cli.build_op(tmp_path / "rmsnorm.yaml")
+    gemm = (ROOT / "specs" / "linear_bias_gelu.yaml").read_text().rstrip("\n") + "\nbackend: cuda\n"
+    (tmp_path / "linear_bias_gelu.yaml").write_text(gemm)
+    with pytest.raises(SpecError, match=rf"linear_bias_gelu.yaml:{len(gemm.splitlines())}: backend cuda: linear_bias_gelu: "
+                                        "the gemm kind"):
+        cli.build_op(tmp_path / "linear_bias_gelu.yaml")
 
 
 def _expressions(module, name: str, t: str, element: str, choice: int = 0, pack: int = 8,
@@ -191,7 +195,7 @@ def test_the_launcher_and_kernels_on_the_host(modules, name, tmp_path, monkeypat
 
     op = op_by_name(name)
     with on_the_host(tmp_path, monkeypatch) as launches:
-        for case in HOST_CASES[:2] if name not in ("gelu", "bias_dropout_add", "swiglu", "rope") else HOST_CASES:
+        for case in HOST_CASES[:2] if name not in ("gelu", "bias_dropout_add", "swiglu", "rope", "softmax", "rmsnorm") else HOST_CASES:
             for dtype in (torch.float64, torch.float32):
                 _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
     assert launches, "nothing launched"
@@ -324,6 +328,26 @@ def test_masks_bit_for_bit_and_strided_inputs(modules):
     for seed in (0, 7, 2**62 + 3):
         assert torch.equal(fn(x, bias, residual, 0.5, seed=seed), op.fn(x, bias, residual, 0.5, seed=seed))
     assert torch.equal(fn(x, bias, residual, 0.5, training=False), op.fn(x, bias, residual, 0.5, training=False))
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "rmsnorm", "layernorm", "layernorm_dropout_add"])
+@pytest.mark.parametrize("dtype, n", [(torch.float32, 40000), (torch.bfloat16, 131072), (torch.float32, 1001)], ids=str)
+def test_rows_wide_and_odd_as_the_triton_backend(modules, name, dtype, n):
+    """Rows of a thousand blocks' packs, and of an odd width (a pack of one), against the Triton op."""
+    op = op_by_name(name)
+    fn = getattr(modules[name], f"{name}_cuda")
+    params = params_for(op, p=0.3)
+    tensors = make_inputs(op, ShapeCase("wide", (5,), n), dtype, device="cuda", seed=7)
+    ours = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    theirs = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    got, want = _call(fn, op, ours, params, 77), _call(op.fn, op, theirs, params, 77)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    for key in tensors:
+        torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[dtype], msg=f"{name}: {key}")
 
 
 @needs_gpu

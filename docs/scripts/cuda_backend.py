@@ -1,4 +1,4 @@
-"""Issue 33: every shipped pointwise op built by the CUDA backend against the same op built by the
+"""Issue 33: shipped pointwise and row ops built by the CUDA backend against the same op built by the
 Triton backend, in one run on the GPU: forward and forward+backward, ms by triton.testing.do_bench,
 and each op's first use (NVRTC compiling its forward and backward with an empty cache, plus the
 first launches). `python docs/scripts/cuda_backend.py [--ops gelu,...] [--cells bf16:16384x8192,...]`
@@ -18,7 +18,8 @@ sys.path.insert(0, str(ROOT))
 from tests.helpers import ShapeCase, build_and_import, make_inputs, op_by_name, params_for, shipped_as  # noqa: E402
 
 OPS = ("add_relu", "bias_dropout_add", "bias_relu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "softcap",
-       "squared_relu")
+       "squared_relu", "softmax", "log_softmax", "rmsnorm", "add_rmsnorm", "layernorm", "bias_layernorm",
+       "layernorm_dropout_add")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

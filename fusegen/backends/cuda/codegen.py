@@ -1,38 +1,62 @@
 """Plan → the text of a generated module whose kernels are CUDA C++ (`fusegen build --backend cuda`):
-the source (pointwise_source.py) held as the module's CUDA_SOURCE, and the same Python face as a
-Triton module's (fusegen.face) around it, its kernels declared as launch.CudaKernels.
+the source held as the module's CUDA_SOURCE, and the same Python face as a Triton module's
+(fusegen.face) around it, its kernels declared as its kind's run-time class.
 
-The pointwise kind only, for now; other kinds, and what the pointwise source does not render
-yet, are one-line errors naming the op and what is missing (pointwise_source.CudaUnsupported)."""
+Each kind the backend renders is one entry of KINDS: its source (pointwise_source.py,
+row_source.py) and its launcher. Other kinds (the gemm kind stays Triton's), and what a kind's
+source does not render yet, are one-line errors naming the op and what is missing
+(pointwise_source.CudaUnsupported)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from fusegen import face, outdir
 from fusegen.names import PYTHON_BUILTINS
 from fusegen.plan import OpPlan
 from fusegen.pyformat import format_module
 
-from .pointwise_source import CPP_KEYWORDS, OWN_NAMES, CudaUnsupported, source
+from . import pointwise_source, row_source
+from .pointwise_source import CPP_KEYWORDS, OWN_NAMES, CudaUnsupported
 
 __all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "render"]
 
-MODULE_IMPORTS = frozenset({"torch", "F", "runtime", "cuda_launch", "CUDA_SOURCE"})
+
+@dataclass(frozen=True)
+class CudaKind:
+    source: object  # OpPlan → the C++ text
+    binding: str  # the module's run-time class for its kernels
+    imports: tuple[str, ...]  # what the module imports for it
+    doc: str  # what the kernels do, for the module's docstring
+
+
+KINDS = {
+    "pointwise": CudaKind(
+        pointwise_source.source, "cuda_launch.CudaKernels", ("from fusegen.backends.cuda import launch as cuda_launch",),
+        "The forward kernel computes every output element by element, a pack of adjacent elements a CUDA thread "
+        "(16 bytes of vector loads where the views allow); the backward kernel a pack of columns a thread over a "
+        "block of rows, summing the gradients of inputs broadcast along rows."),
+    "row": CudaKind(
+        row_source.source, "cuda_rows.CudaRowKernels", ("from fusegen.backends.cuda import row_launch as cuda_rows",),
+        "The kernels take a row a CUDA block: each pass along the row a loop of packs of adjacent columns, its "
+        "reductions across the block by warp shuffles; the forward keeps each row's reductions for the backward."),
+}
+MODULE_IMPORTS = frozenset({"torch", "F", "runtime", "cuda_launch", "cuda_rows", "CUDA_SOURCE"})
 # The module's own names, and the C++ source's: planning gives no local one of them.
 RESERVED_NAMES = (MODULE_IMPORTS | {"reference", "eager", "_OP", "_reference", "problem", "masks", "self", "training"}
                   | PYTHON_BUILTINS | OWN_NAMES | CPP_KEYWORDS)
 
-DOC = ("The forward kernel computes every output element by element, four elements a CUDA thread; the backward "
-       "kernel one thread a column over a chunk of rows, summing the gradients of inputs broadcast along rows. "
-       "CUDA C++ (CUDA_SOURCE), compiled by NVRTC on first use per dtype combination and cached on disk.")
+COMPILED = " CUDA C++ (CUDA_SOURCE), compiled by NVRTC on first use per dtype combination and cached on disk."
 
 
 def render(plan: OpPlan) -> str:
     """The text of generated/<op>.py with the CUDA backend's kernels."""
-    if plan.kind != "pointwise":
+    kind = KINDS.get(plan.kind)
+    if kind is None:
         raise CudaUnsupported(f"{plan.op}: the {plan.kind} kind is not supported by the CUDA backend yet; "
                               "build it with --backend triton")
     if plan.forward_only:
         raise CudaUnsupported(f"{plan.op}: an op without a backward is not supported by the CUDA backend yet")
-    cuda = source(plan)
+    cuda = kind.source(plan)
     forward, backward = plan.forward, plan.backward
     keywords = [f"forward_reads={_names(i.name for i in forward.inputs)}"]
     if backward.scalars:
@@ -43,8 +67,8 @@ def render(plan: OpPlan) -> str:
         if kernel.choices:
             keywords.append(f"{which}_choices={_names(p.name for p in kernel.choices)}")
     the_face = face.face(plan, backend="CUDA", class_name=face.module_class_name(plan.op, MODULE_IMPORTS),
-                         binding="cuda_launch.CudaKernels",
-                         kernel_names=("CUDA_SOURCE", f'"{plan.op}"'), kernels_doc=DOC, kernel_keywords=tuple(keywords))
+                         binding=kind.binding, kernel_names=("CUDA_SOURCE", f'"{plan.op}"'),
+                         kernels_doc=kind.doc + COMPILED, kernel_keywords=tuple(keywords))
     lines = [
         *outdir.header_lines(plan.op, plan.spec_path),
         f"# spec sha256: {plan.spec_sha256}",
@@ -54,7 +78,7 @@ def render(plan: OpPlan) -> str:
         *(["import torch.nn.functional as F"] if the_face.uses_functional else []),
         "",
         "from fusegen import runtime",
-        "from fusegen.backends.cuda import launch as cuda_launch",
+        *kind.imports,
         "",
         f"__all__ = [{the_face.exports}]",
         "",

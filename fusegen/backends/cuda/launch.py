@@ -143,10 +143,10 @@ _STREAMS: dict[int, object] = {}
 _CURRENT = threading.local()
 
 
-def _config(grid: tuple[int, int]):
+def _config(grid: tuple[int, int], block: int = BLOCK):
     from cuda.core import LaunchConfig
 
-    return LaunchConfig(grid=grid, block=(BLOCK, 1, 1))
+    return LaunchConfig(grid=grid, block=(block, 1, 1))
 
 
 def _launch(kernel, device: torch.device, config, arguments: list) -> None:
@@ -196,7 +196,7 @@ def _pack(problem, views, outputs) -> int:
 
 def _index(problem, views, widest: int) -> type:
     """int32 index arithmetic where no element offset, nor a thread's number, can reach 2**31."""
-    last = problem.m * problem.n * widest + BLOCK * 8
+    last = problem.m * problem.n * widest + 1024 * 8  # past the end by a block's packs at most
     for view, stride_m, stride_n in views:
         width = view.shape[-1] if view.dim() else 1
         last = max(last, (problem.m - 1) * abs(stride_m) + (width - 1) * abs(stride_n) + 1)
@@ -204,6 +204,54 @@ def _index(problem, views, widest: int) -> type:
 
 
 _INDEX = {np.int32: "int32_t", np.int64: "int64_t"}
+
+
+def gradient_forms(bound: _BoundCuda, problem, tensors, needs) -> list[str | None]:
+    """How each gradient the backward kernel computes is written: "write", as the input's dtype
+    (the input is the problem's shape); "sums", in T, over blocks of rows (an input of one row
+    broadcast to all); "whole", in T, for torch to sum (another broadcast input); None where not
+    wanted."""
+    forms = []
+    for i in bound._gradients:
+        tensor, width = tensors[i], problem.n * bound.chunks[i]
+        if not needs[i]:
+            forms.append(None)
+        elif tensor.shape == (*problem.shape[:-1], width):
+            forms.append("write")
+        elif problem.m > 1 and tensor.numel() == width and view_2d(tensor, problem, bound.chunks[i])[1] == 0:
+            forms.append("sums")
+        else:
+            forms.append("whole")
+    return forms
+
+
+def gradient_buffers(bound: _BoundCuda, problem, tensors, forms, blocks: int) -> list:
+    """The buffers the backward kernel writes each gradient to, by its form (gradient_forms)."""
+    buffers = []
+    for i, form in zip(bound._gradients, forms):
+        width = problem.n * bound.chunks[i]
+        shape = {"write": (*problem.shape[:-1], width), "sums": (blocks, width), "whole": (problem.m, width)}.get(form)
+        dtype = tensors[i].dtype if form == "write" else problem.compute_dtype
+        buffers.append(None if form is None else torch.empty(shape, dtype=dtype, device=problem.device))
+    return buffers
+
+
+def gradients_of(bound: _BoundCuda, problem, tensors, needs, forms, buffers) -> list[torch.Tensor]:
+    """Each wanted gradient from its buffer: block sums added up in order, a whole one summed
+    to the input's shape by torch."""
+    results = []
+    for i, need in enumerate(needs):
+        if not need:
+            continue
+        k = bound._gradients.index(i)
+        buffer, form, tensor = buffers[k], forms[k], tensors[i]
+        if form == "sums":  # each block's sums, added up in order: the input's N values
+            buffer = buffer.sum(0).to(tensor.dtype)
+        elif form == "whole":
+            whole = (*problem.shape[:-1], problem.n * bound.chunks[i])
+            buffer = buffer.reshape(whole).sum_to_size(tensor.shape).to(tensor.dtype)
+        results.append(buffer.reshape(tensor.shape))
+    return results
 
 
 class _Forward:
@@ -259,20 +307,7 @@ class _Backward:
         problem = call.problem
         t = _C_TYPES[problem.compute_dtype]
         reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[1]] + [_C_TYPES[g.dtype] for g in grads]
-        # Each gradient: ("write", its dtype), ("sums", T) for an input of one row broadcast to all,
-        # ("whole", T) for another broadcast one; (None, T) where not wanted.
-        self._forms = []
-        for i in bound._gradients:
-            tensor, width = tensors[i], problem.n * bound.chunks[i]
-            if not needs[i]:
-                form = None
-            elif tensor.shape == (*problem.shape[:-1], width):
-                form = "write"
-            elif problem.m > 1 and tensor.numel() == width and view_2d(tensor, problem, bound.chunks[i])[1] == 0:
-                form = "sums"
-            else:
-                form = "whole"
-            self._forms.append(form)
+        self._forms = gradient_forms(bound, problem, tensors, needs)
         grad_types = [_C_TYPES[tensors[i].dtype] if form == "write" else t for i, form in zip(bound._gradients, self._forms)]
         self._types = (t, bound.template_choices(call, 1), [*reads, *grad_types])
         self._widest = max([*(bound.chunks[i] for i in bound._reads[1]), *bound.op.output_parts,
@@ -301,7 +336,7 @@ class _Backward:
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call
         problem = call.problem
-        device, compute = problem.device, problem.compute_dtype
+        device = problem.device
         views = []
         if problem.launches:
             views = _views(tensors, bound._reads[1], bound.chunks, problem)
@@ -312,17 +347,7 @@ class _Backward:
         if geometry is None:
             geometry = self._geometry[pack] = self.geometry(pack) if problem.launches else ((1, problem.m), 1)
         grid, rows = geometry
-        buffers = []
-        for i, form in zip(bound._gradients, self._forms):
-            width = problem.n * bound.chunks[i]
-            if form is None:
-                buffers.append(None)
-            elif form == "write":
-                buffers.append(torch.empty((*problem.shape[:-1], width), dtype=tensors[i].dtype, device=device))
-            elif form == "sums":
-                buffers.append(torch.empty((grid[1], width), dtype=compute, device=device))
-            else:
-                buffers.append(torch.empty((problem.m, width), dtype=compute, device=device))
+        buffers = gradient_buffers(bound, problem, tensors, self._forms, grid[1])
         if problem.launches:
             index = _index(problem, views, self._widest)
             arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
@@ -337,19 +362,7 @@ class _Backward:
             _launch(launch[0], device, launch[1], arguments)
         elif problem.m * problem.n == 0:
             buffers = [None if b is None else b.zero_() for b in buffers]
-        results = []
-        for i, need in enumerate(self._needs):
-            if not need:
-                continue
-            k = bound._gradients.index(i)
-            buffer, form, tensor = buffers[k], self._forms[k], tensors[i]
-            if form == "sums":  # each block's sums, added up in order: the input's N values
-                buffer = buffer.sum(0).to(tensor.dtype)
-            elif form == "whole":
-                whole = (*problem.shape[:-1], problem.n * bound.chunks[i])
-                buffer = buffer.reshape(whole).sum_to_size(tensor.shape).to(tensor.dtype)
-            results.append(buffer.reshape(tensor.shape))
-        return results
+        return gradients_of(bound, problem, tensors, self._needs, self._forms, buffers)
 
     def native_form(self) -> None:
         return None

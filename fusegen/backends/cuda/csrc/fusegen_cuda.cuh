@@ -275,3 +275,84 @@ FUSEGEN_HD void store(E* p, const T (&values)[Pack]) {
 }
 
 }  // namespace fusegen
+
+namespace fusegen {
+
+// A pack of sums at p: `values` written (`first`), else added to what p holds (its sums so far).
+template <int Pack, typename E, typename T>
+FUSEGEN_HD void accumulate(E* p, const T (&values)[Pack], bool first) {
+  T total[Pack];
+  if (first) {
+#pragma unroll
+    for (int k = 0; k < Pack; ++k) total[k] = values[k];
+  } else {
+    load<Pack>(total, p, 1);
+#pragma unroll
+    for (int k = 0; k < Pack; ++k) total[k] += values[k];
+  }
+  store<Pack>(p, total);
+}
+
+}  // namespace fusegen
+
+#ifndef __CUDACC__
+namespace fusegen {
+
+// On the host (tests/cuda_host.py runs a row kernel with one thread a block): a block's
+// reduction is its one thread's value.
+template <typename T>
+inline T block_sum(T value, T*) {
+  return value;
+}
+
+template <typename T>
+inline T block_max(T value, T*) {
+  return value;
+}
+
+template <typename T>
+inline T block_min(T value, T*) {
+  return value;
+}
+
+}  // namespace fusegen
+#else
+namespace fusegen {
+
+// -- a block's reductions (the row kind) ---------------------------------------------------
+
+// `value` of every thread of the block combined by `op`: each warp's by shuffles, then the warps'
+// (one value each in `shared`, 32 values) by the first; every thread gets the result. The same
+// order on every call: deterministic. Every thread of the block calls it (blockDim.x a multiple of
+// 32); `shared` is free again when it returns.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T value, T* shared, T neutral, Op op) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  if (lane == 0) shared[warp] = value;
+  __syncthreads();
+  value = lane < warps ? shared[lane] : neutral;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  __syncthreads();  // every warp has read `shared`: the next reduction may write it
+  return value;
+}
+
+template <typename T>
+__device__ __forceinline__ T block_sum(T value, T* shared) {
+  return block_reduce(value, shared, T(0), [](T a, T b) { return a + b; });
+}
+
+template <typename T>
+__device__ __forceinline__ T block_max(T value, T* shared) {
+  return block_reduce(value, shared, -infinity<T>(), [](T a, T b) { return maximum<T>(a, b); });
+}
+
+template <typename T>
+__device__ __forceinline__ T block_min(T value, T* shared) {
+  return block_reduce(value, shared, infinity<T>(), [](T a, T b) { return minimum<T>(a, b); });
+}
+
+}  // namespace fusegen
+#endif

@@ -1,0 +1,145 @@
+"""The CUDA backend's row kind at run time (row_source.py): a block a row, its threads by the
+row's width; the forward writes each row's statistics, the backward reads them and sums the
+gradients of inputs broadcast along rows over each block's rows."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fusegen.runtime.views import view_2d
+
+from . import launch as pointwise  # the pointwise kind's launcher: what the row kind shares of it
+from .launch import _C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _views, gradient_buffers, gradient_forms, gradients_of
+
+MAX_THREADS = 1024
+PACKS_A_THREAD = 4  # a row's packs a thread takes, where the row has that many for every thread
+
+
+class CudaRowKernels(CudaKernels):
+    """What a generated row module hands its FusedOp: CudaKernels and how many values a row its
+    forward keeps (`statistics`)."""
+
+    def __init__(self, *args, statistics: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.statistics = statistics
+
+    def bind(self, op) -> "_BoundRows":
+        return _BoundRows(self, op)
+
+
+class _BoundRows(_BoundCuda):
+    def statistics_width(self, problem, keep: bool = True) -> int:
+        return self.kernels.statistics  # a row's few values: kept, gradient or not
+
+    def prepare_forward(self, call, tensors, *, keep: bool = True) -> "_RowForward":
+        self._refuse_shards(call)
+        return _RowForward(self, call, tensors)
+
+    def prepare_backward(self, call, tensors, grads, needs) -> "_RowBackward":
+        self._refuse_shards(call)
+        return _RowBackward(self, call, tensors, grads, needs)
+
+
+def threads(problem, pack: int) -> int:
+    """A block's threads: PACKS_A_THREAD of the row's packs each, a power of two from 32 to 1024."""
+    packs = -(-(problem.n // pack) // PACKS_A_THREAD)
+    return min(MAX_THREADS, max(32, 1 << max(0, packs - 1).bit_length()))
+
+
+class _RowLaunch:
+    """A row kernel's launch for one call key: Pack and the index type chosen at each call (the
+    views' alignment), a kernel and launch config each."""
+
+    def __init__(self, bound: _BoundRows, call, name: str, types: list[str]):
+        self._bound, self._call = bound, call
+        self._name, self._types = name, [_C_TYPES[call.problem.compute_dtype], *types]
+        self._kernels: dict[tuple, tuple] = {}
+
+    def blocks(self, pack: int) -> int:
+        raise NotImplementedError
+
+    def launch(self, pack: int, index: type, arguments: list) -> None:
+        problem = self._call.problem
+        kernel = self._kernels.get((pack, index))
+        if kernel is None:
+            t, *types = self._types
+            expression = f"{self._bound.kernels.op}_{self._name}<{', '.join([t, _INDEX[index], str(pack), *types])}>"
+            kernel = self._kernels[(pack, index)] = (self._bound.kernel(problem.device, expression),
+                                                     pointwise._config((self.blocks(pack), 1), threads(problem, pack)))
+        pointwise._launch(kernel[0], problem.device, kernel[1], arguments)
+
+    def index(self, views) -> type:
+        """As the pointwise kind's, the [M, statistics] buffer's offsets too."""
+        problem = self._call.problem
+        index = _index(problem, views, 1)
+        return index if problem.m * max(1, self._bound.kernels.statistics) < 2**31 else np.int64
+
+
+class _RowForward(_RowLaunch):
+    def __init__(self, bound: _BoundRows, call, tensors):
+        problem = call.problem
+        reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[0]]
+        outputs = [_C_TYPES[bound.op.output_dtype(problem, j)] for j in range(len(bound.op.outputs))]
+        super().__init__(bound, call, "forward", reads + outputs)
+        self._count = len(tensors)
+
+    def blocks(self, pack: int) -> int:
+        return min(self._call.problem.m, 2**31 - 1)  # a block a row
+
+    def __call__(self, values: tuple) -> None:
+        bound, call = self._bound, self._call
+        problem = call.problem
+        tensors, rest = values[:self._count], values[self._count:]
+        outputs, statistics, seed = rest[:-2], rest[-2], rest[-1]
+        views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
+        pack, index = _pack(problem, views, outputs), self.index(views)
+        arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
+        arguments += [o.data_ptr() for o in outputs] + [statistics.data_ptr()]
+        arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
+        self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
+
+    def native_form(self) -> None:
+        return None  # calls stay in Python
+
+
+class _RowBackward(_RowLaunch):
+    def __init__(self, bound: _BoundRows, call, tensors, grads, needs):
+        problem = call.problem
+        self._needs = tuple(needs)
+        self._forms = gradient_forms(bound, problem, tensors, needs)
+        t = _C_TYPES[problem.compute_dtype]
+        reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[1]] + [_C_TYPES[g.dtype] for g in grads]
+        grad_types = [_C_TYPES[tensors[i].dtype] if form == "write" else t for i, form in zip(bound._gradients, self._forms)]
+        super().__init__(bound, call, "backward", reads + grad_types)
+
+    def blocks(self, pack: int) -> int:
+        """As many blocks as the GPU holds at once, each taking rows gridDim.x apart: where a
+        gradient is summed over rows, a row of partial sums each."""
+        problem = self._call.problem
+        resident = torch.cuda.get_device_properties(problem.device).multi_processor_count * (2048 // threads(problem, pack))
+        return max(1, min(problem.m, resident))
+
+    def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
+        bound, call = self._bound, self._call
+        problem = call.problem
+        views, pack = [], 1
+        if problem.launches:
+            views = _views(tensors, bound._reads[1], bound.chunks, problem)
+            views += [view_2d(g, problem) for g in grads]
+            pack = _pack(problem, views, [])  # the buffers are torch's, each row a multiple of the pack
+        blocks = self.blocks(pack) if problem.launches else problem.m
+        buffers = gradient_buffers(bound, problem, tensors, self._forms, blocks)
+        if problem.launches:
+            index = self.index(views)
+            arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
+            arguments += [statistics.data_ptr()]
+            arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)
+            for buffer, form in zip(buffers, self._forms):
+                arguments += [0 if buffer is None else buffer.data_ptr(), np.bool_(form == "sums")]
+            self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
+        elif problem.m * problem.n == 0:
+            buffers = [None if b is None else b.zero_() for b in buffers]
+        return gradients_of(bound, problem, tensors, self._needs, self._forms, buffers)
+
+    def native_form(self) -> None:
+        return None

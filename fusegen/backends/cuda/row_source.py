@@ -1,0 +1,267 @@
+"""The row kind's kernels in CUDA C++ (issue 33): the plan's RowBody, a block a row.
+
+A block takes rows blockIdx.x, blockIdx.x + gridDim.x, ...; each pass of the body is a loop
+along the row, a thread taking packs of Pack adjacent columns blockDim.x · Pack apart (vector
+loads where the launcher's views allow, as the pointwise kind's: pointwise_source), its
+reductions accumulated in each thread and then across the block (fusegen::block_reduce). A
+pass's online sums (softmax's Σ exp(x - max)) take a loop of their own after their extreme is
+known. The forward keeps each row's reductions ([M, statistics], in T) for the backward, which
+reads them back and computes each gradient element by element: written, or added to its
+block's row of a [blocks, N] buffer of sums where its input is one row broadcast to all (torch
+adds the rows up in order: deterministic).
+
+Not yet: outputs with one value a row, outputs of their own dtype (float8), inputs in chunks,
+choice params, integer inputs (each a one-line CudaUnsupported); rows kept on chip (every pass
+reads the row again, from L2 where it fits), clusters for wide rows."""
+from __future__ import annotations
+
+from fusegen.names import Namer
+from fusegen.plan import KernelPlan, OpPlan
+
+from .pointwise_source import CPP_KEYWORDS, OWN_NAMES, CudaUnsupported, _check, _column, _dropout_parameters, _indent
+from .printer import CudaPrinter
+
+_NEUTRAL = {"sum": "T(0)", "mean": "T(0)", "max": "-fusegen::infinity<T>()", "min": "fusegen::infinity<T>()"}
+_REDUCE = {"sum": "fusegen::block_sum", "mean": "fusegen::block_sum", "max": "fusegen::block_max",
+           "min": "fusegen::block_min"}
+
+
+def _refuse(plan: OpPlan) -> None:
+    what = ("an output with one value a row" if plan.row_outputs else
+            "an input in chunks" if any(i.layout.chunks > 1 for i in plan.inputs) else
+            "an output in parts" if plan.output_parts else
+            "a choice param" if plan.helpers else
+            "an op without a backward" if plan.forward_only else None)
+    if what is not None:
+        raise CudaUnsupported(f"{plan.op}: {what} in a row op is not supported by the CUDA backend yet")
+
+
+class _Rows:
+    """The text of one kernel's RowBody: its row values, pass loops and the loop of results."""
+
+    def __init__(self, plan: OpPlan, kernel: KernelPlan, namer: Namer, names: dict):
+        self.plan, self.kernel, self.body, self.names = plan, kernel, kernel.body, names
+        self.printer = CudaPrinter()
+        self.element = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
+        self.element |= set(kernel.incoming)
+        temps = [*(item for p in self.body.passes for item in p.temps), *self.body.final_temps]
+        self.temps = {t: e for t, e in temps}  # element temporaries (a pass and the results may share one)
+        self.pointer = {i.name: namer.claim(f"{i.local}_ptr") for i in kernel.inputs}
+        self.stride = {i.name: (namer.claim(f"{i.local}_stride_m"), namer.claim(f"{i.local}_stride_n"))
+                       for i in kernel.inputs}
+        self.incoming_pointer = {g: namer.claim(f"{g}_ptr") for g in kernel.incoming}
+        self.incoming_stride = {g: (namer.claim(f"{g}_stride_m"), namer.claim(f"{g}_stride_n")) for g in kernel.incoming}
+        self.pack = {v: namer.claim(f"{v}_pack") for v in sorted(self.element | set(kernel.outputs)
+                                                                 | {v for g in kernel.gradients for v in g.values})}
+        self.threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
+        self.scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
+        self.printer.column = f"T({names['col']} + {names['k']})"
+
+    def _print(self, expr) -> str:
+        return self.printer.doprint(expr)
+
+    def row_values(self, items) -> list[str]:
+        return [f"const T {t.name} = {self._print(e)};" for t, e in items]
+
+    def _needed(self, exprs) -> tuple[list, list, list, list]:
+        """The element temporaries these expressions read (in order), and the inputs, masks and
+        incoming gradients they reach."""
+        wanted, pending = set(), [s for e in exprs for s in e.free_symbols]
+        while pending:
+            symbol = pending.pop()
+            if symbol in self.temps and symbol not in wanted:
+                wanted.add(symbol)
+                pending.extend(self.temps[symbol].free_symbols)
+        reached = {s.name for e in [*exprs, *(self.temps[t] for t in wanted)] for s in e.free_symbols}
+        temps = [(t, e) for t, e in self.temps.items() if t in wanted]
+        inputs = [i for i in self.kernel.inputs if any(v.local in reached for v in i.values)]
+        masks = [m for m in self.kernel.masks if m.local in reached]
+        incoming = [g for g in self.kernel.incoming if g in reached]
+        return temps, inputs, masks, incoming
+
+    def loop(self, exprs, inner: list[str], after: list[str] = ()) -> list[str]:
+        """A loop along the row: each pack's values that `exprs` read loaded, then per element
+        (k) those values and the temporaries, then `inner`; `after`, once a pack."""
+        n = self.names
+        row, col, k = n["row"], n["col"], n["k"]
+        temps, inputs, masks, incoming = self._needed(exprs)
+        lines = [f"for (Index {col} = Index(threadIdx.x) * Pack; {col} < {n['N']}; {col} += Index(blockDim.x) * Pack) {{"]
+        body = []
+        reads = [(v.local, self.pointer[i.name], self.stride[i.name], c) for i in inputs for c, v in enumerate(i.values)]
+        reads += [(g, self.incoming_pointer[g], self.incoming_stride[g], 0) for g in incoming]
+        body += [f"T {', '.join(f'{self.pack[v]}[Pack]' for v, *_ in reads + [(m.local,) for m in masks])};"] \
+            if reads or masks else []
+        body += [f"fusegen::load<Pack>({self.pack[v]}, {pointer} + {row} * {stride[0]} + {_column(col, c, n['N'])} * "
+                 f"{stride[1]}, {stride[1]});" for v, pointer, stride, c in reads]
+        body += [f"fusegen::dropout_multipliers<Pack>({self.pack[m.local]}, {n['has_dropout']}, {n['seed']}, "
+                 f"int64_t({row}) * {n['N']} + {col}, {m.stream}u, {self.threshold[m.p.name]}, {self.scale[m.p.name]});"
+                 for m in masks]
+        body += ["#pragma unroll", f"for (int {k} = 0; {k} < Pack; ++{k}) {{"]
+        body += [f"  const T {v} = {self.pack[v]}[{k}];" for v, *_ in reads + [(m.local,) for m in masks]]
+        body += [f"  const T {t.name} = {self._print(e)};" for t, e in temps]
+        body += [f"  {line}" for line in inner] + ["}", *after]
+        return lines + _indent(body) + ["}"]
+
+    def passes(self, statistics: str | None) -> list[str]:
+        """Each pass: its reductions (an online sum in a loop after its extreme's), reduced across
+        the block, the forward's kept; then the row values they make ready."""
+        lines = []
+        places = {s: k for k, s in enumerate(self.body.statistics)}
+        count = len(self.body.statistics)
+        for number, p in enumerate(self.body.passes, 1):
+            lines.append(f"// pass {number} along the row")
+            groups = [[r for r in p.reductions if r.running is None], [r for r in p.reductions if r.running is not None]]
+            for group in filter(None, groups):
+                lines += [f"T {r.symbol.name} = {_NEUTRAL[r.op]};" for r in group]
+                lines += self.loop([r.value for r in group], [_accumulate(r.op, r.symbol.name, self._print(r.value))
+                                                            for r in group])
+                lines += [f"{r.symbol.name} = {_REDUCE[r.op]}({r.symbol.name}, {self.names['shared']})"
+                          + (f" / T({self.names['N']});" if r.op == "mean" else ";") for r in group]
+            if statistics is not None:
+                lines += [f"if (threadIdx.x == 0) {statistics}[{_statistic(self.names['row'], count, places[r.symbol])}] = "
+                          f"{r.symbol.name};" for r in p.reductions if r.symbol in places]
+            lines += self.row_values(p.row_values)
+        return lines
+
+
+def _statistic(row: str, count: int, k: int) -> str:
+    """Statistic k of the row in the [M, count] buffer."""
+    return (row if count == 1 else f"{row} * {count}") + (f" + {k}" if k else "")
+
+
+def _accumulate(op: str, total: str, value: str) -> str:
+    if op in ("max", "min"):
+        return f"{total} = fusegen::{'maximum' if op == 'max' else 'minimum'}<T>({total}, {value});"
+    return f"{total} += {value};"
+
+
+def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
+    """The kernel's namer (every name of both kernels' bodies taken) and its own names."""
+    locals_ = _locals_of(plan.forward) | _locals_of(plan.backward)
+    _check(plan, locals_)
+    namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
+    names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shared",
+                                         "statistics_ptr", "first")}
+    return namer, names
+
+
+def _locals_of(kernel: KernelPlan) -> set[str]:
+    body = kernel.body
+    names = {v.local for i in kernel.inputs for v in i.values} | set(kernel.outputs) | set(kernel.incoming)
+    names |= {p.local for p in kernel.scalars} | {m.local for m in kernel.masks}
+    names |= {v for g in kernel.gradients for v in g.values}
+    names |= {s.name for s, _ in body.definitions} | {r.symbol.name for r in body.reductions}
+    names |= {s.name for s, _ in body.loaded} | {name for name, _ in body.results}
+    return names | ({kernel.row_width} if kernel.row_width else set())
+
+
+def forward_source(plan: OpPlan) -> str:
+    """The forward kernel of <op>.cu."""
+    _refuse(plan)
+    kernel = plan.forward
+    namer, n = _namer(plan, kernel)
+    rows = _Rows(plan, kernel, namer, n)
+    out_pointer = {o: namer.claim(f"{o}_ptr") for o in kernel.outputs}
+    element_type = {i.name: namer.claim(f"{i.local.capitalize()}Type") for i in kernel.inputs}
+    out_type = {o: namer.claim(f"{o.capitalize()}Type") for o in kernel.outputs}
+    count = len(kernel.body.statistics)
+    parameters = [f"const {element_type[i.name]}* __restrict__ {rows.pointer[i.name]}, Index {rows.stride[i.name][0]}, "
+                  f"Index {rows.stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, N]" for i in kernel.inputs]
+    parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous [M, N]"
+                   for (name, _), o in zip(plan.outputs, kernel.outputs)]
+    parameters.append(f"T* __restrict__ {n['statistics_ptr']},  // [M, {count}]: each row's reductions, kept for the backward")
+    parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale)
+    results = dict(kernel.body.results)
+    stores = [f"fusegen::store<Pack>({out_pointer[o]} + {n['row']} * {n['N']} + {n['col']}, {rows.pack[o]});"
+              for o in kernel.outputs]
+    final = [f"{rows.pack[o]}[{n['k']}] = {rows._print(results[o])};" for o in kernel.outputs]
+    types = [*element_type.values(), *out_type.values()]
+    body = [*rows.row_values(kernel.body.row_values), *rows.passes(n["statistics_ptr"]), "// the results, element by element",
+            *_results_loop(rows, [results[o] for o in kernel.outputs], kernel.outputs, final, stores)]
+    return _kernel_text(plan, kernel, n, f"{plan.op}_forward", types, parameters, body, prologue=[
+        f"// {plan.op}: generated by fusegen from {plan.spec_path}; do not edit.",
+        f"// spec sha256: {plan.spec_sha256}",
+        f"// {plan.doc}",
+        '#include "fusegen_cuda.cuh"',
+        ""])
+
+
+def _results_loop(rows: _Rows, exprs, values, inner: list[str], after: list[str]) -> list[str]:
+    declared = [f"T {', '.join(f'{rows.pack[v]}[Pack]' for v in values)};"]
+    loop = rows.loop(exprs, inner, after)
+    return loop[:1] + _indent(declared) + loop[1:]
+
+
+def _kernel_text(plan, kernel, n, name: str, types, parameters, body, prologue=()) -> str:
+    template = ", ".join(["typename T", "typename Index", "int Pack", *(f"typename {t}" for t in types)])
+    seed = [f"const uint64_t {n['seed']} = {n['has_dropout']} ? uint64_t(*{n['seed_ptr']}) : 0u;"] if kernel.masks else []
+    width = [f"const T {kernel.row_width} = T({n['N']});"] if kernel.row_width else []
+    lines = [
+        *prologue,
+        "#ifdef __CUDACC__",
+        "// A block a row at a time; each pass a loop along the row, Pack adjacent columns a thread",
+        "// blockDim.x · Pack apart, its reductions then reduced across the block.",
+        f"template <{template}>",
+        f"__global__ void {name}(",
+        *(f"    {p}" for p in parameters),
+        f"    Index {n['M']}, Index {n['N']}) {{",
+        f"  __shared__ T {n['shared']}[32];  // a block's reduction: a value a warp",
+        *_indent(seed + width),
+        f"  for (Index {n['row']} = blockIdx.x; {n['row']} < {n['M']}; {n['row']} += gridDim.x) {{",
+        *_indent(_indent(body)),
+        "  }",
+        "}",
+        "#endif",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def backward_source(plan: OpPlan) -> str:
+    """The backward kernel of <op>.cu."""
+    _refuse(plan)
+    kernel = plan.backward
+    namer, n = _namer(plan, kernel)
+    rows = _Rows(plan, kernel, namer, n)
+    element_type = {i.name: namer.claim(f"{i.local.capitalize()}Type") for i in kernel.inputs}
+    element_type.update({g: namer.claim(f"{g.capitalize()}Type") for g in kernel.incoming})
+    base = {g.input.name: g.values[0] for g in kernel.gradients}
+    grad_pointer = {g.input.name: namer.claim(f"{base[g.input.name]}_ptr") for g in kernel.gradients}
+    grad_type = {g.input.name: namer.claim(f"{base[g.input.name].capitalize()}Type") for g in kernel.gradients}
+    sums = {g.input.name: namer.claim(f"{base[g.input.name]}_sums") for g in kernel.gradients}
+    count = len(plan.forward.body.statistics)
+    parameters = [f"const {element_type[i.name]}* __restrict__ {rows.pointer[i.name]}, Index {rows.stride[i.name][0]}, "
+                  f"Index {rows.stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, N]" for i in kernel.inputs]
+    parameters += [f"const {element_type[g]}* __restrict__ {rows.incoming_pointer[g]}, Index {rows.incoming_stride[g][0]}, "
+                   f"Index {rows.incoming_stride[g][1]},  // the incoming gradient of {name}, as [M, N]"
+                   for (name, _), g in zip(plan.outputs, kernel.incoming)]
+    parameters.append(f"const T* __restrict__ {n['statistics_ptr']},  // [M, {count}]: the forward's reductions")
+    parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale)
+    parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
+                   f"  // {base[g.input.name]}: [M, N], or with {sums[g.input.name]} its sums over each block's rows, "
+                   "[blocks, N] in T; null where not wanted" for g in kernel.gradients]
+    results = dict(kernel.body.results)
+    gradients = [g.values[0] for g in kernel.gradients]
+    final = [f"{rows.pack[v]}[{n['k']}] = {rows._print(results[v])};" for v in gradients]
+    stores = []
+    for g in kernel.gradients:
+        name, v = g.input.name, g.values[0]
+        stores += [f"if ({sums[name]}) {{",
+                   f"  fusegen::accumulate<Pack>({grad_pointer[name]} + Index(blockIdx.x) * {n['N']} + {n['col']}, "
+                   f"{rows.pack[v]}, {n['first']});",
+                   f"}} else if ({grad_pointer[name]} != nullptr) {{",
+                   f"  fusegen::store<Pack>({grad_pointer[name]} + {n['row']} * {n['N']} + {n['col']}, {rows.pack[v]});",
+                   "}"]
+    loaded = [f"const T {s.name} = {n['statistics_ptr']}[{_statistic(n['row'], count, k)}];" for s, k in kernel.body.loaded]
+    body = [f"const bool {n['first']} = {n['row']} == Index(blockIdx.x);  // the block's first row: its sums start here",
+            *loaded, *rows.row_values(kernel.body.row_values), *rows.passes(None), "// the gradients, element by element",
+            *_results_loop(rows, [results[v] for v in gradients], gradients, final, stores)]
+    types = [*element_type.values(), *grad_type.values()]
+    return _kernel_text(plan, kernel, n, f"{plan.op}_backward", types, parameters, body)
+
+
+def source(plan: OpPlan) -> str:
+    """The whole of <op>.cu: the forward, then the backward."""
+    return forward_source(plan) + "\n" + backward_source(plan)
+
