@@ -32,6 +32,7 @@ struct FusegenDim3 { unsigned x = 0, y = 0, z = 0; };
 static FusegenDim3 blockIdx, blockDim, gridDim, threadIdx;
 #define __global__
 #define __shared__
+#define __launch_bounds__(...)
 '''
 _RUN = r'''
 template <typename... P, size_t... I>
@@ -103,7 +104,8 @@ def on_the_host(folder: Path, monkeypatch):
     monkeypatch.setattr(cuda_launch._BoundCuda, "kernel", kernel)
     monkeypatch.setattr(cuda_launch, "_launch", launch)
     monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK: (grid, block))
-    monkeypatch.setattr(row_launch, "threads", lambda problem, pack: 1)  # a block's reductions need threads that run together
+    monkeypatch.setattr(row_launch, "MAX_THREADS", 1)  # a block's reductions need threads that run together
+    monkeypatch.setattr(row_launch, "MIN_THREADS", 1)
     monkeypatch.setattr(cuda_launch._BoundCuda, "check_device", lambda self, device: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Properties())
     yield launches

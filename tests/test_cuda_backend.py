@@ -130,11 +130,16 @@ def _expressions(module, name: str, t: str, element: str, choice: int = 0, pack:
     kernels = module._OP.kernels
     reads = len(kernels._reads[0])
     chosen = [[str(choice)] * len(c) for c in kernels._choices]
+    if kernels.kernels.statistics:  # the row kind: a block's threads and the packs each holds, after the pack
+        chosen = [[*c, "256", "4" if pack > 1 else "0"] for c in chosen]
     outputs = len(module._OP.outputs)
-    forward = f"{name}_cuda_forward<{', '.join([t, index, *chosen[0], str(pack), *[element] * (reads + outputs)])}>"
+    rows = chosen[0][len(kernels._choices[0]):]
+    chosen = [c[:len(k)] for c, k in zip(chosen, kernels._choices)]
+    forward = f"{name}_cuda_forward<{', '.join([t, index, *chosen[0], str(pack), *rows, *[element] * (reads + outputs)])}>"
     back_reads = len(kernels._reads[1]) + outputs
     grads = len(kernels._gradients)
-    backward = f"{name}_cuda_backward<{', '.join([t, index, *chosen[1], str(pack), *[element] * (back_reads + grads)])}>"
+    backward = (f"{name}_cuda_backward<{', '.join([t, index, *chosen[1], str(pack), *rows, *[element] * (back_reads + grads)])}"
+                ">")
     return forward, backward
 
 
@@ -163,6 +168,7 @@ def test_nvrtc_compiles_every_dtype(modules, name, tmp_path, monkeypatch):
 needs_host_build = pytest.mark.skipif(shutil.which("g++") is None or (not HAS_NVRTC and not os.environ.get("CI")),
                                       reason="needs g++ and cuda-core (pip install 'fusegen[cuda]')")
 HOST_CASES = (ShapeCase("rows", (37,), 300), ShapeCase("bcast", (2, 3, 5), 130, layout="bcast"),
+              ShapeCase("held", (9,), 24),  # a row kernel's row held in registers (on the host, to 32 values)
               ShapeCase("tall", (66000,), 3, layout="bcast"),  # more rows than a grid's 65535
               ShapeCase("wide", (3,), 2100))
 
@@ -195,7 +201,7 @@ def test_the_launcher_and_kernels_on_the_host(modules, name, tmp_path, monkeypat
 
     op = op_by_name(name)
     with on_the_host(tmp_path, monkeypatch) as launches:
-        for case in HOST_CASES[:2] if name not in ("gelu", "bias_dropout_add", "swiglu", "rope", "softmax", "rmsnorm") else HOST_CASES:
+        for case in HOST_CASES[:3] if name not in ("gelu", "bias_dropout_add", "swiglu", "rope", "softmax", "rmsnorm") else HOST_CASES:
             for dtype in (torch.float64, torch.float32):
                 _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
     assert launches, "nothing launched"

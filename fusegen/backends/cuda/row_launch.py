@@ -11,8 +11,9 @@ from fusegen.runtime.views import view_2d
 from . import launch as pointwise  # the pointwise kind's launcher: what the row kind shares of it
 from .launch import _C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _views, gradient_buffers, gradient_forms, gradients_of
 
-MAX_THREADS = 1024
+MAX_THREADS, MIN_THREADS = 1024, 32
 PACKS_A_THREAD = 4  # a row's packs a thread takes, where the row has that many for every thread
+HELD = 32  # values of each input a thread holds at most: a wider row is read again each pass
 
 
 class CudaRowKernels(CudaKernels):
@@ -40,10 +41,14 @@ class _BoundRows(_BoundCuda):
         return _RowBackward(self, call, tensors, grads, needs)
 
 
-def threads(problem, pack: int) -> int:
-    """A block's threads: PACKS_A_THREAD of the row's packs each, a power of two from 32 to 1024."""
-    packs = -(-(problem.n // pack) // PACKS_A_THREAD)
-    return min(MAX_THREADS, max(32, 1 << max(0, packs - 1).bit_length()))
+def layout(problem, pack: int) -> tuple[int, int]:
+    """A block's threads (PACKS_A_THREAD of the row's packs each, a power of two from MIN_THREADS
+    to MAX_THREADS) and the packs each holds (Items: the whole row's, where that is at most HELD
+    values; else 0, the row read again each pass)."""
+    packs = problem.n // pack
+    threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-packs // PACKS_A_THREAD) - 1).bit_length()))
+    items = -(-packs // threads)
+    return threads, items if items * pack <= HELD else 0
 
 
 class _RowLaunch:
@@ -63,9 +68,11 @@ class _RowLaunch:
         kernel = self._kernels.get((pack, index))
         if kernel is None:
             t, *types = self._types
-            expression = f"{self._bound.kernels.op}_{self._name}<{', '.join([t, _INDEX[index], str(pack), *types])}>"
+            threads, items = layout(problem, pack)
+            expression = (f"{self._bound.kernels.op}_{self._name}<"
+                          f"{', '.join([t, _INDEX[index], str(pack), str(threads), str(items), *types])}>")
             kernel = self._kernels[(pack, index)] = (self._bound.kernel(problem.device, expression),
-                                                     pointwise._config((self.blocks(pack), 1), threads(problem, pack)))
+                                                     pointwise._config((self.blocks(pack), 1), threads))
         pointwise._launch(kernel[0], problem.device, kernel[1], arguments)
 
     def index(self, views) -> type:
@@ -116,7 +123,7 @@ class _RowBackward(_RowLaunch):
         """As many blocks as the GPU holds at once, each taking rows gridDim.x apart: where a
         gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
-        resident = torch.cuda.get_device_properties(problem.device).multi_processor_count * (2048 // threads(problem, pack))
+        resident = torch.cuda.get_device_properties(problem.device).multi_processor_count * (2048 // layout(problem, pack)[0])
         return max(1, min(problem.m, resident))
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:

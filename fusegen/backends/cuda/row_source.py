@@ -79,28 +79,65 @@ class _Rows:
         incoming = [g for g in self.kernel.incoming if g in reached]
         return temps, inputs, masks, incoming
 
-    def loop(self, exprs, inner: list[str], after: list[str] = ()) -> list[str]:
-        """A loop along the row: each pack's values that `exprs` read loaded, then per element
-        (k) those values and the temporaries, then `inner`; `after`, once a pack."""
-        n = self.names
-        row, col, k = n["row"], n["col"], n["k"]
-        temps, inputs, masks, incoming = self._needed(exprs)
-        lines = [f"for (Index {col} = Index(threadIdx.x) * Pack; {col} < {n['N']}; {col} += Index(blockDim.x) * Pack) {{"]
-        body = []
+    def _reads(self, inputs, incoming) -> list[tuple]:
+        """(value, pointer, strides, chunk) of each value these inputs and incoming gradients give."""
         reads = [(v.local, self.pointer[i.name], self.stride[i.name], c) for i in inputs for c, v in enumerate(i.values)]
-        reads += [(g, self.incoming_pointer[g], self.incoming_stride[g], 0) for g in incoming]
-        body += [f"T {', '.join(f'{self.pack[v]}[Pack]' for v, *_ in reads + [(m.local,) for m in masks])};"] \
-            if reads or masks else []
-        body += [f"fusegen::load<Pack>({self.pack[v]}, {pointer} + {row} * {stride[0]} + {_column(col, c, n['N'])} * "
-                 f"{stride[1]}, {stride[1]});" for v, pointer, stride, c in reads]
-        body += [f"fusegen::dropout_multipliers<Pack>({self.pack[m.local]}, {n['has_dropout']}, {n['seed']}, "
-                 f"int64_t({row}) * {n['N']} + {col}, {m.stream}u, {self.threshold[m.p.name]}, {self.scale[m.p.name]});"
-                 for m in masks]
+        return reads + [(g, self.incoming_pointer[g], self.incoming_stride[g], 0) for g in incoming]
+
+    def _load_lines(self, reads, masks, row: str) -> list[str]:
+        """Each read's pack and each mask's multipliers at the item's columns, into [item]."""
+        n = self.names
+        col, item = n["col"], n["item"]
+        lines = [f"fusegen::load<Pack>({self.pack[v]}[{item}], {pointer} + {row} * {stride[0]} + "
+                 f"{_column(col, c, n['N'])} * {stride[1]}, {stride[1]});" for v, pointer, stride, c in reads]
+        lines += [f"fusegen::dropout_multipliers<Pack>({self.pack[m.local]}[{item}], {n['has_dropout']}, {n['seed']}, "
+                  f"int64_t({row}) * {n['N']} + {col}, {m.stream}u, {self.threshold[m.p.name]}, {self.scale[m.p.name]});"
+                  for m in masks]
+        return lines
+
+    def columns(self, inner: list[str]) -> list[str]:
+        """The thread's packs along the row, `inner` at each: Packs a tile, Threads · Pack apart, the
+        row's first column at col."""
+        n = self.names
+        first, item, col = n["first_col"], n["item"], n["col"]
+        return [f"for (Index {first} = 0; {first} < {n['N']}; {first} += Index(Threads) * Packs * Pack) {{",
+                "#pragma unroll",
+                f"  for (int {item} = 0; {item} < Packs; ++{item}) {{",
+                f"    const Index {col} = {first} + (Index({item}) * Threads + threadIdx.x) * Pack;",
+                f"    if ({col} < {n['N']}) {{", *(f"      {line}" if not line.startswith("#") else line for line in inner),
+                "    }", "  }", "}"]
+
+    def held(self) -> list[tuple]:
+        """What a kernel holds a pack of for each item: every value it reads and its masks."""
+        reads = self._reads(self.kernel.inputs, self.kernel.incoming)
+        return [v for v, *_ in reads] + [m.local for m in self.kernel.masks]
+
+    def whole_row(self) -> tuple[list[str], list[str]]:
+        """With the row held (Whole): the loads of the [N] inputs once a block, and of the rest at
+        each row's start."""
+        n = self.names
+        columns = [i for i in self.kernel.inputs if not _has_rows(i)]
+        rows = [i for i in self.kernel.inputs if _has_rows(i)]
+        once = self._load_lines(self._reads(columns, ()), (), "Index(0)")
+        each = self._load_lines(self._reads(rows, self.kernel.incoming), self.kernel.masks, n["row"])
+        return (["if (Whole) {", *_indent(self.columns(once)), "}"] if once else [],
+                ["if (Whole) {", *_indent(self.columns(each)), "}"] if each else [])
+
+    def loop(self, exprs, inner: list[str], after: list[str] = (), declared: list[str] = ()) -> list[str]:
+        """A loop along the row: each pack's values that `exprs` read (loaded here unless the row is
+        held), then per element (k) those values and the temporaries, then `inner`; `after`, once
+        a pack; `declared` first."""
+        n = self.names
+        item, k = n["item"], n["k"]
+        temps, inputs, masks, incoming = self._needed(exprs)
+        reads = self._reads(inputs, incoming)
+        loads = self._load_lines(reads, masks, n["row"])
+        body = [*declared, *(["if (!Whole) {", *_indent(loads), "}"] if loads else [])]
         body += ["#pragma unroll", f"for (int {k} = 0; {k} < Pack; ++{k}) {{"]
-        body += [f"  const T {v} = {self.pack[v]}[{k}];" for v, *_ in reads + [(m.local,) for m in masks]]
+        body += [f"  const T {v} = {self.pack[v]}[{item}][{k}];" for v, *_ in reads + [(m.local,) for m in masks]]
         body += [f"  const T {t.name} = {self._print(e)};" for t, e in temps]
         body += [f"  {line}" for line in inner] + ["}", *after]
-        return lines + _indent(body) + ["}"]
+        return self.columns(body)
 
     def passes(self, statistics: str | None) -> list[str]:
         """Each pass: its reductions (an online sum in a loop after its extreme's), reduced across
@@ -124,6 +161,12 @@ class _Rows:
         return lines
 
 
+def _has_rows(i) -> bool:
+    """An input with a row dim of its own ([..., N]), not one row broadcast to all ([N])."""
+    dims = i.layout.dims
+    return len(dims) > 1 or dims[:1] == ("...",)
+
+
 def _statistic(row: str, count: int, k: int) -> str:
     """Statistic k of the row in the [M, count] buffer."""
     return (row if count == 1 else f"{row} * {count}") + (f" + {k}" if k else "")
@@ -141,7 +184,7 @@ def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     _check(plan, locals_)
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
     names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shared",
-                                         "statistics_ptr", "first")}
+                                         "statistics_ptr", "first", "first_col", "item")}
     return namer, names
 
 
@@ -179,7 +222,7 @@ def forward_source(plan: OpPlan) -> str:
     types = [*element_type.values(), *out_type.values()]
     body = [*rows.row_values(kernel.body.row_values), *rows.passes(n["statistics_ptr"]), "// the results, element by element",
             *_results_loop(rows, [results[o] for o in kernel.outputs], kernel.outputs, final, stores)]
-    return _kernel_text(plan, kernel, n, f"{plan.op}_forward", types, parameters, body, prologue=[
+    return _kernel_text(rows, f"{plan.op}_forward", types, parameters, body, prologue=[
         f"// {plan.op}: generated by fusegen from {plan.spec_path}; do not edit.",
         f"// spec sha256: {plan.spec_sha256}",
         f"// {plan.doc}",
@@ -188,29 +231,38 @@ def forward_source(plan: OpPlan) -> str:
 
 
 def _results_loop(rows: _Rows, exprs, values, inner: list[str], after: list[str]) -> list[str]:
-    declared = [f"T {', '.join(f'{rows.pack[v]}[Pack]' for v in values)};"]
-    loop = rows.loop(exprs, inner, after)
-    return loop[:1] + _indent(declared) + loop[1:]
+    """The loop of results: each value's pack of the item, stored by `after`."""
+    return rows.loop(exprs, inner, after, declared=[f"T {', '.join(f'{rows.pack[v]}[Pack]' for v in values)};"])
 
 
-def _kernel_text(plan, kernel, n, name: str, types, parameters, body, prologue=()) -> str:
-    template = ", ".join(["typename T", "typename Index", "int Pack", *(f"typename {t}" for t in types)])
+def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), before=(), after=()) -> str:
+    """The kernel: its template and parameters, then `before` the rows, `body` at each row (with
+    the row's held packs declared, and loaded where the row is held), `after` them."""
+    kernel, n = rows.kernel, rows.names
+    template = ", ".join(["typename T", "typename Index", "int Pack", "int Threads", "int Items",
+                          *(f"typename {t}" for t in types)])
     seed = [f"const uint64_t {n['seed']} = {n['has_dropout']} ? uint64_t(*{n['seed_ptr']}) : 0u;"] if kernel.masks else []
     width = [f"const T {kernel.row_width} = T({n['N']});"] if kernel.row_width else []
+    once, each = rows.whole_row()
+    held = [f"T {', '.join(f'{rows.pack[v]}[Packs][Pack]' for v in rows.held())};"]
     lines = [
         *prologue,
         "#ifdef __CUDACC__",
-        "// A block a row at a time; each pass a loop along the row, Pack adjacent columns a thread",
-        "// blockDim.x · Pack apart, its reductions then reduced across the block.",
+        "// A block of Threads a row at a time; each pass a loop along the row, Pack adjacent columns a",
+        "// thread Threads · Pack apart, its reductions then reduced across the block. Items > 0: the",
+        "// row held in registers, each thread's Items packs loaded once (the [N] inputs once a block).",
         f"template <{template}>",
-        f"__global__ void {name}(",
+        f"__global__ void __launch_bounds__(Threads) {name}(",
         *(f"    {p}" for p in parameters),
         f"    Index {n['M']}, Index {n['N']}) {{",
+        "  constexpr bool Whole = Items > 0;",
+        "  constexpr int Packs = Whole ? Items : 1;  // a thread's packs a tile (the whole row's, held)",
         f"  __shared__ T {n['shared']}[32];  // a block's reduction: a value a warp",
-        *_indent(seed + width),
+        *_indent(seed + width + held + once + list(before)),
         f"  for (Index {n['row']} = blockIdx.x; {n['row']} < {n['M']}; {n['row']} += gridDim.x) {{",
-        *_indent(_indent(body)),
+        *_indent(_indent(each + body)),
         "  }",
+        *_indent(list(after)),
         "}",
         "#endif",
     ]
@@ -244,21 +296,33 @@ def backward_source(plan: OpPlan) -> str:
     results = dict(kernel.body.results)
     gradients = [g.values[0] for g in kernel.gradients]
     final = [f"{rows.pack[v]}[{n['k']}] = {rows._print(results[v])};" for v in gradients]
-    stores = []
+    stores, totals, sums_stores = [], [], []
     for g in kernel.gradients:
         name, v = g.input.name, g.values[0]
-        stores += [f"if ({sums[name]}) {{",
-                   f"  fusegen::accumulate<Pack>({grad_pointer[name]} + Index(blockIdx.x) * {n['N']} + {n['col']}, "
-                   f"{rows.pack[v]}, {n['first']});",
-                   f"}} else if ({grad_pointer[name]} != nullptr) {{",
-                   f"  fusegen::store<Pack>({grad_pointer[name]} + {n['row']} * {n['N']} + {n['col']}, {rows.pack[v]});",
-                   "}"]
+        summed = [f"}} else if ({sums[name]}) {{",
+                  f"  fusegen::accumulate<Pack>({grad_pointer[name]} + Index(blockIdx.x) * {n['N']} + {n['col']}, "
+                  f"{rows.pack[v]}, {n['first']});"]
+        written = [f"}} else if ({grad_pointer[name]} != nullptr) {{",
+                   f"  fusegen::store<Pack>({grad_pointer[name]} + {n['row']} * {n['N']} + {n['col']}, {rows.pack[v]});", "}"]
+        if _has_rows(g.input):  # summed only where the caller broadcasts it: in its buffer, not held
+            stores += [f"if ({sums[name]}) {{", *summed[1:], *written]
+            continue
+        # An [N] input's: summed in registers where the row is held, stored once after the rows.
+        total = namer.claim(f"{v}_total")
+        totals.append(f"T {total}[Packs][Pack] = {{}};  // held rows: {v}'s sums over the block's rows")
+        stores += [f"if ({sums[name]} && Whole) {{", "#pragma unroll",
+                   f"  for (int {n['k']} = 0; {n['k']} < Pack; ++{n['k']}) {total}[{n['item']}][{n['k']}] += "
+                   f"{rows.pack[v]}[{n['k']}];", *summed, *written]
+        sums_stores += [f"if (Whole && {sums[name]}) {{",
+                        *_indent(rows.columns([f"fusegen::store<Pack>({grad_pointer[name]} + Index(blockIdx.x) * "
+                                               f"{n['N']} + {n['col']}, {total}[{n['item']}]);"])), "}"]
     loaded = [f"const T {s.name} = {n['statistics_ptr']}[{_statistic(n['row'], count, k)}];" for s, k in kernel.body.loaded]
     body = [f"const bool {n['first']} = {n['row']} == Index(blockIdx.x);  // the block's first row: its sums start here",
             *loaded, *rows.row_values(kernel.body.row_values), *rows.passes(None), "// the gradients, element by element",
             *_results_loop(rows, [results[v] for v in gradients], gradients, final, stores)]
     types = [*element_type.values(), *grad_type.values()]
-    return _kernel_text(plan, kernel, n, f"{plan.op}_backward", types, parameters, body)
+    return _kernel_text(rows, f"{plan.op}_backward", types, parameters, body, before=totals,
+                        after=["// held rows: the block's sums, once", *sums_stores] if sums_stores else [])
 
 
 def source(plan: OpPlan) -> str:
