@@ -12,7 +12,9 @@ from . import launch as pointwise  # the pointwise kind's launcher: what the row
 from .launch import _C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _views, gradient_buffers, gradient_forms, gradients_of
 
 MAX_THREADS, MIN_THREADS = 1024, 32
-PACKS_A_THREAD = 4  # a row's packs a thread takes, where the row has that many for every thread
+SHARE = 16  # a thread's values of each input where the row has that many for every thread: enough
+# blocks an SM for the loads in flight (H100, bf16 rows of 8192: 32 values a thread ran at 0.43-0.8 of
+# the Triton kernels' speed, register-bound)
 HELD = 32  # values of each input a thread holds at most: a wider row is read again each pass
 
 
@@ -42,11 +44,12 @@ class _BoundRows(_BoundCuda):
 
 
 def layout(problem, pack: int) -> tuple[int, int]:
-    """A block's threads (PACKS_A_THREAD of the row's packs each, a power of two from MIN_THREADS
-    to MAX_THREADS) and the packs each holds (Items: the whole row's, where that is at most HELD
+    """A block's threads (SHARE of the row's values each, a power of two from MIN_THREADS to
+    MAX_THREADS) and the packs each holds (Items: the whole row's, where that is at most HELD
     values; else 0, the row read again each pass)."""
     packs = problem.n // pack
-    threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-packs // PACKS_A_THREAD) - 1).bit_length()))
+    share = max(1, SHARE // pack)  # packs
+    threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-packs // share) - 1).bit_length()))
     items = -(-packs // threads)
     return threads, items if items * pack <= HELD else 0
 
