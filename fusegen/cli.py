@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -26,7 +26,13 @@ class BuiltOp:
     spec: spec.OpSpec
     simplified: simplify.SimplifiedOp
     plan: plan.OpPlan
-    text: str
+    text: str  # the module's
+    beside: dict[str, str] = field(default_factory=dict)  # files beside the module: name → text
+
+    @property
+    def files(self) -> dict[str, str]:
+        """Every file of the op, its module first."""
+        return {f"{self.spec.name}.py": self.text, **self.beside}
 
 
 def spec_files(paths: list[Path]) -> list[Path]:
@@ -71,13 +77,13 @@ def build_op(path: Path, backend_name: str | None = None) -> BuiltOp:
     backend = codegen(chosen)
     op_plan = planning.plan(simplified, backend.RESERVED_NAMES, backend.MODULE_IMPORTS)
     try:
-        text = backend.render(op_plan)
+        text, beside = backend.render(op_plan), backend.beside(op_plan)
     except Unsupported as exc:
         if backend_name is None and op_spec.backend is not None:
             raise SpecError(str(path), op_spec.backend_line, f"backend {chosen}: {exc}") from None
         raise SpecError(str(path), None, f"--backend {chosen}: {exc}") from None
     write.check_module(text, f"{op_spec.name}.py")
-    return BuiltOp(op_spec, simplified, op_plan, text)
+    return BuiltOp(op_spec, simplified, op_plan, text, beside)
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,9 @@ class Build:
     ops: int  # how many ops this build generated
     kept: list[outdir.GeneratedModule]  # fusegen's other modules in the folder, left as they are
     stale: list[outdir.GeneratedModule]  # fusegen's modules whose spec is gone from a built directory
+    # fusegen's files beside a module that this build no longer writes (a stale module's, or the
+    # <op>.cu of an op built with another backend now)
+    orphans: list[Path] = field(default_factory=list)
 
 
 def generate(paths: list[Path], out: Path, backend: str | None = None) -> Build:
@@ -108,11 +117,13 @@ def build_ops(paths: list[Path], backend: str | None = None) -> dict[str, BuiltO
 def folder_build(built: dict[str, BuiltOp], paths: list[Path], out: Path) -> Build:
     """The files of `built` and what they change in `out` as it is now."""
     kept, stale = outdir.survey(out, set(built), [p for p in paths if p.is_dir()])
-    files = {f"{name}.py": op.text for name, op in built.items()}
+    files = {name: text for op in built.values() for name, text in op.files.items()}
+    orphans = [path for name in [*built, *(m.name for m in stale)] for path in outdir.beside(out, name)
+               if path.name not in files]
     # __init__.py lists every op the folder will hold, kept ones included. render_package_init
     # reads only .name and .doc, which both OpSpec and GeneratedModule carry.
     files["__init__.py"] = write.render_package_init([op.spec for op in built.values()] + kept)
-    return Build(files, len(built), kept, stale)
+    return Build(files, len(built), kept, stale, orphans)
 
 
 def cmd_build(args) -> int:
@@ -121,12 +132,14 @@ def cmd_build(args) -> int:
     try:
         with outdir.locked(out):  # planned under the lock: another build may just have changed it
             build = folder_build(ops, args.paths, out)
-            written = outdir.swap_in(out, build.files, build.stale)
+            written = outdir.swap_in(out, build.files, [*build.stale, *build.orphans])
     except OSError as exc:  # making the folder, its lock, finishing a killed build's swap
         where = f": {exc.filename}" if exc.filename else ""
         raise SpecError(str(out), None, f"{exc.strerror or exc}{where}") from None
     for module in build.stale:
         print(f"removed {module.path} (its spec is gone)")
+    for path in build.orphans:
+        print(f"removed {path} (no longer built)")
     for name in written:
         print(f"wrote {out / name}")
     kept = f"; {len(build.kept)} other generated modules left as they are" if build.kept else ""
@@ -143,7 +156,7 @@ def cmd_check(args) -> int:
         for name, text in sorted(build.files.items())
         if not (out / name).is_file() or (out / name).read_bytes() != text.encode("utf-8")
     ]
-    stale += [module.path for module in build.stale]
+    stale += [module.path for module in build.stale] + build.orphans
     for path in stale:
         print(f"stale: {path}", file=sys.stderr)
     if stale:

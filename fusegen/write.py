@@ -49,7 +49,8 @@ class GeneratedCodeError(Exception):
 
 def check_module(text: str, filename: str) -> None:
     """The generated module parses, compiles, and every name it reads is defined: by the
-    module, its imports, the enclosing function, or Python's builtins."""
+    module, its imports, the enclosing function, Python's builtins, or Python for every module
+    (__file__)."""
     try:
         tree = ast.parse(text, filename=filename)
         compile(tree, filename, "exec")
@@ -59,7 +60,7 @@ def check_module(text: str, filename: str) -> None:
     defined = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
     # A function that reads a name `super` (a spec's input may be named so) gets an
     # implicit __class__ reference from Python's symbol table.
-    defined |= set(dir(builtins)) | {"__class__"}
+    defined |= set(dir(builtins)) | {"__class__", "__file__"}  # and a module's own path
     for scope in _scopes(table):
         for symbol in scope.get_symbols():
             if symbol.is_referenced() and (symbol.is_global() or scope is table) and symbol.get_name() not in defined:

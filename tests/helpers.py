@@ -131,7 +131,8 @@ def build_and_import(folder: Path, spec_text: str, backend: str | None = None):
     name = re.search(r"^name: *(\w+)", spec_text, re.M).group(1)
     spec_path = folder / f"{name}.yaml"
     spec_path.write_text(spec_text, encoding="utf-8")
-    (folder / f"{name}.py").write_text(cli.build_op(spec_path, backend).text, encoding="utf-8")
+    for file, text in cli.build_op(spec_path, backend).files.items():  # the module, and any file beside it
+        (folder / file).write_text(text, encoding="utf-8")
     module_spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)

@@ -3,10 +3,11 @@
 A backend is a package with a `codegen` module defining `RESERVED_NAMES` (the names its
 generated code uses for itself, which fusegen.plan gives no spec-derived name),
 `MODULE_IMPORTS` (the module-level names its modules import, which fusegen.plan refuses as
-an op's name: plan.check_op_name raises the SpecError) and `render(plan) -> str`, which
+an op's name: plan.check_op_name raises the SpecError), `render(plan) -> str`, which
 reads the plan only and raises nothing about the spec but `Unsupported` (what a backend does not
-render yet: the build says it against the spec's file). Register it here; spec, ir, simplify and
-plan do not change.
+render yet: the build says it against the spec's file), and `beside(plan) -> dict[str, str]`:
+the files the build writes beside the module (file name → text; the CUDA backend's <op>.cu).
+Register it here; spec, ir, simplify and plan do not change.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Plan → the text of a generated module whose kernels are CUDA C++ (`fusegen build --backend cuda`):
-the source held as the module's CUDA_SOURCE, and the same Python face as a Triton module's
-(fusegen.face) around it, its kernels declared as its kind's run-time class.
+"""Plan → a generated module whose kernels are CUDA C++ (`fusegen build --backend cuda`): the source
+as <op>.cu beside the module (which reads it as CUDA_SOURCE on import), and the same Python face as
+a Triton module's (fusegen.face), its kernels declared as its kind's run-time class.
 
 Each kind the backend renders is one entry of KINDS: its source (pointwise_source.py,
 row_source.py) and its launcher. Other kinds (the gemm kind stays Triton's), and what a kind's
@@ -18,7 +18,7 @@ from fusegen.pyformat import format_module
 from . import pointwise_source, row_source
 from .pointwise_source import CPP_KEYWORDS, OWN_NAMES, CudaUnsupported
 
-__all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "render"]
+__all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "beside", "render"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ KINDS = {
         "(16 bytes of vector loads where the views allow); the backward kernel a pack of columns a thread over a "
         "block of rows, summing the gradients of inputs broadcast along rows."),
     "row": CudaKind(
-        row_source.source, "cuda_rows.CudaRowKernels", ("from fusegen.backends.cuda import row_launch as cuda_rows",),
+        row_source.source, "cuda_rows.CudaRowKernels", ("from fusegen.backends.cuda import launch as cuda_launch",
+                                                         "from fusegen.backends.cuda import row_launch as cuda_rows"),
         "The kernels take a row a CUDA block: each pass along the row a loop of packs of adjacent columns, its "
         "reductions across the block by warp shuffles; the forward keeps each row's reductions for the backward."),
 }
@@ -48,15 +49,24 @@ RESERVED_NAMES = (MODULE_IMPORTS | {"reference", "eager", "_OP", "_reference", "
 COMPILED = " CUDA C++ (CUDA_SOURCE), compiled by NVRTC on first use per dtype combination and cached on disk."
 
 
-def render(plan: OpPlan) -> str:
-    """The text of generated/<op>.py with the CUDA backend's kernels."""
+def _kind(plan: OpPlan) -> CudaKind:
     kind = KINDS.get(plan.kind)
     if kind is None:
         raise CudaUnsupported(f"{plan.op}: the {plan.kind} kind is not supported by the CUDA backend yet; "
                               "build it with --backend triton")
     if plan.forward_only:
         raise CudaUnsupported(f"{plan.op}: an op without a backward is not supported by the CUDA backend yet")
-    cuda = kind.source(plan)
+    return kind
+
+
+def beside(plan: OpPlan) -> dict[str, str]:
+    """<op>.cu: the kernels' source, headed as the module is."""
+    return {f"{plan.op}.cu": _kind(plan).source(plan)}
+
+
+def render(plan: OpPlan) -> str:
+    """The text of generated/<op>.py with the CUDA backend's kernels (<op>.cu: beside)."""
+    kind = _kind(plan)
     forward, backward = plan.forward, plan.backward
     keywords = [f"forward_reads={_names(i.name for i in forward.inputs)}"]
     if backward.scalars:
@@ -82,10 +92,9 @@ def render(plan: OpPlan) -> str:
         "",
         f"__all__ = [{the_face.exports}]",
         "",
-        "# The kernels, CUDA C++ for NVRTC (fusegen/backends/cuda/csrc/fusegen_cuda.cuh has the functions they call).",
-        'CUDA_SOURCE = r"""',
-        cuda.rstrip("\n"),
-        '"""',
+        f"# The kernels, CUDA C++ for NVRTC: {plan.op}.cu beside this module (fusegen/backends/cuda/csrc/fusegen_cuda.cuh",
+        "# has the functions they call).",
+        "CUDA_SOURCE = cuda_launch.source_beside(__file__)",
         the_face.text,
     ]
     return format_module("\n".join(lines) + "\n")

@@ -16,6 +16,7 @@ the C++ eager call (calls stay in Python), DTensor shards."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,6 +30,16 @@ from . import compiler
 BLOCK = 256  # threads a block: the forward's elements, the backward's columns
 _C_TYPES = {torch.float32: "float", torch.float64: "double", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def source_beside(module_file: str) -> str:
+    """A generated module's kernels' source: <op>.cu beside the module (codegen.beside)."""
+    path = Path(module_file).with_suffix(".cu")
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ImportError(f"{path.name} is missing beside {Path(module_file).name}: build the op again "
+                          "(fusegen build --backend cuda)") from None
 
 
 class CudaKernels:

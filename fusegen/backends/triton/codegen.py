@@ -22,7 +22,12 @@ from .kinds import MODULE_IMPORTS, RESERVED_NAMES, TRITON_KINDS
 from .naming import GEMM_LIB_NAMES, KERNEL_LIB_NAMES, TritonNames, module_class_name
 from .printer import TritonPrinter
 
-__all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "module_class_name", "render"]
+__all__ = ["MODULE_IMPORTS", "RESERVED_NAMES", "beside", "module_class_name", "render"]
+
+
+def beside(plan: OpPlan) -> dict[str, str]:
+    """Nothing beside the module: its Triton kernels are in it."""
+    return {}
 
 
 def render(plan: OpPlan) -> str:
