@@ -3,6 +3,8 @@ orchestration only; each stage lives in its module. bench and profile bring torc
 are imported only when run."""
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import os
 import shlex
@@ -68,10 +70,13 @@ def specs_or_names(items: list[str], specs_dir: Path) -> list[Path]:
     return paths
 
 
-def build_op(path: Path, backend_name: str | None = None) -> BuiltOp:
+def build_op(path: Path, backend_name: str | None = None, name: str | None = None) -> BuiltOp:
     """`backend_name`: the backend asked for (--backend), over the spec's own (`backend:`), over
-    the default."""
+    the default; `name`: the op under another name (its library ops beside the spec's own op's:
+    `fusegen bench --backend`)."""
     op_spec = spec.load_spec(path)
+    if name is not None:
+        op_spec = dataclasses.replace(op_spec, name=name)
     simplified = simplify.simplify(ir.build_ir(op_spec))
     chosen = backend_name or op_spec.backend or DEFAULT
     backend = codegen(chosen)

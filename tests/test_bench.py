@@ -137,6 +137,19 @@ def test_an_op_with_a_matmul_has_the_matmul_providers():
     assert "matmul" in running.FORWARD_ONLY
 
 
+def test_bench_backend_times_the_op_built_by_another_backend_beside_it(tmp_path):
+    """`fusegen bench --backend cuda`: the op built by the CUDA backend as gelu_cuda (its library
+    ops beside the generated module's), a provider after fusegen's own."""
+    op = cases.load_bench_op("gelu", ROOT / "specs", ROOT / "generated", backends=("cuda",), twins_dir=tmp_path)
+    assert running.provider_names(op) == ("fusegen", "fusegen-cuda", "eager", "compile")
+    assert (tmp_path / "gelu_cuda.cu").is_file()
+    twin = dict(op.twins)["fusegen-cuda"]
+    assert twin.__name__ == "gelu_cuda" and twin(torch.randn(4, 8, device="meta")).shape == (4, 8)
+    assert list(running.make_providers(op))[:2] == ["fusegen", "fusegen-cuda"]
+    mean = cases.load_bench_op("cross_entropy_mean", ROOT / "specs", ROOT / "generated")
+    assert mean.twins == ()
+
+
 def test_hidden_dim_is_last_named_output_dim():
     assert cases.hidden_dim_name(("...", "N")) == "N"
     assert cases.hidden_dim_name(("M", "N", "1")) == "N"
@@ -399,6 +412,7 @@ def test_bench_explicit_arguments():
     assert (args.json, args.csv, args.plot) == (Path("out.json"), Path("out.csv"), Path("out.png"))
     assert (args.specs, args.generated) == (Path("s"), Path("g"))
     assert args.timer == "device" and args.first_call_timeout == 0
+    assert args.backends == [] and bench_parser().parse_args(["gelu", "--backend", "cuda"]).backends == ["cuda"]
 
 
 def test_bench_sweep_flag():

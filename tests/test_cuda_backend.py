@@ -261,6 +261,26 @@ def test_packs_follow_the_views(modules, tmp_path, monkeypatch):
 
 
 @needs_host_build
+@pytest.mark.parametrize("name", ["rmsnorm", "layernorm_dropout_add", "softmax", "bias_layernorm"])
+def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, monkeypatch):
+    """The row backward with fewer blocks than rows (each block's rows gridDim.x apart): the
+    statistics read row by row, an [N] input's gradient summed over a block's rows in registers
+    (the row held) or in its row of the buffer (read again each pass)."""
+    from fusegen.backends.cuda import row_launch
+    from tests.cuda_host import on_the_host
+
+    op = op_by_name(name)
+    with on_the_host(tmp_path, monkeypatch) as launches:
+        monkeypatch.setattr(row_launch, "THREADS_AN_SM", 1)
+        monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 3)  # 3 blocks
+        for case in (ShapeCase("held", (11,), 24), ShapeCase("rows", (10,), 300)):
+            for dtype in (torch.float64, torch.float32):
+                _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
+    backward = [grid for expression, grid in launches if "_backward<" in expression]
+    assert backward and all(grid[0] == 3 for grid in backward), backward
+
+
+@needs_host_build
 @pytest.mark.parametrize("text", [
     "params: {k: {type: float, default: 2.5}}\noutputs: {y: x * k}",  # a param named as the kernel's loop counter
     "outputs: {y: x * exp(-col) + col / (col + 1)}",  # col as a number of the compute type

@@ -137,6 +137,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device: do_bench's method with the host's launch cost hidden behind a GPU sleep, "
                              "so small cases time the GPU; do_bench: triton.testing.do_bench unchanged "
                              f"(default: {DEFAULT_TIMER})")
+    parser.add_argument("--backend", dest="backends", action="append", choices=("cuda",), default=[],
+                        help="also time the op built by this backend (fusegen-cuda), beside the generated module's")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write rows and metadata as JSON")
     parser.add_argument("--csv", type=Path, default=None, metavar="FILE", help="write rows as CSV")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",

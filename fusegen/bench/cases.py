@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import sys
@@ -39,6 +40,9 @@ class BenchOp:
     dropout_params: tuple[str, ...]  # the scalar params that are dropout probabilities
     has_dropout: bool  # the op takes training= and seed=
     mean_loss: bool = False  # one output, the mean of a per-row loss: a 0-d tensor (MEAN_LOSSES)
+    # The op built by other backends (`fusegen bench --backend cuda`), each its provider's name
+    # ("fusegen-cuda") → its function, timed beside the generated module's.
+    twins: tuple[tuple[str, Callable], ...] = ()
 
     @property
     def differentiable(self) -> bool:
@@ -114,13 +118,31 @@ def _mean_of(per_row: Callable) -> Callable:
     return mean
 
 
-def load_bench_op(spec_or_name: str, specs_dir: Path, generated_dir: Path, command: str = "bench") -> BenchOp:
+def build_twin(spec_path: Path, backend: str, folder: Path) -> Callable:
+    """The spec's op built by `backend` as `<op>_<backend>` in `folder` (its library ops beside the
+    generated module's), imported: its function."""
+    from .. import cli
+
+    built = cli.build_op(spec_path, backend, name=f"{load_spec(spec_path).name}_{backend}")
+    for file, text in built.files.items():
+        (folder / file).write_text(text, encoding="utf-8")
+    module_spec = importlib.util.spec_from_file_location(built.spec.name, folder / f"{built.spec.name}.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, built.spec.name)
+
+
+def load_bench_op(spec_or_name: str, specs_dir: Path, generated_dir: Path, command: str = "bench",
+                  backends: Sequence[str] = (), twins_dir: Path | None = None) -> BenchOp:
+    """The op of the generated module, and (`backends`) its twins built by those backends into
+    `twins_dir`."""
     base = spec_or_name.removesuffix("_mean")
     if base != spec_or_name and base in MEAN_LOSSES:
-        op = load_bench_op(base, specs_dir, generated_dir, command)
+        op = load_bench_op(base, specs_dir, generated_dir, command, backends, twins_dir)
         spec = replace(op.spec, name=spec_or_name, outputs=op.spec.outputs[:1])
         return replace(op, name=spec_or_name, spec=spec, op=_mean_of(op.op), reference=_mean_of(op.reference),
-                       eager=MEAN_LOSSES[base], mean_loss=True)
+                       eager=MEAN_LOSSES[base], mean_loss=True,
+                       twins=tuple((name, _mean_of(twin)) for name, twin in op.twins))
     spec_path = find_spec(spec_or_name, specs_dir)
     op_spec = load_spec(spec_path)
     module = import_generated(op_spec.name, generated_dir)
@@ -138,6 +160,7 @@ def load_bench_op(spec_or_name: str, specs_dir: Path, generated_dir: Path, comma
         eager=module.eager,
         dropout_params=dropout_param_names(op_spec),
         has_dropout="training" in inspect.signature(op).parameters,
+        twins=tuple((f"fusegen-{backend}", build_twin(spec_path, backend, twins_dir)) for backend in backends),
     )
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -52,8 +54,10 @@ def run_bench(args) -> int:
 
     # Piped to a file or a log, rich would squeeze the table to 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=200)
+    twins = Path(tempfile.mkdtemp(prefix="fusegen-bench-")) if args.backends else None  # --backend's builds
     try:
-        loaded = [load_bench_op(name, args.specs, args.generated) for name in args.ops]
+        loaded = [load_bench_op(name, args.specs, args.generated, backends=args.backends, twins_dir=twins)
+                  for name in args.ops]
     except (SpecError, ImportError) as exc:
         return _fail("bench", str(exc))
     ops = list({bench_op.name: bench_op for bench_op in loaded}.values())  # an op named twice runs once

@@ -143,7 +143,7 @@ def results_table(rows: Sequence[dict], backward: bool, copy_gbs: float | None):
                     _fmt(row["fwd_bwd_ms"], ".4f"), _fmt(row["fwd_bwd_speedup_vs_eager"], ".2f", "×"),
                     _fmt(row["fwd_bwd_speedup_vs_compile"], ".2f", "×"), _fmt(row["peak_fwd_bwd_mib"], ".0f"),
                 ]
-        style = "bold" if row["provider"] == "fusegen" else None
+        style = "bold" if row["provider"].startswith("fusegen") else None
         table.add_row(*cells, style=style, end_section=next_key != case_key)
     return table, notes
 

@@ -83,14 +83,16 @@ class TimeoutMemo:
 
 
 def make_providers(bench_op: BenchOp) -> dict[str, Callable]:
-    """The three providers; compile is a fresh torch.compile, with dynamo state reset first.
-    An op with a matmul has two more (MATMUL_PROVIDERS)."""
+    """The three providers, and the op's twins by other backends after fusegen's own (--backend);
+    compile is a fresh torch.compile, with dynamo state reset first. An op with a matmul has two
+    more (MATMUL_PROVIDERS)."""
     torch._dynamo.reset()  # no guards or recompile counts carried over from earlier cases
     # The baselines are the op as a PyTorch user writes it (the generated `eager`: F.gelu,
     # torch's own dropout), not `reference`, whose bit-exact host Philox is a test oracle:
     # ~290 small kernels eagerly, and a graph inductor does not finish compiling.
     providers = {
         "fusegen": bench_op.op,
+        **dict(bench_op.twins),  # the op built by other backends (--backend), beside it
         "eager": bench_op.eager,
         "compile": torch.compile(bench_op.eager, dynamic=False),
     }
@@ -110,7 +112,8 @@ FORWARD_ONLY = frozenset({"matmul"})
 
 
 def provider_names(bench_op: BenchOp) -> tuple[str, ...]:
-    return PROVIDERS + (MATMUL_PROVIDERS if bench_op.module._OP.matmul is not None else ())
+    matmul = MATMUL_PROVIDERS if bench_op.module._OP.matmul is not None else ()
+    return PROVIDERS[:1] + tuple(name for name, _ in bench_op.twins) + PROVIDERS[1:] + matmul
 
 
 def _bare_matmul(bench_op: BenchOp, matmul) -> Callable:

@@ -16,6 +16,7 @@ SHARE = 16  # a thread's values of each input where the row has that many for ev
 # blocks an SM for the loads in flight (H100, bf16 rows of 8192: 32 values a thread ran at 0.43-0.8 of
 # the Triton kernels' speed, register-bound)
 HELD = 32  # values of each input a thread holds at most: a wider row is read again each pass
+THREADS_AN_SM = 2048  # resident at once (sm_80 and later): the backward's blocks fill the GPU once
 
 
 class CudaRowKernels(CudaKernels):
@@ -126,7 +127,8 @@ class _RowBackward(_RowLaunch):
         """As many blocks as the GPU holds at once, each taking rows gridDim.x apart: where a
         gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
-        resident = torch.cuda.get_device_properties(problem.device).multi_processor_count * (2048 // layout(problem, pack)[0])
+        sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
+        resident = sms * max(1, THREADS_AN_SM // layout(problem, pack)[0])
         return max(1, min(problem.m, resident))
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
