@@ -7,8 +7,8 @@ GPU-bound calls, which `on_the_host` replaces: loading a kernel (here: the host 
 expression) and launching it (here: cuda-core's own ParamHolder packs the arguments, as a launch
 does, and the loop runs the kernel over the grid). So the arguments' order and types, the views,
 the grid, the index arithmetic and the gradients' sums are the ones a GPU launch takes. A row
-kernel's block runs one thread (its block reductions need threads that run together: on the
-host, fusegen_cuda.cuh's block reductions are the one thread's value)."""
+kernel's block runs one thread, or (`row_threads`) up to that many as host threads that run
+together, its block reductions by a barrier and a slot a thread (_HOST)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,31 +24,67 @@ from fusegen.backends.cuda import launch as cuda_launch
 from fusegen.backends.cuda import row_launch
 
 _HOST = r'''
+#include <barrier>
 #include <cstddef>
 #include <cstdio>
+#include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 struct FusegenDim3 { unsigned x = 0, y = 0, z = 0; };
-static FusegenDim3 blockIdx, blockDim, gridDim, threadIdx;
+static thread_local FusegenDim3 blockIdx, threadIdx;  // a block's threads may run as host threads
+static FusegenDim3 blockDim, gridDim;
 #define __global__
 #define __shared__
 #define __launch_bounds__(...)
+// A block's reduction where its threads run as host threads: each thread's value in a slot,
+// every thread combining all slots in order once all have arrived.
+static std::barrier<>* fusegen_block_barrier;
+static double fusegen_block_slots[1024];
+#define FUSEGEN_HOST_BLOCK_REDUCE
+namespace fusegen {
+template <typename T, typename Op>
+inline T block_reduce(T value, T*, T neutral, Op op) {
+  if (blockDim.x == 1) return value;
+  fusegen_block_slots[threadIdx.x] = double(value);
+  fusegen_block_barrier->arrive_and_wait();
+  T total = neutral;
+  for (unsigned t = 0; t < blockDim.x; ++t) total = op(total, T(fusegen_block_slots[t]));
+  fusegen_block_barrier->arrive_and_wait();  // every thread has read the slots
+  return total;
+}
+}  // namespace fusegen
 '''
 _RUN = r'''
 template <typename... P, size_t... I>
 static void fusegen_call(void (*f)(P...), void** args, std::index_sequence<I...>) {
   f(*static_cast<std::remove_cv_t<std::remove_reference_t<P>>*>(args[I])...);
 }
+// Every block of the grid in turn; its threads one after another, or (threaded) as host threads
+// that run together (a block's reductions wait for all of them).
 template <typename... P>
-static int fusegen_run(void (*f)(P...), void** args, int count, unsigned gx, unsigned gy, unsigned bx) {
+static int fusegen_run(void (*f)(P...), void** args, int count, unsigned gx, unsigned gy, unsigned bx, bool threaded) {
   if (count != (int)sizeof...(P)) return 1;  // the launcher's arguments and the kernel's parameters disagree
   gridDim.x = gx; gridDim.y = gy; gridDim.z = 1; blockDim.x = bx; blockDim.y = blockDim.z = 1;
   for (unsigned y = 0; y < gy; ++y)
-    for (unsigned x = 0; x < gx; ++x)
-      for (unsigned t = 0; t < bx; ++t) {
-        blockIdx.x = x; blockIdx.y = y; threadIdx.x = t;
-        fusegen_call(f, args, std::index_sequence_for<P...>{});
+    for (unsigned x = 0; x < gx; ++x) {
+      if (!threaded) {
+        for (unsigned t = 0; t < bx; ++t) {
+          blockIdx.x = x; blockIdx.y = y; threadIdx.x = t;
+          fusegen_call(f, args, std::index_sequence_for<P...>{});
+        }
+        continue;
       }
+      std::barrier<> barrier(bx);
+      fusegen_block_barrier = &barrier;
+      std::vector<std::thread> threads;
+      for (unsigned t = 0; t < bx; ++t)
+        threads.emplace_back([=] {
+          blockIdx.x = x; blockIdx.y = y; threadIdx.x = t;
+          fusegen_call(f, args, std::index_sequence_for<P...>{});
+        });
+      for (auto& thread : threads) thread.join();
+    }
   return 0;
 }
 '''
@@ -65,16 +101,16 @@ class HostKernels:
         library = self._libraries.get(key)
         if library is None:
             text = _HOST + source.replace("#ifdef __CUDACC__", "#if 1") + _RUN
-            text += (f'extern "C" int run(void** a, int n, unsigned gx, unsigned gy, unsigned bx) '
-                     f"{{ return fusegen_run(&{expression}, a, n, gx, gy, bx); }}\n")
+            text += (f'extern "C" int run(void** a, int n, unsigned gx, unsigned gy, unsigned bx, bool threaded) '
+                     f"{{ return fusegen_run(&{expression}, a, n, gx, gy, bx, threaded); }}\n")
             cpp, so = self.folder / f"{key}.cpp", self.folder / f"{key}.so"
             cpp.write_text(text)
-            subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{compiler.HEADER.parent}",
+            subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread", f"-I{compiler.HEADER.parent}",
                             str(cpp), "-o", str(so)], check=True,
                            capture_output=True)
             library = self._libraries[key] = ctypes.CDLL(str(so))
             library.run.restype = ctypes.c_int
-            library.run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
+            library.run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_bool]
         return library
 
 
@@ -83,8 +119,9 @@ class _Properties:
 
 
 @contextlib.contextmanager
-def on_the_host(folder: Path, monkeypatch):
-    """The CUDA backend's ops run their kernels on the CPU (module docstring) while inside."""
+def on_the_host(folder: Path, monkeypatch, row_threads: int = 1):
+    """The CUDA backend's ops run their kernels on the CPU (module docstring) while inside; a row
+    kernel's block `row_threads` threads at most (more than one: run as host threads)."""
     from cuda.core._kernel_arg_handler import ParamHolder
 
     kernels = HostKernels(folder)
@@ -98,14 +135,16 @@ def on_the_host(folder: Path, monkeypatch):
         (grid, block) = config
         launches.append((expression, grid))
         holder = ParamHolder(arguments)
-        if kernels.library(source, expression).run(holder.ptr, len(arguments), grid[0], grid[1], block):
+        threaded = 1 < block <= row_threads  # a row kernel's block (a pointwise one's is cuda_launch.BLOCK)
+        if kernels.library(source, expression).run(holder.ptr, len(arguments), grid[0], grid[1], block, threaded):
             raise AssertionError(f"{expression}: the launcher's {len(arguments)} arguments are not the kernel's")
 
     monkeypatch.setattr(cuda_launch._BoundCuda, "kernel", kernel)
     monkeypatch.setattr(cuda_launch, "_launch", launch)
     monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK: (grid, block))
-    monkeypatch.setattr(row_launch, "MAX_THREADS", 1)  # a block's reductions need threads that run together
-    monkeypatch.setattr(row_launch, "MIN_THREADS", 1)
+    # A row kernel's block reductions need its threads to run together: as many as the host runs so.
+    monkeypatch.setattr(row_launch, "MAX_THREADS", row_threads)
+    monkeypatch.setattr(row_launch, "MIN_THREADS", min(row_threads, row_launch.MIN_THREADS))
     monkeypatch.setattr(cuda_launch._BoundCuda, "check_device", lambda self, device: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Properties())
     yield launches

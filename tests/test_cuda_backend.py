@@ -281,6 +281,26 @@ def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, m
 
 
 @needs_host_build
+@pytest.mark.parametrize("name", ["softmax", "rmsnorm", "layernorm_dropout_add", "bias_layernorm"])
+def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, tmp_path, monkeypatch):
+    """Row kernels whose blocks run 32-64 threads at once (host threads): the threads' columns,
+    held rows across threads, the block's reductions; fewer blocks than rows in the backward."""
+    from fusegen.backends.cuda import row_launch
+    from tests.cuda_host import on_the_host
+
+    op = op_by_name(name)
+    with on_the_host(tmp_path, monkeypatch, row_threads=64) as launches:
+        monkeypatch.setattr(row_launch, "THREADS_AN_SM", 64)
+        monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 2)  # 2 blocks a backward
+        for case in (ShapeCase("held", (5,), 256), ShapeCase("odd", (7,), 1001), ShapeCase("read", (3,), 16000)):  # 64 threads hold 215 values each
+            for dtype in (torch.float64, torch.float32):
+                _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
+    layouts = {tuple(e.split("<")[1].split(", ")[2:5]) for e, _ in launches}
+    assert any(items != "0" for _, _, items in layouts) and any(items == "0" for _, _, items in layouts), layouts
+    assert all(int(threads) > 1 for _, threads, _ in layouts), layouts
+
+
+@needs_host_build
 @pytest.mark.parametrize("text", [
     "params: {k: {type: float, default: 2.5}}\noutputs: {y: x * k}",  # a param named as the kernel's loop counter
     "outputs: {y: x * exp(-col) + col / (col + 1)}",  # col as a number of the compute type

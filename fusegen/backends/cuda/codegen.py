@@ -71,6 +71,8 @@ def render(plan: OpPlan) -> str:
     keywords = [f"forward_reads={_names(i.name for i in forward.inputs)}"]
     if backward.scalars:
         keywords.append(f"backward_scalars={_names(p.name for p in backward.scalars)}")
+    if plan.kind == "row":  # the arrays each kernel holds where the row is held: the launcher's register budget
+        keywords.append(f"held={row_source.held_arrays(plan)}")
     for which, kernel in (("forward", forward), ("backward", backward)):
         if kernel.masks:
             keywords.append(f"{which}_dropout={_names(dict.fromkeys(m.p.name for m in kernel.masks))}")

@@ -3,8 +3,9 @@ source, compiled by NVRTC on first use per dtype combination (compiler.py), laun
 cuda-core on torch's current stream (so CUDA graphs capture the launches).
 
 The pointwise kind (pointwise_source.py): a forward thread takes a pack of adjacent elements of a
-row, a backward thread a pack of columns over a block of rows; the pack is 16 bytes of vector
-loads where the call's views allow it (_pack), else one element. Each input is read through its
+row, a backward thread a pack of columns over a block of rows; the pack is 16 bytes of the
+narrowest element type, in vector loads, where the call's views allow it (_pack), else one
+element. Each input is read through its
 [M, N] view's strides, as the Triton kernels read it (runtime.views); a gradient is written as the
 input's own dtype where the input is the problem's shape, summed over each block's rows where the
 input is one row broadcast to all (a [blocks, N] buffer in the compute type that torch then adds
@@ -188,9 +189,9 @@ def _views(tensors, indices, chunks, problem) -> list[tuple[torch.Tensor, int, i
 
 def _pack(problem, views, outputs) -> int:
     """Elements a thread takes side by side: 16 bytes of the narrowest element type (at least 4,
-    for dropout's groups of four; at most 8), where every view's column stride is 1 or 0 (one
-    value for the row), N a multiple of the pack and each row of a view and each output aligned to
-    it (pointwise_source); else 1."""
+    for dropout's groups of four; at most 8: a wider type's pack is two 16-byte loads), where every
+    view's column stride is 1 or 0 (one value for the row), N a multiple of the pack and each row of
+    a view and each output aligned to its pack's size (pointwise_source); else 1."""
     sizes = [v.element_size() for v, _, _ in views] + [o.element_size() for o in outputs]
     pack = min(8, max(4, 16 // min(sizes)))
     if problem.n % pack:
@@ -207,7 +208,9 @@ def _pack(problem, views, outputs) -> int:
 
 def _index(problem, views, widest: int) -> type:
     """int32 index arithmetic where no element offset, nor a thread's number, can reach 2**31."""
-    last = problem.m * problem.n * widest + 1024 * 8  # past the end by a block's packs at most
+    # Past the end by a block's packs at most; a row or block of rows counted on past M (a row
+    # kernel's `row += gridDim.x`, the backward's last block's rows) by at most M.
+    last = max(problem.m * problem.n * widest + 1024 * 8, 2 * problem.m + 1024)
     for view, stride_m, stride_n in views:
         width = view.shape[-1] if view.dim() else 1
         last = max(last, (problem.m - 1) * abs(stride_m) + (width - 1) * abs(stride_n) + 1)

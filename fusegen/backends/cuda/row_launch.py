@@ -15,17 +15,19 @@ MAX_THREADS, MIN_THREADS = 1024, 32
 SHARE = 16  # a thread's values of each input where the row has that many for every thread: enough
 # blocks an SM for the loads in flight (H100, bf16 rows of 8192: 32 values a thread ran at 0.43-0.8 of
 # the Triton kernels' speed, register-bound)
-HELD = 32  # values of each input a thread holds at most: a wider row is read again each pass
+REGISTERS = 65536  # an SM's (sm_80 and later): a block of Threads has REGISTERS // Threads a thread
+SPARE = 40  # registers a thread needs besides the row it holds (indices, pointers, sums, temporaries)
 THREADS_AN_SM = 2048  # resident at once (sm_80 and later): the backward's blocks fill the GPU once
 
 
 class CudaRowKernels(CudaKernels):
-    """What a generated row module hands its FusedOp: CudaKernels and how many values a row its
-    forward keeps (`statistics`)."""
+    """What a generated row module hands its FusedOp: CudaKernels, how many values a row its
+    forward keeps (`statistics`), and how many arrays each kernel holds where the row is held
+    (`held`: row_source.held_arrays)."""
 
-    def __init__(self, *args, statistics: int, **kwargs):
+    def __init__(self, *args, statistics: int, held: tuple[int, int], **kwargs):
         super().__init__(*args, **kwargs)
-        self.statistics = statistics
+        self.statistics, self.held = statistics, held
 
     def bind(self, op) -> "_BoundRows":
         return _BoundRows(self, op)
@@ -44,15 +46,17 @@ class _BoundRows(_BoundCuda):
         return _RowBackward(self, call, tensors, grads, needs)
 
 
-def layout(problem, pack: int) -> tuple[int, int]:
+def layout(problem, pack: int, held: int = 1) -> tuple[int, int]:
     """A block's threads (SHARE of the row's values each, a power of two from MIN_THREADS to
-    MAX_THREADS) and the packs each holds (Items: the whole row's, where that is at most HELD
-    values; else 0, the row read again each pass)."""
+    MAX_THREADS) and the packs each holds: the whole row's (Items) where its `held` arrays of
+    Items · Pack values fit the registers a thread has beside SPARE (ptxas spilled kilobytes
+    where they did not); else 0, the row read again each pass."""
     packs = problem.n // pack
     share = max(1, SHARE // pack)  # packs
     threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-packs // share) - 1).bit_length()))
     items = -(-packs // threads)
-    return threads, items if items * pack <= HELD else 0
+    fits = items * pack * held <= min(255, REGISTERS // threads) - SPARE
+    return threads, items if fits else 0
 
 
 class _RowLaunch:
@@ -72,7 +76,7 @@ class _RowLaunch:
         kernel = self._kernels.get((pack, index))
         if kernel is None:
             t, *types = self._types
-            threads, items = layout(problem, pack)
+            threads, items = layout(problem, pack, self._bound.kernels.held[self._name == "backward"])
             expression = (f"{self._bound.kernels.op}_{self._name}<"
                           f"{', '.join([t, _INDEX[index], str(pack), str(threads), str(items), *types])}>")
             kernel = self._kernels[(pack, index)] = (self._bound.kernel(problem.device, expression),
@@ -105,7 +109,7 @@ class _RowForward(_RowLaunch):
         views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
         pack, index = _pack(problem, views, outputs), self.index(views)
         arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
-        arguments += [o.data_ptr() for o in outputs] + [statistics.data_ptr()]
+        arguments += [o.data_ptr() for o in outputs] + [0 if statistics is None else statistics.data_ptr()]
         arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
         self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
 
@@ -144,7 +148,7 @@ class _RowBackward(_RowLaunch):
         if problem.launches:
             index = self.index(views)
             arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
-            arguments += [statistics.data_ptr()]
+            arguments += [0 if statistics is None else statistics.data_ptr()]
             arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)
             for buffer, form in zip(buffers, self._forms):
                 arguments += [0 if buffer is None else buffer.data_ptr(), np.bool_(form == "sums")]

@@ -1,18 +1,21 @@
 """The row kind's kernels in CUDA C++ (issue 33): the plan's RowBody, a block a row.
 
-A block takes rows blockIdx.x, blockIdx.x + gridDim.x, ...; each pass of the body is a loop
-along the row, a thread taking packs of Pack adjacent columns blockDim.x · Pack apart (vector
+A block of Threads takes rows blockIdx.x, blockIdx.x + gridDim.x, ...; each pass of the body is a
+loop along the row, a thread taking packs of Pack adjacent columns Threads · Pack apart (vector
 loads where the launcher's views allow, as the pointwise kind's: pointwise_source), its
 reductions accumulated in each thread and then across the block (fusegen::block_reduce). A
 pass's online sums (softmax's Σ exp(x - max)) take a loop of their own after their extreme is
-known. The forward keeps each row's reductions ([M, statistics], in T) for the backward, which
-reads them back and computes each gradient element by element: written, or added to its
-block's row of a [blocks, N] buffer of sums where its input is one row broadcast to all (torch
-adds the rows up in order: deterministic).
+known. With Items > 0 the row is held: each thread's Items packs of every value the kernel reads
+loaded once a row (an [N] input's once a block) and every pass runs over those registers; with
+Items 0 each pass reads the row again. The forward keeps each row's reductions ([M, statistics],
+in T) for the backward, which reads them back and computes each gradient element by element:
+written, or summed over the block's rows where its input is one row broadcast to all (in
+registers where the row is held, else in the block's row of a [blocks, N] buffer; torch adds the
+blocks' rows up in order: deterministic).
 
 Not yet: outputs with one value a row, outputs of their own dtype (float8), inputs in chunks,
-choice params, integer inputs (each a one-line CudaUnsupported); rows kept on chip (every pass
-reads the row again, from L2 where it fits), clusters for wide rows."""
+choice params, integer inputs (each a one-line CudaUnsupported); online sums in one loop where
+the row is read again; clusters for wide rows."""
 from __future__ import annotations
 
 from fusegen import outdir
@@ -153,8 +156,10 @@ class _Rows:
                 lines += [f"T {r.symbol.name} = {_NEUTRAL[r.op]};" for r in group]
                 lines += self.loop([r.value for r in group], [_accumulate(r.op, r.symbol.name, self._print(r.value))
                                                             for r in group])
-                lines += [f"{r.symbol.name} = {_REDUCE[r.op]}({r.symbol.name}, {self.names['shared']})"
-                          + (f" / T({self.names['N']});" if r.op == "mean" else ";") for r in group]
+                lines += [f"{r.symbol.name} = " + (f"fusegen::divide({_REDUCE[r.op]}({r.symbol.name}, {self.names['shared']}), "
+                                                    f"T({self.names['N']}));" if r.op == "mean" else
+                                                    f"{_REDUCE[r.op]}({r.symbol.name}, {self.names['shared']});")
+                          for r in group]
             if statistics is not None:
                 lines += [f"if (threadIdx.x == 0) {statistics}[{_statistic(self.names['row'], count, places[r.symbol])}] = "
                           f"{r.symbol.name};" for r in p.reductions if r.symbol in places]
@@ -324,6 +329,15 @@ def backward_source(plan: OpPlan) -> str:
     types = [*element_type.values(), *grad_type.values()]
     return _kernel_text(rows, f"{plan.op}_backward", types, parameters, body, before=totals,
                         after=["// held rows: the block's sums, once", *sums_stores] if sums_stores else [])
+
+
+def held_arrays(plan: OpPlan) -> tuple[int, int]:
+    """How many [Items][Pack] arrays each kernel holds a thread where the row is held (what it
+    reads, its masks, the backward's register sums): the launcher's register budget."""
+    forward = len([v for i in plan.forward.inputs for v in i.values]) + len(plan.forward.masks)
+    backward = len([v for i in plan.backward.inputs for v in i.values]) + len(plan.backward.incoming)
+    backward += len(plan.backward.masks) + sum(not _has_rows(g.input) for g in plan.backward.gradients)
+    return forward, backward
 
 
 def source(plan: OpPlan) -> str:

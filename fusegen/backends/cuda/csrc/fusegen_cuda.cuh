@@ -244,8 +244,8 @@ FUSEGEN_HD void dropout_multipliers(T (&multipliers)[Pack], bool on, uint64_t se
 
 // -- loads and stores a pack of elements at a time -----------------------------------------
 
-// Pack elements side by side, aligned to their whole size: one vector load or store (16 bytes
-// a thread for 16-bit elements by 8, 4-byte ones by 4).
+// Pack elements side by side, aligned to their whole size: one vector load or store a pack
+// (16-bit elements by 8 or 4-byte ones by 4: 16 bytes; wider packs, two 16-byte accesses).
 template <typename E, int Pack>
 struct alignas(sizeof(E) * Pack) Packed {
   E v[Pack];
@@ -298,21 +298,29 @@ FUSEGEN_HD void accumulate(E* p, const T (&values)[Pack], bool first) {
 #ifndef __CUDACC__
 namespace fusegen {
 
-// On the host (tests/cuda_host.py runs a row kernel with one thread a block): a block's
-// reduction is its one thread's value.
-template <typename T>
-inline T block_sum(T value, T*) {
+// On the host (tests/cuda_host.py): a block of one thread, whose reduction is its own value; a
+// test that runs a block's threads as host threads defines its own block_reduce, and
+// FUSEGEN_HOST_BLOCK_REDUCE.
+#ifndef FUSEGEN_HOST_BLOCK_REDUCE
+template <typename T, typename Op>
+inline T block_reduce(T value, T*, T, Op) {
   return value;
+}
+#endif
+
+template <typename T>
+inline T block_sum(T value, T* shared) {
+  return block_reduce(value, shared, T(0), [](T a, T b) { return a + b; });
 }
 
 template <typename T>
-inline T block_max(T value, T*) {
-  return value;
+inline T block_max(T value, T* shared) {
+  return block_reduce(value, shared, -infinity<T>(), [](T a, T b) { return maximum<T>(a, b); });
 }
 
 template <typename T>
-inline T block_min(T value, T*) {
-  return value;
+inline T block_min(T value, T* shared) {
+  return block_reduce(value, shared, infinity<T>(), [](T a, T b) { return minimum<T>(a, b); });
 }
 
 }  // namespace fusegen
