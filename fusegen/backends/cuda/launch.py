@@ -95,13 +95,17 @@ class _BoundCuda:
     def backward(self, call, tensors, grads, needs, seed, *, statistics=None, traced: bool = False) -> list:
         return self.prepare_backward(call, tensors, grads, needs)(tensors, grads, seed, statistics)
 
-    def prepare_forward(self, call, tensors, *, keep: bool = True) -> "_Forward":
+    def prepare_forward(self, call, tensors, *, keep: bool = True):
         self._refuse_shards(call)
-        return _Forward(self, call, tensors)
+        return self.launches()[0](self, call, tensors)
 
-    def prepare_backward(self, call, tensors, grads, needs) -> "_Backward":
+    def prepare_backward(self, call, tensors, grads, needs):
         self._refuse_shards(call)
-        return _Backward(self, call, tensors, grads, needs)
+        return self.launches()[1](self, call, tensors, grads, needs)
+
+    def launches(self) -> tuple[type, type]:
+        """The kind's prepared forward and backward launches (the pointwise kind's here)."""
+        return _Forward, _Backward
 
     # -- shared by the launches ----------------------------------------------------------
 
@@ -206,6 +210,11 @@ def _pack(problem, views, outputs) -> int:
     return pack
 
 
+def view_arguments(views, index: type) -> list:
+    """Each view's pointer and strides, as the kernels take them."""
+    return [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
+
+
 def _index(problem, views, widest: int) -> type:
     """int32 index arithmetic where no element offset, nor a thread's number, can reach 2**31."""
     # Past the end by a block's packs at most; a row or block of rows counted on past M (a row
@@ -239,6 +248,26 @@ def gradient_forms(bound: _BoundCuda, problem, tensors, needs) -> list[str | Non
     return forms
 
 
+def backward_views(bound: _BoundCuda, problem, tensors, grads) -> list[tuple[torch.Tensor, int, int]]:
+    """What a backward kernel reads: its inputs' views, then the incoming gradients' ([M, k·N] for
+    an output in parts)."""
+    views = _views(tensors, bound._reads[1], bound.chunks, problem)
+    return views + [view_2d(g, problem, parts) for g, parts in zip(grads, bound.op.output_parts)]
+
+
+def backward_types(bound: _BoundCuda, problem, tensors, grads, forms) -> list[str]:
+    """A backward kernel's element types: its reads', then each gradient buffer's (gradient_forms)."""
+    reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[1]] + [_C_TYPES[g.dtype] for g in grads]
+    compute = _C_TYPES[problem.compute_dtype]
+    return reads + [_C_TYPES[tensors[i].dtype] if form == "write" else compute for i, form in zip(bound._gradients, forms)]
+
+
+def gradient_arguments(buffers, forms) -> list:
+    """Each gradient buffer's pointer (0 where not wanted) and whether it holds sums."""
+    return [a for buffer, form in zip(buffers, forms) for a in (0 if buffer is None else buffer.data_ptr(),
+                                                                np.bool_(form == "sums"))]
+
+
 def gradient_buffers(bound: _BoundCuda, problem, tensors, forms, blocks: int) -> list:
     """The buffers the backward kernel writes each gradient to, by its form (gradient_forms)."""
     buffers = []
@@ -269,8 +298,9 @@ def gradients_of(bound: _BoundCuda, problem, tensors, needs, forms, buffers) -> 
 
 
 class _Forward:
-    """The forward's launch for one call key: `launch((*tensors, *outputs, statistics, seed))`,
-    Pack and the index type chosen at each call (its pointers' alignment), a kernel each."""
+    """The forward's launch for one call key: `launch((*tensors, *outputs, statistics, seed))`;
+    Pack chosen at each call (its pointers' alignment), the index type at the first, a kernel
+    each."""
 
     def __init__(self, bound: _BoundCuda, call, tensors):
         self._bound, self._call = bound, call
@@ -281,6 +311,7 @@ class _Forward:
         self._types = (t, bound.template_choices(call, 0), [*reads, *outputs])
         self._count = len(tensors)
         self._widest = max([*(bound.chunks[i] for i in bound._reads[0]), *bound.op.output_parts, 1])
+        self._index = None  # the call key's shapes and strides decide it: on the first launch
         self._kernels: dict[tuple, tuple] = {}  # (pack, index) → (kernel, launch config), compiled on first use
 
     def expression(self, pack: int, index: type) -> str:
@@ -297,9 +328,10 @@ class _Forward:
         tensors, rest = values[:self._count], values[self._count:]
         outputs, seed = rest[:-2], rest[-1]
         views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
-        pack, index = _pack(problem, views, outputs), _index(problem, views, self._widest)
-        arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
-        arguments += [o.data_ptr() for o in outputs]
+        if self._index is None:
+            self._index = _index(problem, views, self._widest)
+        pack, index = _pack(problem, views, outputs), self._index
+        arguments = view_arguments(views, index) + [o.data_ptr() for o in outputs]
         arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
         arguments += [index(problem.m), index(problem.n)]
         launch = self._kernels.get((pack, index))
@@ -314,18 +346,17 @@ class _Forward:
 
 class _Backward:
     """The backward's launch for one call key, incoming gradients' layout and `needs`; Pack and
-    the index type chosen at each call, as the forward's."""
+    the index type chosen as the forward's."""
 
     def __init__(self, bound: _BoundCuda, call, tensors, grads, needs):
         self._bound, self._call, self._needs = bound, call, tuple(needs)
         problem = call.problem
-        t = _C_TYPES[problem.compute_dtype]
-        reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[1]] + [_C_TYPES[g.dtype] for g in grads]
         self._forms = gradient_forms(bound, problem, tensors, needs)
-        grad_types = [_C_TYPES[tensors[i].dtype] if form == "write" else t for i, form in zip(bound._gradients, self._forms)]
-        self._types = (t, bound.template_choices(call, 1), [*reads, *grad_types])
+        self._types = (_C_TYPES[problem.compute_dtype], bound.template_choices(call, 1),
+                       backward_types(bound, problem, tensors, grads, self._forms))
         self._widest = max([*(bound.chunks[i] for i in bound._reads[1]), *bound.op.output_parts,
                             *(bound.chunks[i] for i in bound._gradients), 1])
+        self._index = None  # as the forward's
         self._kernels: dict[tuple, tuple] = {}  # (pack, index) → (kernel, launch config), compiled on first use
         self._geometry: dict[int, tuple] = {}  # pack → geometry(pack)
 
@@ -351,10 +382,7 @@ class _Backward:
         bound, call = self._bound, self._call
         problem = call.problem
         device = problem.device
-        views = []
-        if problem.launches:
-            views = _views(tensors, bound._reads[1], bound.chunks, problem)
-            views += [view_2d(g, problem, parts) for g, parts in zip(grads, bound.op.output_parts)]  # parts: [M, k·N]
+        views = backward_views(bound, problem, tensors, grads) if problem.launches else []
         # The buffers are torch's (aligned, each row a multiple of the pack): only the reads decide.
         pack = _pack(problem, views, []) if views else 1
         geometry = self._geometry.get(pack)
@@ -363,11 +391,11 @@ class _Backward:
         grid, rows = geometry
         buffers = gradient_buffers(bound, problem, tensors, self._forms, grid[1])
         if problem.launches:
-            index = _index(problem, views, self._widest)
-            arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
-            arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)
-            for buffer, form in zip(buffers, self._forms):
-                arguments += [0 if buffer is None else buffer.data_ptr(), np.bool_(form == "sums")]
+            if self._index is None:
+                self._index = _index(problem, views, self._widest)
+            index = self._index
+            arguments = view_arguments(views, index) + bound.scalar_arguments(call, 1)
+            arguments += bound.dropout_arguments(call, 1, seed) + gradient_arguments(buffers, self._forms)
             arguments += [index(problem.m), index(problem.n), index(rows)]
             launch = self._kernels.get((pack, index))
             if launch is None:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fusegen.runtime.views import view_2d
-
 from . import launch as pointwise  # the pointwise kind's launcher: what the row kind shares of it
-from .launch import _C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _views, gradient_buffers, gradient_forms, gradients_of
+from .launch import (_C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _views, backward_types, backward_views,
+                     gradient_arguments, gradient_buffers, gradient_forms, gradients_of, view_arguments)
 
 MAX_THREADS, MIN_THREADS = 1024, 32
 SHARE = 16  # a thread's values of each input where the row has that many for every thread: enough
@@ -37,13 +36,8 @@ class _BoundRows(_BoundCuda):
     def statistics_width(self, problem, keep: bool = True) -> int:
         return self.kernels.statistics  # a row's few values: kept, gradient or not
 
-    def prepare_forward(self, call, tensors, *, keep: bool = True) -> "_RowForward":
-        self._refuse_shards(call)
-        return _RowForward(self, call, tensors)
-
-    def prepare_backward(self, call, tensors, grads, needs) -> "_RowBackward":
-        self._refuse_shards(call)
-        return _RowBackward(self, call, tensors, grads, needs)
+    def launches(self) -> tuple[type, type]:
+        return _RowForward, _RowBackward
 
 
 def layout(problem, pack: int, held: int = 1) -> tuple[int, int]:
@@ -60,15 +54,24 @@ def layout(problem, pack: int, held: int = 1) -> tuple[int, int]:
 
 
 class _RowLaunch:
-    """A row kernel's launch for one call key: Pack and the index type chosen at each call (the
-    views' alignment), a kernel and launch config each."""
+    """A row kernel's launch for one call key: Pack chosen at each call (the views' alignment),
+    the index type at the first, a kernel and launch config each."""
 
     def __init__(self, bound: _BoundRows, call, name: str, types: list[str]):
         self._bound, self._call = bound, call
         self._name, self._types = name, [_C_TYPES[call.problem.compute_dtype], *types]
         self._kernels: dict[tuple, tuple] = {}
+        self._index = None  # the call key's shapes and strides decide it: on the first launch
+        self._blocks: dict[int, int] = {}  # pack → blocks(pack)
 
     def blocks(self, pack: int) -> int:
+        """The grid's blocks (kept by pack: the backward's sizes its buffer of sums, every call)."""
+        blocks = self._blocks.get(pack)
+        if blocks is None:
+            blocks = self._blocks[pack] = self.count_blocks(pack)
+        return blocks
+
+    def count_blocks(self, pack: int) -> int:
         raise NotImplementedError
 
     def launch(self, pack: int, index: type, arguments: list) -> None:
@@ -84,10 +87,12 @@ class _RowLaunch:
         pointwise._launch(kernel[0], problem.device, kernel[1], arguments)
 
     def index(self, views) -> type:
-        """As the pointwise kind's, the [M, statistics] buffer's offsets too."""
-        problem = self._call.problem
-        index = _index(problem, views, 1)
-        return index if problem.m * max(1, self._bound.kernels.statistics) < 2**31 else np.int64
+        """As the pointwise kind's, the [M, statistics] buffer's offsets too (once: the call key's)."""
+        if self._index is None:
+            problem = self._call.problem
+            index = _index(problem, views, 1)
+            self._index = index if problem.m * max(1, self._bound.kernels.statistics) < 2**31 else np.int64
+        return self._index
 
 
 class _RowForward(_RowLaunch):
@@ -98,7 +103,7 @@ class _RowForward(_RowLaunch):
         super().__init__(bound, call, "forward", reads + outputs)
         self._count = len(tensors)
 
-    def blocks(self, pack: int) -> int:
+    def count_blocks(self, pack: int) -> int:
         return min(self._call.problem.m, 2**31 - 1)  # a block a row
 
     def __call__(self, values: tuple) -> None:
@@ -108,8 +113,8 @@ class _RowForward(_RowLaunch):
         outputs, statistics, seed = rest[:-2], rest[-2], rest[-1]
         views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
         pack, index = _pack(problem, views, outputs), self.index(views)
-        arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
-        arguments += [o.data_ptr() for o in outputs] + [0 if statistics is None else statistics.data_ptr()]
+        arguments = view_arguments(views, index) + [o.data_ptr() for o in outputs]
+        arguments.append(0 if statistics is None else statistics.data_ptr())
         arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
         self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
 
@@ -122,12 +127,9 @@ class _RowBackward(_RowLaunch):
         problem = call.problem
         self._needs = tuple(needs)
         self._forms = gradient_forms(bound, problem, tensors, needs)
-        t = _C_TYPES[problem.compute_dtype]
-        reads = [_C_TYPES[tensors[i].dtype] for i in bound._reads[1]] + [_C_TYPES[g.dtype] for g in grads]
-        grad_types = [_C_TYPES[tensors[i].dtype] if form == "write" else t for i, form in zip(bound._gradients, self._forms)]
-        super().__init__(bound, call, "backward", reads + grad_types)
+        super().__init__(bound, call, "backward", backward_types(bound, problem, tensors, grads, self._forms))
 
-    def blocks(self, pack: int) -> int:
+    def count_blocks(self, pack: int) -> int:
         """As many blocks as the GPU holds at once, each taking rows gridDim.x apart: where a
         gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
@@ -140,18 +142,15 @@ class _RowBackward(_RowLaunch):
         problem = call.problem
         views, pack = [], 1
         if problem.launches:
-            views = _views(tensors, bound._reads[1], bound.chunks, problem)
-            views += [view_2d(g, problem) for g in grads]
+            views = backward_views(bound, problem, tensors, grads)
             pack = _pack(problem, views, [])  # the buffers are torch's, each row a multiple of the pack
         blocks = self.blocks(pack) if problem.launches else problem.m
         buffers = gradient_buffers(bound, problem, tensors, self._forms, blocks)
         if problem.launches:
             index = self.index(views)
-            arguments = [a for view, stride_m, stride_n in views for a in (view.data_ptr(), index(stride_m), index(stride_n))]
-            arguments += [0 if statistics is None else statistics.data_ptr()]
+            arguments = view_arguments(views, index) + [0 if statistics is None else statistics.data_ptr()]
             arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)
-            for buffer, form in zip(buffers, self._forms):
-                arguments += [0 if buffer is None else buffer.data_ptr(), np.bool_(form == "sums")]
+            arguments += gradient_arguments(buffers, self._forms)
             self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
         elif problem.m * problem.n == 0:
             buffers = [None if b is None else b.zero_() for b in buffers]

@@ -61,11 +61,11 @@ class _Rows:
         self.scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
         self.printer.column = f"T({names['col']} + {names['k']})"
 
-    def _print(self, expr) -> str:
+    def text(self, expr) -> str:
         return self.printer.doprint(expr)
 
     def row_values(self, items) -> list[str]:
-        return [f"const T {t.name} = {self._print(e)};" for t, e in items]
+        return [f"const T {t.name} = {self.text(e)};" for t, e in items]
 
     def _needed(self, exprs) -> tuple[list, list, list, list]:
         """The element temporaries these expressions read (in order), and the inputs, masks and
@@ -139,7 +139,7 @@ class _Rows:
         body = [*declared, *(["if (!Whole) {", *_indent(loads), "}"] if loads else [])]
         body += ["#pragma unroll", f"for (int {k} = 0; {k} < Pack; ++{k}) {{"]
         body += [f"  const T {v} = {self.pack[v]}[{item}][{k}];" for v, *_ in reads + [(m.local,) for m in masks]]
-        body += [f"  const T {t.name} = {self._print(e)};" for t, e in temps]
+        body += [f"  const T {t.name} = {self.text(e)};" for t, e in temps]
         body += [f"  {line}" for line in inner] + ["}", *after]
         return self.columns(body)
 
@@ -154,7 +154,7 @@ class _Rows:
             groups = [[r for r in p.reductions if r.running is None], [r for r in p.reductions if r.running is not None]]
             for group in filter(None, groups):
                 lines += [f"T {r.symbol.name} = {_NEUTRAL[r.op]};" for r in group]
-                lines += self.loop([r.value for r in group], [_accumulate(r.op, r.symbol.name, self._print(r.value))
+                lines += self.loop([r.value for r in group], [_accumulate(r.op, r.symbol.name, self.text(r.value))
                                                             for r in group])
                 lines += [f"{r.symbol.name} = " + (f"fusegen::divide({_REDUCE[r.op]}({r.symbol.name}, {self.names['shared']}), "
                                                     f"T({self.names['N']}));" if r.op == "mean" else
@@ -224,7 +224,7 @@ def forward_source(plan: OpPlan) -> str:
     results = dict(kernel.body.results)
     stores = [f"fusegen::store<Pack>({out_pointer[o]} + {n['row']} * {n['N']} + {n['col']}, {rows.pack[o]});"
               for o in kernel.outputs]
-    final = [f"{rows.pack[o]}[{n['k']}] = {rows._print(results[o])};" for o in kernel.outputs]
+    final = [f"{rows.pack[o]}[{n['k']}] = {rows.text(results[o])};" for o in kernel.outputs]
     types = [*element_type.values(), *out_type.values()]
     body = [*rows.row_values(kernel.body.row_values), *rows.passes(n["statistics_ptr"]), "// the results, element by element",
             *_results_loop(rows, [results[o] for o in kernel.outputs], kernel.outputs, final, stores)]
@@ -301,7 +301,7 @@ def backward_source(plan: OpPlan) -> str:
                    "[blocks, N] in T; null where not wanted" for g in kernel.gradients]
     results = dict(kernel.body.results)
     gradients = [g.values[0] for g in kernel.gradients]
-    final = [f"{rows.pack[v]}[{n['k']}] = {rows._print(results[v])};" for v in gradients]
+    final = [f"{rows.pack[v]}[{n['k']}] = {rows.text(results[v])};" for v in gradients]
     stores, totals, sums_stores = [], [], []
     for g in kernel.gradients:
         name, v = g.input.name, g.values[0]
