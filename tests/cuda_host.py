@@ -42,7 +42,11 @@ static FusegenDim3 blockDim, gridDim;
 static std::barrier<>* fusegen_block_barrier;
 static double fusegen_block_slots[1024];
 #define FUSEGEN_HOST_BLOCK_REDUCE
+// A block's dynamic shared memory: the launch's size, the blocks run one after another.
+static std::vector<unsigned char> fusegen_dynamic_bytes;
+#define FUSEGEN_HOST_DYNAMIC_SHARED
 namespace fusegen {
+inline unsigned char* dynamic_shared() { return fusegen_dynamic_bytes.data(); }
 template <typename T, typename Op>
 inline T block_reduce(T value, T*, T neutral, Op op) {
   if (blockDim.x == 1) return value;
@@ -63,8 +67,10 @@ static void fusegen_call(void (*f)(P...), void** args, std::index_sequence<I...>
 // Every block of the grid in turn; its threads one after another, or (threaded) as host threads
 // that run together (a block's reductions wait for all of them).
 template <typename... P>
-static int fusegen_run(void (*f)(P...), void** args, int count, unsigned gx, unsigned gy, unsigned bx, bool threaded) {
+static int fusegen_run(void (*f)(P...), void** args, int count, unsigned gx, unsigned gy, unsigned bx, bool threaded,
+                       unsigned shared) {
   if (count != (int)sizeof...(P)) return 1;  // the launcher's arguments and the kernel's parameters disagree
+  fusegen_dynamic_bytes.assign(shared, 0xff);  // poisoned: a kernel reads only what it wrote
   gridDim.x = gx; gridDim.y = gy; gridDim.z = 1; blockDim.x = bx; blockDim.y = blockDim.z = 1;
   for (unsigned y = 0; y < gy; ++y)
     for (unsigned x = 0; x < gx; ++x) {
@@ -101,8 +107,8 @@ class HostKernels:
         library = self._libraries.get(key)
         if library is None:
             text = _HOST + source.replace("#ifdef __CUDACC__", "#if 1") + _RUN
-            text += (f'extern "C" int run(void** a, int n, unsigned gx, unsigned gy, unsigned bx, bool threaded) '
-                     f"{{ return fusegen_run(&{expression}, a, n, gx, gy, bx, threaded); }}\n")
+            text += (f'extern "C" int run(void** a, int n, unsigned gx, unsigned gy, unsigned bx, bool threaded, '
+                     f"unsigned shared) {{ return fusegen_run(&{expression}, a, n, gx, gy, bx, threaded, shared); }}\n")
             cpp, so = self.folder / f"{key}.cpp", self.folder / f"{key}.so"
             cpp.write_text(text)
             subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread", f"-I{compiler.HEADER.parent}",
@@ -110,12 +116,14 @@ class HostKernels:
                            capture_output=True)
             library = self._libraries[key] = ctypes.CDLL(str(so))
             library.run.restype = ctypes.c_int
-            library.run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_bool]
+            library.run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_bool,
+                                    ctypes.c_uint]
         return library
 
 
-class _Properties:
-    multi_processor_count = 132  # an H100's: the backward's blocks of rows as there
+class _Properties:  # an H100's: the backward's blocks of rows and the rows held as there
+    multi_processor_count = 132
+    shared_memory_per_multiprocessor = 233472
 
 
 @contextlib.contextmanager
@@ -130,18 +138,19 @@ def on_the_host(folder: Path, monkeypatch, row_threads: int = 1):
     def kernel(self, device, expression):
         return self.kernels.source, expression
 
-    def launch(kernel, device, config, arguments):  # the config: (grid, block), cuda_launch._config's stand-in
+    def launch(kernel, device, config, arguments):  # the config: (grid, block, shared), cuda_launch._config's stand-in
         source, expression = kernel
-        (grid, block) = config
+        (grid, block, shared) = config
         launches.append((expression, grid))
         holder = ParamHolder(arguments)
         threaded = 1 < block <= row_threads  # a row kernel's block (a pointwise one's is cuda_launch.BLOCK)
-        if kernels.library(source, expression).run(holder.ptr, len(arguments), grid[0], grid[1], block, threaded):
+        if kernels.library(source, expression).run(holder.ptr, len(arguments), grid[0], grid[1], block, threaded, shared):
             raise AssertionError(f"{expression}: the launcher's {len(arguments)} arguments are not the kernel's")
 
     monkeypatch.setattr(cuda_launch._BoundCuda, "kernel", kernel)
     monkeypatch.setattr(cuda_launch, "_launch", launch)
-    monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK: (grid, block))
+    monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK, shared=0: (grid, block, shared))
+    monkeypatch.setattr(cuda_launch, "_allow_shared", lambda kernel, device, shared: None)
     # A row kernel's block reductions need its threads to run together: as many as the host runs so.
     monkeypatch.setattr(row_launch, "MAX_THREADS", row_threads)
     monkeypatch.setattr(row_launch, "MIN_THREADS", min(row_threads, row_launch.MIN_THREADS))

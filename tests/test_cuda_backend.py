@@ -432,6 +432,62 @@ def test_cuda_graphs_and_torch_compile(modules):
     torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
 
 
+@needs_gpu
+@pytest.mark.parametrize("name", ["bias_dropout_add", "layernorm_dropout_add"])
+def test_dropout_under_cuda_graphs(modules, name):
+    """A captured forward + backward with dropout: each replay draws a new mask, torch.manual_seed
+    repeats the replays, and each replay's kernels give the Triton op's values and gradients at
+    the seed that replay drew (read back from the captured seed tensor)."""
+    op = op_by_name(name)
+    module = modules[name]
+    public, fused = getattr(module, f"{name}_cuda"), module._OP
+    params = params_for(op, p=0.3)
+    tensors = list(make_inputs(op, ShapeCase("rows", (48,), 1000), torch.float32, device="cuda", seed=9).values())
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    args, needs = (*tensors, *params.values(), True, None), (True,) * len(tensors)
+    grad_y = torch.randn(48, 1000, device="cuda")
+
+    def step():
+        y = public(*leaves, **params, training=True)
+        (y_kernel,), seed, statistics = fused.forward(args, eager=False)
+        return y, torch.autograd.grad(y, leaves, grad_y), y_kernel, seed, fused.backward_kernels(
+            (grad_y,), args, seed, needs, statistics)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and allocate outside the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, grads, y_kernel, seed, kernel_grads = step()
+    torch.cuda.synchronize()
+
+    def replays(count):
+        out = []
+        for _ in range(count):
+            graph.replay()
+            out.append((y.detach().clone(), [g.clone() for g in grads], y_kernel.clone(), int(seed.item()),
+                        [g.clone() for g in kernel_grads]))
+        return out
+
+    torch.manual_seed(11)
+    first = replays(3)
+    torch.manual_seed(11)
+    again = replays(3)
+    for i, (a, b) in enumerate(zip(first, again)):
+        assert torch.equal(a[0], b[0]) and a[3] == b[3], f"replay {i} did not repeat after manual_seed"
+        for j in range(i):
+            assert not torch.equal(a[0], first[j][0]) and a[3] != first[j][3], f"replays {j} and {i} drew one mask"
+        theirs = [t.clone().requires_grad_() for t in tensors]
+        want = op.fn(*theirs, **params, training=True, seed=a[3])
+        want_grads = torch.autograd.grad(want, theirs, grad_y)
+        torch.testing.assert_close(a[2], want.detach(), rtol=0, atol=0, msg=f"{name} replay {i}")
+        for g, w in zip(a[4], want_grads):
+            torch.testing.assert_close(g, w, **TOLERANCE[torch.float32], msg=f"{name} replay {i}")
+
+
 def test_the_cuda_backend_satisfies_the_protocols(modules):
     """CudaKernels and what it prepares against runtime.backend's Protocols, as the Triton
     backend's (tests/test_backend_contract.py), on meta tensors (nothing launches)."""

@@ -159,10 +159,22 @@ _STREAMS: dict[int, object] = {}
 _CURRENT = threading.local()
 
 
-def _config(grid: tuple[int, int], block: int = BLOCK):
+def _config(grid: tuple[int, int], block: int = BLOCK, shared: int = 0):
     from cuda.core import LaunchConfig
 
-    return LaunchConfig(grid=grid, block=(block, 1, 1))
+    return LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=shared)
+
+
+def _allow_shared(kernel, device: torch.device, shared: int) -> None:
+    """Let `kernel` launch with `shared` bytes of dynamic shared memory (past 48 KB it must ask)."""
+    if shared > 48 * 1024:
+        from cuda.bindings import driver
+
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        (result,) = driver.cuKernelSetAttribute(attribute, shared, kernel.handle, index)
+        if result != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"fusegen: {shared} bytes of shared memory for a kernel: {result}")
 
 
 def _launch(kernel, device: torch.device, config, arguments: list) -> None:

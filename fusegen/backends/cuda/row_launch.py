@@ -11,20 +11,18 @@ from .launch import (_C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _
                      gradient_arguments, gradient_buffers, gradient_forms, gradients_of, view_arguments)
 
 MAX_THREADS, MIN_THREADS = 1024, 32
-SHARE = 16  # a thread's values of each input where the row has that many for every thread: enough
-# blocks an SM for the loads in flight (H100, bf16 rows of 8192: 32 values a thread ran at 0.43-0.8 of
-# the Triton kernels' speed, register-bound)
-REGISTERS = 65536  # an SM's (sm_80 and later): a block of Threads has REGISTERS // Threads a thread
-SPARE = 40  # registers a thread needs besides the row it holds (indices, pointers, sums, temporaries)
+SHARE = 16  # a thread's values of each input where the row has that many for every thread
 THREADS_AN_SM = 2048  # resident at once (sm_80 and later): the backward's blocks fill the GPU once
+RESERVED = 1024 + 256  # shared memory an SM keeps a block (sm_80 and later), and a block's reduction's
+_SIZES = {"float": 4, "double": 8, "__half": 2, "__nv_bfloat16": 2, "unsigned char": 1}
 
 
 class CudaRowKernels(CudaKernels):
     """What a generated row module hands its FusedOp: CudaKernels, how many values a row its
-    forward keeps (`statistics`), and how many arrays each kernel holds where the row is held
-    (`held`: row_source.held_arrays)."""
+    forward keeps (`statistics`), and what each kernel holds in shared memory where the row is
+    held (`held`: row_source.held_arrays)."""
 
-    def __init__(self, *args, statistics: int, held: tuple[int, int], **kwargs):
+    def __init__(self, *args, statistics: int, held: tuple[tuple, tuple], **kwargs):
         super().__init__(*args, **kwargs)
         self.statistics, self.held = statistics, held
 
@@ -40,17 +38,27 @@ class _BoundRows(_BoundCuda):
         return _RowForward, _RowBackward
 
 
-def layout(problem, pack: int, held: int = 1) -> tuple[int, int]:
+def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0) -> tuple[int, int]:
     """A block's threads (SHARE of the row's values each, a power of two from MIN_THREADS to
-    MAX_THREADS) and the packs each holds: the whole row's (Items) where its `held` arrays of
-    Items · Pack values fit the registers a thread has beside SPARE (ptxas spilled kilobytes
-    where they did not); else 0, the row read again each pass."""
+    MAX_THREADS) and the packs each holds: the whole row's (Items) where the held arrays (their
+    elements' `sizes`) fit the block's `shared` bytes of shared memory; else 0, the row read
+    again each pass."""
     packs = problem.n // pack
     share = max(1, SHARE // pack)  # packs
     threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-packs // share) - 1).bit_length()))
     items = -(-packs // threads)
-    fits = items * pack * held <= min(255, REGISTERS // threads) - SPARE
-    return threads, items if fits else 0
+    return threads, items if sizes and shared_bytes(threads * items * pack, sizes) <= shared else 0
+
+
+def shared_bytes(span: int, sizes: tuple[int, ...]) -> int:
+    """Dynamic shared memory of arrays of `span` elements of each size (fusegen::take's)."""
+    return sum(-(-span * size // 128) * 128 for size in sizes)
+
+
+def shared_limit(device) -> tuple[int, int]:
+    """A block's most dynamic shared memory, and an SM's."""
+    per_sm = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
+    return per_sm - RESERVED, per_sm
 
 
 class _RowLaunch:
@@ -63,6 +71,19 @@ class _RowLaunch:
         self._kernels: dict[tuple, tuple] = {}
         self._index = None  # the call key's shapes and strides decide it: on the first launch
         self._blocks: dict[int, int] = {}  # pack → blocks(pack)
+        held = bound.kernels.held[name == "backward"]
+        self._sizes = tuple(_SIZES[self._types[0] if p == "T" else p if isinstance(p, str) else self._types[1 + p]]
+                            for p in held)
+        self._layouts: dict[int, tuple] = {}  # pack → (threads, items, shared bytes)
+
+    def layout(self, pack: int) -> tuple[int, int, int]:
+        """Threads, Items and the dynamic shared memory of a block at `pack` (kept by pack)."""
+        found = self._layouts.get(pack)
+        if found is None:
+            problem = self._call.problem
+            threads, items = layout(problem, pack, self._sizes, shared_limit(problem.device)[0])
+            found = self._layouts[pack] = (threads, items, shared_bytes(threads * items * pack, self._sizes))
+        return found
 
     def blocks(self, pack: int) -> int:
         """The grid's blocks (kept by pack: the backward's sizes its buffer of sums, every call)."""
@@ -79,11 +100,12 @@ class _RowLaunch:
         kernel = self._kernels.get((pack, index))
         if kernel is None:
             t, *types = self._types
-            threads, items = layout(problem, pack, self._bound.kernels.held[self._name == "backward"])
+            threads, items, shared = self.layout(pack)
             expression = (f"{self._bound.kernels.op}_{self._name}<"
                           f"{', '.join([t, _INDEX[index], str(pack), str(threads), str(items), *types])}>")
-            kernel = self._kernels[(pack, index)] = (self._bound.kernel(problem.device, expression),
-                                                     pointwise._config((self.blocks(pack), 1), threads))
+            compiled = self._bound.kernel(problem.device, expression)
+            pointwise._allow_shared(compiled, problem.device, shared)
+            kernel = self._kernels[(pack, index)] = (compiled, pointwise._config((self.blocks(pack), 1), threads, shared))
         pointwise._launch(kernel[0], problem.device, kernel[1], arguments)
 
     def index(self, views) -> type:
@@ -134,8 +156,11 @@ class _RowBackward(_RowLaunch):
         gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
         sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
-        resident = sms * max(1, THREADS_AN_SM // layout(problem, pack)[0])
-        return max(1, min(problem.m, resident))
+        threads, _, shared = self.layout(pack)
+        per_sm = THREADS_AN_SM // threads
+        if shared:
+            per_sm = min(per_sm, shared_limit(problem.device)[1] // (shared + RESERVED))
+        return max(1, min(problem.m, sms * max(1, per_sm)))
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call

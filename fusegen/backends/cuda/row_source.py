@@ -5,13 +5,17 @@ loop along the row, a thread taking packs of Pack adjacent columns Threads · Pa
 loads where the launcher's views allow, as the pointwise kind's: pointwise_source), its
 reductions accumulated in each thread and then across the block (fusegen::block_reduce). A
 pass's online sums (softmax's Σ exp(x - max)) take a loop of their own after their extreme is
-known. With Items > 0 the row is held: each thread's Items packs of every value the kernel reads
-loaded once a row (an [N] input's once a block) and every pass runs over those registers; with
-Items 0 each pass reads the row again. The forward keeps each row's reductions ([M, statistics],
-in T) for the backward, which reads them back and computes each gradient element by element:
-written, or summed over the block's rows where its input is one row broadcast to all (in
-registers where the row is held, else in the block's row of a [blocks, N] buffer; torch adds the
-blocks' rows up in order: deterministic).
+known. With Items > 0 the row is held in shared memory: at each row's start every thread copies
+its Items packs of each value with rows (inputs, incoming gradients, dropout's multipliers) there,
+all loads in flight at once, and every pass reads them back (each thread only its own columns: no
+barrier); [N] inputs are read where used (cached). With Items 0 each pass reads the row again.
+Holding the row in shared memory rather than registers keeps a thread's registers few, so an SM
+runs several rows at once (ptxas gave 123-128 registers a thread for 16 held values, one block an
+SM). The forward keeps each row's reductions ([M, statistics], in T) for the backward, which reads
+them back and computes each gradient element by element: written, or summed over the block's
+rows where its input is one row broadcast to all (in shared memory where the row is held, else in
+the block's row of a [blocks, N] buffer; torch adds the blocks' rows up in order:
+deterministic).
 
 Not yet: outputs with one value a row, outputs of their own dtype (float8), inputs in chunks,
 choice params, integer inputs (each a one-line CudaUnsupported); online sums in one loop where
@@ -43,8 +47,9 @@ def _refuse(plan: OpPlan) -> None:
 class _Rows:
     """The text of one kernel's RowBody: its row values, pass loops and the loop of results."""
 
-    def __init__(self, plan: OpPlan, kernel: KernelPlan, namer: Namer, names: dict):
+    def __init__(self, plan: OpPlan, kernel: KernelPlan, namer: Namer, names: dict, types: dict):
         self.plan, self.kernel, self.body, self.names = plan, kernel, kernel.body, names
+        self.types = types  # input or incoming gradient → its element type's template name
         self.printer = CudaPrinter()
         self.element = {v.local for i in kernel.inputs for v in i.values} | {m.local for m in kernel.masks}
         self.element |= set(kernel.incoming)
@@ -57,6 +62,7 @@ class _Rows:
         self.incoming_stride = {g: (namer.claim(f"{g}_stride_m"), namer.claim(f"{g}_stride_n")) for g in kernel.incoming}
         self.pack = {v: namer.claim(f"{v}_pack") for v in sorted(self.element | set(kernel.outputs)
                                                                  | {v for g in kernel.gradients for v in g.values})}
+        self.held_at = {v: namer.claim(f"{v}_held") for v, _ in self.held()}
         self.threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
         self.scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
         self.printer.column = f"T({names['col']} + {names['k']})"
@@ -89,56 +95,86 @@ class _Rows:
         return reads + [(g, self.incoming_pointer[g], self.incoming_stride[g], 0) for g in incoming]
 
     def _load_lines(self, reads, masks, row: str) -> list[str]:
-        """Each read's pack and each mask's multipliers at the item's columns, into [item]."""
+        """Each read's pack and each mask's multipliers at the pack's columns (col), from memory."""
         n = self.names
-        col, item = n["col"], n["item"]
-        lines = [f"fusegen::load<Pack>({self.pack[v]}[{item}], {pointer} + {row} * {stride[0]} + "
+        col = n["col"]
+        lines = [f"fusegen::load<Pack>({self.pack[v]}, {pointer} + {row} * {stride[0]} + "
                  f"{_column(col, c, n['N'])} * {stride[1]}, {stride[1]});" for v, pointer, stride, c in reads]
-        lines += [f"fusegen::dropout_multipliers<Pack>({self.pack[m.local]}[{item}], {n['has_dropout']}, {n['seed']}, "
+        lines += [f"fusegen::dropout_multipliers<Pack>({self.pack[m.local]}, {n['has_dropout']}, {n['seed']}, "
                   f"int64_t({row}) * {n['N']} + {col}, {m.stream}u, {self.threshold[m.p.name]}, {self.scale[m.p.name]});"
                   for m in masks]
         return lines
 
     def columns(self, inner: list[str]) -> list[str]:
-        """The thread's packs along the row, `inner` at each: Packs a tile, Threads · Pack apart, the
-        row's first column at col."""
+        """The thread's packs along the row, `inner` at each: Threads · Pack columns apart, the
+        pack's first column at col."""
         n = self.names
-        first, item, col = n["first_col"], n["item"], n["col"]
-        return [f"for (Index {first} = 0; {first} < {n['N']}; {first} += Index(Threads) * Packs * Pack) {{",
-                "#pragma unroll",
-                f"  for (int {item} = 0; {item} < Packs; ++{item}) {{",
-                f"    const Index {col} = {first} + (Index({item}) * Threads + threadIdx.x) * Pack;",
-                f"    if ({col} < {n['N']}) {{", *(f"      {line}" if not line.startswith("#") else line for line in inner),
-                "    }", "  }", "}"]
+        col = n["col"]
+        return [f"for (Index {col} = Index(threadIdx.x) * Pack; {col} < {n['N']}; {col} += Index(Threads) * Pack) {{",
+                *(f"  {line}" if not line.startswith("#") else line for line in inner), "}"]
 
-    def held(self) -> list[tuple]:
-        """What a kernel holds a pack of for each item: every value it reads and its masks."""
-        reads = self._reads(self.kernel.inputs, self.kernel.incoming)
-        return [v for v, *_ in reads] + [m.local for m in self.kernel.masks]
-
-    def whole_row(self) -> tuple[list[str], list[str]]:
-        """With the row held (Whole): the loads of the [N] inputs once a block, and of the rest at
-        each row's start."""
+    def held_columns(self, inner: list[str]) -> list[str]:
+        """As columns, over the Items packs a thread holds (Whole), unrolled: their loads in flight
+        at once."""
         n = self.names
-        columns = [i for i in self.kernel.inputs if not _has_rows(i)]
-        rows = [i for i in self.kernel.inputs if _has_rows(i)]
-        once = self._load_lines(self._reads(columns, ()), (), "Index(0)")
-        each = self._load_lines(self._reads(rows, self.kernel.incoming), self.kernel.masks, n["row"])
-        return (["if (Whole) {", *_indent(self.columns(once)), "}"] if once else [],
-                ["if (Whole) {", *_indent(self.columns(each)), "}"] if each else [])
+        item, col = n["item"], n["col"]
+        return ["#pragma unroll", f"for (int {item} = 0; {item} < Items; ++{item}) {{",
+                f"  const Index {col} = (Index({item}) * Threads + threadIdx.x) * Pack;",
+                f"  if ({col} < {n['N']}) {{", *(f"    {line}" if not line.startswith("#") else line for line in inner),
+                "  }", "}"]
+
+    def held(self) -> list[tuple[str, str]]:
+        """What a kernel holds where the row is held, (value, element type): each value with rows
+        that its passes read (inputs, incoming gradients, as stored) and the masks they read (a
+        byte an element: kept or not). What only the results read is read once, from memory."""
+        _, inputs, masks, incoming = self._needed([r.value for p in self.body.passes for r in p.reductions])
+        reads = [(v.local, self.types[i.name]) for i in inputs if _has_rows(i) for v in i.values]
+        return reads + [(g, self.types[g]) for g in incoming] + [(m.local, "unsigned char") for m in masks]
+
+    def held_arrays(self, extra=()) -> list[str]:
+        """The held arrays' places in shared memory (and `extra`'s: (name, type)), in order."""
+        n = self.names
+        return [f"{t}* {name} = fusegen::take<{t}>({n['next']}, Threads * Items * Pack);"
+                for name, t in [(self.held_at[v], t) for v, t in self.held()] + list(extra)]
+
+    def row_copies(self) -> list[str]:
+        """With the row held (Whole): each value's packs copied to shared memory at the row's start."""
+        n = self.names
+        held = {v for v, _ in self.held()}
+        lines = [f"fusegen::copy<Pack>({self.held_at[v]} + {n['col']}, {pointer} + {n['row']} * {stride[0]} + "
+                 f"{_column(n['col'], c, n['N'])} * {stride[1]}, {stride[1]});"
+                 for v, pointer, stride, c in self._reads(self.kernel.inputs, self.kernel.incoming) if v in held]
+        for m in (m for m in self.kernel.masks if m.local in held):
+            lines += [f"T {self.pack[m.local]}[Pack];", *self._load_lines((), [m], n["row"]),
+                      f"fusegen::store_kept<Pack>({self.held_at[m.local]} + {n['col']}, {self.pack[m.local]});"]
+        if not lines:
+            return []
+        return ["if (Whole) {  // the row's values to shared memory", *_indent(self.held_columns(lines)), "}"]
 
     def loop(self, exprs, inner: list[str], after: list[str] = (), declared: list[str] = ()) -> list[str]:
-        """A loop along the row: each pack's values that `exprs` read (loaded here unless the row is
-        held), then per element (k) those values and the temporaries, then `inner`; `after`, once
-        a pack; `declared` first."""
+        """A loop along the row: each pack's values that `exprs` read (from shared memory where the
+        row is held, else from memory), then per element (k) those values and the temporaries,
+        then `inner`; `after`, once a pack; `declared` first."""
         n = self.names
-        item, k = n["item"], n["k"]
+        k = n["k"]
         temps, inputs, masks, incoming = self._needed(exprs)
         reads = self._reads(inputs, incoming)
-        loads = self._load_lines(reads, masks, n["row"])
-        body = [*declared, *(["if (!Whole) {", *_indent(loads), "}"] if loads else [])]
+        values = [v for v, *_ in reads] + [m.local for m in masks]
+        held = [v for v in values if v in self.held_at]
+        body = [*declared, f"T {', '.join(f'{self.pack[v]}[Pack]' for v in values)};"] if values else list(declared)
+        held_reads = [r for r in reads if r[0] in self.held_at]
+        loads = self._load_lines(held_reads, [m for m in masks if m.local in self.held_at], n["row"])
+        if held:
+            scale = {m.local: self.scale[m.p.name] for m in masks}
+            body += ["if (Whole) {", *(f"  fusegen::load<Pack>({self.pack[v]}, {self.held_at[v]} + {n['col']}, Index(1));"
+                                        if v not in scale else
+                                        f"  fusegen::load_kept<Pack>({self.pack[v]}, {self.held_at[v]} + {n['col']}, "
+                                        f"{n['has_dropout']}, {scale[v]});" for v in held),
+                     "} else {", *_indent(loads), "}"]
+        body += self._load_lines([r for r in reads if r[0] not in self.held_at],  # read once a row, or [N] (cached)
+                                 [m for m in masks if m.local not in self.held_at], n["row"])
         body += ["#pragma unroll", f"for (int {k} = 0; {k} < Pack; ++{k}) {{"]
-        body += [f"  const T {v} = {self.pack[v]}[{item}][{k}];" for v, *_ in reads + [(m.local,) for m in masks]]
+        body += [f"  const T {v} = {self.pack[v]}[{k}];" for v in values]
         body += [f"  const T {t.name} = {self.text(e)};" for t, e in temps]
         body += [f"  {line}" for line in inner] + ["}", *after]
         return self.columns(body)
@@ -190,7 +226,7 @@ def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     _check(plan, locals_)
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
     names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shared",
-                                         "statistics_ptr", "first", "first_col", "item")}
+                                         "statistics_ptr", "first", "next", "item")}
     return namer, names
 
 
@@ -204,14 +240,21 @@ def _locals_of(kernel: KernelPlan) -> set[str]:
     return names | ({kernel.row_width} if kernel.row_width else set())
 
 
+def _rows(plan: OpPlan, kernel: KernelPlan) -> tuple[_Rows, Namer, dict, dict]:
+    """A kernel's _Rows, namer, own names and element types' template names (inputs', then
+    incoming gradients')."""
+    namer, n = _namer(plan, kernel)
+    element_type = {i.name: namer.claim(f"{i.local.capitalize()}Type") for i in kernel.inputs}
+    element_type.update({g: namer.claim(f"{g.capitalize()}Type") for g in kernel.incoming})
+    return _Rows(plan, kernel, namer, n, element_type), namer, n, element_type
+
+
 def forward_source(plan: OpPlan) -> str:
     """The forward kernel of <op>.cu."""
     _refuse(plan)
     kernel = plan.forward
-    namer, n = _namer(plan, kernel)
-    rows = _Rows(plan, kernel, namer, n)
+    rows, namer, n, element_type = _rows(plan, kernel)
     out_pointer = {o: namer.claim(f"{o}_ptr") for o in kernel.outputs}
-    element_type = {i.name: namer.claim(f"{i.local.capitalize()}Type") for i in kernel.inputs}
     out_type = {o: namer.claim(f"{o.capitalize()}Type") for o in kernel.outputs}
     count = len(kernel.body.statistics)
     parameters = [f"const {element_type[i.name]}* __restrict__ {rows.pointer[i.name]}, Index {rows.stride[i.name][0]}, "
@@ -241,32 +284,35 @@ def _results_loop(rows: _Rows, exprs, values, inner: list[str], after: list[str]
     return rows.loop(exprs, inner, after, declared=[f"T {', '.join(f'{rows.pack[v]}[Pack]' for v in values)};"])
 
 
-def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), before=(), after=()) -> str:
-    """The kernel: its template and parameters, then `before` the rows, `body` at each row (with
-    the row's held packs declared, and loaded where the row is held), `after` them."""
+def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), before=(), after=(),
+                 extra_held=()) -> str:
+    """The kernel: its template and parameters, then `before` the rows, `body` at each row (after
+    the row's copy to shared memory where it is held), `after` them; `extra_held`: arrays of
+    shared memory the kernel keeps besides the row's, (name, type)."""
     kernel, n = rows.kernel, rows.names
     template = ", ".join(["typename T", "typename Index", "int Pack", "int Threads", "int Items",
                           *(f"typename {t}" for t in types)])
     seed = [f"const uint64_t {n['seed']} = {n['has_dropout']} ? uint64_t(*{n['seed_ptr']}) : 0u;"] if kernel.masks else []
     width = [f"const T {kernel.row_width} = T({n['N']});"] if kernel.row_width else []
-    once, each = rows.whole_row()
-    held = [f"T {', '.join(f'{rows.pack[v]}[Packs][Pack]' for v in rows.held())};"]
+    held = rows.held_arrays(extra_held)
+    if held:
+        held = [f"unsigned char* {n['next']} = fusegen::dynamic_shared();  // Whole: Threads · Items · Pack of each",
+                *held]
     lines = [
         *prologue,
         "#ifdef __CUDACC__",
         "// A block of Threads a row at a time; each pass a loop along the row, Pack adjacent columns a",
         "// thread Threads · Pack apart, its reductions then reduced across the block. Items > 0: the",
-        "// row held in registers, each thread's Items packs loaded once (the [N] inputs once a block).",
+        "// row held in shared memory, each thread's Items packs copied there once a row.",
         f"template <{template}>",
         f"__global__ void __launch_bounds__(Threads) {name}(",
         *(f"    {p}" for p in parameters),
         f"    Index {n['M']}, Index {n['N']}) {{",
         "  constexpr bool Whole = Items > 0;",
-        "  constexpr int Packs = Whole ? Items : 1;  // a thread's packs a tile (the whole row's, held)",
         f"  __shared__ T {n['shared']}[32];  // a block's reduction: a value a warp",
-        *_indent(seed + width + held + once + list(before)),
+        *_indent(seed + width + held + list(before)),
         f"  for (Index {n['row']} = blockIdx.x; {n['row']} < {n['M']}; {n['row']} += gridDim.x) {{",
-        *_indent(_indent(each + body)),
+        *_indent(_indent(rows.row_copies() + body)),
         "  }",
         *_indent(list(after)),
         "}",
@@ -279,10 +325,7 @@ def backward_source(plan: OpPlan) -> str:
     """The backward kernel of <op>.cu."""
     _refuse(plan)
     kernel = plan.backward
-    namer, n = _namer(plan, kernel)
-    rows = _Rows(plan, kernel, namer, n)
-    element_type = {i.name: namer.claim(f"{i.local.capitalize()}Type") for i in kernel.inputs}
-    element_type.update({g: namer.claim(f"{g.capitalize()}Type") for g in kernel.incoming})
+    rows, namer, n, element_type = _rows(plan, kernel)
     base = {g.input.name: g.values[0] for g in kernel.gradients}
     grad_pointer = {g.input.name: namer.claim(f"{base[g.input.name]}_ptr") for g in kernel.gradients}
     grad_type = {g.input.name: namer.claim(f"{base[g.input.name].capitalize()}Type") for g in kernel.gradients}
@@ -313,31 +356,39 @@ def backward_source(plan: OpPlan) -> str:
         if _has_rows(g.input):  # summed only where the caller broadcasts it: in its buffer, not held
             stores += [f"if ({sums[name]}) {{", *summed[1:], *written]
             continue
-        # An [N] input's: summed in registers where the row is held, stored once after the rows.
+        # An [N] input's: summed in shared memory where the row is held, stored once after the rows.
         total = namer.claim(f"{v}_total")
-        totals.append(f"T {total}[Packs][Pack] = {{}};  // held rows: {v}'s sums over the block's rows")
-        stores += [f"if ({sums[name]} && Whole) {{", "#pragma unroll",
-                   f"  for (int {n['k']} = 0; {n['k']} < Pack; ++{n['k']}) {total}[{n['item']}][{n['k']}] += "
-                   f"{rows.pack[v]}[{n['k']}];", *summed, *written]
+        totals.append((total, "T"))
+        stores += [f"if ({sums[name]} && Whole) {{",
+                   f"  fusegen::accumulate<Pack>({total} + {n['col']}, {rows.pack[v]}, {n['first']});", *summed, *written]
         sums_stores += [f"if (Whole && {sums[name]}) {{",
-                        *_indent(rows.columns([f"fusegen::store<Pack>({grad_pointer[name]} + Index(blockIdx.x) * "
-                                               f"{n['N']} + {n['col']}, {total}[{n['item']}]);"])), "}"]
+                        *_indent(rows.columns([f"T {rows.pack[v]}[Pack];",
+                                               f"fusegen::load<Pack>({rows.pack[v]}, {total} + {n['col']}, Index(1));",
+                                               f"fusegen::store<Pack>({grad_pointer[name]} + Index(blockIdx.x) * "
+                                               f"{n['N']} + {n['col']}, {rows.pack[v]});"])), "}"]
     loaded = [f"const T {s.name} = {n['statistics_ptr']}[{_statistic(n['row'], count, k)}];" for s, k in kernel.body.loaded]
     body = [f"const bool {n['first']} = {n['row']} == Index(blockIdx.x);  // the block's first row: its sums start here",
             *loaded, *rows.row_values(kernel.body.row_values), *rows.passes(None), "// the gradients, element by element",
             *_results_loop(rows, [results[v] for v in gradients], gradients, final, stores)]
     types = [*element_type.values(), *grad_type.values()]
-    return _kernel_text(rows, f"{plan.op}_backward", types, parameters, body, before=totals,
+    return _kernel_text(rows, f"{plan.op}_backward", types, parameters, body, extra_held=totals,
                         after=["// held rows: the block's sums, once", *sums_stores] if sums_stores else [])
 
 
-def held_arrays(plan: OpPlan) -> tuple[int, int]:
-    """How many [Items][Pack] arrays each kernel holds a thread where the row is held (what it
-    reads, its masks, the backward's register sums): the launcher's register budget."""
-    forward = len([v for i in plan.forward.inputs for v in i.values]) + len(plan.forward.masks)
-    backward = len([v for i in plan.backward.inputs for v in i.values]) + len(plan.backward.incoming)
-    backward += len(plan.backward.masks) + sum(not _has_rows(g.input) for g in plan.backward.gradients)
-    return forward, backward
+def held_arrays(plan: OpPlan) -> tuple[tuple, tuple]:
+    """What each kernel holds in shared memory where the row is held (_Rows.held, then the
+    backward's sums of [N] inputs' gradients), each as the place of its element type among the
+    kernel's template types after Items, or the type ("T", "unsigned char"): the launcher's
+    shared memory a block."""
+    found = []
+    for kernel in (plan.forward, plan.backward):
+        rows, _, _, element_type = _rows(plan, kernel)
+        places = {name: k for k, name in enumerate(element_type.values())}
+        held = [places.get(t, t) for _, t in rows.held()]
+        if kernel is plan.backward:
+            held += ["T"] * sum(not _has_rows(g.input) for g in kernel.gradients)
+        found.append(tuple(held))
+    return tuple(found)
 
 
 def source(plan: OpPlan) -> str:

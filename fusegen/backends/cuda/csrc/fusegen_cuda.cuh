@@ -242,6 +242,20 @@ FUSEGEN_HD void dropout_multipliers(T (&multipliers)[Pack], bool on, uint64_t se
   }
 }
 
+// A pack of dropout's multipliers kept as a byte each, whether the element is kept (a held
+// row's, in shared memory), and read back: the same multipliers.
+template <int Pack, typename T>
+FUSEGEN_HD void store_kept(unsigned char* p, const T (&multipliers)[Pack]) {
+#pragma unroll
+  for (int k = 0; k < Pack; ++k) p[k] = multipliers[k] != T(0);
+}
+
+template <int Pack, typename T>
+FUSEGEN_HD void load_kept(T (&multipliers)[Pack], const unsigned char* p, bool on, T scale) {
+#pragma unroll
+  for (int k = 0; k < Pack; ++k) multipliers[k] = !on ? T(1) : p[k] ? scale : T(0);
+}
+
 // -- loads and stores a pack of elements at a time -----------------------------------------
 
 // Pack elements side by side, aligned to their whole size: one vector load or store a pack
@@ -274,6 +288,27 @@ FUSEGEN_HD void store(E* p, const T (&values)[Pack]) {
   *reinterpret_cast<Packed<E, Pack>*>(p) = packed;
 }
 
+// Pack elements copied from p (as load reads them) to `to`, as they are: one vector load and
+// store where the column stride is 1.
+template <int Pack, typename E, typename Index>
+FUSEGEN_HD void copy(E* to, const E* p, Index stride) {
+  if (Pack == 1 || stride == 0) {
+    const E value = *p;
+    for (int k = 0; k < Pack; ++k) to[k] = value;
+  } else {
+    *reinterpret_cast<Packed<E, Pack>*>(to) = *reinterpret_cast<const Packed<E, Pack>*>(p);
+  }
+}
+
+// The next `count` elements of a block's shared memory from `next` on, which moves past them
+// (to 128 bytes: any pack's alignment).
+template <typename E>
+FUSEGEN_HD E* take(unsigned char*& next, int count) {
+  E* array = reinterpret_cast<E*>(next);
+  next += (count * int(sizeof(E)) + 127) / 128 * 128;
+  return array;
+}
+
 }  // namespace fusegen
 
 namespace fusegen {
@@ -297,6 +332,13 @@ FUSEGEN_HD void accumulate(E* p, const T (&values)[Pack], bool first) {
 
 #ifndef __CUDACC__
 namespace fusegen {
+
+// On the host, a block's dynamic shared memory is the test's (FUSEGEN_HOST_DYNAMIC_SHARED).
+#ifndef FUSEGEN_HOST_DYNAMIC_SHARED
+inline unsigned char* dynamic_shared() {
+  return nullptr;
+}
+#endif
 
 // On the host (tests/cuda_host.py): a block of one thread, whose reduction is its own value; a
 // test that runs a block's threads as host threads defines its own block_reduce, and
@@ -328,6 +370,12 @@ inline T block_min(T value, T* shared) {
 namespace fusegen {
 
 // -- a block's reductions (the row kind) ---------------------------------------------------
+
+// The block's dynamic shared memory (the launch's size), 128-byte aligned.
+__device__ __forceinline__ unsigned char* dynamic_shared() {
+  extern __shared__ __align__(128) unsigned char fusegen_dynamic_shared[];
+  return fusegen_dynamic_shared;
+}
 
 // `value` of every thread of the block combined by `op`: each warp's by shuffles, then the warps'
 // (one value each in `shared`, 32 values) by the first; every thread gets the result. The same
