@@ -124,6 +124,7 @@ class HostKernels:
 class _Properties:  # an H100's: the backward's blocks of rows and the rows held as there
     multi_processor_count = 132
     shared_memory_per_multiprocessor = 233472
+    major = 9
 
 
 @contextlib.contextmanager
@@ -149,8 +150,9 @@ def on_the_host(folder: Path, monkeypatch, row_threads: int = 1):
 
     monkeypatch.setattr(cuda_launch._BoundCuda, "kernel", kernel)
     monkeypatch.setattr(cuda_launch, "_launch", launch)
-    monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK, shared=0: (grid, block, shared))
-    monkeypatch.setattr(cuda_launch, "_allow_shared", lambda kernel, device, shared: None)
+    monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK, shared=0, cluster=1: (grid, block, shared))
+    monkeypatch.setattr(cuda_launch, "_allow", lambda kernel, device, shared, cluster=1: None)
+    monkeypatch.setattr(row_launch, "MAX_CLUSTER", 1)  # clusters run on the GPU only
     # A row kernel's block reductions need its threads to run together: as many as the host runs so.
     monkeypatch.setattr(row_launch, "MAX_THREADS", row_threads)
     monkeypatch.setattr(row_launch, "MIN_THREADS", min(row_threads, row_launch.MIN_THREADS))

@@ -149,8 +149,9 @@ def _expressions(module, name: str, t: str, element: str, choice: int = 0, pack:
     kernels = module._OP.kernels
     reads = len(kernels._reads[0])
     chosen = [[str(choice)] * len(c) for c in kernels._choices]
-    if kernels.kernels.statistics:  # the row kind: a block's threads and the packs each holds, after the pack
-        chosen = [[*c, "256", "4" if pack > 1 else "0"] for c in chosen]
+    if kernels.kernels.statistics:  # the row kind: a block's threads, the packs each holds and blocks a row (bf16: a
+        # cluster of two), after the pack
+        chosen = [[*c, "256", "4" if pack > 1 else "0", "2" if pack == 8 else "1"] for c in chosen]
     outputs = len(module._OP.outputs)
     rows = chosen[0][len(kernels._choices[0]):]
     chosen = [c[:len(k)] for c, k in zip(chosen, kernels._choices)]
@@ -413,6 +414,43 @@ def test_rows_wide_and_odd_as_the_triton_backend(modules, name, dtype, n):
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
     for key in tensors:
         torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[dtype], msg=f"{name}: {key}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "rmsnorm", "layernorm_dropout_add"])
+@pytest.mark.parametrize("dtype, n", [(torch.float32, 262144), (torch.bfloat16, 131072)], ids=str)
+def test_rows_held_across_a_cluster(modules, name, dtype, n, monkeypatch):
+    """Rows wider than an SM holds, held across a cluster of blocks (sm_90): values and every
+    gradient against the reference in float64, and the launches' clusters."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need sm_90")
+    from tests.helpers import check_against_truth
+
+    clusters, config = set(), cuda_launch._config
+
+    def recording(grid, block=cuda_launch.BLOCK, shared=0, cluster=1):
+        clusters.add(cluster)
+        return config(grid, block, shared, cluster)
+
+    monkeypatch.setattr(cuda_launch, "_config", recording)
+
+    op = op_by_name(name)
+    module = modules[name]
+    fn = getattr(module, f"{name}_cuda")
+    kwargs = dict(params_for(op, p=0.3), **({"training": True, "seed": 99} if op.has_dropout else {}))
+    tensors = make_inputs(op, ShapeCase("wide", (3,), n), dtype, device="cuda", seed=11)
+    ours = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    exact = {k: v.clone().double().requires_grad_() for k, v in tensors.items()}
+    low = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    got, want, rough = fn(*ours.values(), **kwargs), module.reference(*exact.values(), **kwargs), module.reference(
+        *low.values(), **kwargs)
+    grad = torch.randn_like(want)
+    for y in (got, want, rough):
+        y.backward(grad.to(y.dtype))
+    check_against_truth(got, want.detach(), rough.detach(), what=name)
+    for key in tensors:
+        check_against_truth(ours[key].grad, exact[key].grad, low[key].grad, what=f"{name}: {key}'s gradient")
+    assert max(clusters) > 1, f"{name}: no cluster chosen ({clusters})"
 
 
 @needs_gpu

@@ -159,22 +159,28 @@ _STREAMS: dict[int, object] = {}
 _CURRENT = threading.local()
 
 
-def _config(grid: tuple[int, int], block: int = BLOCK, shared: int = 0):
+def _config(grid: tuple[int, int], block: int = BLOCK, shared: int = 0, cluster: int = 1):
+    """A launch of `grid` blocks, or with `cluster` > 1 of `grid` clusters of that many blocks."""
     from cuda.core import LaunchConfig
 
+    if cluster > 1:
+        return LaunchConfig(grid=grid, cluster=(cluster, 1, 1), block=(block, 1, 1), shmem_size=shared)
     return LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=shared)
 
 
-def _allow_shared(kernel, device: torch.device, shared: int) -> None:
-    """Let `kernel` launch with `shared` bytes of dynamic shared memory (past 48 KB it must ask)."""
-    if shared > 48 * 1024:
-        from cuda.bindings import driver
+def _allow(kernel, device: torch.device, shared: int, cluster: int = 1) -> None:
+    """Let `kernel` launch with `shared` bytes of dynamic shared memory (past 48 KB it must ask)
+    and clusters of `cluster` blocks (past 8, not portable: it must ask)."""
+    from cuda.bindings import driver
 
-        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        (result,) = driver.cuKernelSetAttribute(attribute, shared, kernel.handle, index)
-        if result != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"fusegen: {shared} bytes of shared memory for a kernel: {result}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    attributes = driver.CUfunction_attribute
+    for attribute, value, needed in ((attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared, shared > 48 * 1024),
+                                     (attributes.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1, cluster > 8)):
+        if needed:
+            (result,) = driver.cuKernelSetAttribute(attribute, value, kernel.handle, index)
+            if result != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"fusegen: a kernel's {attribute.name} = {value}: {result}")
 
 
 def _launch(kernel, device: torch.device, config, arguments: list) -> None:

@@ -13,7 +13,8 @@ from .launch import (_C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _
 MAX_THREADS, MIN_THREADS = 1024, 32
 SHARE = 16  # a thread's values of each input where the row has that many for every thread
 THREADS_AN_SM = 2048  # resident at once (sm_80 and later): the backward's blocks fill the GPU once
-RESERVED = 1024 + 256  # shared memory an SM keeps a block (sm_80 and later), and a block's reduction's
+RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), and a row's reductions'
+MAX_CLUSTER = 16  # blocks a row at most, on sm_90 and later (past 8: an H100's non-portable sizes)
 _SIZES = {"float": 4, "double": 8, "__half": 2, "__nv_bfloat16": 2, "unsigned char": 1}
 
 
@@ -38,16 +39,22 @@ class _BoundRows(_BoundCuda):
         return _RowForward, _RowBackward
 
 
-def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0) -> tuple[int, int]:
-    """A block's threads (SHARE of the row's values each, a power of two from MIN_THREADS to
-    MAX_THREADS) and the packs each holds: the whole row's (Items) where the held arrays (their
-    elements' `sizes`) fit the block's `shared` bytes of shared memory; else 0, the row read
-    again each pass."""
-    packs = problem.n // pack
-    share = max(1, SHARE // pack)  # packs
-    threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-packs // share) - 1).bit_length()))
-    items = -(-packs // threads)
-    return threads, items if sizes and shared_bytes(threads * items * pack, sizes) <= shared else 0
+def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clusters: int = 1) -> tuple[int, int, int]:
+    """A block's threads (SHARE of its part of the row's values each, a power of two from
+    MIN_THREADS to MAX_THREADS), the packs each holds and the blocks a row: the smallest cluster
+    (a power of two to `clusters`) whose blocks' parts of the row fit their `shared` bytes of
+    shared memory, as held arrays of elements of `sizes` (Items > 0); else one block and Items 0,
+    the row read again each pass."""
+    packs, cluster = problem.n // pack, 1
+    while True:
+        part = -(-packs // cluster)
+        threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-part // max(1, SHARE // pack)) - 1).bit_length()))
+        items = -(-part // threads)
+        if sizes and shared_bytes(threads * items * pack, sizes) <= shared:
+            return threads, items, cluster
+        if cluster * 2 > clusters or not sizes:
+            return (threads, 0, 1) if cluster == 1 else layout(problem, pack)
+        cluster *= 2
 
 
 def shared_bytes(span: int, sizes: tuple[int, ...]) -> int:
@@ -55,10 +62,11 @@ def shared_bytes(span: int, sizes: tuple[int, ...]) -> int:
     return sum(-(-span * size // 128) * 128 for size in sizes)
 
 
-def shared_limit(device) -> tuple[int, int]:
-    """A block's most dynamic shared memory, and an SM's."""
-    per_sm = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
-    return per_sm - RESERVED, per_sm
+def shared_limit(device) -> tuple[int, int, int]:
+    """A block's most dynamic shared memory, an SM's, and the most blocks a cluster."""
+    properties = torch.cuda.get_device_properties(device)
+    per_sm = properties.shared_memory_per_multiprocessor
+    return per_sm - RESERVED, per_sm, MAX_CLUSTER if properties.major >= 9 else 1
 
 
 class _RowLaunch:
@@ -74,15 +82,17 @@ class _RowLaunch:
         held = bound.kernels.held[name == "backward"]
         self._sizes = tuple(_SIZES[self._types[0] if p == "T" else p if isinstance(p, str) else self._types[1 + p]]
                             for p in held)
-        self._layouts: dict[int, tuple] = {}  # pack → (threads, items, shared bytes)
+        self._layouts: dict[int, tuple] = {}  # pack → (threads, items, cluster, shared bytes)
 
-    def layout(self, pack: int) -> tuple[int, int, int]:
-        """Threads, Items and the dynamic shared memory of a block at `pack` (kept by pack)."""
+    def layout(self, pack: int) -> tuple[int, int, int, int]:
+        """Threads, Items, the blocks a row and the dynamic shared memory of a block at `pack`
+        (kept by pack)."""
         found = self._layouts.get(pack)
         if found is None:
             problem = self._call.problem
-            threads, items = layout(problem, pack, self._sizes, shared_limit(problem.device)[0])
-            found = self._layouts[pack] = (threads, items, shared_bytes(threads * items * pack, self._sizes))
+            most, _, clusters = shared_limit(problem.device)
+            threads, items, cluster = layout(problem, pack, self._sizes, most, clusters)
+            found = self._layouts[pack] = (threads, items, cluster, shared_bytes(threads * items * pack, self._sizes))
         return found
 
     def blocks(self, pack: int) -> int:
@@ -100,12 +110,13 @@ class _RowLaunch:
         kernel = self._kernels.get((pack, index))
         if kernel is None:
             t, *types = self._types
-            threads, items, shared = self.layout(pack)
+            threads, items, cluster, shared = self.layout(pack)
             expression = (f"{self._bound.kernels.op}_{self._name}<"
-                          f"{', '.join([t, _INDEX[index], str(pack), str(threads), str(items), *types])}>")
+                          f"{', '.join([t, _INDEX[index], str(pack), str(threads), str(items), str(cluster), *types])}>")
             compiled = self._bound.kernel(problem.device, expression)
-            pointwise._allow_shared(compiled, problem.device, shared)
-            kernel = self._kernels[(pack, index)] = (compiled, pointwise._config((self.blocks(pack), 1), threads, shared))
+            pointwise._allow(compiled, problem.device, shared, cluster)
+            config = pointwise._config((self.blocks(pack), 1), threads, shared, cluster)
+            kernel = self._kernels[(pack, index)] = (compiled, config)
         pointwise._launch(kernel[0], problem.device, kernel[1], arguments)
 
     def index(self, views) -> type:
@@ -126,7 +137,8 @@ class _RowForward(_RowLaunch):
         self._count = len(tensors)
 
     def count_blocks(self, pack: int) -> int:
-        return min(self._call.problem.m, 2**31 - 1)  # a block a row
+        """Clusters of blocks (one block where the row takes one): one a row."""
+        return min(self._call.problem.m, (2**31 - 1) // self.layout(pack)[2])
 
     def __call__(self, values: tuple) -> None:
         bound, call = self._bound, self._call
@@ -152,15 +164,15 @@ class _RowBackward(_RowLaunch):
         super().__init__(bound, call, "backward", backward_types(bound, problem, tensors, grads, self._forms))
 
     def count_blocks(self, pack: int) -> int:
-        """As many blocks as the GPU holds at once, each taking rows gridDim.x apart: where a
-        gradient is summed over rows, a row of partial sums each."""
+        """As many clusters of blocks (or blocks) as the GPU holds at once, each taking rows that
+        many apart: where a gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
         sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
-        threads, _, shared = self.layout(pack)
+        threads, _, cluster, shared = self.layout(pack)
         per_sm = THREADS_AN_SM // threads
         if shared:
             per_sm = min(per_sm, shared_limit(problem.device)[1] // (shared + RESERVED))
-        return max(1, min(problem.m, sms * max(1, per_sm)))
+        return max(1, min(problem.m, sms * max(1, per_sm) // cluster))
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call

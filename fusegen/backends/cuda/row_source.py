@@ -30,8 +30,7 @@ from .pointwise_source import CPP_KEYWORDS, OWN_NAMES, CudaUnsupported, _check, 
 from .printer import CudaPrinter
 
 _NEUTRAL = {"sum": "T(0)", "mean": "T(0)", "max": "-fusegen::infinity<T>()", "min": "fusegen::infinity<T>()"}
-_REDUCE = {"sum": "fusegen::block_sum", "mean": "fusegen::block_sum", "max": "fusegen::block_max",
-           "min": "fusegen::block_min"}
+_REDUCE = {"sum": "fusegen::row_sum", "mean": "fusegen::row_sum", "max": "fusegen::row_max", "min": "fusegen::row_min"}
 
 
 def _refuse(plan: OpPlan) -> None:
@@ -110,8 +109,14 @@ class _Rows:
         pack's first column at col."""
         n = self.names
         col = n["col"]
-        return [f"for (Index {col} = Index(threadIdx.x) * Pack; {col} < {n['N']}; {col} += Index(Threads) * Pack) {{",
+        return [f"for (Index {col} = {n['begin']} + Index(threadIdx.x) * Pack; {col} < {n['end']}; "
+                f"{col} += Index(Threads) * Pack) {{",
                 *(f"  {line}" if not line.startswith("#") else line for line in inner), "}"]
+
+    def here(self, held: str) -> str:
+        """The pack at col of a held array (the block's columns from begin on)."""
+        n = self.names
+        return f"{held} + ({n['col']} - {n['begin']})"
 
     def held_columns(self, inner: list[str]) -> list[str]:
         """As columns, over the Items packs a thread holds (Whole), unrolled: their loads in flight
@@ -119,8 +124,8 @@ class _Rows:
         n = self.names
         item, col = n["item"], n["col"]
         return ["#pragma unroll", f"for (int {item} = 0; {item} < Items; ++{item}) {{",
-                f"  const Index {col} = (Index({item}) * Threads + threadIdx.x) * Pack;",
-                f"  if ({col} < {n['N']}) {{", *(f"    {line}" if not line.startswith("#") else line for line in inner),
+                f"  const Index {col} = {n['begin']} + (Index({item}) * Threads + threadIdx.x) * Pack;",
+                f"  if ({col} < {n['end']}) {{", *(f"    {line}" if not line.startswith("#") else line for line in inner),
                 "  }", "}"]
 
     def held(self) -> list[tuple[str, str]]:
@@ -141,12 +146,12 @@ class _Rows:
         """With the row held (Whole): each value's packs copied to shared memory at the row's start."""
         n = self.names
         held = {v for v, _ in self.held()}
-        lines = [f"fusegen::copy<Pack>({self.held_at[v]} + {n['col']}, {pointer} + {n['row']} * {stride[0]} + "
+        lines = [f"fusegen::copy<Pack>({self.here(self.held_at[v])}, {pointer} + {n['row']} * {stride[0]} + "
                  f"{_column(n['col'], c, n['N'])} * {stride[1]}, {stride[1]});"
                  for v, pointer, stride, c in self._reads(self.kernel.inputs, self.kernel.incoming) if v in held]
         for m in (m for m in self.kernel.masks if m.local in held):
             lines += [f"T {self.pack[m.local]}[Pack];", *self._load_lines((), [m], n["row"]),
-                      f"fusegen::store_kept<Pack>({self.held_at[m.local]} + {n['col']}, {self.pack[m.local]});"]
+                      f"fusegen::store_kept<Pack>({self.here(self.held_at[m.local])}, {self.pack[m.local]});"]
         if not lines:
             return []
         return ["if (Whole) {  // the row's values to shared memory", *_indent(self.held_columns(lines)), "}"]
@@ -166,9 +171,9 @@ class _Rows:
         loads = self._load_lines(held_reads, [m for m in masks if m.local in self.held_at], n["row"])
         if held:
             scale = {m.local: self.scale[m.p.name] for m in masks}
-            body += ["if (Whole) {", *(f"  fusegen::load<Pack>({self.pack[v]}, {self.held_at[v]} + {n['col']}, Index(1));"
+            body += ["if (Whole) {", *(f"  fusegen::load<Pack>({self.pack[v]}, {self.here(self.held_at[v])}, Index(1));"
                                         if v not in scale else
-                                        f"  fusegen::load_kept<Pack>({self.pack[v]}, {self.held_at[v]} + {n['col']}, "
+                                        f"  fusegen::load_kept<Pack>({self.pack[v]}, {self.here(self.held_at[v])}, "
                                         f"{n['has_dropout']}, {scale[v]});" for v in held),
                      "} else {", *_indent(loads), "}"]
         body += self._load_lines([r for r in reads if r[0] not in self.held_at],  # read once a row, or [N] (cached)
@@ -192,12 +197,14 @@ class _Rows:
                 lines += [f"T {r.symbol.name} = {_NEUTRAL[r.op]};" for r in group]
                 lines += self.loop([r.value for r in group], [_accumulate(r.op, r.symbol.name, self.text(r.value))
                                                             for r in group])
-                lines += [f"{r.symbol.name} = " + (f"fusegen::divide({_REDUCE[r.op]}({r.symbol.name}, {self.names['shared']}), "
-                                                    f"T({self.names['N']}));" if r.op == "mean" else
-                                                    f"{_REDUCE[r.op]}({r.symbol.name}, {self.names['shared']});")
-                          for r in group]
+                n = self.names
+                reduced = {r: f"{_REDUCE[r.op]}<Cluster>({r.symbol.name}, {n['shared']}, {n['slots']}, {n['phase']})"
+                           for r in group}
+                lines += [f"{r.symbol.name} = " + (f"fusegen::divide({reduced[r]}, T({n['N']}));" if r.op == "mean" else
+                                                    f"{reduced[r]};") for r in group]
             if statistics is not None:
-                lines += [f"if (threadIdx.x == 0) {statistics}[{_statistic(self.names['row'], count, places[r.symbol])}] = "
+                lines += [f"if (threadIdx.x == 0 && {self.names['begin']} == 0) "
+                          f"{statistics}[{_statistic(self.names['row'], count, places[r.symbol])}] = "
                           f"{r.symbol.name};" for r in p.reductions if r.symbol in places]
             lines += self.row_values(p.row_values)
         return lines
@@ -226,7 +233,8 @@ def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     _check(plan, locals_)
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
     names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shared",
-                                         "statistics_ptr", "first", "next", "item")}
+                                         "statistics_ptr", "first", "next", "item",
+                                         "first_row", "rows_apart", "begin", "end", "slots", "phase")}
     return namer, names
 
 
@@ -290,7 +298,7 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), b
     the row's copy to shared memory where it is held), `after` them; `extra_held`: arrays of
     shared memory the kernel keeps besides the row's, (name, type)."""
     kernel, n = rows.kernel, rows.names
-    template = ", ".join(["typename T", "typename Index", "int Pack", "int Threads", "int Items",
+    template = ", ".join(["typename T", "typename Index", "int Pack", "int Threads", "int Items", "int Cluster",
                           *(f"typename {t}" for t in types)])
     seed = [f"const uint64_t {n['seed']} = {n['has_dropout']} ? uint64_t(*{n['seed_ptr']}) : 0u;"] if kernel.masks else []
     width = [f"const T {kernel.row_width} = T({n['N']});"] if kernel.row_width else []
@@ -303,15 +311,24 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), b
         "#ifdef __CUDACC__",
         "// A block of Threads a row at a time; each pass a loop along the row, Pack adjacent columns a",
         "// thread Threads · Pack apart, its reductions then reduced across the block. Items > 0: the",
-        "// row held in shared memory, each thread's Items packs copied there once a row.",
+        "// row held in shared memory, each thread's Items packs copied there once a row; Cluster > 1:",
+        "// a cluster of blocks a row, each holding Threads · Items · Pack columns of it, their",
+        "// reductions combined through the cluster's shared memory (sm_90).",
         f"template <{template}>",
         f"__global__ void __launch_bounds__(Threads) {name}(",
         *(f"    {p}" for p in parameters),
         f"    Index {n['M']}, Index {n['N']}) {{",
         "  constexpr bool Whole = Items > 0;",
+        "  static_assert(Cluster == 1 || Whole, \"a cluster holds its row\");",
         f"  __shared__ T {n['shared']}[32];  // a block's reduction: a value a warp",
+        f"  __shared__ T {n['slots']}[2 * Cluster];  // a cluster's: a value a block, the last two reductions'",
+        f"  unsigned {n['phase']} = 0;  // reductions so far",
+        f"  const Index {n['first_row']} = Index(blockIdx.x / Cluster), {n['rows_apart']} = Index(gridDim.x / Cluster);",
+        f"  const Index {n['begin']} = Index(blockIdx.x % Cluster) * (Threads * Items * Pack);  // the block's columns",
+        f"  const Index {n['end']} = Cluster > 1 && {n['begin']} + Threads * Items * Pack < {n['N']} ? "
+        f"{n['begin']} + Threads * Items * Pack : {n['N']};",
         *_indent(seed + width + held + list(before)),
-        f"  for (Index {n['row']} = blockIdx.x; {n['row']} < {n['M']}; {n['row']} += gridDim.x) {{",
+        f"  for (Index {n['row']} = {n['first_row']}; {n['row']} < {n['M']}; {n['row']} += {n['rows_apart']}) {{",
         *_indent(_indent(rows.row_copies() + body)),
         "  }",
         *_indent(list(after)),
@@ -349,7 +366,7 @@ def backward_source(plan: OpPlan) -> str:
     for g in kernel.gradients:
         name, v = g.input.name, g.values[0]
         summed = [f"}} else if ({sums[name]}) {{",
-                  f"  fusegen::accumulate<Pack>({grad_pointer[name]} + Index(blockIdx.x) * {n['N']} + {n['col']}, "
+                  f"  fusegen::accumulate<Pack>({grad_pointer[name]} + {n['first_row']} * {n['N']} + {n['col']}, "
                   f"{rows.pack[v]}, {n['first']});"]
         written = [f"}} else if ({grad_pointer[name]} != nullptr) {{",
                    f"  fusegen::store<Pack>({grad_pointer[name]} + {n['row']} * {n['N']} + {n['col']}, {rows.pack[v]});", "}"]
@@ -360,14 +377,14 @@ def backward_source(plan: OpPlan) -> str:
         total = namer.claim(f"{v}_total")
         totals.append((total, "T"))
         stores += [f"if ({sums[name]} && Whole) {{",
-                   f"  fusegen::accumulate<Pack>({total} + {n['col']}, {rows.pack[v]}, {n['first']});", *summed, *written]
+                   f"  fusegen::accumulate<Pack>({rows.here(total)}, {rows.pack[v]}, {n['first']});", *summed, *written]
         sums_stores += [f"if (Whole && {sums[name]}) {{",
                         *_indent(rows.columns([f"T {rows.pack[v]}[Pack];",
-                                               f"fusegen::load<Pack>({rows.pack[v]}, {total} + {n['col']}, Index(1));",
-                                               f"fusegen::store<Pack>({grad_pointer[name]} + Index(blockIdx.x) * "
+                                               f"fusegen::load<Pack>({rows.pack[v]}, {rows.here(total)}, Index(1));",
+                                               f"fusegen::store<Pack>({grad_pointer[name]} + {n['first_row']} * "
                                                f"{n['N']} + {n['col']}, {rows.pack[v]});"])), "}"]
     loaded = [f"const T {s.name} = {n['statistics_ptr']}[{_statistic(n['row'], count, k)}];" for s, k in kernel.body.loaded]
-    body = [f"const bool {n['first']} = {n['row']} == Index(blockIdx.x);  // the block's first row: its sums start here",
+    body = [f"const bool {n['first']} = {n['row']} == {n['first_row']};  // the block's first row: its sums start here",
             *loaded, *rows.row_values(kernel.body.row_values), *rows.passes(None), "// the gradients, element by element",
             *_results_loop(rows, [results[v] for v in gradients], gradients, final, stores)]
     types = [*element_type.values(), *grad_type.values()]

@@ -365,6 +365,25 @@ inline T block_min(T value, T* shared) {
   return block_reduce(value, shared, infinity<T>(), [](T a, T b) { return minimum<T>(a, b); });
 }
 
+// A row's reduction on the host: its block's (clusters are the GPU's).
+template <int Cluster, typename T>
+inline T row_sum(T value, T* shared, T*, unsigned&) {
+  static_assert(Cluster == 1, "clusters run on the GPU only");
+  return block_sum(value, shared);
+}
+
+template <int Cluster, typename T>
+inline T row_max(T value, T* shared, T*, unsigned&) {
+  static_assert(Cluster == 1, "clusters run on the GPU only");
+  return block_max(value, shared);
+}
+
+template <int Cluster, typename T>
+inline T row_min(T value, T* shared, T*, unsigned&) {
+  static_assert(Cluster == 1, "clusters run on the GPU only");
+  return block_min(value, shared);
+}
+
 }  // namespace fusegen
 #else
 namespace fusegen {
@@ -408,6 +427,68 @@ __device__ __forceinline__ T block_max(T value, T* shared) {
 template <typename T>
 __device__ __forceinline__ T block_min(T value, T* shared) {
   return block_reduce(value, shared, infinity<T>(), [](T a, T b) { return minimum<T>(a, b); });
+}
+
+// -- a cluster's reductions (the row kind's wide rows, sm_90) ------------------------------
+
+// Every block of the cluster past this point once all have reached it; shared memory written
+// before it (the cluster's too) is visible to every block after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();  // the launcher asks for clusters on sm_90 and later only
+#endif
+}
+
+// `value` stored at `slot` of block `rank` of the cluster (the same place in its shared memory).
+template <typename T>
+__device__ __forceinline__ void store_in_block(T* slot, unsigned rank, T value) {
+#if __CUDA_ARCH__ >= 900
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(slot));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  if constexpr (sizeof(T) == 8) {
+    asm volatile("st.shared::cluster.f64 [%0], %1;" ::"r"(remote), "d"(value) : "memory");
+  } else {
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(value) : "memory");
+  }
+#else
+  __trap();
+#endif
+}
+
+// A row's reduction: its block's, then, with a cluster of blocks a row, the blocks' values
+// combined: each block's sent to every block's `slots` (two sets, taken in turn: a block
+// writes a set again only after every block has passed the next reduction's barrier, so after
+// all have read it), and every block combining them in rank order: the same value, deterministic.
+template <int Cluster, typename T, typename Op>
+__device__ __forceinline__ T row_reduce(T value, T* shared, T* slots, unsigned& phase, T neutral, Op op) {
+  value = block_reduce(value, shared, neutral, op);
+  if constexpr (Cluster > 1) {
+    T* set = slots + (phase++ & 1u) * Cluster;
+    if (threadIdx.x < Cluster) store_in_block(set + blockIdx.x % Cluster, threadIdx.x, value);
+    cluster_sync();
+    value = set[0];
+#pragma unroll
+    for (int rank = 1; rank < Cluster; ++rank) value = op(value, set[rank]);
+  }
+  return value;
+}
+
+template <int Cluster, typename T>
+__device__ __forceinline__ T row_sum(T value, T* shared, T* slots, unsigned& phase) {
+  return row_reduce<Cluster>(value, shared, slots, phase, T(0), [](T a, T b) { return a + b; });
+}
+
+template <int Cluster, typename T>
+__device__ __forceinline__ T row_max(T value, T* shared, T* slots, unsigned& phase) {
+  return row_reduce<Cluster>(value, shared, slots, phase, -infinity<T>(), [](T a, T b) { return maximum<T>(a, b); });
+}
+
+template <int Cluster, typename T>
+__device__ __forceinline__ T row_min(T value, T* shared, T* slots, unsigned& phase) {
+  return row_reduce<Cluster>(value, shared, slots, phase, infinity<T>(), [](T a, T b) { return minimum<T>(a, b); });
 }
 
 }  // namespace fusegen
