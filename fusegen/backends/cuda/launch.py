@@ -169,13 +169,13 @@ def _config(grid: tuple[int, int], block: int = BLOCK, shared: int = 0, cluster:
 
 
 def _allow(kernel, device: torch.device, shared: int, cluster: int = 1) -> None:
-    """Let `kernel` launch with `shared` bytes of dynamic shared memory (past 48 KB it must ask)
-    and clusters of `cluster` blocks (past 8, not portable: it must ask)."""
+    """Let `kernel` launch with `shared` bytes of dynamic shared memory (48 KB with the static
+    shared memory without asking) and clusters of `cluster` blocks (past 8, not portable)."""
     from cuda.bindings import driver
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     attributes = driver.CUfunction_attribute
-    for attribute, value, needed in ((attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared, shared > 48 * 1024),
+    for attribute, value, needed in ((attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared, shared > 0),
                                      (attributes.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1, cluster > 8)):
         if needed:
             (result,) = driver.cuKernelSetAttribute(attribute, value, kernel.handle, index)

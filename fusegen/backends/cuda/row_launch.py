@@ -11,7 +11,11 @@ from .launch import (_C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _
                      gradient_arguments, gradient_buffers, gradient_forms, gradients_of, view_arguments)
 
 MAX_THREADS, MIN_THREADS = 1024, 32
-SHARE = 16  # a thread's values of each input where the row has that many for every thread
+SHARES = (32, 16)  # the forward's and the backward's values of a row a thread (H100, rows of 8192 bf16 and
+# 4096 fp32: 32 gave the forwards 0.87-0.99 of the Triton kernels' speed, 16 gave 0.66-0.97; the backwards
+# ran best at 16 or 32, worst at 64)
+PART = 64 * 1024  # a cluster's block's shared memory at most, where a cluster of MAX_CLUSTER allows: two
+# blocks an SM, one loading while the other computes
 THREADS_AN_SM = 2048  # resident at once (sm_80 and later): the backward's blocks fill the GPU once
 RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), and a row's reductions'
 MAX_CLUSTER = 16  # blocks a row at most, on sm_90 and later (past 8: an H100's non-portable sizes)
@@ -39,22 +43,28 @@ class _BoundRows(_BoundCuda):
         return _RowForward, _RowBackward
 
 
-def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clusters: int = 1) -> tuple[int, int, int]:
-    """A block's threads (SHARE of its part of the row's values each, a power of two from
-    MIN_THREADS to MAX_THREADS), the packs each holds and the blocks a row: the smallest cluster
-    (a power of two to `clusters`) whose blocks' parts of the row fit their `shared` bytes of
-    shared memory, as held arrays of elements of `sizes` (Items > 0); else one block and Items 0,
-    the row read again each pass."""
-    packs, cluster = problem.n // pack, 1
-    while True:
+def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clusters: int = 1,
+           share: int = SHARES[0]) -> tuple[int, int, int]:
+    """A block's threads (`share` of its part of the row's values each, a power of two from
+    MIN_THREADS to MAX_THREADS), the packs each holds and the blocks a row: one block where the
+    row's held arrays (elements of `sizes`) fit its `shared` bytes of shared memory, else the
+    smallest cluster (a power of two to `clusters`) whose blocks' parts fit PART, else `shared`;
+    else one block and Items 0, the row read again each pass."""
+    packs = problem.n // pack
+
+    def parts(cluster: int) -> tuple[int, int]:
         part = -(-packs // cluster)
-        threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-part // max(1, SHARE // pack)) - 1).bit_length()))
-        items = -(-part // threads)
-        if sizes and shared_bytes(threads * items * pack, sizes) <= shared:
-            return threads, items, cluster
-        if cluster * 2 > clusters or not sizes:
-            return (threads, 0, 1) if cluster == 1 else layout(problem, pack)
-        cluster *= 2
+        threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-part // max(1, share // pack)) - 1).bit_length()))
+        return threads, -(-part // threads)
+
+    sizes_fit = (lambda cluster, most: shared_bytes(parts(cluster)[1] * parts(cluster)[0] * pack, sizes) <= most)
+    if sizes:
+        candidates = [1 << k for k in range(clusters.bit_length()) if 1 << k <= clusters]
+        for cluster, most in [(1, shared), *((c, min(PART, shared)) for c in candidates[1:]),
+                              *((c, shared) for c in candidates[1:])]:
+            if sizes_fit(cluster, most):
+                return (*parts(cluster), cluster)
+    return parts(1)[0], 0, 1
 
 
 def shared_bytes(span: int, sizes: tuple[int, ...]) -> int:
@@ -91,7 +101,8 @@ class _RowLaunch:
         if found is None:
             problem = self._call.problem
             most, _, clusters = shared_limit(problem.device)
-            threads, items, cluster = layout(problem, pack, self._sizes, most, clusters)
+            share = SHARES[self._name == "backward"]
+            threads, items, cluster = layout(problem, pack, self._sizes, most, clusters, share)
             found = self._layouts[pack] = (threads, items, cluster, shared_bytes(threads * items * pack, self._sizes))
         return found
 
