@@ -328,10 +328,12 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), b
         f"  const Index {n['end']} = Cluster > 1 && {n['begin']} + Threads * Items * Pack < {n['N']} ? "
         f"{n['begin']} + Threads * Items * Pack : {n['N']};",
         *_indent(seed + width + held + list(before)),
+        "  if (Cluster > 1) fusegen::cluster_sync();  // every block of the cluster started: its shared memory there",
         f"  for (Index {n['row']} = {n['first_row']}; {n['row']} < {n['M']}; {n['row']} += {n['rows_apart']}) {{",
         *_indent(_indent(rows.row_copies() + body)),
         "  }",
         *_indent(list(after)),
+        "  if (Cluster > 1) fusegen::cluster_sync();  // no block leaves while another may still write to it",
         "}",
         "#endif",
     ]
