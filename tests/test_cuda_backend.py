@@ -522,7 +522,8 @@ def test_dropout_under_cuda_graphs(modules, name):
         theirs = [t.clone().requires_grad_() for t in tensors]
         want = op.fn(*theirs, **params, training=True, seed=a[3])
         want_grads = torch.autograd.grad(want, theirs, grad_y)
-        torch.testing.assert_close(a[2], want.detach(), rtol=0, atol=0, msg=f"{name} replay {i}")
+        # Within rounding (a row op's sums run in another order), so the same elements dropped.
+        torch.testing.assert_close(a[2], want.detach(), **TOLERANCE[torch.float32], msg=f"{name} replay {i}")
         for g, w in zip(a[4], [w for w, need in zip(want_grads, needs) if need]):
             torch.testing.assert_close(g, w, **TOLERANCE[torch.float32], msg=f"{name} replay {i}")
 
