@@ -188,7 +188,7 @@ def test_nvrtc_compiles_every_dtype(modules, name, tmp_path, monkeypatch):
 needs_host_build = pytest.mark.skipif(shutil.which("g++") is None or (not HAS_NVRTC and not os.environ.get("CI")),
                                       reason="needs g++ and cuda-core (pip install 'fusegen[cuda]')")
 HOST_CASES = (ShapeCase("rows", (37,), 300), ShapeCase("bcast", (2, 3, 5), 130, layout="bcast"),
-              ShapeCase("held", (9,), 24),  # a row kernel's row held in registers (on the host, to 32 values)
+              ShapeCase("held", (9,), 24),  # a row kernel's row held in shared memory
               ShapeCase("tall", (66000,), 3, layout="bcast"),  # more rows than a grid's 65535
               ShapeCase("wide", (3,), 2100))
 
@@ -265,8 +265,8 @@ def test_packs_follow_the_views(modules, tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["rmsnorm", "layernorm_dropout_add", "softmax", "bias_layernorm"])
 def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, monkeypatch):
     """The row backward with fewer blocks than rows (each block's rows gridDim.x apart): the
-    statistics read row by row, an [N] input's gradient summed over a block's rows in registers
-    (the row held) or in its row of the buffer (read again each pass)."""
+    statistics read row by row, an [N] input's gradient summed over a block's rows in shared
+    memory (the row held) or in its row of the buffer (read again each pass)."""
     from fusegen.backends.cuda import row_launch
     from tests.cuda_host import on_the_host
 
@@ -293,7 +293,7 @@ def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, tmp_path,
     with on_the_host(tmp_path, monkeypatch, row_threads=64) as launches:
         monkeypatch.setattr(row_launch, "THREADS_AN_SM", 64)
         monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 2)  # 2 blocks a backward
-        for case in (ShapeCase("held", (5,), 256), ShapeCase("odd", (7,), 1001), ShapeCase("read", (3,), 16000)):  # 64 threads hold 215 values each
+        for case in (ShapeCase("held", (5,), 256), ShapeCase("odd", (7,), 1001), ShapeCase("read", (3,), 16000)):  # 64 threads hold 250 values each, or (fp64 backwards) read again
             for dtype in (torch.float64, torch.float32):
                 _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
     layouts = {tuple(e.split("<")[1].split(", ")[2:5]) for e, _ in launches}
