@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 POINTWISE = ("add_mul_activation", "add_relu", "bias_dropout_add", "bias_geglu", "bias_gelu", "bias_gelu_dropout_add",
              "bias_relu", "bias_swiglu", "geglu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "rope", "scale_add",
              "softcap", "squared_relu", "swiglu")
-ROWS = ("add_rmsnorm", "bias_dropout_add_layernorm", "bias_layernorm", "layernorm", "layernorm_dropout_add", "log_softmax",
+ROWS = ("add_rmsnorm", "bias_dropout_add_layernorm", "bias_layernorm", "cross_entropy", "layernorm", "layernorm_dropout_add", "log_softmax",
         "rmsnorm", "scaled_masked_softmax_dropout", "softmax")
 OPS = tuple(sorted(POINTWISE + ROWS))
 HAS_CUDA = torch.cuda.is_available()
@@ -67,7 +67,7 @@ def test_every_shipped_spec_builds_or_is_refused_in_one_line():
             assert "not supported by the CUDA backend yet" in message, message
             refused.append(path.stem)
     assert tuple(built) == OPS
-    assert {"cross_entropy", "linear_bias_gelu", "rmsnorm_fp8", "dlrm_mlp"} <= set(refused)
+    assert {"linear_bias_gelu", "rmsnorm_fp8", "dlrm_mlp"} <= set(refused)
 
 
 def test_the_module_reads_as_written(modules):
@@ -147,7 +147,6 @@ def _expressions(module, name: str, t: str, element: str, choice: int = 0, pack:
                  index: str = "int32_t") -> tuple[str, ...]:
     """The forward and backward kernels' name expressions, as the launcher writes them."""
     kernels = module._OP.kernels
-    reads = len(kernels._reads[0])
     chosen = [[str(choice)] * len(c) for c in kernels._choices]
     if kernels.kernels.statistics:  # the row kind: a block's threads, the packs each holds and blocks a row (bf16: a
         # cluster of two), after the pack
@@ -155,11 +154,12 @@ def _expressions(module, name: str, t: str, element: str, choice: int = 0, pack:
     outputs = len(module._OP.outputs)
     rows = chosen[0][len(kernels._choices[0]):]
     chosen = [c[:len(k)] for c, k in zip(chosen, kernels._choices)]
-    forward = f"{name}_cuda_forward<{', '.join([t, index, *chosen[0], str(pack), *rows, *[element] * (reads + outputs)])}>"
-    back_reads = len(kernels._reads[1]) + outputs
+    inputs = module._OP.inputs
+    reads = [[element if inputs[i].differentiable else "int64_t" for i in kernels._reads[k]] for k in (0, 1)]
+    forward = f"{name}_cuda_forward<{', '.join([t, index, *chosen[0], str(pack), *rows, *reads[0], *[element] * outputs])}>"
     grads = len(kernels._gradients)
-    backward = (f"{name}_cuda_backward<{', '.join([t, index, *chosen[1], str(pack), *rows, *[element] * (back_reads + grads)])}"
-                ">")
+    backward = (f"{name}_cuda_backward<{', '.join([t, index, *chosen[1], str(pack), *rows, *reads[1]])}, "
+                f"{', '.join([element] * (outputs + grads))}>")
     return forward, backward
 
 
@@ -198,8 +198,9 @@ def _against_the_reference(module, name: str, op, case, dtype, params: dict) -> 
     fn = getattr(module, name)
     kwargs = dict(params, **({"training": True, "seed": 1234} if op.has_dropout else {}))
     tensors = make_inputs(op, case, dtype, seed=5)
-    ours = {k: v.clone().requires_grad_() for k, v in tensors.items()}
-    exact = {k: v.clone().double().requires_grad_() for k, v in tensors.items()}
+    ours = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+    exact = {k: (v.clone().double() if v.is_floating_point() else v.clone()).requires_grad_(v.is_floating_point())
+             for k, v in tensors.items()}
     got, want = fn(*ours.values(), **kwargs), module.reference(*exact.values(), **kwargs)
     got, want = (got,) if torch.is_tensor(got) else got, (want,) if torch.is_tensor(want) else want
     grads = [torch.randn(w.shape, dtype=torch.float64) for w in want]
@@ -208,7 +209,7 @@ def _against_the_reference(module, name: str, op, case, dtype, params: dict) -> 
     tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, **tolerance)
-    for key in tensors:
+    for key in (k for k, v in tensors.items() if v.is_floating_point()):
         torch.testing.assert_close(ours[key].grad.double(), exact[key].grad, **tolerance, msg=f"{name}: {key}'s gradient")
 
 
@@ -351,8 +352,8 @@ def test_values_gradients_and_masks_as_the_triton_backend(modules, name, dtype, 
     fn = getattr(modules[name], f"{name}_cuda")
     params = params_for(op, p=0.3)
     tensors = make_inputs(op, case, dtype, device="cuda", seed=5)
-    ours = {k: v.clone().requires_grad_() for k, v in tensors.items()}
-    theirs = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    ours = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+    theirs = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
     got, want = _call(fn, op, ours, params, 1234), _call(op.fn, op, theirs, params, 1234)
     got, want = (got,) if torch.is_tensor(got) else got, (want,) if torch.is_tensor(want) else want
     grads = [torch.randn_like(w) for w in want]
@@ -360,7 +361,7 @@ def test_values_gradients_and_masks_as_the_triton_backend(modules, name, dtype, 
     torch.autograd.backward(want, grads)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **TOLERANCE[dtype])
-    for key in tensors:
+    for key in (k for k, v in tensors.items() if v.is_floating_point()):
         torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[dtype])
     if op.has_dropout:  # the same elements dropped: x's gradient is its mask times the scale
         assert torch.equal(ours["x"].grad == 0, theirs["x"].grad == 0)
@@ -381,7 +382,7 @@ def test_every_choice_as_the_triton_backend(modules, activation):
     got.backward(g)
     want.backward(g)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
-    for key in tensors:
+    for key in (k for k, v in tensors.items() if v.is_floating_point()):
         torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[torch.float32])
 
 
@@ -405,14 +406,14 @@ def test_rows_wide_and_odd_as_the_triton_backend(modules, name, dtype, n):
     fn = getattr(modules[name], f"{name}_cuda")
     params = params_for(op, p=0.3)
     tensors = make_inputs(op, ShapeCase("wide", (5,), n), dtype, device="cuda", seed=7)
-    ours = {k: v.clone().requires_grad_() for k, v in tensors.items()}
-    theirs = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    ours = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+    theirs = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
     got, want = _call(fn, op, ours, params, 77), _call(op.fn, op, theirs, params, 77)
     g = torch.randn_like(want)
     got.backward(g)
     want.backward(g)
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
-    for key in tensors:
+    for key in (k for k, v in tensors.items() if v.is_floating_point()):
         torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[dtype], msg=f"{name}: {key}")
 
 
@@ -439,16 +440,17 @@ def test_rows_held_across_a_cluster(modules, name, dtype, n, monkeypatch):
     fn = getattr(module, f"{name}_cuda")
     kwargs = dict(params_for(op, p=0.3), **({"training": True, "seed": 99} if op.has_dropout else {}))
     tensors = make_inputs(op, ShapeCase("wide", (3,), n), dtype, device="cuda", seed=11)
-    ours = {k: v.clone().requires_grad_() for k, v in tensors.items()}
-    exact = {k: v.clone().double().requires_grad_() for k, v in tensors.items()}
-    low = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    ours = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+    exact = {k: (v.clone().double() if v.is_floating_point() else v.clone()).requires_grad_(v.is_floating_point())
+             for k, v in tensors.items()}
+    low = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
     got, want, rough = fn(*ours.values(), **kwargs), module.reference(*exact.values(), **kwargs), module.reference(
         *low.values(), **kwargs)
     grad = torch.randn_like(want)
     for y in (got, want, rough):
         y.backward(grad.to(y.dtype))
     check_against_truth(got, want.detach(), rough.detach(), what=name)
-    for key in tensors:
+    for key in (k for k, v in tensors.items() if v.is_floating_point()):
         check_against_truth(ours[key].grad, exact[key].grad, low[key].grad, what=f"{name}: {key}'s gradient")
     assert max(clusters) > 1, f"{name}: no cluster chosen ({clusters})"
 

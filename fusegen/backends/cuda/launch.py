@@ -29,7 +29,9 @@ from fusegen.runtime.views import view_2d
 from . import compiler
 
 BLOCK = 256  # threads a block: the forward's elements, the backward's columns
-_C_TYPES = {torch.float32: "float", torch.float64: "double", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+_C_TYPES = {torch.float32: "float", torch.float64: "double", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16",
+            torch.int64: "int64_t", torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
+            torch.uint8: "uint8_t", torch.bool: "bool"}
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -131,9 +133,10 @@ class _BoundCuda:
         return [str(self.op.params[i].choices.index(call.params[i])) for i in self._choices[which]]
 
     def scalar_arguments(self, call, which: int) -> list:
-        """The params the kernel reads, in the compute type."""
+        """The params the kernel reads: in the compute type, an int param as int64."""
         t = _NUMPY[call.problem.compute_dtype]
-        return [t(call.params[i]) for i in self._scalars[which]]
+        return [(np.int64 if getattr(self.op.params[i], "type", None) == "int" else t)(call.params[i])
+                for i in self._scalars[which]]
 
     def dropout_arguments(self, call, which: int, seed) -> list:
         """The seed tensor's address (0 without dropout), dropout's flag, each p's threshold and scale."""

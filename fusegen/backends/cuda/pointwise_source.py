@@ -70,12 +70,13 @@ def forward_source(plan: OpPlan) -> str:
     parts = _parts(plan)  # each output's values: itself, or its parts side by side ([..., k·N])
     results = [v for o in kernel.outputs for v in parts[o]]
     printer = CudaPrinter(helpers, choices)
+    printer.integers = integer_names(plan)
     printer.column = f"{col}"  # a T in the element function (never integer arithmetic)
     column = uses_col(kernel.body, kernel.body_no_dropout)
 
     element = [", ".join(f"T {v.local}" for i in kernel.inputs for v in i.values) + ",  // the inputs' values"]
     element += [f"T {col},  // the element's column"] if column else []
-    element += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    element += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
     if kernel.masks:
         element.append(f"bool {dropout}, {', '.join(f'T {mask.local}' for mask in kernel.masks)},  // dropout on "
                        "(training, p above 0); its multipliers at the element")
@@ -87,7 +88,7 @@ def forward_source(plan: OpPlan) -> str:
     parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous [M, {_shown(len(parts[o]))}]"
                    + (", its parts side by side" if len(parts[o]) > 1 else "")
                    for (name, _), o in zip(plan.outputs, kernel.outputs)]
-    parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
     # The kernel reads the seed from the one-element int64 tensor the runtime draws on the device
     # (no host sync; a CUDA graph replays the draw), as the Triton kernels do.
     parameters += _dropout_parameters(kernel, seed_pointer, dropout, threshold, scale)
@@ -183,7 +184,20 @@ def _locals(plan: OpPlan) -> set[str]:
     return names
 
 
-def _check(plan: OpPlan, locals_: set[str]) -> None:
+def scalar_type(p) -> str:
+    """A param's C++ type in the kernels: int64_t for an int param (compared exactly), else T."""
+    return "int64_t" if getattr(p.declaration, "type", None) == "int" else "T"
+
+
+def integer_names(plan: OpPlan) -> frozenset[str]:
+    """The locals of the op's int params and integer inputs' values (CudaPrinter.integers)."""
+    names = {p.local for p in plan.params if scalar_type(p) == "int64_t"}
+    return frozenset(names | {v.local for i in plan.inputs if not i.layout.differentiable for v in i.values})
+
+
+def _check(plan: OpPlan, locals_: set[str], integers_per_row: bool = False) -> None:
+    """Refuse what the kernels cannot take; `integers_per_row`: integer inputs of one value a
+    row are taken (the row kind's)."""
     kernel = plan.forward
     helpers, choices = choice_names(plan)
     functions = {f"{plan.op}_element", f"{plan.op}_forward", f"{plan.op}_backward_element", f"{plan.op}_backward",
@@ -192,7 +206,8 @@ def _check(plan: OpPlan, locals_: set[str]) -> None:
     what = (
         f"the name '{clash[0]}' (C++'s or the source's own)" if clash else
         "an input in chunks along a dim other than the last" if any(i.layout.chunk_dim != -1 for i in plan.inputs) else
-        "an integer or bool input" if any(not i.layout.differentiable for i in kernel.inputs) else
+        "an integer or bool input" + (" other than one value a row" if integers_per_row else "")
+        if any(not i.layout.differentiable and not (integers_per_row and i.layout.one_per_row) for i in kernel.inputs) else
         "an output of its own dtype" if plan.output_dtypes else None
     )
     if what is not None:
@@ -284,13 +299,14 @@ def backward_source(plan: OpPlan) -> str:
     row, col, n, m, seed, dropout, rows, first, last, step, seed_pointer = (namer.claim(w) for w in (
         "row", "col", "N", "M", "seed", "has_dropout", "rows", "first_row", "last_row", "k", "seed_ptr"))
     printer = CudaPrinter(helpers, choices)
+    printer.integers = integer_names(plan)
     printer.column = f"{col}"
     column = uses_col(kernel.body, kernel.body_no_dropout)
     values = [v for _, _, vs, _ in read for v in vs]
 
     element = [", ".join(f"T {v}" for v in values) + ",  // the inputs' and incoming gradients' values"]
     element += [f"T {col},  // the element's column"] if column else []
-    element += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    element += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
     if kernel.masks:
         element.append(f"bool {dropout}, {', '.join(f'T {mask.local}' for mask in kernel.masks)},  // dropout on "
                        "(training, p above 0); its multipliers at the element")
@@ -298,7 +314,7 @@ def backward_source(plan: OpPlan) -> str:
 
     parameters = [f"const {element_type[k]}* __restrict__ {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  "
                   f"// {k}{' ' if shown.startswith('[') else ', '}{shown or 'as [M, N]'}" for k, _, _, shown in read]
-    parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
     parameters += _dropout_parameters(kernel, seed_pointer, dropout, threshold, scale)
     parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
                    f"  // {base[g.input.name]}: [M, {_shown(len(g.values))}], or with {sums[g.input.name]} its sums "

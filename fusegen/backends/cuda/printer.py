@@ -39,9 +39,30 @@ class CudaPrinter(ElementwisePrinter):
     }
     sqrt, rsqrt, power = "std::sqrt", "fusegen::rsqrt_rn", "std::pow"
     column = "T(col)"  # each kernel names the element's index along the row `col` (an integer)
+    # Integer values (int params, integer inputs, the row kind's): compared as integers where a
+    # comparison reads one (a class index with the column: exact past 2**24), a T elsewhere.
+    integers: frozenset[str] = frozenset()
+    integer_column = "col"
+    _exact = False
 
     def doprint(self, expr, assign_to=None):
         return _NUMBER.sub(r"T(\1)", super().doprint(expr, assign_to))
+
+    def _print_Symbol(self, expr):
+        name = super()._print_Symbol(expr)
+        return name if self._exact or expr.name not in self.integers else f"T({name})"
+
+    def _print_column(self, expr):
+        return self.integer_column if self._exact else self.column
+
+    def _print_Relational(self, expr):
+        if self._exact or not {s.name for s in expr.free_symbols} & self.integers:
+            return super()._print_Relational(expr)
+        self._exact = True
+        try:
+            return super()._print_Relational(expr)
+        finally:
+            self._exact = False
 
     def _get_comment(self, text):
         return f"// {text}"

@@ -26,7 +26,8 @@ from fusegen import outdir
 from fusegen.names import Namer
 from fusegen.plan import KernelPlan, OpPlan
 
-from .pointwise_source import CPP_KEYWORDS, OWN_NAMES, CudaUnsupported, _check, _column, _dropout_parameters, _indent
+from .pointwise_source import (CPP_KEYWORDS, OWN_NAMES, CudaUnsupported, _check, _column, _dropout_parameters, _indent,
+                               integer_names, scalar_type)
 from .printer import CudaPrinter
 
 _NEUTRAL = {"sum": "T(0)", "mean": "T(0)", "max": "-fusegen::infinity<T>()", "min": "fusegen::infinity<T>()"}
@@ -34,8 +35,7 @@ _REDUCE = {"sum": "fusegen::row_sum", "mean": "fusegen::row_sum", "max": "fusege
 
 
 def _refuse(plan: OpPlan) -> None:
-    what = ("an output with one value a row" if plan.row_outputs else
-            "an input in chunks" if any(i.layout.chunks > 1 for i in plan.inputs) else
+    what = ("an input in chunks" if any(i.layout.chunks > 1 for i in plan.inputs) else
             "an output in parts" if plan.output_parts else
             "a choice param" if plan.helpers else
             "an op without a backward" if plan.forward_only else None)
@@ -59,12 +59,19 @@ class _Rows:
                        for i in kernel.inputs}
         self.incoming_pointer = {g: namer.claim(f"{g}_ptr") for g in kernel.incoming}
         self.incoming_stride = {g: (namer.claim(f"{g}_stride_m"), namer.claim(f"{g}_stride_n")) for g in kernel.incoming}
+        # Values of one a row, loaded once at the row's start: integer inputs ([..., 1]: a class
+        # index) in their own type, and the incoming gradients of outputs with one value a row.
+        self.per_row = {v.local: (self.pointer[i.name], self.stride[i.name][0], types[i.name])
+                        for i in kernel.inputs if not i.layout.differentiable for v in i.values}
+        self.per_row.update({g: (self.incoming_pointer[g], self.incoming_stride[g][0], "T")
+                             for (name, _), g in zip(plan.outputs, kernel.incoming) if name in plan.row_outputs})
         self.pack = {v: namer.claim(f"{v}_pack") for v in sorted(self.element | set(kernel.outputs)
                                                                  | {v for g in kernel.gradients for v in g.values})}
         self.held_at = {v: namer.claim(f"{v}_held") for v, _ in self.held()}
         self.threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
         self.scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
         self.printer.column = f"T({names['col']} + {names['k']})"
+        self.printer.integers, self.printer.integer_column = integer_names(plan), f"({names['col']} + {names['k']})"
 
     def text(self, expr) -> str:
         return self.printer.doprint(expr)
@@ -91,7 +98,8 @@ class _Rows:
     def _reads(self, inputs, incoming) -> list[tuple]:
         """(value, pointer, strides, chunk) of each value these inputs and incoming gradients give."""
         reads = [(v.local, self.pointer[i.name], self.stride[i.name], c) for i in inputs for c, v in enumerate(i.values)]
-        return reads + [(g, self.incoming_pointer[g], self.incoming_stride[g], 0) for g in incoming]
+        reads += [(g, self.incoming_pointer[g], self.incoming_stride[g], 0) for g in incoming]
+        return [r for r in reads if r[0] not in self.per_row]  # those are loaded once a row
 
     def _load_lines(self, reads, masks, row: str) -> list[str]:
         """Each read's pack and each mask's multipliers at the pack's columns (col), from memory."""
@@ -134,13 +142,20 @@ class _Rows:
         byte an element: kept or not). What only the results read is read once, from memory."""
         _, inputs, masks, incoming = self._needed([r.value for p in self.body.passes for r in p.reductions])
         reads = [(v.local, self.types[i.name]) for i in inputs if _has_rows(i) for v in i.values]
-        return reads + [(g, self.types[g]) for g in incoming] + [(m.local, "unsigned char") for m in masks]
+        reads += [(g, self.types[g]) for g in incoming]
+        return [r for r in reads if r[0] not in self.per_row] + [(m.local, "unsigned char") for m in masks]
 
     def held_arrays(self, extra=()) -> list[str]:
         """The held arrays' places in shared memory (and `extra`'s: (name, type)), in order."""
         n = self.names
         return [f"{t}* {name} = fusegen::take<{t}>({n['next']}, Threads * Items * Pack);"
                 for name, t in [(self.held_at[v], t) for v, t in self.held()] + list(extra)]
+
+    def per_row_loads(self) -> list[str]:
+        """The row's values of one a row (per_row), at its start."""
+        row = self.names["row"]
+        return [f"const {'T' if t == 'T' else t} {v} = {'T(' if t == 'T' else ''}{pointer}[{row} * {stride}]"
+                f"{')' if t == 'T' else ''};" for v, (pointer, stride, t) in self.per_row.items()]
 
     def row_copies(self) -> list[str]:
         """With the row held (Whole): each value's packs copied to shared memory at the row's start."""
@@ -230,7 +245,7 @@ def _accumulate(op: str, total: str, value: str) -> str:
 def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     """The kernel's namer (every name of both kernels' bodies taken) and its own names."""
     locals_ = _locals_of(plan.forward) | _locals_of(plan.backward)
-    _check(plan, locals_)
+    _check(plan, locals_, integers_per_row=True)
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
     names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shared",
                                          "statistics_ptr", "first", "next", "item",
@@ -267,18 +282,26 @@ def forward_source(plan: OpPlan) -> str:
     count = len(kernel.body.statistics)
     parameters = [f"const {element_type[i.name]}* __restrict__ {rows.pointer[i.name]}, Index {rows.stride[i.name][0]}, "
                   f"Index {rows.stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, N]" for i in kernel.inputs]
-    parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous [M, N]"
-                   for (name, _), o in zip(plan.outputs, kernel.outputs)]
+    parameters += [f"{out_type[o]}* __restrict__ {out_pointer[o]},  // {name}, contiguous "
+                   f"[M, {'1' if name in plan.row_outputs else 'N'}]" for (name, _), o in zip(plan.outputs, kernel.outputs)]
     parameters.append(f"T* __restrict__ {n['statistics_ptr']},  // [M, {count}]: each row's reductions, kept for the backward")
-    parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
     parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale)
     results = dict(kernel.body.results)
+    per_row = [o for (name, _), o in zip(plan.outputs, kernel.outputs) if name in plan.row_outputs]
+    outputs = [o for o in kernel.outputs if o not in per_row]
     stores = [f"fusegen::store<Pack>({out_pointer[o]} + {n['row']} * {n['N']} + {n['col']}, {rows.pack[o]});"
-              for o in kernel.outputs]
-    final = [f"{rows.pack[o]}[{n['k']}] = {rows.text(results[o])};" for o in kernel.outputs]
+              for o in outputs]
+    final = [f"{rows.pack[o]}[{n['k']}] = {rows.text(results[o])};" for o in outputs]
     types = [*element_type.values(), *out_type.values()]
-    body = [*rows.row_values(kernel.body.row_values), *rows.passes(n["statistics_ptr"]), "// the results, element by element",
-            *_results_loop(rows, [results[o] for o in kernel.outputs], kernel.outputs, final, stores)]
+    body = [*rows.row_values(kernel.body.row_values), *rows.passes(n["statistics_ptr"])]
+    if per_row:  # constant along the row: computed and stored once, by the row's first thread
+        body += [f"if (threadIdx.x == 0 && {n['begin']} == 0) {{  // the outputs of one value a row",
+                 *(f"  {out_pointer[o]}[{n['row']}] = fusegen::to<{out_type[o]}>(T({rows.text(results[o])}));"
+                   for o in per_row), "}"]
+    if outputs:
+        body += ["// the results, element by element",
+                 *_results_loop(rows, [results[o] for o in outputs], outputs, final, stores)]
     return _kernel_text(rows, f"{plan.op}_forward", types, parameters, body, prologue=[
         *outdir.header_lines(plan.op, plan.spec_path, "//"),
         f"// spec sha256: {plan.spec_sha256}",
@@ -330,7 +353,7 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), b
         *_indent(seed + width + held + list(before)),
         "  if (Cluster > 1) fusegen::cluster_sync();  // every block of the cluster started: its shared memory there",
         f"  for (Index {n['row']} = {n['first_row']}; {n['row']} < {n['M']}; {n['row']} += {n['rows_apart']}) {{",
-        *_indent(_indent(rows.row_copies() + body)),
+        *_indent(_indent(rows.per_row_loads() + rows.row_copies() + body)),
         "  }",
         *_indent(list(after)),
         "  if (Cluster > 1) fusegen::cluster_sync();  // no block leaves while another may still write to it",
@@ -356,7 +379,7 @@ def backward_source(plan: OpPlan) -> str:
                    f"Index {rows.incoming_stride[g][1]},  // the incoming gradient of {name}, as [M, N]"
                    for (name, _), g in zip(plan.outputs, kernel.incoming)]
     parameters.append(f"const T* __restrict__ {n['statistics_ptr']},  // [M, {count}]: the forward's reductions")
-    parameters += [f"T {p.local},  // param {p.name}" for p in kernel.scalars]
+    parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
     parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale)
     parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
                    f"  // {base[g.input.name]}: [M, N], or with {sums[g.input.name]} its sums over each block's rows, "
