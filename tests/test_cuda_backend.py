@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 POINTWISE = ("add_mul_activation", "add_relu", "bias_dropout_add", "bias_geglu", "bias_gelu", "bias_gelu_dropout_add",
              "bias_relu", "bias_swiglu", "geglu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "rope", "scale_add",
              "softcap", "squared_relu", "swiglu")
-ROWS = ("add_rmsnorm", "bias_dropout_add_layernorm", "bias_layernorm", "cross_entropy", "layernorm", "layernorm_dropout_add", "log_softmax",
-        "rmsnorm", "scaled_masked_softmax_dropout", "softmax")
+ROWS = ("add_rmsnorm", "bias_dropout_add_layernorm", "bias_layernorm", "cross_entropy", "layernorm", "layernorm_dropout_add",
+        "layernorm_fp8", "log_softmax", "rmsnorm", "rmsnorm_fp8", "scaled_masked_softmax_dropout", "softmax")
 OPS = tuple(sorted(POINTWISE + ROWS))
 HAS_CUDA = torch.cuda.is_available()
 try:
@@ -67,7 +67,7 @@ def test_every_shipped_spec_builds_or_is_refused_in_one_line():
             assert "not supported by the CUDA backend yet" in message, message
             refused.append(path.stem)
     assert tuple(built) == OPS
-    assert {"linear_bias_gelu", "rmsnorm_fp8", "dlrm_mlp"} <= set(refused)
+    assert {"linear_bias_gelu", "swiglu_fp8", "dlrm_mlp"} <= set(refused)
 
 
 def test_the_module_reads_as_written(modules):
@@ -156,7 +156,10 @@ def _expressions(module, name: str, t: str, element: str, choice: int = 0, pack:
     chosen = [c[:len(k)] for c, k in zip(chosen, kernels._choices)]
     inputs = module._OP.inputs
     reads = [[element if inputs[i].differentiable else "int64_t" for i in kernels._reads[k]] for k in (0, 1)]
-    forward = f"{name}_cuda_forward<{', '.join([t, index, *chosen[0], str(pack), *rows, *reads[0], *[element] * outputs])}>"
+    written = [element if dtype is None else cuda_launch._C_TYPES[dtype] for dtype in module._OP._output_dtypes]
+    forward = f"{name}_cuda_forward<{', '.join([t, index, *chosen[0], str(pack), *rows, *reads[0], *written])}>"
+    if module._OP._forward_only:
+        return (forward,)
     grads = len(kernels._gradients)
     backward = (f"{name}_cuda_backward<{', '.join([t, index, *chosen[1], str(pack), *rows, *reads[1]])}, "
                 f"{', '.join([element] * (outputs + grads))}>")
@@ -203,12 +206,16 @@ def _against_the_reference(module, name: str, op, case, dtype, params: dict) -> 
              for k, v in tensors.items()}
     got, want = fn(*ours.values(), **kwargs), module.reference(*exact.values(), **kwargs)
     got, want = (got,) if torch.is_tensor(got) else got, (want,) if torch.is_tensor(want) else want
+    tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    for g, w in zip(got, want):
+        # A float8 output from fp64 is rounded as the reference rounds it; from fp32, within its step.
+        close = tolerance if g.dtype.itemsize > 1 or dtype == torch.float64 else dict(rtol=2**-3, atol=2**-9)
+        torch.testing.assert_close(g.double(), w.double(), **close)
+    if not any(w.requires_grad for w in want):  # an op without gradients (float8 outputs)
+        return
     grads = [torch.randn(w.shape, dtype=torch.float64) for w in want]
     torch.autograd.backward(got, [g.to(dtype) for g in grads])
     torch.autograd.backward(want, grads)
-    tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, **tolerance)
     for key in (k for k, v in tensors.items() if v.is_floating_point()):
         torch.testing.assert_close(ours[key].grad.double(), exact[key].grad, **tolerance, msg=f"{name}: {key}'s gradient")
 
@@ -356,11 +363,14 @@ def test_values_gradients_and_masks_as_the_triton_backend(modules, name, dtype, 
     theirs = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
     got, want = _call(fn, op, ours, params, 1234), _call(op.fn, op, theirs, params, 1234)
     got, want = (got,) if torch.is_tensor(got) else got, (want,) if torch.is_tensor(want) else want
+    for g, w in zip(got, want):  # a float8 output within its step (the two backends round the scale alike)
+        torch.testing.assert_close(g.float(), w.float(), **(TOLERANCE[dtype] if g.dtype.itemsize > 1 else
+                                                             dict(rtol=2**-3, atol=2**-9)))
+    if not any(w.requires_grad for w in want):  # an op without gradients (float8 outputs)
+        return
     grads = [torch.randn_like(w) for w in want]
     torch.autograd.backward(got, grads)
     torch.autograd.backward(want, grads)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **TOLERANCE[dtype])
     for key in (k for k, v in tensors.items() if v.is_floating_point()):
         torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[dtype])
     if op.has_dropout:  # the same elements dropped: x's gradient is its mask times the scale

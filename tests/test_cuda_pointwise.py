@@ -309,3 +309,40 @@ def test_the_source_compiles_as_sm90_device_code(built, tmp_path):
                                  "-I", str(source.parent), str(unit), "-o", str(tmp_path / f"{name}.o")],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+
+
+_FLOAT8 = r"""
+#include "fusegen_cuda.cuh"
+extern "C" void e4m3(const float* x, unsigned char* bits, long n) {
+  for (long i = 0; i < n; ++i) bits[i] = fusegen::float8_e4m3<SATURATES>(x[i]).bits;
+}
+extern "C" void e5m2(const float* x, unsigned char* bits, long n) {
+  for (long i = 0; i < n; ++i) bits[i] = fusegen::float8_e5m2(x[i]).bits;
+}
+"""
+
+
+def test_float8_outputs_convert_as_torch(tmp_path):
+    """The header's float8 elements, bit for bit torch's tensor.to: every float16 value (each
+    float8 value, tie and boundary among them), random floats across 2^-40..2^30, the ends of the
+    range, ±inf, NaN of both signs; float8_e4m3fn as the installed torch treats its overflow."""
+    from fusegen.runtime.out import E4M3_SATURATES
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++: the host build of the CUDA backend's header needs a C++ compiler")
+    (tmp_path / "float8.cpp").write_text(_FLOAT8.replace("SATURATES", "true" if E4M3_SATURATES else "false"))
+    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", str(HEADER), str(tmp_path / "float8.cpp"),
+                    "-o", str(tmp_path / "float8.so")], check=True, capture_output=True)
+    library = ctypes.CDLL(str(tmp_path / "float8.so"))
+    g = torch.Generator().manual_seed(8)
+    x = torch.cat([torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float(),
+                   torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-40, 30, (200_000,), generator=g).float()),
+                   torch.tensor([448.0, 464.0, 464.00003, 480.0, 57344.0, 61439.996, 61440.0, 1e30, float("inf"),
+                                 -float("inf"), float("nan"), -float("nan"), 2.0**-6, 2.0**-9, 2.0**-10, 3 * 2.0**-11,
+                                 2.0**-16, 2.0**-17, 3 * 2.0**-18, -0.0])])
+    for function, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        bits = torch.empty(x.numel(), dtype=torch.uint8)
+        getattr(library, function)(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(bits.data_ptr()), ctypes.c_long(x.numel()))
+        want = x.to(dtype).view(torch.uint8)
+        wrong = (bits != want).nonzero().flatten()
+        assert wrong.numel() == 0, f"{dtype}: {[(x[i].item(), hex(bits[i]), hex(want[i])) for i in wrong[:5]]}"

@@ -7,6 +7,10 @@ import torch
 
 from .arguments import FusegenArgumentError, Problem, any_requires_grad
 
+# Whether the installed torch converts a float32 past float8_e4m3fn's range to ±448 (2.13) or to
+# NaN (2.11 and earlier): the kernels convert as it does (both backends, probed once).
+E4M3_SATURATES = bool(torch.tensor(1e4).to(torch.float8_e4m3fn).float().isfinite())
+
 
 def check_out_without_grad(op: str, tensors) -> None:
     if torch.is_grad_enabled() and any_requires_grad(tensors):

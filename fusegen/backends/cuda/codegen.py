@@ -54,7 +54,7 @@ def _kind(plan: OpPlan) -> CudaKind:
     if kind is None:
         raise CudaUnsupported(f"{plan.op}: the {plan.kind} kind is not supported by the CUDA backend yet; "
                               "build it with --backend triton")
-    if plan.forward_only:
+    if plan.forward_only and plan.kind != "row":
         raise CudaUnsupported(f"{plan.op}: an op without a backward is not supported by the CUDA backend yet")
     return kind
 
@@ -71,7 +71,7 @@ def render(plan: OpPlan) -> str:
     keywords = [f"forward_reads={_names(i.name for i in forward.inputs)}"]
     if backward.scalars:
         keywords.append(f"backward_scalars={_names(p.name for p in backward.scalars)}")
-    if plan.kind == "row":  # the arrays each kernel holds where the row is held: the launcher's register budget
+    if plan.kind == "row":  # what each kernel holds where the row is held: the launcher's shared memory
         keywords.append(f"held={row_source.held_arrays(plan)}")
     for which, kernel in (("forward", forward), ("backward", backward)):
         if kernel.masks:

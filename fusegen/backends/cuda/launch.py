@@ -25,13 +25,15 @@ import torch
 from fusegen.runtime.arguments import FusegenArgumentError
 from fusegen.runtime.dropout import dropout_scale, dropout_threshold
 from fusegen.runtime.views import view_2d
+from fusegen.runtime.out import E4M3_SATURATES
 
 from . import compiler
 
 BLOCK = 256  # threads a block: the forward's elements, the backward's columns
 _C_TYPES = {torch.float32: "float", torch.float64: "double", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16",
             torch.int64: "int64_t", torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
-            torch.uint8: "uint8_t", torch.bool: "bool"}
+            torch.uint8: "uint8_t", torch.bool: "bool", torch.float8_e5m2: "fusegen::float8_e5m2",
+            torch.float8_e4m3fn: f"fusegen::float8_e4m3<{str(E4M3_SATURATES).lower()}>"}  # as the installed torch
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 

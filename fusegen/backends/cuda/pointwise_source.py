@@ -195,9 +195,9 @@ def integer_names(plan: OpPlan) -> frozenset[str]:
     return frozenset(names | {v.local for i in plan.inputs if not i.layout.differentiable for v in i.values})
 
 
-def _check(plan: OpPlan, locals_: set[str], integers_per_row: bool = False) -> None:
-    """Refuse what the kernels cannot take; `integers_per_row`: integer inputs of one value a
-    row are taken (the row kind's)."""
+def _check(plan: OpPlan, locals_: set[str], row_kind: bool = False) -> None:
+    """Refuse what the kernels cannot take; the row kind's take integer inputs of one value a row
+    and outputs of their own dtype."""
     kernel = plan.forward
     helpers, choices = choice_names(plan)
     functions = {f"{plan.op}_element", f"{plan.op}_forward", f"{plan.op}_backward_element", f"{plan.op}_backward",
@@ -206,9 +206,9 @@ def _check(plan: OpPlan, locals_: set[str], integers_per_row: bool = False) -> N
     what = (
         f"the name '{clash[0]}' (C++'s or the source's own)" if clash else
         "an input in chunks along a dim other than the last" if any(i.layout.chunk_dim != -1 for i in plan.inputs) else
-        "an integer or bool input" + (" other than one value a row" if integers_per_row else "")
-        if any(not i.layout.differentiable and not (integers_per_row and i.layout.one_per_row) for i in kernel.inputs) else
-        "an output of its own dtype" if plan.output_dtypes else None
+        "an integer or bool input" + (" other than one value a row" if row_kind else "")
+        if any(not i.layout.differentiable and not (row_kind and i.layout.one_per_row) for i in kernel.inputs) else
+        "an output of its own dtype" if plan.output_dtypes and not row_kind else None
     )
     if what is not None:
         raise CudaUnsupported(f"{plan.op}: {what} is not supported by the CUDA backend yet")

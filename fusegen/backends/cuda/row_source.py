@@ -37,8 +37,7 @@ _REDUCE = {"sum": "fusegen::row_sum", "mean": "fusegen::row_sum", "max": "fusege
 def _refuse(plan: OpPlan) -> None:
     what = ("an input in chunks" if any(i.layout.chunks > 1 for i in plan.inputs) else
             "an output in parts" if plan.output_parts else
-            "a choice param" if plan.helpers else
-            "an op without a backward" if plan.forward_only else None)
+            "a choice param" if plan.helpers else None)
     if what is not None:
         raise CudaUnsupported(f"{plan.op}: {what} in a row op is not supported by the CUDA backend yet")
 
@@ -245,7 +244,7 @@ def _accumulate(op: str, total: str, value: str) -> str:
 def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     """The kernel's namer (every name of both kernels' bodies taken) and its own names."""
     locals_ = _locals_of(plan.forward) | _locals_of(plan.backward)
-    _check(plan, locals_, integers_per_row=True)
+    _check(plan, locals_, row_kind=True)
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
     names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shared",
                                          "statistics_ptr", "first", "next", "item",
@@ -429,11 +428,11 @@ def held_arrays(plan: OpPlan) -> tuple[tuple, tuple]:
         held = [places.get(t, t) for _, t in rows.held()]
         if kernel is plan.backward:
             held += ["T"] * sum(not _has_rows(g.input) for g in kernel.gradients)
-        found.append(tuple(held))
+        found.append(tuple(held) if kernel is plan.forward or not plan.forward_only else ())
     return tuple(found)
 
 
 def source(plan: OpPlan) -> str:
-    """The whole of <op>.cu: the forward, then the backward."""
-    return forward_source(plan) + "\n" + backward_source(plan)
+    """The whole of <op>.cu: the forward, then the backward (none for an op without gradients)."""
+    return forward_source(plan) + ("" if plan.forward_only else "\n" + backward_source(plan))
 

@@ -177,6 +177,57 @@ FUSEGEN_HD __nv_bfloat16 to<__nv_bfloat16, float>(float value) {
 
 namespace fusegen {
 
+// -- float8 outputs, converted as torch converts (kernel_lib.to_float8, README) -------------
+
+FUSEGEN_HD uint32_t float_bits(float x) {
+  union {
+    float value;
+    uint32_t bits;
+  } both = {x};
+  return both.bits;
+}
+
+// |x|'s float8 bits (x finite and within range) of Mantissa bits and exponent bias Bias, to
+// nearest even: below the smallest normal a multiple of 2^(1 - Bias - Mantissa), else x's
+// float32 mantissa rounded at its Mantissa-th bit (a carry moves into the exponent).
+template <int Mantissa, int Bias>
+FUSEGEN_HD uint8_t float8_magnitude(float x) {
+  const uint32_t u = float_bits(x) & 0x7fffffffu;
+  if (u < uint32_t(128 - Bias) << 23)
+    return uint8_t(std::nearbyint(std::fabs(x) * float(1u << (Bias - 1 + Mantissa))));
+  const uint32_t rounded = u + ((1u << (22 - Mantissa)) - 1u) + ((u >> (23 - Mantissa)) & 1u);
+  return uint8_t(((rounded >> 23) - 127u + Bias) << Mantissa | ((rounded >> (23 - Mantissa)) & ((1u << Mantissa) - 1u)));
+}
+
+// A float8_e4m3fn element: past ±448 (the tie at 464 rounds to 448), ±448 where the installed
+// torch saturates (Saturates: runtime.out.E4M3_SATURATES), else NaN; NaN keeps its sign. A
+// double is rounded to float first, as torch does.
+template <bool Saturates>
+struct float8_e4m3 {
+  uint8_t bits;
+  float8_e4m3() = default;
+  FUSEGEN_HD explicit float8_e4m3(double x) : float8_e4m3(float(x)) {}
+  FUSEGEN_HD explicit float8_e4m3(float x) {
+    const uint8_t sign = (float_bits(x) >> 24) & 0x80u;
+    bits = x != x                                   ? uint8_t(sign | 0x7fu)
+           : std::fabs(x) > (Saturates ? 448.f : 464.f) ? uint8_t(sign | (Saturates ? 0x7eu : 0x7fu))
+                                                    : uint8_t(sign | float8_magnitude<3, 7>(x));
+  }
+};
+
+// A float8_e5m2 element: ±inf from ±61440 (the tie with the next power of two), NaN keeps its sign.
+struct float8_e5m2 {
+  uint8_t bits;
+  float8_e5m2() = default;
+  FUSEGEN_HD explicit float8_e5m2(double x) : float8_e5m2(float(x)) {}
+  FUSEGEN_HD explicit float8_e5m2(float x) {
+    const uint8_t sign = (float_bits(x) >> 24) & 0x80u;
+    bits = x != x                     ? uint8_t(sign | 0x7fu)
+           : std::fabs(x) >= 61440.f ? uint8_t(sign | 0x7cu)
+                                     : uint8_t(sign | float8_magnitude<2, 15>(x));
+  }
+};
+
 // -- dropout's random words ----------------------------------------------------------------
 
 struct Words {
