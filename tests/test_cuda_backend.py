@@ -28,7 +28,8 @@ POINTWISE = ("add_mul_activation", "add_relu", "bias_dropout_add", "bias_geglu",
              "bias_relu", "bias_swiglu", "geglu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "rope", "scale_add",
              "softcap", "squared_relu", "swiglu")
 ROWS = ("add_rmsnorm", "bias_dropout_add_layernorm", "bias_layernorm", "cross_entropy", "layernorm", "layernorm_dropout_add",
-        "layernorm_fp8", "log_softmax", "rmsnorm", "rmsnorm_fp8", "scaled_masked_softmax_dropout", "softmax")
+        "layernorm_fp8", "log_softmax", "rmsnorm", "rmsnorm_fp8", "scaled_masked_softmax_dropout", "softmax",
+        "swiglu_fp8")
 OPS = tuple(sorted(POINTWISE + ROWS))
 HAS_CUDA = torch.cuda.is_available()
 try:
@@ -67,7 +68,7 @@ def test_every_shipped_spec_builds_or_is_refused_in_one_line():
             assert "not supported by the CUDA backend yet" in message, message
             refused.append(path.stem)
     assert tuple(built) == OPS
-    assert {"linear_bias_gelu", "swiglu_fp8", "dlrm_mlp"} <= set(refused)
+    assert {"linear_bias_gelu", "dlrm_mlp"} <= set(refused)
 
 
 def test_the_module_reads_as_written(modules):
@@ -334,6 +335,50 @@ def test_names_col_and_ops_without_a_backward_kernel(tmp_path, monkeypatch, text
         exact = x.detach().clone().requires_grad_()
         module.reference(exact, *args[1:], *params).sum().backward()
         torch.testing.assert_close(x.grad, exact.grad)
+
+
+GLU_NORM = """name: glu_norm_cuda
+doc: a row op of an input in chunks and a [2N] bias
+inputs:
+  x: [..., 2N]
+  bias: [2N]
+let:
+  h: (chunk(x, 0) + chunk(bias, 0)) * sigmoid(chunk(x, 1) + chunk(bias, 1))
+outputs:
+  y: h * rsqrt(mean(h * h) + 1.0e-5)
+"""
+
+
+@needs_host_build
+def test_row_inputs_in_chunks_on_the_host(tmp_path, monkeypatch):
+    """A row op of an input in chunks ([..., 2N], a [2N] bias): each chunk's columns, its
+    gradient at its columns, the bias's chunks' sums over rows; the row held and read again."""
+    from fusegen.backends.cuda import row_launch
+    from tests.cuda_host import on_the_host
+
+    module = build_and_import(tmp_path, GLU_NORM, "cuda")
+    if HAS_NVRTC:
+        compiler.compile_source(module.CUDA_SOURCE, "glu_norm_cuda.cu", _expressions(module, "glu_norm", "float", "float"),
+                                "sm_90")
+    with on_the_host(tmp_path, monkeypatch, row_threads=32) as launches:
+        monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 2)  # 2 blocks a backward
+        for shared in (None, 0):  # the row held; read again
+            if shared == 0:
+                monkeypatch.setattr(row_launch, "shared_limit", lambda device: (0, 233472, 1))
+            for m, n in ((5, 64 + 8 * (shared == 0)), (4, 301 + 2 * (shared == 0))):  # new call keys: new layouts
+                x = torch.randn(m, 2 * n, dtype=torch.float64, requires_grad=True)
+                bias = torch.randn(2 * n, dtype=torch.float64, requires_grad=True)
+                y = module.glu_norm_cuda(x, bias)
+                exact = [x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()]
+                want = module.reference(*exact)
+                torch.testing.assert_close(y, want)
+                g = torch.randn_like(want)
+                y.backward(g)
+                want.backward(g)
+                torch.testing.assert_close(x.grad, exact[0].grad)
+                torch.testing.assert_close(bias.grad, exact[1].grad)
+    items = {e.split("<")[1].split(", ")[4] for e, _ in launches}
+    assert "0" in items and items - {"0"}, items
 
 
 # -- on the GPU: against the Triton backend's op ------------------------------------------------

@@ -6,7 +6,7 @@ loads where the launcher's views allow, as the pointwise kind's: pointwise_sourc
 reductions accumulated in each thread and then across the block (fusegen::block_reduce). A
 pass's online sums (softmax's Σ exp(x - max)) take a loop of their own after their extreme is
 known. With Items > 0 the row is held in shared memory: at each row's start every thread copies
-its Items packs of each value with rows (inputs, incoming gradients, dropout's multipliers) there,
+its Items packs of each value with rows (inputs, incoming gradients, dropout's masks) there,
 all loads in flight at once, and every pass reads them back (each thread only its own columns: no
 barrier); [N] inputs are read where used (cached). With Items 0 each pass reads the row again.
 Holding the row in shared memory rather than registers keeps a thread's registers few, so an SM
@@ -17,9 +17,13 @@ rows where its input is one row broadcast to all (in shared memory where the row
 the block's row of a [blocks, N] buffer; torch adds the blocks' rows up in order:
 deterministic).
 
-Not yet: outputs with one value a row, outputs of their own dtype (float8), inputs in chunks,
-choice params, integer inputs (each a one-line CudaUnsupported); online sums in one loop where
-the row is read again; clusters for wide rows."""
+Outputs of one value a row ([..., 1]: a loss, a scale) are computed once a row and stored by its
+first thread; integer inputs of one value a row (a class index) and the incoming gradients of such
+outputs are loaded once a row; float8 outputs convert as torch does (fusegen_cuda.cuh); an op
+without gradients has the forward alone. Rows wider than one block holds go to a cluster of
+blocks (Cluster > 1, sm_90), each holding its columns [begin, end). Not yet (each a one-line
+CudaUnsupported): outputs in parts, choice params; online sums in one loop where the row is read
+again."""
 from __future__ import annotations
 
 from fusegen import outdir
@@ -27,7 +31,7 @@ from fusegen.names import Namer
 from fusegen.plan import KernelPlan, OpPlan
 
 from .pointwise_source import (CPP_KEYWORDS, OWN_NAMES, CudaUnsupported, _check, _column, _dropout_parameters, _indent,
-                               integer_names, scalar_type)
+                               _width, integer_names, scalar_type)
 from .printer import CudaPrinter
 
 _NEUTRAL = {"sum": "T(0)", "mean": "T(0)", "max": "-fusegen::infinity<T>()", "min": "fusegen::infinity<T>()"}
@@ -35,8 +39,7 @@ _REDUCE = {"sum": "fusegen::row_sum", "mean": "fusegen::row_sum", "max": "fusege
 
 
 def _refuse(plan: OpPlan) -> None:
-    what = ("an input in chunks" if any(i.layout.chunks > 1 for i in plan.inputs) else
-            "an output in parts" if plan.output_parts else
+    what = ("an output in parts" if plan.output_parts else
             "a choice param" if plan.helpers else None)
     if what is not None:
         raise CudaUnsupported(f"{plan.op}: {what} in a row op is not supported by the CUDA backend yet")
@@ -381,32 +384,34 @@ def backward_source(plan: OpPlan) -> str:
     parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
     parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale)
     parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
-                   f"  // {base[g.input.name]}: [M, N], or with {sums[g.input.name]} its sums over each block's rows, "
-                   "[blocks, N] in T; null where not wanted" for g in kernel.gradients]
+                   f"  // {base[g.input.name]}: [M, {_width(len(g.values), 'N')}], or with {sums[g.input.name]} its sums "
+                   "over each block's rows, [blocks, ...] in T; null where not wanted" for g in kernel.gradients]
     results = dict(kernel.body.results)
-    gradients = [g.values[0] for g in kernel.gradients]
+    gradients = [v for g in kernel.gradients for v in g.values]
     final = [f"{rows.pack[v]}[{n['k']}] = {rows.text(results[v])};" for v in gradients]
     stores, totals, sums_stores = [], [], []
     for g in kernel.gradients:
-        name, v = g.input.name, g.values[0]
-        summed = [f"}} else if ({sums[name]}) {{",
-                  f"  fusegen::accumulate<Pack>({grad_pointer[name]} + {n['first_row']} * {n['N']} + {n['col']}, "
-                  f"{rows.pack[v]}, {n['first']});"]
-        written = [f"}} else if ({grad_pointer[name]} != nullptr) {{",
-                   f"  fusegen::store<Pack>({grad_pointer[name]} + {n['row']} * {n['N']} + {n['col']}, {rows.pack[v]});", "}"]
-        if _has_rows(g.input):  # summed only where the caller broadcasts it: in its buffer, not held
-            stores += [f"if ({sums[name]}) {{", *summed[1:], *written]
-            continue
-        # An [N] input's: summed in shared memory where the row is held, stored once after the rows.
-        total = namer.claim(f"{v}_total")
-        totals.append((total, "T"))
-        stores += [f"if ({sums[name]} && Whole) {{",
-                   f"  fusegen::accumulate<Pack>({rows.here(total)}, {rows.pack[v]}, {n['first']});", *summed, *written]
-        sums_stores += [f"if (Whole && {sums[name]}) {{",
-                        *_indent(rows.columns([f"T {rows.pack[v]}[Pack];",
-                                               f"fusegen::load<Pack>({rows.pack[v]}, {rows.here(total)}, Index(1));",
-                                               f"fusegen::store<Pack>({grad_pointer[name]} + {n['first_row']} * "
-                                               f"{n['N']} + {n['col']}, {rows.pack[v]});"])), "}"]
+        name, width = g.input.name, _width(len(g.values), n["N"])
+        for c, v in enumerate(g.values):  # an input in chunks: a gradient a chunk, at its columns
+            column = _column(n["col"], c, n["N"])
+            summed = [f"}} else if ({sums[name]}) {{",
+                      f"  fusegen::accumulate<Pack>({grad_pointer[name]} + {n['first_row']} * {width} + {column}, "
+                      f"{rows.pack[v]}, {n['first']});"]
+            written = [f"}} else if ({grad_pointer[name]} != nullptr) {{",
+                       f"  fusegen::store<Pack>({grad_pointer[name]} + {n['row']} * {width} + {column}, {rows.pack[v]});", "}"]
+            if _has_rows(g.input):  # summed only where the caller broadcasts it: in its buffer, not held
+                stores += [f"if ({sums[name]}) {{", *summed[1:], *written]
+                continue
+            # An [N] input's: summed in shared memory where the row is held, stored once after the rows.
+            total = namer.claim(f"{v}_total")
+            totals.append((total, "T"))
+            stores += [f"if ({sums[name]} && Whole) {{",
+                       f"  fusegen::accumulate<Pack>({rows.here(total)}, {rows.pack[v]}, {n['first']});", *summed, *written]
+            sums_stores += [f"if (Whole && {sums[name]}) {{",
+                            *_indent(rows.columns([f"T {rows.pack[v]}[Pack];",
+                                                   f"fusegen::load<Pack>({rows.pack[v]}, {rows.here(total)}, Index(1));",
+                                                   f"fusegen::store<Pack>({grad_pointer[name]} + {n['first_row']} * "
+                                                   f"{width} + {column}, {rows.pack[v]});"])), "}"]
     loaded = [f"const T {s.name} = {n['statistics_ptr']}[{_statistic(n['row'], count, k)}];" for s, k in kernel.body.loaded]
     body = [f"const bool {n['first']} = {n['row']} == {n['first_row']};  // the block's first row: its sums start here",
             *loaded, *rows.row_values(kernel.body.row_values), *rows.passes(None), "// the gradients, element by element",
@@ -427,7 +432,7 @@ def held_arrays(plan: OpPlan) -> tuple[tuple, tuple]:
         places = {name: k for k, name in enumerate(element_type.values())}
         held = [places.get(t, t) for _, t in rows.held()]
         if kernel is plan.backward:
-            held += ["T"] * sum(not _has_rows(g.input) for g in kernel.gradients)
+            held += ["T"] * sum(len(g.values) for g in kernel.gradients if not _has_rows(g.input))
         found.append(tuple(held) if kernel is plan.forward or not plan.forward_only else ())
     return tuple(found)
 
