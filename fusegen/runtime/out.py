@@ -8,7 +8,8 @@ import torch
 from .arguments import FusegenArgumentError, Problem, any_requires_grad
 
 # Whether the installed torch converts a float32 past float8_e4m3fn's range to ±448 (2.13) or to
-# NaN (2.11 and earlier): the kernels convert as it does (both backends, probed once).
+# NaN (2.11 and earlier): the CUDA backend's kernels convert as it does (the Triton backend's
+# kernel_lib asks torch the same question for its kernels' constexpr).
 E4M3_SATURATES = bool(torch.tensor(1e4).to(torch.float8_e4m3fn).float().isfinite())
 
 

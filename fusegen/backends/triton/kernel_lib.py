@@ -9,10 +9,9 @@ The tile helpers take a tile as its `rows` and `cols` (index vectors) and `in_bo
 [rows, cols] mask of the elements inside the problem); `width` is a contiguous buffer's row
 length (N, or k * N for an input of k chunks).
 """
+import torch
 import triton
 import triton.language as tl
-
-from fusegen.runtime.out import E4M3_SATURATES as _TORCH_E4M3_SATURATES
 
 
 @triton.jit
@@ -68,7 +67,7 @@ def to_element(value, dtype: tl.constexpr):
 # torch's float32 → float8_e4m3fn past ±448: NaN up to torch 2.11 (inf too), ±448 in later
 # versions (2.13: c10's fp8e4m3fn_from_fp32_value saturates). The kernels follow the torch
 # they run with, asked once here (the same conversion code serves CPU and CUDA).
-E4M3_SATURATES = tl.constexpr(_TORCH_E4M3_SATURATES)
+E4M3_SATURATES = tl.constexpr(bool(torch.tensor(1e4).to(torch.float8_e4m3fn).float().isfinite()))
 
 
 @triton.jit
