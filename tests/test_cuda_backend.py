@@ -50,10 +50,22 @@ def _build(folder: Path, name: str):
     return build_and_import(folder, shipped_as(name, f"{name}_cuda"), "cuda")
 
 
+class _Modules(dict):
+    """The shipped ops' CUDA modules, each built on first use (a test process of many builds
+    only the ops its tests take)."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, name: str):
+        self[name] = _build(self.folder, name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def modules(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cuda_backend")
-    return {name: _build(folder, name) for name in OPS}
+    return _Modules(tmp_path_factory.mktemp("cuda_backend"))
 
 
 def test_every_shipped_spec_builds_or_is_refused_in_one_line():
