@@ -1,0 +1,59 @@
+"""Issue 33: the CUDA backend's row ops at several layouts against the same op built by the Triton
+backend, in one run on the GPU (ms by triton.testing.do_bench, forward / forward+backward, and the
+Triton time over the CUDA time). A layout is `forward share/backward share/part KB`: the values of a
+row a thread takes in each kernel (row_launch.SHARES) and a cluster's block's shared memory at most
+(row_launch.PART). `python docs/scripts/cuda_row_layouts.py OPS CELLS LAYOUTS`, e.g.
+`softmax,rmsnorm bf16:16384x8192,fp32:256x262144 32/16/64,16/16/64` (docs/benchmarks.md, "The CUDA
+backend": the row tables came from this script)."""
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from fusegen.backends.cuda import row_launch  # noqa: E402
+from tests.helpers import ShapeCase, build_and_import, make_inputs, op_by_name, params_for, shipped_as  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def times(fn, tensors: dict, kwargs: dict) -> tuple[float, float]:
+    """Forward, and forward+backward with every float input's gradient (ms)."""
+    leaves = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+    forward = do_bench(lambda: fn(*tensors.values(), **kwargs), rep=60)
+    y = fn(*tensors.values(), **kwargs)
+    grads = [torch.ones_like(t) for t in y] if isinstance(y, tuple) else [torch.ones_like(y)]
+    both = do_bench(lambda: torch.autograd.backward(fn(*leaves.values(), **kwargs), grads), rep=60,
+                    grad_to_none=[v for v in leaves.values() if v.requires_grad])
+    return forward, both
+
+
+def main() -> None:
+    ops, cells, layouts = sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3].split(",")
+    os.environ["FUSEGEN_CACHE_DIR"] = tempfile.mkdtemp()
+    folder = Path(tempfile.mkdtemp())
+    print(torch.__version__, torch.cuda.get_device_name())
+    for cell in cells:
+        dtype, shape = cell.split(":")
+        m, n = (int(s) for s in shape.split("x"))
+        for name in ops:
+            op = op_by_name(name)
+            kwargs = dict(params_for(op, p=0.1), **({"training": True} if op.has_dropout else {}))
+            tensors = make_inputs(op, ShapeCase("big", (m,), n), DTYPES[dtype], device="cuda", seed=1)
+            triton_forward, triton_both = times(op.fn, tensors, kwargs)
+            line = [f"{name:22s} {cell:18s} triton {triton_forward:.4f}/{triton_both:.4f}"]
+            for k, layout in enumerate(layouts):
+                forward_share, backward_share, part = (int(v) for v in layout.split("/"))
+                row_launch.SHARES, row_launch.PART = (forward_share, backward_share), part * 1024
+                fn = getattr(build_and_import(folder, shipped_as(name, f"{name}_v{k}"), "cuda"), f"{name}_v{k}")
+                forward, both = times(fn, tensors, kwargs)
+                line.append(f"{layout} {forward:.4f}/{both:.4f} ({triton_forward / forward:.2f}/{triton_both / both:.2f})")
+            print("  ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
