@@ -76,6 +76,7 @@ class _BoundCuda:
         params = [p.name for p in op.params]
         self._reads = tuple(tuple(inputs.index(n) for n in reads) for reads in kernels._reads)
         self._scalars = tuple(tuple(params.index(n) for n in names) for names in kernels._scalars)
+        self._integer = frozenset(k for k, p in enumerate(op.params) if getattr(p, "type", None) == "int")  # int64_t
         self._dropout = tuple(tuple(params.index(n) for n in names) for names in kernels._dropout)
         self._choices = tuple(tuple(params.index(n) for n in names) for names in kernels._choices)
         self._gradients = tuple(inputs.index(n) for n in kernels.gradients)
@@ -137,8 +138,7 @@ class _BoundCuda:
     def scalar_arguments(self, call, which: int) -> list:
         """The params the kernel reads: in the compute type, an int param as int64."""
         t = _NUMPY[call.problem.compute_dtype]
-        return [(np.int64 if getattr(self.op.params[i], "type", None) == "int" else t)(call.params[i])
-                for i in self._scalars[which]]
+        return [(np.int64 if i in self._integer else t)(call.params[i]) for i in self._scalars[which]]
 
     def dropout_arguments(self, call, which: int, seed) -> list:
         """The seed tensor's address (0 without dropout), dropout's flag, each p's threshold and scale."""

@@ -19,7 +19,7 @@ PART = 64 * 1024  # a cluster's block's shared memory at most, where a cluster o
 THREADS_AN_SM = 2048  # resident at once (sm_80 and later): the backward's blocks fill the GPU once
 RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), and a row's reductions'
 MAX_CLUSTER = 16  # blocks a row at most, on sm_90 and later (past 8: an H100's non-portable sizes)
-_SIZES = {"float": 4, "double": 8, "__half": 2, "__nv_bfloat16": 2, "unsigned char": 1}
+_SIZES = {name: dtype.itemsize for dtype, name in _C_TYPES.items()} | {"unsigned char": 1}  # held masks: a byte
 
 
 class CudaRowKernels(CudaKernels):
@@ -57,12 +57,14 @@ def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clu
         threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-part // max(1, share // pack)) - 1).bit_length()))
         return threads, -(-part // threads)
 
-    sizes_fit = (lambda cluster, most: shared_bytes(parts(cluster)[1] * parts(cluster)[0] * pack, sizes) <= most)
+    def fits(cluster: int, most: int) -> bool:
+        threads, items = parts(cluster)
+        return shared_bytes(threads * items * pack, sizes) <= most
+
     if sizes:
-        candidates = [1 << k for k in range(clusters.bit_length()) if 1 << k <= clusters]
-        for cluster, most in [(1, shared), *((c, min(PART, shared)) for c in candidates[1:]),
-                              *((c, shared) for c in candidates[1:])]:
-            if sizes_fit(cluster, most):
+        wider = [1 << k for k in range(1, clusters.bit_length())]  # 2, 4, ... to `clusters`
+        for cluster, most in [(1, shared), *((c, min(PART, shared)) for c in wider), *((c, shared) for c in wider)]:
+            if fits(cluster, most):
                 return (*parts(cluster), cluster)
     return parts(1)[0], 0, 1
 

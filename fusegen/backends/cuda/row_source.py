@@ -155,9 +155,11 @@ class _Rows:
 
     def per_row_loads(self) -> list[str]:
         """The row's values of one a row (per_row), at its start."""
-        row = self.names["row"]
-        return [f"const {'T' if t == 'T' else t} {v} = {'T(' if t == 'T' else ''}{pointer}[{row} * {stride}]"
-                f"{')' if t == 'T' else ''};" for v, (pointer, stride, t) in self.per_row.items()]
+        row, lines = self.names["row"], []
+        for v, (pointer, stride, t) in self.per_row.items():
+            value = f"{pointer}[{row} * {stride}]"
+            lines.append(f"const {t} {v} = {f'T({value})' if t == 'T' else value};")
+        return lines
 
     def row_copies(self) -> list[str]:
         """With the row held (Whole): each value's packs copied to shared memory at the row's start."""
