@@ -13,9 +13,9 @@ Holding the row in shared memory rather than registers keeps a thread's register
 runs several rows at once (ptxas gave 123-128 registers a thread for 16 held values, one block an
 SM). The forward keeps each row's reductions ([M, statistics], in T) for the backward, which reads
 them back and computes each gradient element by element: written, or summed over the block's
-rows where its input is one row broadcast to all (in shared memory where the row is held, else in
-the block's row of a [blocks, N] buffer; torch adds the blocks' rows up in order:
-deterministic).
+rows where its input is one row broadcast to all (in each thread's registers where the row is
+held: a thread's columns are the same every row; else in the block's row of a [blocks, N]
+buffer; torch adds the blocks' rows up in order: deterministic).
 
 Outputs of one value a row ([..., 1]: a loss, a scale) are computed once a row and stored by its
 first thread; integer inputs of one value a row (a class index) and the incoming gradients of such
@@ -128,13 +128,15 @@ class _Rows:
         n = self.names
         return f"{held} + ({n['col']} - {n['begin']})"
 
-    def held_columns(self, inner: list[str]) -> list[str]:
-        """As columns, over the Items packs a thread holds (Whole), unrolled: their loads in flight
-        at once."""
+    def items(self, inner: list[str]) -> list[str]:
+        """As columns, pack by pack (`item`): where the row is held (Whole), over the Items packs a
+        thread holds, unrolled, so that their loads are in flight at once and a thread's arrays
+        indexed by item stay in registers."""
         n = self.names
         item, col = n["item"], n["col"]
-        return ["#pragma unroll", f"for (int {item} = 0; {item} < Items; ++{item}) {{",
-                f"  const Index {col} = {n['begin']} + (Index({item}) * Threads + threadIdx.x) * Pack;",
+        at = f"{n['begin']} + (Index({item}) * Threads + threadIdx.x) * Pack"
+        return ["#pragma unroll", f"for (int {item} = 0; Whole ? {item} < Items : {at} < {n['end']}; ++{item}) {{",
+                f"  const Index {col} = {at};",
                 f"  if ({col} < {n['end']}) {{", *(f"    {line}" if not line.startswith("#") else line for line in inner),
                 "  }", "}"]
 
@@ -147,11 +149,11 @@ class _Rows:
         reads += [(g, self.types[g]) for g in incoming]
         return [r for r in reads if r[0] not in self.per_row] + [(m.local, "unsigned char") for m in masks]
 
-    def held_arrays(self, extra=()) -> list[str]:
-        """The held arrays' places in shared memory (and `extra`'s: (name, type)), in order."""
+    def held_arrays(self) -> list[str]:
+        """The held arrays' places in shared memory, in order."""
         n = self.names
         return [f"{t}* {name} = fusegen::take<{t}>({n['next']}, Threads * Items * Pack);"
-                for name, t in [(self.held_at[v], t) for v, t in self.held()] + list(extra)]
+                for name, t in [(self.held_at[v], t) for v, t in self.held()]]
 
     def per_row_loads(self) -> list[str]:
         """The row's values of one a row (per_row), at its start."""
@@ -173,12 +175,13 @@ class _Rows:
                       f"fusegen::store_kept<Pack>({self.here(self.held_at[m.local])}, {self.pack[m.local]});"]
         if not lines:
             return []
-        return ["if (Whole) {  // the row's values to shared memory", *_indent(self.held_columns(lines)), "}"]
+        return ["if (Whole) {  // the row's values to shared memory", *_indent(self.items(lines)), "}"]
 
-    def loop(self, exprs, inner: list[str], after: list[str] = (), declared: list[str] = ()) -> list[str]:
+    def loop(self, exprs, inner: list[str], after: list[str] = (), declared: list[str] = (),
+             by_item: bool = False) -> list[str]:
         """A loop along the row: each pack's values that `exprs` read (from shared memory where the
         row is held, else from memory), then per element (k) those values and the temporaries,
-        then `inner`; `after`, once a pack; `declared` first."""
+        then `inner`; `after`, once a pack; `declared` first. `by_item`: the loop of `items`."""
         n = self.names
         k = n["k"]
         temps, inputs, masks, incoming = self._needed(exprs)
@@ -201,7 +204,7 @@ class _Rows:
         body += [f"  const T {v} = {self.pack[v]}[{k}];" for v in values]
         body += [f"  const T {t.name} = {self.text(e)};" for t, e in temps]
         body += [f"  {line}" for line in inner] + ["}", *after]
-        return self.columns(body)
+        return self.items(body) if by_item else self.columns(body)
 
     def passes(self, statistics: str | None) -> list[str]:
         """Each pass: its reductions (an online sum in a loop after its extreme's), reduced across
@@ -314,22 +317,21 @@ def forward_source(plan: OpPlan) -> str:
         ""])
 
 
-def _results_loop(rows: _Rows, exprs, values, inner: list[str], after: list[str]) -> list[str]:
+def _results_loop(rows: _Rows, exprs, values, inner: list[str], after: list[str], by_item: bool = False) -> list[str]:
     """The loop of results: each value's pack of the item, stored by `after`."""
-    return rows.loop(exprs, inner, after, declared=[f"T {', '.join(f'{rows.pack[v]}[Pack]' for v in values)};"])
+    return rows.loop(exprs, inner, after, declared=[f"T {', '.join(f'{rows.pack[v]}[Pack]' for v in values)};"],
+                     by_item=by_item)
 
 
-def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), before=(), after=(),
-                 extra_held=()) -> str:
+def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), before=(), after=()) -> str:
     """The kernel: its template and parameters, then `before` the rows, `body` at each row (after
-    the row's copy to shared memory where it is held), `after` them; `extra_held`: arrays of
-    shared memory the kernel keeps besides the row's, (name, type)."""
+    the row's copy to shared memory where it is held), `after` them."""
     kernel, n = rows.kernel, rows.names
     template = ", ".join(["typename T", "typename Index", "int Pack", "int Threads", "int Items", "int Cluster",
                           *(f"typename {t}" for t in types)])
     seed = [f"const uint64_t {n['seed']} = {n['has_dropout']} ? uint64_t(*{n['seed_ptr']}) : 0u;"] if kernel.masks else []
     width = [f"const T {kernel.row_width} = T({n['N']});"] if kernel.row_width else []
-    held = rows.held_arrays(extra_held)
+    held = rows.held_arrays()
     if held:
         held = [f"unsigned char* {n['next']} = fusegen::dynamic_shared();  // Whole: Threads · Items · Pack of each",
                 *held]
@@ -404,37 +406,33 @@ def backward_source(plan: OpPlan) -> str:
             if _has_rows(g.input):  # summed only where the caller broadcasts it: in its buffer, not held
                 stores += [f"if ({sums[name]}) {{", *summed[1:], *written]
                 continue
-            # An [N] input's: summed in shared memory where the row is held, stored once after the rows.
+            # An [N] input's, where the row is held: summed in the thread's registers (its columns
+            # are the same every row), stored once after the rows.
             total = namer.claim(f"{v}_total")
-            totals.append((total, "T"))
+            totals.append(f"T {total}[Whole ? Items : 1][Pack] = {{}};  // {v} over the block's rows, held")
             stores += [f"if ({sums[name]} && Whole) {{",
-                       f"  fusegen::accumulate<Pack>({rows.here(total)}, {rows.pack[v]}, {n['first']});", *summed, *written]
+                       f"  fusegen::add<Pack>({total}[{n['item']}], {rows.pack[v]});", *summed, *written]
             sums_stores += [f"if (Whole && {sums[name]}) {{",
-                            *_indent(rows.columns([f"T {rows.pack[v]}[Pack];",
-                                                   f"fusegen::load<Pack>({rows.pack[v]}, {rows.here(total)}, Index(1));",
-                                                   f"fusegen::store<Pack>({grad_pointer[name]} + {n['first_row']} * "
-                                                   f"{width} + {column}, {rows.pack[v]});"])), "}"]
+                            *_indent(rows.items([f"fusegen::store<Pack>({grad_pointer[name]} + {n['first_row']} * "
+                                                 f"{width} + {column}, {total}[{n['item']}]);"])), "}"]
     loaded = [f"const T {s.name} = {n['statistics_ptr']}[{_statistic(n['row'], count, k)}];" for s, k in kernel.body.loaded]
     body = [f"const bool {n['first']} = {n['row']} == {n['first_row']};  // the block's first row: its sums start here",
             *loaded, *rows.row_values(kernel.body.row_values), *rows.passes(None), "// the gradients, element by element",
-            *_results_loop(rows, [results[v] for v in gradients], gradients, final, stores)]
+            *_results_loop(rows, [results[v] for v in gradients], gradients, final, stores, by_item=bool(totals))]
     types = [*element_type.values(), *grad_type.values()]
-    return _kernel_text(rows, f"{plan.op}_backward", types, parameters, body, extra_held=totals,
+    return _kernel_text(rows, f"{plan.op}_backward", types, parameters, body, before=totals,
                         after=["// held rows: the block's sums, once", *sums_stores] if sums_stores else [])
 
 
 def held_arrays(plan: OpPlan) -> tuple[tuple, tuple]:
-    """What each kernel holds in shared memory where the row is held (_Rows.held, then the
-    backward's sums of [N] inputs' gradients), each as the place of its element type among the
-    kernel's template types after Items, or the type ("T", "unsigned char"): the launcher's
-    shared memory a block."""
+    """What each kernel holds in shared memory where the row is held (_Rows.held), each as the
+    place of its element type among the kernel's template types after Items, or the type ("T",
+    "unsigned char"): the launcher's shared memory a block."""
     found = []
     for kernel in (plan.forward, plan.backward):
         rows, _, _, element_type = _rows(plan, kernel)
         places = {name: k for k, name in enumerate(element_type.values())}
         held = [places.get(t, t) for _, t in rows.held()]
-        if kernel is plan.backward:
-            held += ["T"] * sum(len(g.values) for g in kernel.gradients if not _has_rows(g.input))
         found.append(tuple(held) if kernel is plan.forward or not plan.forward_only else ())
     return tuple(found)
 

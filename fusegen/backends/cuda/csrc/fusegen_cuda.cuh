@@ -379,6 +379,13 @@ FUSEGEN_HD void accumulate(E* p, const T (&values)[Pack], bool first) {
   store<Pack>(p, total);
 }
 
+// A pack of sums a thread keeps (registers: its own columns over a block's rows): `values` added.
+template <int Pack, typename T>
+FUSEGEN_HD void add(T (&total)[Pack], const T (&values)[Pack]) {
+#pragma unroll
+  for (int k = 0; k < Pack; ++k) total[k] += values[k];
+}
+
 }  // namespace fusegen
 
 #ifndef __CUDACC__
