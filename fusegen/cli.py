@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                              default=DEFAULT_OUT, help="output folder (default: generated)")
         command.add_argument("--backend", choices=tuple(BACKENDS), default=None,
                              help="the kernels' language, over each spec's own `backend:`: triton (the default), or "
-                                  "cuda (CUDA C++ compiled by NVRTC on first use; the pointwise kind only, for now)")
+                                  "cuda (CUDA C++ compiled by NVRTC on first use: the pointwise and row kinds; an op with a "
+                                  "matmul is refused in one line)")
     show = commands.add_parser("show", help="print a spec's IR, simplified/CSE'd forms, gradients and generated code")
     show.add_argument("spec", metavar="SPEC_OR_NAME", help="a spec file, or an op name looked up in --specs")
     listing = commands.add_parser("list", help="every op with its signature and doc")

@@ -289,13 +289,11 @@ def test_packs_follow_the_views(modules, tmp_path, monkeypatch):
 def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, monkeypatch):
     """The row backward with fewer blocks than rows (each block's rows gridDim.x apart): the
     statistics read row by row, an [N] input's gradient summed over a block's rows in shared
-    memory (the row held) or in its row of the buffer (read again each pass)."""
-    from fusegen.backends.cuda import row_launch
+    registers (the row held) or in its row of the buffer (read again each pass)."""
     from tests.cuda_host import on_the_host
 
     op = op_by_name(name)
     with on_the_host(tmp_path, monkeypatch) as launches:
-        monkeypatch.setattr(row_launch, "THREADS_AN_SM", 1)
         monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 3)  # 3 blocks
         for k, case in enumerate((ShapeCase("held", (11,), 24), ShapeCase("rows", (10,), 300))):
             for dtype in (torch.float64, torch.float32)[:2 if k == 0 else 1]:
@@ -309,12 +307,10 @@ def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, m
 def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, tmp_path, monkeypatch):
     """Row kernels whose blocks run 32-64 threads at once (host threads): the threads' columns,
     held rows across threads, the block's reductions; fewer blocks than rows in the backward."""
-    from fusegen.backends.cuda import row_launch
     from tests.cuda_host import on_the_host
 
     op = op_by_name(name)
     with on_the_host(tmp_path, monkeypatch, row_threads=64) as launches:
-        monkeypatch.setattr(row_launch, "THREADS_AN_SM", 64)
         monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 2)  # 2 blocks a backward
         for k, case in enumerate((ShapeCase("held", (5,), 256), ShapeCase("odd", (7,), 1001),
                                   ShapeCase("read", (3,), 16000))):  # 64 threads hold 250 values each, or (fp64 backwards) read again
@@ -465,6 +461,41 @@ def test_masks_bit_for_bit_and_strided_inputs(modules):
     for seed in (0, 7, 2**62 + 3):
         assert torch.equal(fn(x, bias, residual, 0.5, seed=seed), op.fn(x, bias, residual, 0.5, seed=seed))
     assert torch.equal(fn(x, bias, residual, 0.5, training=False), op.fn(x, bias, residual, 0.5, training=False))
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["bias_dropout_add", "layernorm_dropout_add"])
+def test_more_than_2_31_elements_as_the_triton_backend(modules, name):
+    """Past 2**31 elements the launchers switch to 64-bit offsets and dropout's flat index keeps
+    its high bits: the rows on both sides of 2**31, the same elements dropped as the Triton op,
+    values and x's gradient within rounding there, and the [N] inputs' gradients summed over every
+    row (half precision: 4 GiB an array)."""
+    if torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
+        pytest.skip("needs about 50 GiB of GPU memory")
+    op = op_by_name(name)
+    fn = getattr(modules[name], f"{name}_cuda")
+    n = 4096
+    m = 2**31 // n + 3
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = {i.name: torch.randn((m, n) if i.dims[0] == "..." else (n,), device="cuda", dtype=torch.float16,
+                                   generator=g) for i in op.spec.inputs}
+    kwargs = dict(params_for(op, p=0.1), training=True, seed=2**33 + 7)
+    rows = [0, 1, m // 2, m - 3, m - 2, m - 1]  # the last rows start past element 2**31
+    summed = [k for k, v in tensors.items() if v.dim() == 1]
+    leaves = {k: v.requires_grad_(k == "x" or k in summed) for k, v in tensors.items()}
+    grad_y = torch.randn(m, n, device="cuda", dtype=torch.float16, generator=g)
+    results = []
+    for f in (fn, op.fn):
+        y = f(*leaves.values(), **kwargs)
+        grads = torch.autograd.grad(y, [leaves["x"], *(leaves[k] for k in summed)], grad_y)
+        results.append((y[rows].float(), grads[0][rows].float(), [s.float() for s in grads[1:]]))
+        del y, grads
+    (y, gx, sums), (y_want, gx_want, sums_want) = results
+    torch.testing.assert_close(y, y_want, rtol=2e-3, atol=2e-3)
+    assert torch.equal(gx == 0, gx_want == 0), f"{name}: other elements dropped past 2**31"
+    torch.testing.assert_close(gx, gx_want, rtol=2e-3, atol=2e-3)
+    for key, got, want in zip(summed, sums, sums_want):  # ~ sqrt(m) ≈ 724: half precision's step there, 0.5
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=1.0, msg=f"{name}: {key}'s gradient")
 
 
 @needs_gpu

@@ -173,6 +173,12 @@ def _config(grid: tuple[int, int], block: int = BLOCK, shared: int = 0, cluster:
     return LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=shared)
 
 
+def _resident(kernel, threads: int, shared: int) -> int:
+    """Blocks of `kernel` an SM runs at once, of `threads` threads and `shared` bytes of dynamic
+    shared memory each: the driver's count (registers, threads, shared memory)."""
+    return kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
+
+
 def _allow(kernel, device: torch.device, shared: int, cluster: int = 1) -> None:
     """Let `kernel` launch with `shared` bytes of dynamic shared memory (48 KB with the static
     shared memory without asking) and clusters of `cluster` blocks (past 8, not portable)."""

@@ -16,7 +16,6 @@ SHARES = (32, 16)  # the forward's and the backward's values of a row a thread (
 # ran best at 16 or 32, worst at 64)
 PART = 64 * 1024  # a cluster's block's shared memory at most, where a cluster of MAX_CLUSTER allows: two
 # blocks an SM, one loading while the other computes
-THREADS_AN_SM = 2048  # resident at once (sm_80 and later): the backward's blocks fill the GPU once
 RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), and a row's reductions'
 MAX_CLUSTER = 16  # blocks a row at most, on sm_90 and later (past 8: an H100's non-portable sizes)
 _SIZES = {name: dtype.itemsize for dtype, name in _C_TYPES.items()} | {"unsigned char": 1}  # held masks: a byte
@@ -88,9 +87,8 @@ class _RowLaunch:
     def __init__(self, bound: _BoundRows, call, name: str, types: list[str]):
         self._bound, self._call = bound, call
         self._name, self._types = name, [_C_TYPES[call.problem.compute_dtype], *types]
-        self._kernels: dict[tuple, tuple] = {}
+        self._kernels: dict[tuple, tuple] = {}  # (pack, index) → (kernel, launch config, blocks)
         self._index = None  # the call key's shapes and strides decide it: on the first launch
-        self._blocks: dict[int, int] = {}  # pack → blocks(pack)
         held = bound.kernels.held[name == "backward"]
         self._sizes = tuple(_SIZES[self._types[0] if p == "T" else p if isinstance(p, str) else self._types[1 + p]]
                             for p in held)
@@ -108,29 +106,29 @@ class _RowLaunch:
             found = self._layouts[pack] = (threads, items, cluster, shared_bytes(threads * items * pack, self._sizes))
         return found
 
-    def blocks(self, pack: int) -> int:
-        """The grid's blocks (kept by pack: the backward's sizes its buffer of sums, every call)."""
-        blocks = self._blocks.get(pack)
-        if blocks is None:
-            blocks = self._blocks[pack] = self.count_blocks(pack)
-        return blocks
-
-    def count_blocks(self, pack: int) -> int:
-        raise NotImplementedError
-
-    def launch(self, pack: int, index: type, arguments: list) -> None:
-        problem = self._call.problem
-        kernel = self._kernels.get((pack, index))
-        if kernel is None:
+    def prepared(self, pack: int, index: type) -> tuple:
+        """The kernel at `pack` and `index`, its launch config and its grid's blocks (kept: the
+        backward's blocks size its buffer of sums, every call)."""
+        found = self._kernels.get((pack, index))
+        if found is None:
+            problem = self._call.problem
             t, *types = self._types
             threads, items, cluster, shared = self.layout(pack)
             expression = (f"{self._bound.kernels.op}_{self._name}<"
                           f"{', '.join([t, _INDEX[index], str(pack), str(threads), str(items), str(cluster), *types])}>")
             compiled = self._bound.kernel(problem.device, expression)
             pointwise._allow(compiled, problem.device, shared, cluster)
-            config = pointwise._config((self.blocks(pack), 1), threads, shared, cluster)
-            kernel = self._kernels[(pack, index)] = (compiled, config)
-        pointwise._launch(kernel[0], problem.device, kernel[1], arguments)
+            blocks = self.count_blocks(pack, compiled)
+            found = self._kernels[(pack, index)] = (compiled, pointwise._config((blocks, 1), threads, shared, cluster),
+                                                    blocks)
+        return found
+
+    def count_blocks(self, pack: int, kernel) -> int:
+        raise NotImplementedError
+
+    def launch(self, pack: int, index: type, arguments: list) -> None:
+        kernel, config, _ = self.prepared(pack, index)
+        pointwise._launch(kernel, self._call.problem.device, config, arguments)
 
     def index(self, views) -> type:
         """As the pointwise kind's, the [M, statistics] buffer's offsets too (once: the call key's)."""
@@ -149,7 +147,7 @@ class _RowForward(_RowLaunch):
         super().__init__(bound, call, "forward", reads + outputs)
         self._count = len(tensors)
 
-    def count_blocks(self, pack: int) -> int:
+    def count_blocks(self, pack: int, kernel) -> int:
         """Clusters of blocks (one block where the row takes one): one a row."""
         return min(self._call.problem.m, (2**31 - 1) // self.layout(pack)[2])
 
@@ -176,28 +174,28 @@ class _RowBackward(_RowLaunch):
         self._forms = gradient_forms(bound, problem, tensors, needs)
         super().__init__(bound, call, "backward", backward_types(bound, problem, tensors, grads, self._forms))
 
-    def count_blocks(self, pack: int) -> int:
-        """As many clusters of blocks (or blocks) as the GPU holds at once, each taking rows that
-        many apart: where a gradient is summed over rows, a row of partial sums each."""
+    def count_blocks(self, pack: int, kernel) -> int:
+        """As many clusters of blocks (or blocks) as the GPU runs at once, each taking rows that
+        many apart (a second wave would leave the GPU half idle at the end): the driver's count
+        of the kernel's blocks an SM runs (its registers, threads and shared memory). Where a
+        gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
         sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
         threads, _, cluster, shared = self.layout(pack)
-        per_sm = THREADS_AN_SM // threads
-        if shared:
-            per_sm = min(per_sm, shared_limit(problem.device)[1] // (shared + RESERVED))
+        per_sm = pointwise._resident(kernel, threads, shared)
         return max(1, min(problem.m, sms * max(1, per_sm) // cluster))
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call
         problem = call.problem
-        views, pack = [], 1
+        views, pack, index = [], 1, None
         if problem.launches:
             views = backward_views(bound, problem, tensors, grads)
             pack = _pack(problem, views, [])  # the buffers are torch's, each row a multiple of the pack
-        blocks = self.blocks(pack) if problem.launches else problem.m
+            index = self.index(views)
+        blocks = self.prepared(pack, index)[2] if problem.launches else problem.m
         buffers = gradient_buffers(bound, problem, tensors, self._forms, blocks)
         if problem.launches:
-            index = self.index(views)
             arguments = view_arguments(views, index) + [0 if statistics is None else statistics.data_ptr()]
             arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)
             arguments += gradient_arguments(buffers, self._forms)
