@@ -173,10 +173,14 @@ def _config(grid: tuple[int, int], block: int = BLOCK, shared: int = 0, cluster:
     return LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=shared)
 
 
-def _resident(kernel, threads: int, shared: int) -> int:
-    """Blocks of `kernel` an SM runs at once, of `threads` threads and `shared` bytes of dynamic
-    shared memory each: the driver's count (registers, threads, shared memory)."""
-    return kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
+def _resident(kernel, device: torch.device, threads: int, shared: int) -> int:
+    """Blocks of `kernel` an SM of `device` runs at once, of `threads` threads and `shared` bytes
+    of dynamic shared memory each: the driver's count (registers, threads, shared memory). Asked
+    in the calling thread (autograd's, for a backward), with the device's context current there."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        _make_current(index)
+        return kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
 
 
 def _allow(kernel, device: torch.device, shared: int, cluster: int = 1) -> None:
@@ -194,20 +198,28 @@ def _allow(kernel, device: torch.device, shared: int, cluster: int = 1) -> None:
                 raise RuntimeError(f"fusegen: a kernel's {attribute.name} = {value}: {result}")
 
 
+def _make_current(index: int) -> None:
+    """torch's primary context of device `index` current in this thread, for cuda-core (once a
+    thread: torch keeps it current after)."""
+    from cuda.core import Device
+
+    current = getattr(_CURRENT, "devices", None)
+    if current is None:
+        current = _CURRENT.devices = set()
+    if index not in current:
+        Device(index).set_current()
+        current.add(index)
+
+
 def _launch(kernel, device: torch.device, config, arguments: list) -> None:
-    from cuda.core import Device, Stream, launch
+    from cuda.core import Stream, launch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch.cuda.current_device():  # the tensors' device's context current, torch's device restored
         with torch.cuda.device(index):
             _launch(kernel, torch.device("cuda", index), config, arguments)
         return
-    current = getattr(_CURRENT, "devices", None)
-    if current is None:
-        current = _CURRENT.devices = set()
-    if index not in current:  # torch's primary context, current in this thread for cuda-core
-        Device(index).set_current()
-        current.add(index)
+    _make_current(index)
     handle = torch.cuda.current_stream(index).cuda_stream
     stream = _STREAMS.get(handle)
     if stream is None:

@@ -182,7 +182,7 @@ class _RowBackward(_RowLaunch):
         problem = self._call.problem
         sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
         threads, _, cluster, shared = self.layout(pack)
-        per_sm = pointwise._resident(kernel, threads, shared)
+        per_sm = pointwise._resident(kernel, problem.device, threads, shared)
         return max(1, min(problem.m, sms * max(1, per_sm) // cluster))
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
