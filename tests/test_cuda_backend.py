@@ -375,7 +375,7 @@ def test_row_inputs_in_chunks_on_the_host(tmp_path, monkeypatch):
         monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 2)  # 2 blocks a backward
         for shared in (None, 0):  # the row held; read again
             if shared == 0:
-                monkeypatch.setattr(row_launch, "shared_limit", lambda device: (0, 233472, 1))
+                monkeypatch.setattr(row_launch, "shared_limit", lambda device: (0, 1))
             for m, n in ((5, 64 + 8 * (shared == 0)), (4, 301 + 2 * (shared == 0))):  # new call keys: new layouts
                 x = torch.randn(m, 2 * n, dtype=torch.float64, requires_grad=True)
                 bias = torch.randn(2 * n, dtype=torch.float64, requires_grad=True)

@@ -73,11 +73,10 @@ def shared_bytes(span: int, sizes: tuple[int, ...]) -> int:
     return sum(-(-span * size // 128) * 128 for size in sizes)
 
 
-def shared_limit(device) -> tuple[int, int, int]:
-    """A block's most dynamic shared memory, an SM's, and the most blocks a cluster."""
+def shared_limit(device) -> tuple[int, int]:
+    """A block's most dynamic shared memory and the most blocks a cluster."""
     properties = torch.cuda.get_device_properties(device)
-    per_sm = properties.shared_memory_per_multiprocessor
-    return per_sm - RESERVED, per_sm, MAX_CLUSTER if properties.major >= 9 else 1
+    return properties.shared_memory_per_multiprocessor - RESERVED, MAX_CLUSTER if properties.major >= 9 else 1
 
 
 class _RowLaunch:
@@ -100,7 +99,7 @@ class _RowLaunch:
         found = self._layouts.get(pack)
         if found is None:
             problem = self._call.problem
-            most, _, clusters = shared_limit(problem.device)
+            most, clusters = shared_limit(problem.device)
             share = SHARES[self._name == "backward"]
             threads, items, cluster = layout(problem, pack, self._sizes, most, clusters, share)
             found = self._layouts[pack] = (threads, items, cluster, shared_bytes(threads * items * pack, self._sizes))

@@ -199,33 +199,32 @@ FUSEGEN_HD uint8_t float8_magnitude(float x) {
   return uint8_t(((rounded >> 23) - 127u + Bias) << Mantissa | ((rounded >> (23 - Mantissa)) & ((1u << Mantissa) - 1u)));
 }
 
+// x's float8 bits: NaN (its sign kept) for NaN, `overflow` with x's sign where x `overflows`
+// the format, else its sign and magnitude (float8_magnitude).
+template <int Mantissa, int Bias>
+FUSEGEN_HD uint8_t float8_bits(float x, bool overflows, uint8_t overflow) {
+  const uint8_t sign = (float_bits(x) >> 24) & 0x80u;
+  return uint8_t(sign | (x != x ? 0x7fu : overflows ? overflow : float8_magnitude<Mantissa, Bias>(x)));
+}
+
 // A float8_e4m3fn element: past ±448 (the tie at 464 rounds to 448), ±448 where the installed
-// torch saturates (Saturates: runtime.out.E4M3_SATURATES), else NaN; NaN keeps its sign. A
-// double is rounded to float first, as torch does.
+// torch saturates (Saturates: runtime.out.E4M3_SATURATES), else NaN. A double is rounded to
+// float first, as torch does.
 template <bool Saturates>
 struct float8_e4m3 {
   uint8_t bits;
   float8_e4m3() = default;
   FUSEGEN_HD explicit float8_e4m3(double x) : float8_e4m3(float(x)) {}
-  FUSEGEN_HD explicit float8_e4m3(float x) {
-    const uint8_t sign = (float_bits(x) >> 24) & 0x80u;
-    bits = x != x                                   ? uint8_t(sign | 0x7fu)
-           : std::fabs(x) > (Saturates ? 448.f : 464.f) ? uint8_t(sign | (Saturates ? 0x7eu : 0x7fu))
-                                                    : uint8_t(sign | float8_magnitude<3, 7>(x));
-  }
+  FUSEGEN_HD explicit float8_e4m3(float x)
+      : bits(float8_bits<3, 7>(x, std::fabs(x) > (Saturates ? 448.f : 464.f), Saturates ? 0x7eu : 0x7fu)) {}
 };
 
-// A float8_e5m2 element: ±inf from ±61440 (the tie with the next power of two), NaN keeps its sign.
+// A float8_e5m2 element: ±inf from ±61440 (the tie with the next power of two).
 struct float8_e5m2 {
   uint8_t bits;
   float8_e5m2() = default;
   FUSEGEN_HD explicit float8_e5m2(double x) : float8_e5m2(float(x)) {}
-  FUSEGEN_HD explicit float8_e5m2(float x) {
-    const uint8_t sign = (float_bits(x) >> 24) & 0x80u;
-    bits = x != x                     ? uint8_t(sign | 0x7fu)
-           : std::fabs(x) >= 61440.f ? uint8_t(sign | 0x7cu)
-                                     : uint8_t(sign | float8_magnitude<2, 15>(x));
-  }
+  FUSEGEN_HD explicit float8_e5m2(float x) : bits(float8_bits<2, 15>(x, std::fabs(x) >= 61440.f, 0x7cu)) {}
 };
 
 // -- dropout's random words ----------------------------------------------------------------
