@@ -518,6 +518,27 @@ def test_rows_wide_and_odd_as_the_triton_backend(modules, name, dtype, n):
         torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[dtype], msg=f"{name}: {key}")
 
 
+def test_cluster_layouts():
+    """A row too wide for a block goes to the smallest cluster whose parts fit PART; its blocks
+    take at most CLUSTER_THREADS threads where two fit an SM's shared memory, else up to
+    MAX_THREADS (a block alone on its SM); rows a block holds keep their threads."""
+    from types import SimpleNamespace
+
+    from fusegen.backends.cuda import row_launch
+
+    h100 = 233472 - row_launch.RESERVED  # an H100's shared memory a block
+
+    def layout(n, pack, sizes, share):
+        return row_launch.layout(SimpleNamespace(n=n), pack, sizes, h100, 16, share)
+
+    assert layout(131072, 8, (2,), 32) == (512, 8, 4)  # bf16 forward: 64 KB parts, 64 values a thread
+    assert layout(131072, 8, (2, 2), 16) == (512, 4, 8)  # bf16 backward, two held arrays
+    assert layout(262144, 4, (4,), 32) == (512, 8, 16)
+    assert layout(262144, 4, (4, 4), 16) == (1024, 4, 16)  # 128 KB a block: alone on its SM
+    assert layout(32000, 8, (2,), 32) == (1024, 4, 1)  # one block holds it
+    assert layout(8192, 8, (2, 2), 16) == (512, 2, 1)
+
+
 @needs_gpu
 @pytest.mark.parametrize("name", ["softmax", "log_softmax", "rmsnorm", "layernorm_dropout_add"])
 @pytest.mark.parametrize("dtype, n", [(torch.float32, 262144), (torch.bfloat16, 131072)], ids=str)

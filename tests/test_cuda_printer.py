@@ -225,3 +225,35 @@ extern "C" __global__ void float_cases(const float* x, const float* y, float* ou
     assert result.returncode == 0, result.stderr[-3000:]
     kernel = ptx.read_text().split(".entry float_cases")[1]
     assert ".f64" not in kernel, "a float case computes in double"
+
+
+def test_narrow_results_take_the_faster_exp(tmp_path):
+    """A row kernel's exp is fusegen::exp<Narrow>: ex2.approx in float on the GPU where every
+    result is 16-bit or narrower, std::exp otherwise and on the host (checked here); a kernel
+    defines Narrow only where its body reads it."""
+    from tests.helpers import build_and_import, shipped_as
+
+    printer = CudaPrinter()
+    printer.narrow_results("Narrow")
+    assert printer.doprint(sympy.exp(X) + 1) == "fusegen::exp<Narrow>(x) + T(1)"
+    assert CudaPrinter().doprint(sympy.exp(X)) == "std::exp(x)"  # the pointwise kind's
+    for name in ("softmax", "rmsnorm"):
+        build_and_import(tmp_path, shipped_as(name, name), "cuda")
+    softmax = (tmp_path / "softmax.cu").read_text()
+    assert softmax.count("constexpr bool Narrow = fusegen::narrow<YType>();") == 1
+    assert softmax.count("constexpr bool Narrow = fusegen::narrow<Grad_xType>();") == 1
+    assert "Narrow" not in (tmp_path / "rmsnorm.cu").read_text()
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    source = tmp_path / "narrow.cpp"
+    source.write_text("""#include "fusegen_cuda.cuh"
+static_assert(fusegen::narrow<uint16_t, uint8_t>() && !fusegen::narrow<uint16_t, float>(), "narrow");
+extern "C" float narrow_exp(float x) { return fusegen::exp<true>(x); }
+""")
+    built = tmp_path / "narrow.so"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", str(HEADER), str(source), "-o", str(built)],
+                   check=True, capture_output=True)
+    narrow_exp = ctypes.CDLL(str(built)).narrow_exp
+    narrow_exp.restype, narrow_exp.argtypes = ctypes.c_float, [ctypes.c_float]
+    for x in (-30.0, -1.5, 0.0, 2.25, 20.5):  # the host's expf: correctly rounded here
+        assert narrow_exp(x) == np.float32(np.exp(np.float64(x)))

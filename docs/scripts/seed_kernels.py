@@ -6,7 +6,7 @@ add+ReLU and add-multiply-activation. This script writes kernels in that style (
 seeds' approach), builds them with load_inline, and times each forward beside the op the CUDA backend
 builds from the spec, the Triton backend's op and eager PyTorch, in one run, by
 triton.testing.do_bench (ms, medians), after checking each against the spec's reference.
-`python docs/scripts/seed_kernels.py [--shape 16384x4096]` (needs a GPU, nvcc and ninja;
+`python docs/scripts/seed_kernels.py [--shape 16384x4096] [--build-directory DIR [--build-only]]` (needs a GPU, nvcc and ninja;
 docs/benchmarks.md, "The CUDA backend")."""
 import argparse
 import os
@@ -89,6 +89,9 @@ torch::Tensor gelu_tanh(torch::Tensor x);
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="16384x4096")
+    parser.add_argument("--build-directory", default=None,
+                        help="load_inline's folder (kept: a second run loads the built module)")
+    parser.add_argument("--build-only", action="store_true", help="build the seeds' kernels and stop")
     args = parser.parse_args()
     m, n = (int(s) for s in args.shape.split("x"))
     from torch.utils.cpp_extension import load_inline
@@ -98,9 +101,11 @@ def main() -> None:
     start = time.perf_counter()
     seeds = load_inline(name="seed_kernels", cpp_sources=[DECLARATIONS], cuda_sources=[CUDA],
                         functions=["add_relu", "add_mul_relu", "gelu_tanh"], extra_cuda_cflags=["-O2"],
-                        build_directory=tempfile.mkdtemp())
-    print(f"{torch.__version__} {torch.cuda.get_device_name()}; load_inline built the seeds' kernels in "
-          f"{time.perf_counter() - start:.1f}s")
+                        build_directory=args.build_directory or tempfile.mkdtemp())
+    print(f"{torch.__version__} {torch.cuda.get_device_name()}; load_inline built (or loaded) the seeds' kernels "
+          f"in {time.perf_counter() - start:.1f}s")
+    if args.build_only:
+        return
     g = torch.Generator(device="cuda").manual_seed(0)
     x, y = (torch.randn(m, n, device="cuda", generator=g) for _ in range(2))
     bias = torch.randn(n, device="cuda", generator=g)

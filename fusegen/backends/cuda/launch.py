@@ -173,14 +173,22 @@ def _config(grid: tuple[int, int], block: int = BLOCK, shared: int = 0, cluster:
     return LaunchConfig(grid=grid, block=(block, 1, 1), shmem_size=shared)
 
 
-def _resident(kernel, device: torch.device, threads: int, shared: int) -> int:
+def _resident(kernel, device: torch.device, threads: int, shared: int, cluster: int = 1) -> int:
     """Blocks of `kernel` an SM of `device` runs at once, of `threads` threads and `shared` bytes
-    of dynamic shared memory each: the driver's count (registers, threads, shared memory). Asked
-    in the calling thread (autograd's, for a backward), with the device's context current there."""
+    of dynamic shared memory each (its registers, threads and shared memory), or with `cluster` >
+    1 its clusters of that many blocks the whole GPU runs at once (a cluster's blocks share a GPC:
+    fewer than the SMs' count divided by the cluster where the GPCs' SMs do not divide evenly):
+    the driver's counts. Asked in the calling thread (autograd's, for a backward), with the
+    device's context current there."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
         _make_current(index)
-        return kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
+        if cluster == 1:
+            return kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shared)
+        from cuda.core import Device
+
+        return kernel.occupancy.max_active_clusters(_config((1, 1), threads, shared, cluster),
+                                                    stream=Device(index).default_stream)
 
 
 def _allow(kernel, device: torch.device, shared: int, cluster: int = 1) -> None:

@@ -64,6 +64,11 @@ class CudaPrinter(ElementwisePrinter):
         finally:
             self._exact = False
 
+    def narrow_results(self, flag: str) -> None:
+        """exp as `fusegen::exp<flag>`: the faster float exp where `flag`, a kernel's constant,
+        says its results are all 16-bit or narrower (csrc/fusegen_cuda.cuh)."""
+        self.known_functions = {**self.known_functions, "exp": f"fusegen::exp<{flag}>"}
+
     def _get_comment(self, text):
         return f"// {text}"
 

@@ -18,6 +18,9 @@ PART = 64 * 1024  # a cluster's block's shared memory at most, where a cluster o
 # blocks an SM, one loading while the other computes
 RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), and a row's reductions'
 MAX_CLUSTER = 16  # blocks a row at most, on sm_90 and later (past 8: an H100's non-portable sizes)
+CLUSTER_THREADS = 512  # a cluster's block's threads at most where two of its blocks fit an SM: its
+# registers past 32 a thread then cost an SM a quarter of its threads, not half (H100, wide 16-bit rows:
+# forward 0.74-0.77 of the copy bandwidth at 1024 threads, 0.80-0.86 at 512; the backwards 0.98-1.28x faster)
 _SIZES = {name: dtype.itemsize for dtype, name in _C_TYPES.items()} | {"unsigned char": 1}  # held masks: a byte
 
 
@@ -48,12 +51,13 @@ def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clu
     MIN_THREADS to MAX_THREADS), the packs each holds and the blocks a row: one block where the
     row's held arrays (elements of `sizes`) fit its `shared` bytes of shared memory, else the
     smallest cluster (a power of two to `clusters`) whose blocks' parts fit PART, else `shared`;
-    else one block and Items 0, the row read again each pass."""
+    else one block and Items 0, the row read again each pass. A cluster's blocks take at most
+    CLUSTER_THREADS threads (more values each) where two of them fit an SM's shared memory."""
     packs = problem.n // pack
 
-    def parts(cluster: int) -> tuple[int, int]:
+    def parts(cluster: int, most_threads: int = MAX_THREADS) -> tuple[int, int]:
         part = -(-packs // cluster)
-        threads = min(MAX_THREADS, max(MIN_THREADS, 1 << max(0, -(-part // max(1, share // pack)) - 1).bit_length()))
+        threads = min(most_threads, max(MIN_THREADS, 1 << max(0, -(-part // max(1, share // pack)) - 1).bit_length()))
         return threads, -(-part // threads)
 
     def fits(cluster: int, most: int) -> bool:
@@ -64,7 +68,12 @@ def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clu
         wider = [1 << k for k in range(1, clusters.bit_length())]  # 2, 4, ... to `clusters`
         for cluster, most in [(1, shared), *((c, min(PART, shared)) for c in wider), *((c, shared) for c in wider)]:
             if fits(cluster, most):
-                return (*parts(cluster), cluster)
+                threads, items = parts(cluster)
+                if cluster > 1 and threads > CLUSTER_THREADS:
+                    fewer = parts(cluster, CLUSTER_THREADS)
+                    if 2 * shared_bytes(fewer[0] * fewer[1] * pack, sizes) + RESERVED <= shared:
+                        threads, items = fewer
+                return threads, items, cluster
     return parts(1)[0], 0, 1
 
 
@@ -174,15 +183,17 @@ class _RowBackward(_RowLaunch):
         super().__init__(bound, call, "backward", backward_types(bound, problem, tensors, grads, self._forms))
 
     def count_blocks(self, pack: int, kernel) -> int:
-        """As many clusters of blocks (or blocks) as the GPU runs at once, each taking rows that
-        many apart (a second wave would leave the GPU half idle at the end): the driver's count
-        of the kernel's blocks an SM runs (its registers, threads and shared memory). Where a
-        gradient is summed over rows, a row of partial sums each."""
+        """As many blocks, or clusters of blocks, as the GPU runs at once, each taking rows that
+        many apart (a second wave would leave the GPU half idle at the end): the driver's counts
+        for the compiled kernel (launch._resident: its registers, threads and shared memory, and
+        for clusters how the SMs group). Where a gradient is summed over rows, a row of partial
+        sums each."""
         problem = self._call.problem
-        sms = torch.cuda.get_device_properties(problem.device).multi_processor_count
         threads, _, cluster, shared = self.layout(pack)
-        per_sm = pointwise._resident(kernel, problem.device, threads, shared)
-        return max(1, min(problem.m, sms * max(1, per_sm) // cluster))
+        resident = pointwise._resident(kernel, problem.device, threads, shared, cluster)
+        if cluster == 1:
+            resident *= torch.cuda.get_device_properties(problem.device).multi_processor_count
+        return max(1, min(problem.m, resident))
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call

@@ -74,6 +74,7 @@ class _Rows:
         self.scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
         self.printer.column = f"T({names['col']} + {names['k']})"
         self.printer.integers, self.printer.integer_column = integer_names(plan), f"({names['col']} + {names['k']})"
+        self.printer.narrow_results("Narrow")  # _kernel_text defines it where the body reads it
 
     def text(self, expr) -> str:
         return self.printer.doprint(expr)
@@ -309,7 +310,7 @@ def forward_source(plan: OpPlan) -> str:
     if outputs:
         body += ["// the results, element by element",
                  *_results_loop(rows, [results[o] for o in outputs], outputs, final, stores)]
-    return _kernel_text(rows, f"{plan.op}_forward", types, parameters, body, prologue=[
+    return _kernel_text(rows, f"{plan.op}_forward", types, parameters, body, list(out_type.values()), prologue=[
         *outdir.header_lines(plan.op, plan.spec_path, "//"),
         f"// spec sha256: {plan.spec_sha256}",
         f"// {plan.doc}",
@@ -323,9 +324,11 @@ def _results_loop(rows: _Rows, exprs, values, inner: list[str], after: list[str]
                      by_item=by_item)
 
 
-def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), before=(), after=()) -> str:
+def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prologue=(), before=(),
+                 after=()) -> str:
     """The kernel: its template and parameters, then `before` the rows, `body` at each row (after
-    the row's copy to shared memory where it is held), `after` them."""
+    the row's copy to shared memory where it is held), `after` them. `results`: the element types
+    the kernel writes (Narrow, where the body's exp reads it: all 16-bit or narrower)."""
     kernel, n = rows.kernel, rows.names
     template = ", ".join(["typename T", "typename Index", "int Pack", "int Threads", "int Items", "int Cluster",
                           *(f"typename {t}" for t in types)])
@@ -348,6 +351,8 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, prologue=(), b
         *(f"    {p}" for p in parameters),
         f"    Index {n['M']}, Index {n['N']}) {{",
         "  constexpr bool Whole = Items > 0;",
+        *([f"  constexpr bool Narrow = fusegen::narrow<{', '.join(results)}>();  // results 16-bit or narrower: "
+           "a faster exp"] if any("<Narrow>" in line for line in body) else []),
         "  static_assert(Cluster == 1 || Whole, \"a cluster holds its row\");",
         f"  __shared__ T {n['shared']}[32];  // a block's reduction: a value a warp",
         f"  __shared__ T {n['slots']}[2 * Cluster];  // a cluster's: a value a block, the last two reductions'",
@@ -420,7 +425,7 @@ def backward_source(plan: OpPlan) -> str:
             *loaded, *rows.row_values(kernel.body.row_values), *rows.passes(None), "// the gradients, element by element",
             *_results_loop(rows, [results[v] for v in gradients], gradients, final, stores, by_item=bool(totals))]
     types = [*element_type.values(), *grad_type.values()]
-    return _kernel_text(rows, f"{plan.op}_backward", types, parameters, body, before=totals,
+    return _kernel_text(rows, f"{plan.op}_backward", types, parameters, body, list(grad_type.values()), before=totals,
                         after=["// held rows: the block's sums, once", *sums_stores] if sums_stores else [])
 
 
