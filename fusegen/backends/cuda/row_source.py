@@ -334,6 +334,7 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
                           *(f"typename {t}" for t in types)])
     seed = [f"const uint64_t {n['seed']} = {n['has_dropout']} ? uint64_t(*{n['seed_ptr']}) : 0u;"] if kernel.masks else []
     width = [f"const T {kernel.row_width} = T({n['N']});"] if kernel.row_width else []
+    narrow = f"fusegen::narrow<{', '.join(results)}>()" if results else "false"
     held = rows.held_arrays()
     if held:
         held = [f"unsigned char* {n['next']} = fusegen::dynamic_shared();  // Whole: Threads · Items · Pack of each",
@@ -351,8 +352,8 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
         *(f"    {p}" for p in parameters),
         f"    Index {n['M']}, Index {n['N']}) {{",
         "  constexpr bool Whole = Items > 0;",
-        *([f"  constexpr bool Narrow = fusegen::narrow<{', '.join(results)}>();  // results 16-bit or narrower: "
-           "a faster exp"] if any("<Narrow>" in line for line in body) else []),
+        *([f"  constexpr bool Narrow = {narrow};  // results 16-bit or narrower: a faster exp"]
+          if any("<Narrow>" in line for line in body) else []),
         "  static_assert(Cluster == 1 || Whole, \"a cluster holds its row\");",
         f"  __shared__ T {n['shared']}[32];  // a block's reduction: a value a warp",
         f"  __shared__ T {n['slots']}[2 * Cluster];  // a cluster's: a value a block, the last two reductions'",
