@@ -152,7 +152,8 @@ def on_the_host(folder: Path, monkeypatch, row_threads: int = 1):
     monkeypatch.setattr(cuda_launch, "_launch", launch)
     monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK, shared=0, cluster=1: (grid, block, shared))
     monkeypatch.setattr(cuda_launch, "_allow", lambda kernel, device, shared, cluster=1: None)
-    monkeypatch.setattr(cuda_launch, "_resident", lambda kernel, device, threads, shared, cluster=1: 1)  # a row backward: a block an SM
+    # A row backward: a block an SM.
+    monkeypatch.setattr(cuda_launch, "_resident", lambda kernel, device, threads, shared, cluster=1: 1)
     monkeypatch.setattr(row_launch, "MAX_CLUSTER", 1)  # clusters run on the GPU only
     # A row kernel's block reductions need its threads to run together: as many as the host runs so.
     monkeypatch.setattr(row_launch, "MAX_THREADS", row_threads)

@@ -185,6 +185,47 @@ def run_2d(rank: int, world: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
+def run_cuda(rank: int, world: int, init_file: str) -> None:
+    """The CUDA backend's ops on DTensors, their kernels compiled for the host (tests/cuda_host.py):
+    masks at the global problem's flat indices, so every placement drops what one process does."""
+    from pathlib import Path
+
+    from _pytest.monkeypatch import MonkeyPatch
+    from tests.cuda_host import on_the_host
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    patch = MonkeyPatch()
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        folder = Path(init_file).parent / f"host_kernels_{rank}"
+        folder.mkdir(exist_ok=True)
+        with on_the_host(folder, patch):
+            seed_op = CUDA_OPS["bias_dropout_add"].bias_dropout_add_cuda
+            ln_dropout = CUDA_OPS["layernorm_dropout_add"].layernorm_dropout_add_cuda
+            x, bias, residual = _randn((3, 5, 24), 1), _randn((24,), 2), _randn((3, 5, 24), 3)
+            for placement in (Shard(0), Shard(1), Shard(2), Replicate()):
+                _check("bias_dropout_add (CUDA)", lambda x, bias, residual: seed_op(x, bias, residual, 0.3, seed=11),
+                       {"x": x, "bias": bias, "residual": residual}, {"x": placement, "residual": placement}, mesh,
+                       exact=True, grad_seed=4)
+            # N % 4 != 0 and an uneven split: a pack of one, each element's own Philox call.
+            x, bias, residual = _randn((7, 10), 5), _randn((10,), 6), _randn((7, 10), 7)
+            for placement in (Shard(0), Shard(1)):
+                _check("bias_dropout_add (CUDA) uneven", lambda x, bias, residual: seed_op(x, bias, residual, 0.5, seed=3),
+                       {"x": x, "bias": bias, "residual": residual}, {"x": placement, "residual": placement}, mesh,
+                       exact=True, grad_seed=8)
+            x, weight, gamma, beta = _randn((2, 6, 12), 12), _randn((12,), 13), _randn((12,), 16), _randn((12,), 17)
+            _check("layernorm_dropout_add (CUDA)",
+                   lambda x, bias, gamma, beta, residual: ln_dropout(x, bias, gamma, beta, residual, p=0.25, seed=19),
+                   {"x": x, "bias": weight, "gamma": gamma, "beta": beta, "residual": _randn((2, 6, 12), 18)},
+                   {"x": Shard(1), "residual": Shard(1)}, mesh, exact=False, grad_seed=20)
+    finally:
+        patch.undo()
+        dist.destroy_process_group()
+
+
+CUDA_OPS: dict = {}  # the CUDA backend's modules, built before the forks (`cuda` mode)
+
+
 def fork_ranks(world: int, target, init_file: str) -> int:
     """target(rank, world, init_file) in `world` forks of this process, one per rank; 0 when
     every rank succeeds. A fork starts with torch, the ops and Dynamo imported (seconds of CPU
@@ -217,9 +258,20 @@ def fork_ranks(world: int, target, init_file: str) -> int:
     return 1 if failed else 0
 
 
-if __name__ == "__main__":  # tests/test_distributed.py: python distributed_worker.py INIT_FILE WORLD [2d]
+if __name__ == "__main__":  # tests/test_distributed.py: python distributed_worker.py INIT_FILE WORLD [2d|cuda]
     import torch._dynamo  # noqa: F401  (torch.compile's: once, before the forks)
 
-    for _name in ("bias_gelu_dropout_add", "swiglu", "layernorm", "layernorm_dropout_add"):
-        importlib.import_module(f"generated.{_name}")
-    sys.exit(fork_ranks(int(sys.argv[2]), run_2d if sys.argv[3:] == ["2d"] else run, sys.argv[1]))
+    mode = sys.argv[3] if sys.argv[3:] else ""
+    if mode == "cuda":
+        from pathlib import Path
+
+        from tests.helpers import build_and_import, shipped_as
+
+        built = Path(sys.argv[1]).parent / "cuda_ops"
+        built.mkdir()
+        for _name in ("bias_dropout_add", "layernorm_dropout_add"):
+            CUDA_OPS[_name] = build_and_import(built, shipped_as(_name, f"{_name}_cuda"), "cuda")
+    else:
+        for _name in ("bias_gelu_dropout_add", "swiglu", "layernorm", "layernorm_dropout_add"):
+            importlib.import_module(f"generated.{_name}")
+    sys.exit(fork_ranks(int(sys.argv[2]), {"2d": run_2d, "cuda": run_cuda}.get(mode, run), sys.argv[1]))

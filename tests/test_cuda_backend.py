@@ -285,6 +285,46 @@ def test_packs_follow_the_views(modules, tmp_path, monkeypatch):
 
 
 @needs_host_build
+@pytest.mark.parametrize("name", ["bias_dropout_add", "layernorm_dropout_add"])
+def test_a_dtensor_shard_draws_the_global_masks_on_the_host(modules, name, tmp_path, monkeypatch):
+    """A DTensor's local part (runtime.sharding's rules call the op so, with the shard's place):
+    its masks drawn at the global problem's flat indices, so the local values and x's gradient are
+    the global problem's at the shard's elements. Rows of a sharded middle dim; for the pointwise
+    op also columns from an offset of whole groups of four (vector packs) and from one that is not
+    (a pack of one)."""
+    from fusegen.runtime.sharding import Shard
+    from tests.cuda_host import on_the_host
+
+    op = op_by_name(name)
+    fused = modules[name]._OP
+    params = params_for(op, p=0.3)
+    whole = make_inputs(op, ShapeCase("rows", (3, 5), 24), torch.float64, seed=3)
+    exact = {k: v.clone().requires_grad_() for k, v in whole.items()}
+    want = modules[name].reference(*exact.values(), **params, training=True, seed=4321)
+    grad = torch.randn(want.shape, dtype=torch.float64)
+    want.backward(grad)
+    places = [((slice(None), slice(3, 5)), Shard(1, 2, 5, 3, 0, 24), 4)]  # rows 3-4 of the middle dim, of 5
+    if not fused.statistics:  # the pointwise op: its columns may be sharded too
+        places += [((Ellipsis, slice(12, 24)), Shard(1, 15, 15, 0, 12, 24), 4),  # columns 12-23 of 24
+                   ((Ellipsis, slice(2, 22)), Shard(1, 15, 15, 0, 2, 24), 1)]  # from 2: groups straddle the edges
+    with on_the_host(tmp_path, monkeypatch) as launches:
+        for where, shard, pack in places:
+            local = {k: v[where] if v.shape == whole["x"].shape else v[where[-1]] if where[0] is Ellipsis else v
+                     for k, v in whole.items()}
+            local = {k: v.clone() for k, v in local.items()}  # a rank's own memory, as a DTensor's local part
+            values = [params[q.name] for q in fused.params]
+            first = len(launches)
+            (y,), seed, statistics = fused.forward((*local.values(), *values, True, 4321), shard=shard)
+            torch.testing.assert_close(y, want.detach()[where], rtol=1e-12, atol=1e-12, msg=f"{name} at {where}")
+            assert launches[first][0].split("<")[1].split(", ")[2] == str(pack), launches[first]  # the forward's pack
+            needs = tuple(k == "x" for k in local)
+            (grad_x,) = fused.backward_kernels((grad[where],), (*local.values(), *values, True, None), seed, needs,
+                                               statistics, shard=shard)
+            torch.testing.assert_close(grad_x, exact["x"].grad[where], rtol=1e-12, atol=1e-12,
+                                       msg=f"{name}: x's gradient at {where}")
+
+
+@needs_host_build
 @pytest.mark.parametrize("name", ["rmsnorm", "layernorm_dropout_add", "softmax", "bias_layernorm"])
 def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, monkeypatch):
     """The row backward with fewer blocks than rows (each block's rows gridDim.x apart): the

@@ -101,11 +101,9 @@ class _BoundCuda:
         return self.prepare_backward(call, tensors, grads, needs)(tensors, grads, seed, statistics)
 
     def prepare_forward(self, call, tensors, *, keep: bool = True):
-        self._refuse_shards(call)
         return self.launches()[0](self, call, tensors)
 
     def prepare_backward(self, call, tensors, grads, needs):
-        self._refuse_shards(call)
         return self.launches()[1](self, call, tensors, grads, needs)
 
     def launches(self) -> tuple[type, type]:
@@ -113,11 +111,6 @@ class _BoundCuda:
         return _Forward, _Backward
 
     # -- shared by the launches ----------------------------------------------------------
-
-    def _refuse_shards(self, call) -> None:
-        if call.shard is not None:
-            raise FusegenArgumentError(f"{self.op.name}(): DTensor inputs are not supported by the CUDA backend yet; "
-                                       "build the op with --backend triton")
 
     def kernel(self, device: torch.device, expression: str):
         """The kernel of `expression` for `device`'s arch, compiled on first use (each prepared
@@ -135,18 +128,27 @@ class _BoundCuda:
         """Each choice param's template argument: the call's choice, by its index among the choices."""
         return [str(self.op.params[i].choices.index(call.params[i])) for i in self._choices[which]]
 
+    def mask_shard(self, call, which: int):
+        """The call's DTensor shard where kernel `which` (0 the forward, 1 the backward) draws
+        dropout's masks: their flat indices are the global problem's; else None (a shard's place
+        changes nothing else in the kernels)."""
+        return call.shard if self._dropout[which] and call.has_dropout else None
+
     def scalar_arguments(self, call, which: int) -> list:
         """The params the kernel reads: in the compute type, an int param as int64."""
         t = _NUMPY[call.problem.compute_dtype]
         return [(np.int64 if i in self._integer else t)(call.params[i]) for i in self._scalars[which]]
 
     def dropout_arguments(self, call, which: int, seed) -> list:
-        """The seed tensor's address (0 without dropout), dropout's flag, each p's threshold and scale."""
+        """The seed tensor's address (0 without dropout), dropout's flag, a DTensor shard's six sizes'
+        address (0 for a whole tensor), each p's threshold and scale."""
         if not self._dropout[which]:
             return []
         t = _NUMPY[call.problem.compute_dtype]
         params = call.params
         values = [0 if seed is None or not call.has_dropout else seed.data_ptr(), np.bool_(call.has_dropout)]
+        shard = self.mask_shard(call, which)
+        values.append(0 if shard is None else shard.buffer(call.problem.device).data_ptr())
         for i in self._dropout[which]:
             values += [np.int32(dropout_threshold(params[i])), t(dropout_scale(params[i]))]
         return values
@@ -240,11 +242,14 @@ def _views(tensors, indices, chunks, problem) -> list[tuple[torch.Tensor, int, i
     return [view_2d(tensors[i], problem, chunks[i]) for i in indices]
 
 
-def _pack(problem, views, outputs) -> int:
+def _pack(problem, views, outputs, shard=None) -> int:
     """Elements a thread takes side by side: 16 bytes of the narrowest element type (at least 4,
     for dropout's groups of four; at most 8: a wider type's pack is two 16-byte loads), where every
     view's column stride is 1 or 0 (one value for the row), N a multiple of the pack and each row of
-    a view and each output aligned to its pack's size (pointwise_source); else 1."""
+    a view and each output aligned to its pack's size (pointwise_source), and where masks are drawn
+    for a DTensor's `shard`, its global rows of whole groups of four from a group's start; else 1."""
+    if shard is not None and not shard.whole_groups:
+        return 1
     sizes = [v.element_size() for v, _, _ in views] + [o.element_size() for o in outputs]
     pack = min(8, max(4, 16 // min(sizes)))
     if problem.n % pack:
@@ -379,7 +384,7 @@ class _Forward:
         views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
         if self._index is None:
             self._index = _index(problem, views, self._widest)
-        pack, index = _pack(problem, views, outputs), self._index
+        pack, index = _pack(problem, views, outputs, bound.mask_shard(call, 0)), self._index
         arguments = view_arguments(views, index) + [o.data_ptr() for o in outputs]
         arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
         arguments += [index(problem.m), index(problem.n)]
@@ -433,7 +438,7 @@ class _Backward:
         device = problem.device
         views = backward_views(bound, problem, tensors, grads) if problem.launches else []
         # The buffers are torch's (aligned, each row a multiple of the pack): only the reads decide.
-        pack = _pack(problem, views, []) if views else 1
+        pack = _pack(problem, views, [], bound.mask_shard(call, 1)) if views else 1
         geometry = self._geometry.get(pack)
         if geometry is None:
             geometry = self._geometry[pack] = self.geometry(pack) if problem.launches else ((1, problem.m), 1)

@@ -64,8 +64,8 @@ def forward_source(plan: OpPlan) -> str:
     out_type = {local: namer.claim(f"{local.capitalize()}Type") for local in kernel.outputs}
     threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
     scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
-    row, col, n, m, seed, dropout, pack, packs, step, seed_pointer = (namer.claim(w) for w in (
-        "row", "col", "N", "M", "seed", "has_dropout", "pack", "packs", "k", "seed_ptr"))
+    row, col, n, m, seed, dropout, pack, packs, step, seed_pointer, shard = (namer.claim(w) for w in (
+        "row", "col", "N", "M", "seed", "has_dropout", "pack", "packs", "k", "seed_ptr", "shard_ptr"))
     chosen = [choices[p.name] for p in kernel.choices]  # each choice param's index: a template argument
     parts = _parts(plan)  # each output's values: itself, or its parts side by side ([..., k·N])
     results = [v for o in kernel.outputs for v in parts[o]]
@@ -91,13 +91,13 @@ def forward_source(plan: OpPlan) -> str:
     parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
     # The kernel reads the seed from the one-element int64 tensor the runtime draws on the device
     # (no host sync; a CUDA graph replays the draw), as the Triton kernels do.
-    parameters += _dropout_parameters(kernel, seed_pointer, dropout, threshold, scale)
+    parameters += _dropout_parameters(kernel, seed_pointer, dropout, threshold, scale, shard)
 
     loads = [f"T {', '.join(f'{v.local}[Pack]' for i in kernel.inputs for v in i.values)};"]
     loads += [f"fusegen::load<Pack>({v.local}, {pointer[i.name]} + {row} * {stride[i.name][0]} + "
               f"{_column(col, k, n)} * {stride[i.name][1]}, {stride[i.name][1]});"
               for i in kernel.inputs for k, v in enumerate(i.values)]
-    loads += _mask_lines(kernel, row, col, n, seed, dropout, threshold, scale)
+    loads += _mask_lines(kernel, row, col, n, seed, dropout, threshold, scale, shard)
     arguments = [f"{v.local}[{step}]" for i in kernel.inputs for v in i.values]
     arguments += [f"T({col} + {step})"] if column else []
     arguments += [p.local for p in kernel.scalars]
@@ -151,20 +151,25 @@ def forward_source(plan: OpPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _dropout_parameters(kernel, seed_pointer: str, dropout: str, threshold: dict, scale: dict) -> list[str]:
+def _dropout_parameters(kernel, seed_pointer: str, dropout: str, threshold: dict, scale: dict,
+                        shard_pointer: str) -> list[str]:
     if not kernel.masks:
         return []
     ps = dict.fromkeys(mask.p.name for mask in kernel.masks)
     return [f"const int64_t* {seed_pointer}, bool {dropout},  // the seed tensor's one element; off: training False or p 0",
+            f"const int64_t* {shard_pointer},  // a DTensor's local part: where it sits in the global problem "
+            "(fusegen::flat_index); else null",
             *(f"int32_t {threshold[p]}, T {scale[p]},  // dropout's p as its 24-bit threshold and scale" for p in ps)]
 
 
-def _mask_lines(kernel, row: str, col: str, n: str, seed: str, dropout: str, threshold: dict, scale: dict) -> list[str]:
+def _mask_lines(kernel, row: str, col: str, n: str, seed: str, dropout: str, threshold: dict, scale: dict,
+                shard: str) -> list[str]:
     """Each mask's multipliers at the pack's elements, drawn at their flat indices (1 with dropout off)."""
     if not kernel.masks:
         return []
     lines = [f"T {', '.join(f'{mask.local}[Pack]' for mask in kernel.masks)};"]
-    lines += [f"fusegen::dropout_multipliers<Pack>({mask.local}, {dropout}, {seed}, int64_t({row}) * {n} + {col}, "
+    lines += [f"fusegen::dropout_multipliers<Pack>({mask.local}, {dropout}, {seed}, "
+              f"fusegen::flat_index({shard}, {row}, {col}, {n}), "
               f"{mask.stream}u, {threshold[mask.p.name]}, {scale[mask.p.name]});" for mask in kernel.masks]
     return lines
 
@@ -296,8 +301,8 @@ def backward_source(plan: OpPlan) -> str:
     total = {v: namer.claim(f"{v}_total") for v in gradients}
     threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
     scale = {m.p.name: namer.claim(f"{m.p.local}_scale") for m in kernel.masks}
-    row, col, n, m, seed, dropout, rows, first, last, step, seed_pointer = (namer.claim(w) for w in (
-        "row", "col", "N", "M", "seed", "has_dropout", "rows", "first_row", "last_row", "k", "seed_ptr"))
+    row, col, n, m, seed, dropout, rows, first, last, step, seed_pointer, shard = (namer.claim(w) for w in (
+        "row", "col", "N", "M", "seed", "has_dropout", "rows", "first_row", "last_row", "k", "seed_ptr", "shard_ptr"))
     printer = CudaPrinter(helpers, choices)
     printer.integers = integer_names(plan)
     printer.column = f"{col}"
@@ -315,7 +320,7 @@ def backward_source(plan: OpPlan) -> str:
     parameters = [f"const {element_type[k]}* __restrict__ {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  "
                   f"// {k}{' ' if shown.startswith('[') else ', '}{shown or 'as [M, N]'}" for k, _, _, shown in read]
     parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
-    parameters += _dropout_parameters(kernel, seed_pointer, dropout, threshold, scale)
+    parameters += _dropout_parameters(kernel, seed_pointer, dropout, threshold, scale, shard)
     parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
                    f"  // {base[g.input.name]}: [M, {_shown(len(g.values))}], or with {sums[g.input.name]} its sums "
                    f"over each block of rows, [blocks, {_shown(len(g.values))}] in T; null where not wanted"
@@ -325,7 +330,7 @@ def backward_source(plan: OpPlan) -> str:
     loads = [f"T {', '.join(f'{v}[Pack]' for v in values)};"]
     loads += [f"fusegen::load<Pack>({v}, {pointer[k]} + {row} * {stride[k][0]} + {_column(col, c, n)} * {stride[k][1]}, "
               f"{stride[k][1]});" for k, _, vs, _ in read for c, v in enumerate(vs)]
-    loads += _mask_lines(kernel, row, col, n, seed, dropout, threshold, scale)
+    loads += _mask_lines(kernel, row, col, n, seed, dropout, threshold, scale, shard)
     arguments = [f"{v}[{step}]" for v in values]
     arguments += [f"T({col} + {step})"] if column else []
     arguments += [p.local for p in kernel.scalars]

@@ -165,7 +165,7 @@ class _RowForward(_RowLaunch):
         tensors, rest = values[:self._count], values[self._count:]
         outputs, statistics, seed = rest[:-2], rest[-2], rest[-1]
         views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
-        pack, index = _pack(problem, views, outputs), self.index(views)
+        pack, index = _pack(problem, views, outputs, bound.mask_shard(call, 0)), self.index(views)
         arguments = view_arguments(views, index) + [o.data_ptr() for o in outputs]
         arguments.append(0 if statistics is None else statistics.data_ptr())
         arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
@@ -201,7 +201,7 @@ class _RowBackward(_RowLaunch):
         views, pack, index = [], 1, None
         if problem.launches:
             views = backward_views(bound, problem, tensors, grads)
-            pack = _pack(problem, views, [])  # the buffers are torch's, each row a multiple of the pack
+            pack = _pack(problem, views, [], bound.mask_shard(call, 1))  # the buffers are torch's: rows of whole packs
             index = self.index(views)
         blocks = self.prepared(pack, index)[2] if problem.launches else problem.m
         buffers = gradient_buffers(bound, problem, tensors, self._forms, blocks)

@@ -111,7 +111,8 @@ class _Rows:
         lines = [f"fusegen::load<Pack>({self.pack[v]}, {pointer} + {row} * {stride[0]} + "
                  f"{_column(col, c, n['N'])} * {stride[1]}, {stride[1]});" for v, pointer, stride, c in reads]
         lines += [f"fusegen::dropout_multipliers<Pack>({self.pack[m.local]}, {n['has_dropout']}, {n['seed']}, "
-                  f"int64_t({row}) * {n['N']} + {col}, {m.stream}u, {self.threshold[m.p.name]}, {self.scale[m.p.name]});"
+                  f"fusegen::flat_index({n['shard_ptr']}, {row}, {col}, {n['N']}), {m.stream}u, "
+                  f"{self.threshold[m.p.name]}, {self.scale[m.p.name]});"
                   for m in masks]
         return lines
 
@@ -255,8 +256,8 @@ def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     locals_ = _locals_of(plan.forward) | _locals_of(plan.backward)
     _check(plan, locals_, row_kind=True)
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
-    names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shared",
-                                         "statistics_ptr", "first", "next", "item",
+    names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shard_ptr",
+                                         "shared", "statistics_ptr", "first", "next", "item",
                                          "first_row", "rows_apart", "begin", "end", "slots", "phase")}
     return namer, names
 
@@ -294,7 +295,8 @@ def forward_source(plan: OpPlan) -> str:
                    f"[M, {'1' if name in plan.row_outputs else 'N'}]" for (name, _), o in zip(plan.outputs, kernel.outputs)]
     parameters.append(f"T* __restrict__ {n['statistics_ptr']},  // [M, {count}]: each row's reductions, kept for the backward")
     parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
-    parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale)
+    parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale,
+                                      n["shard_ptr"])
     results = dict(kernel.body.results)
     per_row = [o for (name, _), o in zip(plan.outputs, kernel.outputs) if name in plan.row_outputs]
     outputs = [o for o in kernel.outputs if o not in per_row]
@@ -392,7 +394,8 @@ def backward_source(plan: OpPlan) -> str:
                    for (name, _), g in zip(plan.outputs, kernel.incoming)]
     parameters.append(f"const T* __restrict__ {n['statistics_ptr']},  // [M, {count}]: the forward's reductions")
     parameters += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
-    parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale)
+    parameters += _dropout_parameters(kernel, n["seed_ptr"], n["has_dropout"], rows.threshold, rows.scale,
+                                      n["shard_ptr"])
     parameters += [f"{grad_type[g.input.name]}* __restrict__ {grad_pointer[g.input.name]}, bool {sums[g.input.name]},"
                    f"  // {base[g.input.name]}: [M, {_width(len(g.values), 'N')}], or with {sums[g.input.name]} its sums "
                    "over each block's rows, [blocks, ...] in T; null where not wanted" for g in kernel.gradients]

@@ -292,9 +292,24 @@ FUSEGEN_HD T dropout_multiplier(uint32_t word, int32_t threshold, T scale) {
   return static_cast<int32_t>(word >> 8) >= threshold ? scale : T(0);
 }
 
+// The flat index of element (row, col) of the [M, N] problem: row · N + col, or where `shard` is
+// not null, the problem is a DTensor's local part and the index is the global problem's, as the
+// Triton kernels compute it (kernel_lib.dropout_mask): `shard` holds runtime.sharding.Shard's six
+// sizes (one step of the sharded leading dim spans `inner` rows; the dim has `local` of its
+// `total` extent here, from `offset`; columns start at `column_offset` of `n_global`).
+template <typename Index>
+FUSEGEN_HD int64_t flat_index(const int64_t* shard, Index row, Index col, Index n) {
+  if (shard == nullptr) return int64_t(row) * n + col;
+  const int64_t inner = shard[0], local = shard[1], total = shard[2], offset = shard[3];
+  const int64_t step = int64_t(row) / inner;
+  const int64_t global_row = ((step / local) * total + offset + step % local) * inner + int64_t(row) % inner;
+  return global_row * shard[5] + shard[4] + col;
+}
+
 // The multipliers of Pack elements from flat index `index` on, or 1 with dropout off. Pack a
-// multiple of 4 (and `index` one too: the kernels' packs start at a multiple of Pack): one
-// Philox call gives a group's four words; else a call an element.
+// multiple of 4 (and `index` one too: the kernels' packs start at a multiple of Pack, and a
+// shard's columns at a multiple of 4 of a global row of whole groups, else the launcher takes
+// Pack 1): one Philox call gives a group's four words; else a call an element.
 template <int Pack, typename T>
 FUSEGEN_HD void dropout_multipliers(T (&multipliers)[Pack], bool on, uint64_t seed, int64_t index, uint32_t stream,
                                     int32_t threshold, T scale) {
