@@ -74,13 +74,8 @@ def forward_source(plan: OpPlan) -> str:
     printer.column = f"{col}"  # a T in the element function (never integer arithmetic)
     column = uses_col(kernel.body, kernel.body_no_dropout)
 
-    element = [", ".join(f"T {v.local}" for i in kernel.inputs for v in i.values) + ",  // the inputs' values"]
-    element += [f"T {col},  // the element's column"] if column else []
-    element += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
-    if kernel.masks:
-        element.append(f"bool {dropout}, {', '.join(f'T {mask.local}' for mask in kernel.masks)},  // dropout on "
-                       "(training, p above 0); its multipliers at the element")
-    element.append(", ".join(f"T& {v}" for v in results))
+    element = _element_parameters(kernel, [v.local for i in kernel.inputs for v in i.values], "the inputs' values",
+                                  col if column else None, dropout, results)
 
     parameters = [f"const {element_type[i.name]}* __restrict__ {pointer[i.name]}, Index {stride[i.name][0]}, "
                   f"Index {stride[i.name][1]},  // {i.name} {i.layout.declared}, as [M, {_shown(len(i.values))}]"
@@ -149,6 +144,20 @@ def forward_source(plan: OpPlan) -> str:
         "#endif",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _element_parameters(kernel, values: list[str], what: str, col: str | None, dropout: str,
+                        results: list[str]) -> list[str]:
+    """An element function's parameter lines: the values (`what` they are), the element's column
+    where the body reads it, the params, dropout's flag and multipliers, the results by reference."""
+    element = [", ".join(f"T {v}" for v in values) + f",  // {what}"]
+    element += [f"T {col},  // the element's column"] if col is not None else []
+    element += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
+    if kernel.masks:
+        element.append(f"bool {dropout}, {', '.join(f'T {mask.local}' for mask in kernel.masks)},  // dropout on "
+                       "(training, p above 0); its multipliers at the element")
+    element.append(", ".join(f"T& {v}" for v in results))
+    return element
 
 
 def _dropout_parameters(kernel, seed_pointer: str, dropout: str, threshold: dict, scale: dict,
@@ -309,13 +318,8 @@ def backward_source(plan: OpPlan) -> str:
     column = uses_col(kernel.body, kernel.body_no_dropout)
     values = [v for _, _, vs, _ in read for v in vs]
 
-    element = [", ".join(f"T {v}" for v in values) + ",  // the inputs' and incoming gradients' values"]
-    element += [f"T {col},  // the element's column"] if column else []
-    element += [f"{scalar_type(p)} {p.local},  // param {p.name}" for p in kernel.scalars]
-    if kernel.masks:
-        element.append(f"bool {dropout}, {', '.join(f'T {mask.local}' for mask in kernel.masks)},  // dropout on "
-                       "(training, p above 0); its multipliers at the element")
-    element.append(", ".join(f"T& {v}" for v in gradients))
+    element = _element_parameters(kernel, values, "the inputs' and incoming gradients' values", col if column else None,
+                                  dropout, gradients)
 
     parameters = [f"const {element_type[k]}* __restrict__ {pointer[k]}, Index {stride[k][0]}, Index {stride[k][1]},  "
                   f"// {k}{' ' if shown.startswith('[') else ', '}{shown or 'as [M, N]'}" for k, _, _, shown in read]

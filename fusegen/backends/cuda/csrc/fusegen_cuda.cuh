@@ -68,37 +68,36 @@ FUSEGEN_HD float divide(float a, float b) {
 #endif
 }
 
-// The larger and smaller of a and b, NaN if either is (fmax and fmin drop a NaN), as torch.
+// Whether T is float (the compute type is float or double): the GPU's float instructions below.
+template <typename T>
+constexpr bool is_float = false;
+template <>
+constexpr bool is_float<float> = true;
+
+// The larger and smaller of a and b, NaN if either is (fmax and fmin drop a NaN), as torch; a float
+// on the GPU in one instruction (tl.maximum's PropagateNan.ALL).
 template <typename T>
 FUSEGEN_HD T maximum(T a, T b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (is_float<T>) {
+    float larger;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(larger) : "f"(a), "f"(b));
+    return larger;
+  }
+#endif
   return (a != a || b != b) ? a + b : (a > b ? a : b);
 }
 
 template <typename T>
 FUSEGEN_HD T minimum(T a, T b) {
-  return (a != a || b != b) ? a + b : (a < b ? a : b);
-}
-
-template <>
-FUSEGEN_HD float maximum<float>(float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  float larger;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(larger) : "f"(a), "f"(b));
-  return larger;
-#else
-  return (a != a || b != b) ? a + b : (a > b ? a : b);
+  if constexpr (is_float<T>) {
+    float smaller;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(smaller) : "f"(a), "f"(b));
+    return smaller;
+  }
 #endif
-}
-
-template <>
-FUSEGEN_HD float minimum<float>(float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  float smaller;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(smaller) : "f"(a), "f"(b));
-  return smaller;
-#else
   return (a != a || b != b) ? a + b : (a < b ? a : b);
-#endif
 }
 
 // exp(x) in a kernel whose results are all 16-bit or narrower (Narrow: `narrow`): in float on the
@@ -109,7 +108,7 @@ FUSEGEN_HD float minimum<float>(float a, float b) {
 template <bool Narrow, typename T>
 FUSEGEN_HD T exp(T x) {
 #ifdef __CUDA_ARCH__
-  if constexpr (Narrow && sizeof(T) == 4) {
+  if constexpr (Narrow && is_float<T>) {
     float power;
     asm("ex2.approx.f32 %0, %1;" : "=f"(power) : "f"(x * 1.44269504088896340736f));
     return power;
