@@ -1,10 +1,13 @@
 """Issue 33: the CUDA backend's row ops at several layouts against the same op built by the Triton
 backend, in one run on the GPU (ms by triton.testing.do_bench, forward / forward+backward, and the
-Triton time over the CUDA time). A layout is `forward share/backward share/part KB`: the values of a
-row a thread takes in each kernel (row_launch.SHARES) and a cluster's block's shared memory at most
-(row_launch.PART). `python docs/scripts/cuda_row_layouts.py OPS CELLS LAYOUTS`, e.g.
-`softmax,rmsnorm bf16:16384x8192,fp32:256x262144 32/16/64,16/16/64` (docs/benchmarks.md, "The CUDA
-backend": the row tables came from this script)."""
+Triton time over the CUDA time), and each layout the launcher took (kernel, (threads, Items,
+cluster) and grid). A layout is `forward share/backward share/part KB[/cluster threads]`: the values
+of a row a thread takes in each kernel (row_launch.SHARES), a cluster's block's shared memory at most
+(row_launch.PART) and its threads at most (row_launch.CLUSTER_THREADS). `python
+docs/scripts/cuda_row_layouts.py OPS CELLS LAYOUTS [--no-triton]`, e.g. `softmax,rmsnorm
+bf16:16384x8192,fp32:256x262144 32/16/64,16/16/64/1024` (docs/benchmarks.md, "The CUDA backend": the
+row tables came from this script; --no-triton leaves the Triton op out, whose autotuning takes a
+minute or more at wide rows)."""
 import os
 import sys
 import tempfile
@@ -32,8 +35,25 @@ def times(fn, tensors: dict, kwargs: dict) -> tuple[float, float]:
     return forward, both
 
 
+def recorded(taken: list):
+    """row_launch._RowLaunch.prepared, noting each new kernel's layout and grid in `taken`."""
+    prepare = row_launch._RowLaunch.prepared
+
+    def prepared(self, pack, index):
+        new = (pack, index) not in self._kernels
+        found = prepare(self, pack, index)
+        if new:
+            taken.append(f"{self._name}{self.layout(pack)[:3]}x{found[2]}")
+        return found
+
+    return prepared
+
+
 def main() -> None:
     ops, cells, layouts = sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3].split(",")
+    with_triton = "--no-triton" not in sys.argv
+    cluster_threads, taken = row_launch.CLUSTER_THREADS, []
+    row_launch._RowLaunch.prepared = recorded(taken)
     os.environ["FUSEGEN_CACHE_DIR"] = tempfile.mkdtemp()
     folder = Path(tempfile.mkdtemp())
     print(torch.__version__, torch.cuda.get_device_name())
@@ -44,14 +64,18 @@ def main() -> None:
             op = op_by_name(name)
             kwargs = dict(params_for(op, p=0.1), **({"training": True} if op.has_dropout else {}))
             tensors = make_inputs(op, ShapeCase("big", (m,), n), DTYPES[dtype], device="cuda", seed=1)
-            triton_forward, triton_both = times(op.fn, tensors, kwargs)
+            triton_forward, triton_both = times(op.fn, tensors, kwargs) if with_triton else (float("nan"),) * 2
             line = [f"{name:22s} {cell:18s} triton {triton_forward:.4f}/{triton_both:.4f}"]
             for k, layout in enumerate(layouts):
-                forward_share, backward_share, part = (int(v) for v in layout.split("/"))
+                forward_share, backward_share, part, *threads = (int(v) for v in layout.split("/"))
                 row_launch.SHARES, row_launch.PART = (forward_share, backward_share), part * 1024
-                fn = getattr(build_and_import(folder, shipped_as(name, f"{name}_v{k}"), "cuda"), f"{name}_v{k}")
+                row_launch.CLUSTER_THREADS = threads[0] if threads else cluster_threads
+                label = f"{name}_{cell.split(':')[0]}_{n}_v{k}"  # a module a cell and layout: layouts kept by call key
+                fn = getattr(build_and_import(folder, shipped_as(name, label), "cuda"), label)
                 forward, both = times(fn, tensors, kwargs)
-                line.append(f"{layout} {forward:.4f}/{both:.4f} ({triton_forward / forward:.2f}/{triton_both / both:.2f})")
+                line.append(f"{layout} {forward:.4f}/{both:.4f} ({triton_forward / forward:.2f}/{triton_both / both:.2f}) "
+                            + " ".join(taken))
+                taken.clear()
             print("  ".join(line), flush=True)
 
 
