@@ -213,6 +213,13 @@ def run_cuda(rank: int, world: int, init_file: str) -> None:
                 _check("bias_dropout_add (CUDA) uneven", lambda x, bias, residual: seed_op(x, bias, residual, 0.5, seed=3),
                        {"x": x, "bias": bias, "residual": residual}, {"x": placement, "residual": placement}, mesh,
                        exact=True, grad_seed=8)
+            # Inside torch.compile: the graph calls the library op on the local tensors with the shard's place.
+            compiled = torch.compile(lambda x, bias, residual: seed_op(x, bias, residual, 0.3, seed=11),
+                                     backend="aot_eager", fullgraph=True)
+            x, bias, residual = _randn((3, 5, 24), 1), _randn((24,), 2), _randn((3, 5, 24), 3)
+            for placement in (Shard(0), Shard(2)):
+                _check("compiled bias_dropout_add (CUDA)", compiled, {"x": x, "bias": bias, "residual": residual},
+                       {"x": placement, "residual": placement}, mesh, exact=True, grad_seed=4)
             x, weight, gamma, beta = _randn((2, 6, 12), 12), _randn((12,), 13), _randn((12,), 16), _randn((12,), 17)
             _check("layernorm_dropout_add (CUDA)",
                    lambda x, bias, gamma, beta, residual: ln_dropout(x, bias, gamma, beta, residual, p=0.25, seed=19),
@@ -270,7 +277,8 @@ if __name__ == "__main__":  # tests/test_distributed.py: python distributed_work
         built = Path(sys.argv[1]).parent / "cuda_ops"
         built.mkdir()
         for _name in ("bias_dropout_add", "layernorm_dropout_add"):
-            CUDA_OPS[_name] = build_and_import(built, shipped_as(_name, f"{_name}_cuda"), "cuda")
+            CUDA_OPS[_name] = sys.modules[f"{_name}_cuda"] = build_and_import(built, shipped_as(_name, f"{_name}_cuda"),
+                                                                             "cuda")  # by name: torch.compile's
     else:
         for _name in ("bias_gelu_dropout_add", "swiglu", "layernorm", "layernorm_dropout_add"):
             importlib.import_module(f"generated.{_name}")

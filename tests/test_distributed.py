@@ -59,8 +59,8 @@ def test_a_two_by_two_mesh_matches_one_process(tmp_path):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA backend's kernels run on the host through g++")
 def test_the_cuda_backend_on_dtensors_matches_one_process(tmp_path):
     """The CUDA backend's ops on 2 ranks (kernels compiled for the host, tests/cuda_host.py):
-    placements of rows and columns, even and uneven, dropout masks bit for bit with one process
-    (tests/distributed_worker.py run_cuda)."""
+    placements of rows and columns, even and uneven, eager and compiled, dropout masks bit for bit
+    with one process (tests/distributed_worker.py run_cuda)."""
     pytest.importorskip("cuda.core", reason="the host launches pack arguments with cuda-core (fusegen[cuda])")
     _run_ranks(tmp_path, 2, "cuda")
 
