@@ -20,7 +20,7 @@ RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), an
 MAX_CLUSTER = 16  # blocks a row at most, on sm_90 and later (past 8: an H100's non-portable sizes)
 CLUSTER_THREADS = 512  # a cluster's block's threads at most where two of its blocks fit an SM: its
 # registers past 32 a thread then cost an SM a quarter of its threads, not half (H100, wide 16-bit rows:
-# forward 0.74-0.77 of the copy bandwidth at 1024 threads, 0.80-0.86 at 512; the backwards 0.98-1.28x faster)
+# forward 0.74-0.77 of the copy bandwidth at 1024 threads, 0.80-0.86 at 512; forward+backward 1.02-1.28x faster)
 _SIZES = {name: dtype.itemsize for dtype, name in _C_TYPES.items()} | {"unsigned char": 1}  # held masks: a byte
 
 

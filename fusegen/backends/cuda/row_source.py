@@ -21,7 +21,10 @@ Outputs of one value a row ([..., 1]: a loss, a scale) are computed once a row a
 first thread; integer inputs of one value a row (a class index) and the incoming gradients of such
 outputs are loaded once a row; float8 outputs convert as torch does (fusegen_cuda.cuh); an op
 without gradients has the forward alone. Rows wider than one block holds go to a cluster of
-blocks (Cluster > 1, sm_90), each holding its columns [begin, end). Not yet (each a one-line
+blocks (Cluster > 1, sm_90), each holding its columns [begin, end). In a kernel whose results are
+all 16-bit or narrower (Narrow), exp is the GPU's ex2.approx (fusegen::exp). Dropout's masks are
+drawn at the global problem's flat index where the call is a DTensor's local part (the shard's
+sizes: fusegen::flat_index). Not yet (each a one-line
 CudaUnsupported): outputs in parts, choice params; online sums in one loop where the row is read
 again."""
 from __future__ import annotations
