@@ -123,21 +123,11 @@ FUSEGEN_HD constexpr bool narrow() {
   return ((sizeof(E) <= 2) && ...);
 }
 
-// 1 / (1 + exp(-x)) (exp(-x) = inf for x far below 0 gives 0).
+// 1 / (1 + exp(-x)) (exp(-x) = inf for x far below 0 gives 0); a float on the GPU as tl.sigmoid:
+// exp by ex2.approx whatever the results (exp<true>), divided by div.full.
 template <typename T>
 FUSEGEN_HD T sigmoid(T x) {
-  return T(1) / (T(1) + std::exp(-x));
-}
-
-template <>
-FUSEGEN_HD float sigmoid<float>(float x) {
-#ifdef __CUDA_ARCH__
-  float power;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(power) : "f"(-x * 1.44269502162933349609375f));
-  return divide(1.0f, 1.0f + power);
-#else
-  return 1.0f / (1.0f + std::exp(-x));
-#endif
+  return divide(T(1), T(1) + exp<true>(-x));
 }
 
 // 1 / sqrt(x), a correctly rounded division of the correctly rounded root (CUDA's rsqrtf is
