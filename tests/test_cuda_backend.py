@@ -19,6 +19,7 @@ import torch
 
 from fusegen import cli
 from fusegen.backends.cuda import launch as cuda_launch
+from fusegen.backends.cuda import row_launch
 from fusegen.errors import SpecError
 from fusegen.runtime import FusegenArgumentError
 from tests.helpers import ShapeCase, build_and_import, make_inputs, op_by_name, params_for, shipped_as
@@ -161,9 +162,10 @@ def _expressions(module, name: str, t: str, element: str, choice: int = 0, pack:
     """The forward and backward kernels' name expressions, as the launcher writes them."""
     kernels = module._OP.kernels
     chosen = [[str(choice)] * len(c) for c in kernels._choices]
-    if kernels.kernels.statistics:  # the row kind: a block's threads, the packs each holds and blocks a row (bf16: a
-        # cluster of two), after the pack
-        chosen = [[*c, "256", "4" if pack > 1 else "0", "2" if pack == 8 else "1"] for c in chosen]
+    if kernels.kernels.statistics:  # the row kind: a block's threads, the packs each holds, blocks a row (bf16: a
+        # cluster of two) and whether the row is in registers (fp32), after the pack
+        chosen = [[*c, "256", "4" if pack > 1 else "0", "2" if pack == 8 else "1", "true" if pack == 4 else "false"]
+                  for c in chosen]
     outputs = len(module._OP.outputs)
     rows = chosen[0][len(kernels._choices[0]):]
     chosen = [c[:len(k)] for c, k in zip(chosen, kernels._choices)]
@@ -343,22 +345,28 @@ def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, m
 
 
 @needs_host_build
+@pytest.mark.parametrize("held", ["registers", "shared"])
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm", "layernorm_dropout_add", "bias_layernorm"])
-def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, tmp_path, monkeypatch):
+def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp_path, monkeypatch):
     """Row kernels whose blocks run 32-64 threads at once (host threads): the threads' columns,
-    held rows across threads, the block's reductions; fewer blocks than rows in the backward."""
+    held rows across threads (in registers or in shared memory), the block's reductions; fewer
+    blocks than rows in the backward."""
     from tests.cuda_host import on_the_host
 
     op = op_by_name(name)
+    in_registers = held == "registers"
+    monkeypatch.setattr(row_launch, "LAYOUTS", {size: ((32, in_registers), (16, in_registers)) for size in (2, 4)})
+    monkeypatch.setattr(row_launch, "REGISTER_BYTES", 1 << 20)
     with on_the_host(tmp_path, monkeypatch, row_threads=64) as launches:
         monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 2)  # 2 blocks a backward
         for k, case in enumerate((ShapeCase("held", (5,), 256), ShapeCase("odd", (7,), 1001),
                                   ShapeCase("read", (3,), 16000))):  # 64 threads hold 250 values each, or (fp64 backwards) read again
             for dtype in (torch.float64, torch.float32)[:2 if k == 0 else 1]:
                 _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
-    layouts = {tuple(e.split("<")[1].split(", ")[2:5]) for e, _ in launches}
-    assert any(items != "0" for _, _, items in layouts) and any(items == "0" for _, _, items in layouts), layouts
-    assert all(int(threads) > 1 for _, threads, _ in layouts), layouts
+    layouts = {tuple(e.split("<")[1].split(", ")[2:7]) for e, _ in launches}
+    assert any(items != "0" for _, _, items, _, _ in layouts) and any(items == "0" for _, _, items, _, _ in layouts), layouts
+    assert all(int(threads) > 1 for _, threads, _, _, _ in layouts), layouts
+    assert all((registers == "true") == (held == "registers" and items != "0") for _, _, items, _, registers in layouts)
 
 
 @needs_host_build
@@ -404,7 +412,6 @@ outputs:
 def test_row_inputs_in_chunks_on_the_host(tmp_path, monkeypatch):
     """A row op of an input in chunks ([..., 2N], a [2N] bias): each chunk's columns, its
     gradient at its columns, the bias's chunks' sums over rows; the row held and read again."""
-    from fusegen.backends.cuda import row_launch
     from tests.cuda_host import on_the_host
 
     module = build_and_import(tmp_path, GLU_NORM, "cuda")
@@ -563,8 +570,6 @@ def test_cluster_layouts():
     take at most CLUSTER_THREADS threads where two fit an SM's shared memory, else up to
     MAX_THREADS (a block alone on its SM); rows a block holds keep their threads."""
     from types import SimpleNamespace
-
-    from fusegen.backends.cuda import row_launch
 
     h100 = 233472 - row_launch.RESERVED  # an H100's shared memory a block
 

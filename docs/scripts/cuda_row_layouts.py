@@ -1,9 +1,11 @@
 """Issue 33: the CUDA backend's row ops at several layouts against the same op built by the Triton
 backend, in one run on the GPU (ms by triton.testing.do_bench, forward / forward+backward, and the
 Triton time over the CUDA time), and each layout the launcher took (kernel, (threads, Items,
-cluster) and grid). A layout is `forward share/backward share/part KB[/cluster threads]`: the values
-of a row a thread takes in each kernel (row_launch.SHARES), a cluster's block's shared memory at most
-(row_launch.PART) and its threads at most (row_launch.CLUSTER_THREADS). `python
+cluster, registers) and grid). A layout is `auto` (the launcher's own) or `forward share/backward
+share/part KB[/cluster threads]`: the values of a row a thread takes in each kernel, each with `r` after
+it where a row one block holds is kept in registers (row_launch.LAYOUTS, e.g. `16r/16`: for every
+dtype), a cluster's block's shared memory at most (row_launch.PART) and its threads at most
+(row_launch.CLUSTER_THREADS). `python
 docs/scripts/cuda_row_layouts.py OPS CELLS LAYOUTS [--no-triton]`, e.g. `softmax,rmsnorm
 bf16:16384x8192,fp32:256x262144 32/16/64,16/16/64/1024` (docs/benchmarks.md, "The CUDA backend": the
 row tables came from this script; --no-triton leaves the Triton op out, whose autotuning takes a
@@ -43,7 +45,7 @@ def recorded(taken: list):
         new = (pack, index) not in self._kernels
         found = prepare(self, pack, index)
         if new:
-            taken.append(f"{self._name}{self.layout(pack)[:3]}x{found[2]}")
+            taken.append(f"{self._name}{self.layout(pack)[:4]}x{found[2]}")
         return found
 
     return prepared
@@ -52,7 +54,7 @@ def recorded(taken: list):
 def main() -> None:
     ops, cells, layouts = sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3].split(",")
     with_triton = "--no-triton" not in sys.argv
-    cluster_threads, taken = row_launch.CLUSTER_THREADS, []
+    launcher, taken = (row_launch.LAYOUTS, row_launch.PART, row_launch.CLUSTER_THREADS), []
     row_launch._RowLaunch.prepared = recorded(taken)
     os.environ["FUSEGEN_CACHE_DIR"] = tempfile.mkdtemp()
     folder = Path(tempfile.mkdtemp())
@@ -67,9 +69,13 @@ def main() -> None:
             triton_forward, triton_both = times(op.fn, tensors, kwargs) if with_triton else (float("nan"),) * 2
             line = [f"{name:22s} {cell:18s} triton {triton_forward:.4f}/{triton_both:.4f}"]
             for k, layout in enumerate(layouts):
-                forward_share, backward_share, part, *threads = (int(v) for v in layout.split("/"))
-                row_launch.SHARES, row_launch.PART = (forward_share, backward_share), part * 1024
-                row_launch.CLUSTER_THREADS = threads[0] if threads else cluster_threads
+                row_launch.LAYOUTS, row_launch.PART, row_launch.CLUSTER_THREADS = launcher
+                if layout != "auto":
+                    forward, backward, part, *threads = layout.split("/")
+                    shares = tuple((int(share.rstrip("r")), share.endswith("r")) for share in (forward, backward))
+                    row_launch.LAYOUTS = {size: shares for size in launcher[0]}
+                    row_launch.PART = int(part) * 1024
+                    row_launch.CLUSTER_THREADS = int(threads[0]) if threads else launcher[2]
                 label = f"{name}_{cell.split(':')[0]}_{n}_v{k}"  # a module a cell and layout: layouts kept by call key
                 fn = getattr(build_and_import(folder, shipped_as(name, label), "cuda"), label)
                 forward, both = times(fn, tensors, kwargs)

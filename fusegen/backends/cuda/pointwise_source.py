@@ -35,7 +35,7 @@ class CudaUnsupported(Unsupported):
 # fixed-width types), and C++'s keywords: a spec name may be any of them, and is refused here,
 # one line, until the backend renames its locals. So is a name written as a macro is (NAN,
 # M_PI, INT32_MAX: all capitals, digits and underscores, two or more characters).
-OWN_NAMES = frozenset({"T", "Index", "Pack", "Packs", "Threads", "Items", "Cluster", "Whole", "Narrow", "fusegen", "std",
+OWN_NAMES = frozenset({"T", "Index", "Pack", "Packs", "Threads", "Items", "Cluster", "Registers", "Whole", "Narrow", "fusegen", "std",
                        "blockIdx", "blockDim", "threadIdx", "gridDim", "warpSize",
                        "int8_t", "int16_t", "int32_t", "int64_t", "uint8_t", "uint16_t", "uint32_t", "uint64_t",
                        "size_t", "ptrdiff_t", "__half", "__nv_bfloat16"})

@@ -11,9 +11,13 @@ from .launch import (_C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _
                      gradient_arguments, gradient_buffers, gradient_forms, gradients_of, view_arguments)
 
 MAX_THREADS, MIN_THREADS = 1024, 32
-SHARES = (32, 16)  # the forward's and the backward's values of a row a thread (H100, rows of 8192 bf16 and
-# 4096 fp32: 32 gave the forwards 0.87-0.99 of the Triton kernels' speed, 16 gave 0.66-0.97; the backwards
-# ran best at 16 or 32, worst at 64)
+LAYOUTS = {2: ((32, False), (16, False)), 4: ((16, True), (16, False))}  # by the size of a row's widest held
+# elements (2: 16-bit or narrower; 4: wider), the forward's and the backward's values of a row a thread takes and
+# whether a row one block holds is kept in registers (else in shared memory). H100, rows of 8192 bf16 and 4096
+# fp32 (twenty-first session): 16-bit forwards ran best from shared memory at 32 values a thread (in registers
+# 0.44-0.99x as fast, from more registers a thread), fp32 forwards from registers at 16 (0.91-1.00x the Triton
+# kernels; shared memory 0.80-0.98x); the backwards from shared memory at 16 (at 32, or in registers: mixed)
+REGISTER_BYTES = 128  # a thread's held row at most in registers (more: shared memory)
 PART = 64 * 1024  # a cluster's block's shared memory at most, where a cluster of MAX_CLUSTER allows: two
 # blocks an SM, one loading while the other computes
 RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), and a row's reductions'
@@ -46,7 +50,7 @@ class _BoundRows(_BoundCuda):
 
 
 def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clusters: int = 1,
-           share: int = SHARES[0]) -> tuple[int, int, int]:
+           share: int = LAYOUTS[2][0][0]) -> tuple[int, int, int]:
     """A block's threads (`share` of its part of the row's values each, a power of two from
     MIN_THREADS to MAX_THREADS), the packs each holds and the blocks a row: one block where the
     row's held arrays (elements of `sizes`) fit its `shared` bytes of shared memory, else the
@@ -100,18 +104,21 @@ class _RowLaunch:
         held = bound.kernels.held[name == "backward"]
         self._sizes = tuple(_SIZES[self._types[0] if p == "T" else p if isinstance(p, str) else self._types[1 + p]]
                             for p in held)
-        self._layouts: dict[int, tuple] = {}  # pack → (threads, items, cluster, shared bytes)
+        self._layouts: dict[int, tuple] = {}  # pack → (threads, items, cluster, registers, shared bytes)
 
-    def layout(self, pack: int) -> tuple[int, int, int, int]:
-        """Threads, Items, the blocks a row and the dynamic shared memory of a block at `pack`
-        (kept by pack)."""
+    def layout(self, pack: int) -> tuple[int, int, int, bool, int]:
+        """Threads, Items, the blocks a row, whether a held row is in registers and the dynamic
+        shared memory of a block at `pack` (kept by pack)."""
         found = self._layouts.get(pack)
         if found is None:
             problem = self._call.problem
             most, clusters = shared_limit(problem.device)
-            share = SHARES[self._name == "backward"]
+            backward = self._name == "backward"
+            share, registers = LAYOUTS[2 if max(self._sizes, default=2) <= 2 else 4][backward]
             threads, items, cluster = layout(problem, pack, self._sizes, most, clusters, share)
-            found = self._layouts[pack] = (threads, items, cluster, shared_bytes(threads * items * pack, self._sizes))
+            registers = registers and cluster == 1 and 0 < items * pack * sum(self._sizes) <= REGISTER_BYTES
+            shared = 0 if registers else shared_bytes(threads * items * pack, self._sizes)
+            found = self._layouts[pack] = (threads, items, cluster, registers, shared)
         return found
 
     def prepared(self, pack: int, index: type) -> tuple:
@@ -121,9 +128,9 @@ class _RowLaunch:
         if found is None:
             problem = self._call.problem
             t, *types = self._types
-            threads, items, cluster, shared = self.layout(pack)
-            expression = (f"{self._bound.kernels.op}_{self._name}<"
-                          f"{', '.join([t, _INDEX[index], str(pack), str(threads), str(items), str(cluster), *types])}>")
+            threads, items, cluster, registers, shared = self.layout(pack)
+            layout = [str(pack), str(threads), str(items), str(cluster), "true" if registers else "false"]
+            expression = f"{self._bound.kernels.op}_{self._name}<{', '.join([t, _INDEX[index], *layout, *types])}>"
             compiled = self._bound.kernel(problem.device, expression)
             pointwise._allow(compiled, problem.device, shared, cluster)
             blocks = self.count_blocks(pack, compiled)
@@ -189,7 +196,7 @@ class _RowBackward(_RowLaunch):
         for clusters how the SMs group). Where a gradient is summed over rows, a row of partial
         sums each."""
         problem = self._call.problem
-        threads, _, cluster, shared = self.layout(pack)
+        threads, _, cluster, _, shared = self.layout(pack)
         resident = pointwise._resident(kernel, problem.device, threads, shared, cluster)
         if cluster == 1:
             resident *= torch.cuda.get_device_properties(problem.device).multi_processor_count

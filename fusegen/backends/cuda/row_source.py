@@ -5,13 +5,13 @@ loop along the row, a thread taking packs of Pack adjacent columns Threads · Pa
 loads where the launcher's views allow, as the pointwise kind's: pointwise_source), its
 reductions accumulated in each thread and then across the block (fusegen::block_reduce). A
 pass's online sums (softmax's Σ exp(x - max)) take a loop of their own after their extreme is
-known. With Items > 0 the row is held in shared memory: at each row's start every thread copies
-its Items packs of each value with rows (inputs, incoming gradients, dropout's masks) there,
-all loads in flight at once, and every pass reads them back (each thread only its own columns: no
-barrier); [N] inputs are read where used (cached). With Items 0 each pass reads the row again.
-Holding the row in shared memory rather than registers keeps a thread's registers few, so an SM
-runs several rows at once (ptxas gave 123-128 registers a thread for 16 held values, one block an
-SM). The forward keeps each row's reductions ([M, statistics], in T) for the backward, which reads
+known. With Items > 0 the row is held: at each row's start every thread loads its Items packs of
+each value with rows (inputs, incoming gradients, dropout's masks), all loads in flight at once,
+and every pass reads them back (each thread only its own columns: no barrier), the loops unrolled
+by item; [N] inputs are read where used (cached). Held in registers (Registers: fewer instructions,
+more registers a thread) or in shared memory (fewer registers, more rows an SM at once): the
+launcher picks by dtype (row_launch.LAYOUTS). With Items 0 each pass reads the row again. The
+forward keeps each row's reductions ([M, statistics], in T) for the backward, which reads
 them back and computes each gradient element by element: written, or summed over the block's
 rows where its input is one row broadcast to all (in each thread's registers where the row is
 held: a thread's columns are the same every row; else in the block's row of a [blocks, N]
@@ -129,9 +129,9 @@ class _Rows:
                 *(f"  {line}" if not line.startswith("#") else line for line in inner), "}"]
 
     def here(self, held: str) -> str:
-        """The pack at col of a held array (the block's columns from begin on)."""
+        """The pack at col (the thread's item) of a held row."""
         n = self.names
-        return f"{held} + ({n['col']} - {n['begin']})"
+        return f"{held}.at({n['item']}, {n['col']} - {n['begin']})"
 
     def items(self, inner: list[str]) -> list[str]:
         """As columns, pack by pack (`item`): where the row is held (Whole), over the Items packs a
@@ -155,9 +155,9 @@ class _Rows:
         return [r for r in reads if r[0] not in self.per_row] + [(m.local, "unsigned char") for m in masks]
 
     def held_arrays(self) -> list[str]:
-        """The held arrays' places in shared memory, in order."""
+        """The held rows: in registers, or their places in shared memory, in order."""
         n = self.names
-        return [f"{t}* {name} = fusegen::take<{t}>({n['next']}, Threads * Items * Pack);"
+        return [f"fusegen::Held<{t}, Pack, Items, Registers> {name}({n['next']}, Threads * Items * Pack);"
                 for name, t in [(self.held_at[v], t) for v, t in self.held()]]
 
     def per_row_loads(self) -> list[str]:
@@ -180,7 +180,7 @@ class _Rows:
                       f"fusegen::store_kept<Pack>({self.here(self.held_at[m.local])}, {self.pack[m.local]});"]
         if not lines:
             return []
-        return ["if (Whole) {  // the row's values to shared memory", *_indent(self.items(lines)), "}"]
+        return ["if (Whole) {  // the row's values held", *_indent(self.items(lines)), "}"]
 
     def loop(self, exprs, inner: list[str], after: list[str] = (), declared: list[str] = (),
              by_item: bool = False) -> list[str]:
@@ -209,7 +209,7 @@ class _Rows:
         body += [f"  const T {v} = {self.pack[v]}[{k}];" for v in values]
         body += [f"  const T {t.name} = {self.text(e)};" for t, e in temps]
         body += [f"  {line}" for line in inner] + ["}", *after]
-        return self.items(body) if by_item else self.columns(body)
+        return self.items(body) if by_item or held else self.columns(body)  # a held pack by its item
 
     def passes(self, statistics: str | None) -> list[str]:
         """Each pass: its reductions (an online sum in a loop after its extreme's), reduced across
@@ -336,22 +336,22 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
     the kernel writes (Narrow, where the body's exp reads it: all 16-bit or narrower)."""
     kernel, n = rows.kernel, rows.names
     template = ", ".join(["typename T", "typename Index", "int Pack", "int Threads", "int Items", "int Cluster",
-                          *(f"typename {t}" for t in types)])
+                          "bool Registers", *(f"typename {t}" for t in types)])
     seed = [f"const uint64_t {n['seed']} = {n['has_dropout']} ? uint64_t(*{n['seed_ptr']}) : 0u;"] if kernel.masks else []
     width = [f"const T {kernel.row_width} = T({n['N']});"] if kernel.row_width else []
     narrow = f"fusegen::narrow<{', '.join(results)}>()" if results else "false"
     held = rows.held_arrays()
     if held:
-        held = [f"unsigned char* {n['next']} = fusegen::dynamic_shared();  // Whole: Threads · Items · Pack of each",
-                *held]
+        held = [f"unsigned char* {n['next']} = fusegen::dynamic_shared();  // Whole, not Registers: Threads · Items · "
+                "Pack of each", *held]
     lines = [
         *prologue,
         "#ifdef __CUDACC__",
         "// A block of Threads a row at a time; each pass a loop along the row, Pack adjacent columns a",
         "// thread Threads · Pack apart, its reductions then reduced across the block. Items > 0: the",
-        "// row held in shared memory, each thread's Items packs copied there once a row; Cluster > 1:",
-        "// a cluster of blocks a row, each holding Threads · Items · Pack columns of it, their",
-        "// reductions combined through the cluster's shared memory (sm_90).",
+        "// row held, each thread's Items packs loaded once a row, in its registers (Registers) or in",
+        "// shared memory; Cluster > 1: a cluster of blocks a row, each holding Threads · Items · Pack",
+        "// columns of it, their reductions combined through the cluster's shared memory (sm_90).",
         f"template <{template}>",
         f"__global__ void __launch_bounds__(Threads) {name}(",
         *(f"    {p}" for p in parameters),
@@ -359,7 +359,7 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
         "  constexpr bool Whole = Items > 0;",
         *([f"  constexpr bool Narrow = {narrow};  // results 16-bit or narrower: a faster exp"]
           if any("<Narrow>" in line for line in body) else []),
-        "  static_assert(Cluster == 1 || Whole, \"a cluster holds its row\");",
+        "  static_assert((Cluster == 1 && !Registers) || Whole, \"a cluster, or registers, hold the row\");",
         f"  __shared__ T {n['shared']}[32];  // a block's reduction: a value a warp",
         f"  __shared__ T {n['slots']}[2 * Cluster];  // a cluster's: a value a block, the last two reductions'",
         f"  unsigned {n['phase']} = 0;  // reductions so far",

@@ -386,6 +386,27 @@ FUSEGEN_HD E* take(unsigned char*& next, int count) {
   return array;
 }
 
+// A thread's part of a held row of one value (Items packs): in registers (Registers: its packs
+// as they are in memory, indexed by the unrolled item, so every index is a constant) or in the
+// block's shared memory (`count` elements taken from `next`; a pack at its offset from the
+// block's first column).
+template <typename E, int Pack, int Items, bool Registers>
+struct Held {
+  Packed<E, Pack> packs[Registers ? Items : 1];
+  E* shared;
+
+  FUSEGEN_HD Held(unsigned char*& next, int count) : shared(Registers ? nullptr : take<E>(next, count)) {}
+
+  template <typename Index>
+  FUSEGEN_HD E* at(int item, Index offset) {
+    if constexpr (Registers) {
+      return packs[item].v;
+    } else {
+      return shared + offset;
+    }
+  }
+};
+
 }  // namespace fusegen
 
 namespace fusegen {
