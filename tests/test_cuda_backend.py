@@ -357,6 +357,7 @@ def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp
     in_registers = held == "registers"
     monkeypatch.setattr(row_launch, "LAYOUTS", {size: ((32, in_registers), (16, in_registers)) for size in (2, 4)})
     monkeypatch.setattr(row_launch, "REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(modules[name]._OP, "_prepared", {})  # layouts are kept by call key: none from another test
     with on_the_host(tmp_path, monkeypatch, row_threads=64) as launches:
         monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 2)  # 2 blocks a backward
         for k, case in enumerate((ShapeCase("held", (5,), 256), ShapeCase("odd", (7,), 1001),
@@ -366,7 +367,8 @@ def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp
     layouts = {tuple(e.split("<")[1].split(", ")[2:7]) for e, _ in launches}
     assert any(items != "0" for _, _, items, _, _ in layouts) and any(items == "0" for _, _, items, _, _ in layouts), layouts
     assert all(int(threads) > 1 for _, threads, _, _, _ in layouts), layouts
-    assert all((registers == "true") == (held == "registers" and items != "0") for _, _, items, _, registers in layouts)
+    assert all((registers == "true") == (held == "registers" and items != "0") for _, _, items, _, registers in layouts), \
+        layouts
 
 
 @needs_host_build
