@@ -286,16 +286,13 @@ def test_packs_follow_the_views(modules, tmp_path, monkeypatch):
         assert "int32_t, 8, float" in launches[-1][0]
 
 
-@needs_host_build
-@pytest.mark.parametrize("name", ["bias_dropout_add", "layernorm_dropout_add"])
-def test_a_dtensor_shard_draws_the_global_masks_on_the_host(modules, name, tmp_path, monkeypatch):
+def _shard_cases(modules, name: str, device: str, launches: list, tolerance: float) -> None:
     """A DTensor's local part (runtime.sharding's rules call the op so, with the shard's place):
     its masks drawn at the global problem's flat indices, so the local values and x's gradient are
-    the global problem's at the shard's elements. Rows of a sharded middle dim; for the pointwise
-    op also columns from an offset of whole groups of four (vector packs) and from one that is not
-    (a pack of one)."""
+    the global problem's at the shard's elements (the reference's, in fp64). Rows of a sharded
+    middle dim; for the pointwise op also columns from an offset of whole groups of four (vector
+    packs) and from one that is not (a pack of one)."""
     from fusegen.runtime.sharding import Shard
-    from tests.cuda_host import on_the_host
 
     op = op_by_name(name)
     fused = modules[name]._OP
@@ -309,21 +306,38 @@ def test_a_dtensor_shard_draws_the_global_masks_on_the_host(modules, name, tmp_p
     if not fused.statistics:  # the pointwise op: its columns may be sharded too
         places += [((Ellipsis, slice(12, 24)), Shard(1, 15, 15, 0, 12, 24), 4),  # columns 12-23 of 24
                    ((Ellipsis, slice(2, 22)), Shard(1, 15, 15, 0, 2, 24), 1)]  # from 2: groups straddle the edges
+    for where, shard, pack in places:
+        local = {k: v[where] if v.shape == whole["x"].shape else v[where[-1]] if where[0] is Ellipsis else v
+                 for k, v in whole.items()}
+        local = {k: v.clone().to(device) for k, v in local.items()}  # a rank's own memory, as a DTensor's local part
+        values = [params[q.name] for q in fused.params]
+        first = len(launches)
+        (y,), seed, statistics = fused.forward((*local.values(), *values, True, 4321), shard=shard)
+        torch.testing.assert_close(y.cpu(), want.detach()[where], rtol=tolerance, atol=tolerance, msg=f"{name} at {where}")
+        if len(launches) > first:  # on the host, the launches seen: the forward's pack
+            assert launches[first][0].split("<")[1].split(", ")[2] == str(pack), launches[first]
+        needs = tuple(k == "x" for k in local)
+        (grad_x,) = fused.backward_kernels((grad[where].to(device),), (*local.values(), *values, True, None), seed,
+                                           needs, statistics, shard=shard)
+        torch.testing.assert_close(grad_x.cpu(), exact["x"].grad[where], rtol=tolerance, atol=tolerance,
+                                   msg=f"{name}: x's gradient at {where}")
+
+
+@needs_host_build
+@pytest.mark.parametrize("name", ["bias_dropout_add", "layernorm_dropout_add"])
+def test_a_dtensor_shard_draws_the_global_masks_on_the_host(modules, name, tmp_path, monkeypatch):
+    from tests.cuda_host import on_the_host
+
     with on_the_host(tmp_path, monkeypatch) as launches:
-        for where, shard, pack in places:
-            local = {k: v[where] if v.shape == whole["x"].shape else v[where[-1]] if where[0] is Ellipsis else v
-                     for k, v in whole.items()}
-            local = {k: v.clone() for k, v in local.items()}  # a rank's own memory, as a DTensor's local part
-            values = [params[q.name] for q in fused.params]
-            first = len(launches)
-            (y,), seed, statistics = fused.forward((*local.values(), *values, True, 4321), shard=shard)
-            torch.testing.assert_close(y, want.detach()[where], rtol=1e-12, atol=1e-12, msg=f"{name} at {where}")
-            assert launches[first][0].split("<")[1].split(", ")[2] == str(pack), launches[first]  # the forward's pack
-            needs = tuple(k == "x" for k in local)
-            (grad_x,) = fused.backward_kernels((grad[where],), (*local.values(), *values, True, None), seed, needs,
-                                               statistics, shard=shard)
-            torch.testing.assert_close(grad_x, exact["x"].grad[where], rtol=1e-12, atol=1e-12,
-                                       msg=f"{name}: x's gradient at {where}")
+        _shard_cases(modules, name, "cpu", launches, 1e-12)
+    assert launches
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["bias_dropout_add", "layernorm_dropout_add"])
+def test_a_dtensor_shard_draws_the_global_masks(modules, name):
+    """As on the host, on the GPU: the shard's sizes in device memory, read by the kernels."""
+    _shard_cases(modules, name, "cuda", [], 1e-10)
 
 
 @needs_host_build
