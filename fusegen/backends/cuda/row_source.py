@@ -133,14 +133,14 @@ class _Rows:
         n = self.names
         return f"{held}.at({n['item']}, {n['col']} - {n['begin']})"
 
-    def items(self, inner: list[str]) -> list[str]:
+    def items(self, inner: list[str], unroll: str = "") -> list[str]:
         """As columns, pack by pack (`item`): where the row is held (Whole), over the Items packs a
-        thread holds, unrolled, so that their loads are in flight at once and a thread's arrays
-        indexed by item stay in registers."""
+        thread holds, unrolled (or by `unroll`), so that their loads are in flight at once and a
+        thread's arrays indexed by item stay in registers."""
         n = self.names
         item, col = n["item"], n["col"]
         at = f"{n['begin']} + (Index({item}) * Threads + threadIdx.x) * Pack"
-        return ["#pragma unroll", f"for (int {item} = 0; Whole ? {item} < Items : {at} < {n['end']}; ++{item}) {{",
+        return [f"#pragma unroll{unroll}", f"for (int {item} = 0; Whole ? {item} < Items : {at} < {n['end']}; ++{item}) {{",
                 f"  const Index {col} = {at};",
                 f"  if ({col} < {n['end']}) {{", *(f"    {line}" if not line.startswith("#") else line for line in inner),
                 "  }", "}"]
@@ -183,10 +183,13 @@ class _Rows:
         return ["if (Whole) {  // the row's values held", *_indent(self.items(lines)), "}"]
 
     def loop(self, exprs, inner: list[str], after: list[str] = (), declared: list[str] = (),
-             by_item: bool = False) -> list[str]:
+             by_item: bool = False, unrolled: bool = True) -> list[str]:
         """A loop along the row: each pack's values that `exprs` read (from shared memory where the
         row is held, else from memory), then per element (k) those values and the temporaries,
-        then `inner`; `after`, once a pack; `declared` first. `by_item`: the loop of `items`."""
+        then `inner`; `after`, once a pack; `declared` first. `by_item`: the loop of `items`, as is
+        every loop that reads a held row; `unrolled` False: unrolled where the row is in registers
+        only (which needs it), so that a loop of many values a pack (dropout's Philox words) keeps
+        its registers few."""
         n = self.names
         k = n["k"]
         temps, inputs, masks, incoming = self._needed(exprs)
@@ -209,7 +212,9 @@ class _Rows:
         body += [f"  const T {v} = {self.pack[v]}[{k}];" for v in values]
         body += [f"  const T {t.name} = {self.text(e)};" for t, e in temps]
         body += [f"  {line}" for line in inner] + ["}", *after]
-        return self.items(body) if by_item or held else self.columns(body)  # a held pack by its item
+        if by_item or held:  # a held pack by its item
+            return self.items(body, "" if by_item or unrolled else " (Registers ? Items : 1)")
+        return self.columns(body)
 
     def passes(self, statistics: str | None) -> list[str]:
         """Each pass: its reductions (an online sum in a loop after its extreme's), reduced across
@@ -326,7 +331,7 @@ def forward_source(plan: OpPlan) -> str:
 def _results_loop(rows: _Rows, exprs, values, inner: list[str], after: list[str], by_item: bool = False) -> list[str]:
     """The loop of results: each value's pack of the item, stored by `after`."""
     return rows.loop(exprs, inner, after, declared=[f"T {', '.join(f'{rows.pack[v]}[Pack]' for v in values)};"],
-                     by_item=by_item)
+                     by_item=by_item, unrolled=False)
 
 
 def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prologue=(), before=(),
