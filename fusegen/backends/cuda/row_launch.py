@@ -190,17 +190,18 @@ class _RowBackward(_RowLaunch):
         super().__init__(bound, call, "backward", backward_types(bound, problem, tensors, grads, self._forms))
 
     def count_blocks(self, pack: int, kernel) -> int:
-        """As many blocks, or clusters of blocks, as the GPU runs at once, each taking rows that
-        many apart (a second wave would leave the GPU half idle at the end): the driver's counts
-        for the compiled kernel (launch._resident: its registers, threads and shared memory, and
-        for clusters how the SMs group). Where a gradient is summed over rows, a row of partial
-        sums each."""
+        """As many blocks, or clusters of blocks, as the GPU runs at once (a second wave would
+        leave the GPU half idle at the end): the driver's counts for the compiled kernel
+        (launch._resident: its registers, threads and shared memory, and for clusters how the SMs
+        group), each taking a run of adjacent rows, none without one.
+        Where a gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
         threads, _, cluster, _, shared = self.layout(pack)
         resident = pointwise._resident(kernel, problem.device, threads, shared, cluster)
         if cluster == 1:
             resident *= torch.cuda.get_device_properties(problem.device).multi_processor_count
-        return max(1, min(problem.m, resident))
+        each = -(-problem.m // max(1, resident))  # a block's run of rows (the kernel's rows_each)
+        return max(1, -(-problem.m // each))  # no block without a row: each writes its row of sums
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call

@@ -1,8 +1,8 @@
 """The row kind's kernels in CUDA C++ (issue 33): the plan's RowBody, a block a row.
 
-A block of Threads takes rows blockIdx.x, blockIdx.x + gridDim.x, ...; each pass of the body is a
-loop along the row, a thread taking packs of Pack adjacent columns Threads · Pack apart (vector
-loads where the launcher's views allow, as the pointwise kind's: pointwise_source), its
+A block of Threads takes a run of adjacent rows (one where the grid has a block a row); each pass
+of the body is a loop along the row, a thread taking packs of Pack adjacent columns Threads · Pack
+apart (vector loads where the launcher's views allow, as the pointwise kind's: pointwise_source), its
 reductions accumulated in each thread and then across the block (fusegen::block_reduce). A
 pass's online sums (softmax's Σ exp(x - max)) take a loop of their own after their extreme is
 known. With Items > 0 the row is held: at each row's start every thread loads its Items packs of
@@ -266,7 +266,8 @@ def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
     names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shard_ptr",
                                          "shared", "statistics_ptr", "first", "next", "item",
-                                         "first_row", "rows_apart", "begin", "end", "slots", "phase")}
+                                         "rank", "rows_each", "first_row", "last_row", "begin", "end", "slots",
+                                         "phase")}
     return namer, names
 
 
@@ -368,13 +369,17 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
         f"  __shared__ T {n['shared']}[32];  // a block's reduction: a value a warp",
         f"  __shared__ T {n['slots']}[2 * Cluster];  // a cluster's: a value a block, the last two reductions'",
         f"  unsigned {n['phase']} = 0;  // reductions so far",
-        f"  const Index {n['first_row']} = Index(blockIdx.x / Cluster), {n['rows_apart']} = Index(gridDim.x / Cluster);",
+        f"  const Index {n['rank']} = Index(blockIdx.x / Cluster);  // the block's (its cluster's) place: its row of sums",
+        f"  const Index {n['rows_each']} = ({n['M']} + Index(gridDim.x / Cluster) - 1) / Index(gridDim.x / Cluster);",
+        f"  const Index {n['first_row']} = {n['rank']} * {n['rows_each']};  // rows side by side, a block's a run of them",
+        f"  const Index {n['last_row']} = {n['first_row']} + {n['rows_each']} < {n['M']} ? {n['first_row']} + "
+        f"{n['rows_each']} : {n['M']};",
         f"  const Index {n['begin']} = Index(blockIdx.x % Cluster) * (Threads * Items * Pack);  // the block's columns",
         f"  const Index {n['end']} = Cluster > 1 && {n['begin']} + Threads * Items * Pack < {n['N']} ? "
         f"{n['begin']} + Threads * Items * Pack : {n['N']};",
         *_indent(seed + width + held + list(before)),
         "  if (Cluster > 1) fusegen::cluster_sync();  // every block of the cluster started: its shared memory there",
-        f"  for (Index {n['row']} = {n['first_row']}; {n['row']} < {n['M']}; {n['row']} += {n['rows_apart']}) {{",
+        f"  for (Index {n['row']} = {n['first_row']}; {n['row']} < {n['last_row']}; ++{n['row']}) {{",
         *_indent(_indent(rows.per_row_loads() + rows.row_copies() + body)),
         "  }",
         *_indent(list(after)),
@@ -416,7 +421,7 @@ def backward_source(plan: OpPlan) -> str:
         for c, v in enumerate(g.values):  # an input in chunks: a gradient a chunk, at its columns
             column = _column(n["col"], c, n["N"])
             summed = [f"}} else if ({sums[name]}) {{",
-                      f"  fusegen::accumulate<Pack>({grad_pointer[name]} + {n['first_row']} * {width} + {column}, "
+                      f"  fusegen::accumulate<Pack>({grad_pointer[name]} + {n['rank']} * {width} + {column}, "
                       f"{rows.pack[v]}, {n['first']});"]
             written = [f"}} else if ({grad_pointer[name]} != nullptr) {{",
                        f"  fusegen::store<Pack>({grad_pointer[name]} + {n['row']} * {width} + {column}, {rows.pack[v]});", "}"]
@@ -430,7 +435,7 @@ def backward_source(plan: OpPlan) -> str:
             stores += [f"if ({sums[name]} && Whole) {{",
                        f"  fusegen::add<Pack>({total}[{n['item']}], {rows.pack[v]});", *summed, *written]
             sums_stores += [f"if (Whole && {sums[name]}) {{",
-                            *_indent(rows.items([f"fusegen::store<Pack>({grad_pointer[name]} + {n['first_row']} * "
+                            *_indent(rows.items([f"fusegen::store<Pack>({grad_pointer[name]} + {n['rank']} * "
                                                  f"{width} + {column}, {total}[{n['item']}]);"])), "}"]
     loaded = [f"const T {s.name} = {n['statistics_ptr']}[{_statistic(n['row'], count, k)}];" for s, k in kernel.body.loaded]
     body = [f"const bool {n['first']} = {n['row']} == {n['first_row']};  // the block's first row: its sums start here",
