@@ -371,7 +371,8 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
         f"  __shared__ T {n['slots']}[2 * Cluster];  // a cluster's: a value a block, the last two reductions'",
         f"  unsigned {n['phase']} = 0;  // reductions so far",
         f"  const Index {n['rank']} = Index(blockIdx.x / Cluster);  // the block's (its cluster's) place: its row of sums",
-        f"  const Index {n['rows_each']} = ({n['M']} + Index(gridDim.x / Cluster) - 1) / Index(gridDim.x / Cluster);",
+        f"  const Index {n['rows_each']} = {n['M']} / Index(gridDim.x / Cluster) + "
+        f"({n['M']} % Index(gridDim.x / Cluster) != 0);  // rounded up (M + blocks - 1 could pass Index)",
         f"  const Index {n['first_row']} = {n['rank']} * {n['rows_each']};  // rows side by side, a block's a run of them",
         f"  const Index {n['last_row']} = {n['first_row']} + {n['rows_each']} < {n['M']} ? {n['first_row']} + "
         f"{n['rows_each']} : {n['M']};",
