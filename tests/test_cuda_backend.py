@@ -344,20 +344,25 @@ def test_a_dtensor_shard_draws_the_global_masks(modules, name):
 @pytest.mark.parametrize("name", ["rmsnorm", "layernorm_dropout_add", "softmax", "bias_layernorm"])
 def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, monkeypatch):
     """The row backward with fewer blocks than rows (each block a run of adjacent rows, none
-    without one: 4 rows on 3 blocks take 2, of 2 rows each): the statistics read row by row, an
-    [N] input's gradient summed over a block's rows in registers (the row held) or in its row of
-    the buffer (read again each pass)."""
+    without one: 4 rows on 3 blocks take 2, of 2 rows each, whose rows of the sums buffer
+    (torch.empty) each block writes): the statistics read row by row, an [N] input's gradient
+    summed over a block's rows in registers (the row held) or in its row of the buffer (read
+    again each pass)."""
     from tests.cuda_host import on_the_host
 
     op = op_by_name(name)
-    cases = (ShapeCase("held", (11,), 24), ShapeCase("rows", (10,), 300), ShapeCase("four", (4,), 24))
+    cases = (ShapeCase("held", (11,), 24), ShapeCase("four", (4,), 24), ShapeCase("rows", (10,), 300),
+             ShapeCase("four read", (4,), 300))
     with on_the_host(tmp_path, monkeypatch) as launches:
         monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 3)  # 3 blocks at most
         for k, case in enumerate(cases):
+            if k == 2:  # the rest read the row again each pass (no shared memory to hold it)
+                monkeypatch.setattr(row_launch, "shared_limit", lambda device: (0, 1))
             for dtype in (torch.float64, torch.float32)[:2 if k == 0 else 1]:
                 _against_the_reference(modules[name], f"{name}_cuda", op, case, dtype, params_for(op, p=0.3))
-    backward = [grid[0] for expression, grid in launches if "_backward<" in expression]
-    assert backward == [3, 3, 3, 2], backward
+    backward = [(grid[0], e.split("<")[1].split(", ")[4]) for e, grid in launches if "_backward<" in e]
+    assert [blocks for blocks, _ in backward] == [3, 3, 2, 3, 2], backward
+    assert [items == "0" for _, items in backward] == [False, False, False, True, True], backward
 
 
 @needs_host_build
@@ -373,6 +378,7 @@ def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp
     in_registers = held == "registers"
     monkeypatch.setattr(row_launch, "LAYOUTS", {size: ((32, in_registers), (16, in_registers)) for size in (2, 4)})
     monkeypatch.setattr(row_launch, "REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(row_launch, "SM_REGISTERS", 1 << 30)
     monkeypatch.setattr(modules[name]._OP, "_prepared", {})  # layouts are kept by call key: none from another test
     with on_the_host(tmp_path, monkeypatch, row_threads=64) as launches:
         monkeypatch.setattr("tests.cuda_host._Properties.multi_processor_count", 2)  # 2 blocks a backward
@@ -600,6 +606,11 @@ def test_cluster_layouts():
     assert layout(262144, 4, (4, 4), 16) == (1024, 4, 16)  # 128 KB a block: alone on its SM
     assert layout(32000, 8, (2,), 32) == (1024, 4, 1)  # one block holds it
     assert layout(8192, 8, (2, 2), 16) == (512, 2, 1)
+    # fp32 forwards in registers (16 values a thread), but not where 1024 threads would hold 32
+    # each (ptxas: spilled at __launch_bounds__(1024)'s 64 registers a thread), nor in a cluster.
+    assert layout(4096, 4, (4,), 16) == (256, 4, 1) and row_launch.in_registers(256, 4, 1, 4, (4,))
+    assert layout(32768, 4, (4,), 16) == (1024, 8, 1) and not row_launch.in_registers(1024, 8, 1, 4, (4,))
+    assert not row_launch.in_registers(512, 8, 16, 4, (4,)) and not row_launch.in_registers(256, 0, 1, 4, (4,))
 
 
 @needs_gpu

@@ -272,7 +272,7 @@ def view_arguments(views, index: type) -> list:
 def _index(problem, views, widest: int) -> type:
     """int32 index arithmetic where no element offset, nor a thread's number, can reach 2**31."""
     # Past the end by a block's packs at most; a row or block of rows counted on past M (a row
-    # kernel's `row += gridDim.x`, the backward's last block's rows) by at most M.
+    # kernel's block's run of rows, the backward's last block's rows) by at most M.
     last = max(problem.m * problem.n * widest + 1024 * 8, 2 * problem.m + 1024)
     for view, stride_m, stride_n in views:
         width = view.shape[-1] if view.dim() else 1

@@ -1,5 +1,5 @@
-"""The CUDA backend's row kind at run time (row_source.py): a block a row, its threads by the
-row's width; the forward writes each row's statistics, the backward reads them and sums the
+"""The CUDA backend's row kind at run time (row_source.py): a block (or cluster) a run of rows, its
+threads by the row's width; the forward writes each row's statistics, the backward reads them and sums the
 gradients of inputs broadcast along rows over each block's rows."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ LAYOUTS = {2: ((32, False), (16, False)), 4: ((16, True), (16, False))}  # by th
 # fp32 (twenty-first session): 16-bit forwards ran best from shared memory at 32 values a thread (in registers
 # 0.44-0.99x as fast, from more registers a thread), fp32 forwards from registers at 16 (0.91-1.00x the Triton
 # kernels; shared memory 0.80-0.98x); the backwards from shared memory at 16 (at 32, or in registers: mixed)
-REGISTER_BYTES = 128  # a thread's held row at most in registers (more: shared memory)
+REGISTER_BYTES = 128  # a thread's held row at most in registers (more: shared memory), and at most a quarter of
+SM_REGISTERS = 65536  # its share of an SM's registers (__launch_bounds__(1024): 64 a thread; 128 bytes held spilled)
 PART = 64 * 1024  # a cluster's block's shared memory at most, where a cluster of MAX_CLUSTER allows: two
 # blocks an SM, one loading while the other computes
 RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), and a row's reductions'
@@ -30,8 +31,8 @@ _SIZES = {name: dtype.itemsize for dtype, name in _C_TYPES.items()} | {"unsigned
 
 class CudaRowKernels(CudaKernels):
     """What a generated row module hands its FusedOp: CudaKernels, how many values a row its
-    forward keeps (`statistics`), and what each kernel holds in shared memory where the row is
-    held (`held`: row_source.held_arrays)."""
+    forward keeps (`statistics`), and what each kernel holds where the row is held (`held`:
+    row_source.held_arrays)."""
 
     def __init__(self, *args, statistics: int, held: tuple[tuple, tuple], **kwargs):
         super().__init__(*args, **kwargs)
@@ -81,6 +82,13 @@ def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clu
     return parts(1)[0], 0, 1
 
 
+def in_registers(threads: int, items: int, cluster: int, pack: int, sizes: tuple[int, ...]) -> bool:
+    """Whether a row one block holds (Items packs a thread of each of `sizes`) fits its threads'
+    registers: REGISTER_BYTES a thread at most, and a quarter of its share of an SM's."""
+    held = items * pack * sum(sizes)
+    return cluster == 1 and 0 < held <= min(REGISTER_BYTES, SM_REGISTERS // threads)
+
+
 def shared_bytes(span: int, sizes: tuple[int, ...]) -> int:
     """Dynamic shared memory of arrays of `span` elements of each size (fusegen::take's)."""
     return sum(-(-span * size // 128) * 128 for size in sizes)
@@ -116,7 +124,7 @@ class _RowLaunch:
             backward = self._name == "backward"
             share, registers = LAYOUTS[2 if max(self._sizes, default=2) <= 2 else 4][backward]
             threads, items, cluster = layout(problem, pack, self._sizes, most, clusters, share)
-            registers = registers and cluster == 1 and 0 < items * pack * sum(self._sizes) <= REGISTER_BYTES
+            registers = registers and in_registers(threads, items, cluster, pack, self._sizes)
             shared = 0 if registers else shared_bytes(threads * items * pack, self._sizes)
             found = self._layouts[pack] = (threads, items, cluster, registers, shared)
         return found

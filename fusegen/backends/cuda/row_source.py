@@ -1,4 +1,4 @@
-"""The row kind's kernels in CUDA C++ (issue 33): the plan's RowBody, a block a row.
+"""The row kind's kernels in CUDA C++ (issue 33): the plan's RowBody, a block a run of rows.
 
 A block of Threads takes a run of adjacent rows (one where the grid has a block a row); each pass
 of the body is a loop along the row, a thread taking packs of Pack adjacent columns Threads · Pack
@@ -169,7 +169,8 @@ class _Rows:
         return lines
 
     def row_copies(self) -> list[str]:
-        """With the row held (Whole): each value's packs copied to shared memory at the row's start."""
+        """With the row held (Whole): each value's packs loaded into its Held at the row's start (all
+        unrolled: every item's loads in flight at once)."""
         n = self.names
         held = {v for v, _ in self.held()}
         lines = [f"fusegen::copy<Pack>({self.here(self.held_at[v])}, {pointer} + {n['row']} * {stride[0]} + "
@@ -184,8 +185,8 @@ class _Rows:
 
     def loop(self, exprs, inner: list[str], after: list[str] = (), declared: list[str] = (),
              by_item: bool = False) -> list[str]:
-        """A loop along the row: each pack's values that `exprs` read (from shared memory where the
-        row is held, else from memory), then per element (k) those values and the temporaries,
+        """A loop along the row: each pack's values that `exprs` read (from the held row where it is
+        held, else from memory), then per element (k) those values and the temporaries,
         then `inner`; `after`, once a pack; `declared` first. `by_item`: the loop of `items`, as is
         every loop that reads a held row; one that draws dropout's masks there is unrolled only
         where the row is in registers (which needs it): Philox's words for every item at once took
@@ -339,7 +340,7 @@ def _results_loop(rows: _Rows, exprs, values, inner: list[str], after: list[str]
 def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prologue=(), before=(),
                  after=()) -> str:
     """The kernel: its template and parameters, then `before` the rows, `body` at each row (after
-    the row's copy to shared memory where it is held), `after` them. `results`: the element types
+    the row's loads into its Held where it is held), `after` them. `results`: the element types
     the kernel writes (Narrow, where the body's exp reads it: all 16-bit or narrower)."""
     kernel, n = rows.kernel, rows.names
     template = ", ".join(["typename T", "typename Index", "int Pack", "int Threads", "int Items", "int Cluster",
@@ -449,9 +450,9 @@ def backward_source(plan: OpPlan) -> str:
 
 
 def held_arrays(plan: OpPlan) -> tuple[tuple, tuple]:
-    """What each kernel holds in shared memory where the row is held (_Rows.held), each as the
-    place of its element type among the kernel's template types after Items, or the type ("T",
-    "unsigned char"): the launcher's shared memory a block."""
+    """What each kernel holds where the row is held (_Rows.held), each as the place of its element
+    type among the kernel's template types after Registers, or the type ("T", "unsigned char"):
+    the launcher's registers or shared memory a block."""
     found = []
     for kernel in (plan.forward, plan.backward):
         rows, _, _, element_type = _rows(plan, kernel)
