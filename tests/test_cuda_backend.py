@@ -366,6 +366,44 @@ def test_row_backward_blocks_of_many_rows_on_the_host(modules, name, tmp_path, m
 
 
 @needs_host_build
+def test_torch_func_and_export_as_with_the_triton_backend(modules, tmp_path, monkeypatch):
+    """torch.func's transforms run the op's reference (torch's ops, the kernels' masks), so vmap,
+    grad and jvp of a CUDA-backend op are those of its reference, with the kernels' masks for a
+    seed under vmap; torch.export records the library op, whose exported program runs the kernels
+    (here compiled for the host) as a call does."""
+    from torch.func import grad, jvp, vmap
+
+    from tests.cuda_host import on_the_host
+
+    norm, dropout = modules["layernorm"], modules["bias_dropout_add"]
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    torch.testing.assert_close(vmap(lambda x: norm.layernorm_cuda(x, w, b))(x), vmap(lambda x: norm.reference(x, w, b))(x))
+    torch.testing.assert_close(grad(lambda x: norm.layernorm_cuda(x, w, b).square().sum())(x),
+                               grad(lambda x: norm.reference(x, w, b).square().sum())(x))
+    tangent = torch.randn_like(x)
+    torch.testing.assert_close(jvp(lambda x: norm.layernorm_cuda(x, w, b), (x,), (tangent,)),
+                               jvp(lambda x: norm.reference(x, w, b), (x,), (tangent,)))
+    residual, bias = torch.zeros(4, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64) + 1
+    ys = vmap(lambda x: dropout.bias_dropout_add_cuda(x, bias, residual, 0.5, seed=77))(x.abs())
+    for y, row in zip(ys, x.abs()):  # each element of the batch: the seed's masks at its own indices
+        want = dropout.reference(row, bias, residual, 0.5, training=True, seed=77)
+        assert 0 < int((want == 0).sum()) < want.numel() and torch.equal(y == 0, want == 0)
+        torch.testing.assert_close(y, want)
+
+    class Norm(torch.nn.Module):
+        def forward(self, x, w, b):
+            return norm.layernorm_cuda(x, w, b)
+
+    program = torch.export.export(Norm(), (x, w, b))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "fusegen.layernorm_cuda.default" in targets, targets
+    with on_the_host(tmp_path, monkeypatch) as launches:
+        torch.testing.assert_close(program.module()(x, w, b), norm.reference(x, w, b))
+    assert launches, "the exported program ran no kernel"
+
+
+@needs_host_build
 @pytest.mark.parametrize("held", ["registers", "shared"])
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm", "layernorm_dropout_add", "bias_layernorm"])
 def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp_path, monkeypatch):
