@@ -1,6 +1,6 @@
-"""The CUDA backend's row kind at run time (row_source.py): a block (or cluster) a run of rows, its
-threads by the row's width; the forward writes each row's statistics, the backward reads them and sums the
-gradients of inputs broadcast along rows over each block's rows."""
+"""The CUDA backend's row kind at run time (row_source.py): a block (or cluster) a run of rows,
+its threads by the row's width; the forward writes each row's statistics, the backward reads them
+and sums the gradients of inputs broadcast along rows over each block's rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +17,9 @@ LAYOUTS = {2: ((32, False), (16, False)), 4: ((16, True), (16, False))}  # by th
 # fp32 (twenty-first session): 16-bit forwards ran best from shared memory at 32 values a thread (in registers
 # 0.44-0.99x as fast, from more registers a thread), fp32 forwards from registers at 16 (0.91-1.00x the Triton
 # kernels; shared memory 0.80-0.98x); the backwards from shared memory at 16 (at 32, or in registers: mixed)
-REGISTER_BYTES = 128  # a thread's held row at most in registers (more: shared memory), and at most a quarter of
-SM_REGISTERS = 65536  # its share of an SM's registers (__launch_bounds__(1024): 64 a thread; 128 bytes held spilled)
+REGISTER_BYTES = 128  # a thread's held row at most in registers (more: shared memory)
+SM_REGISTERS = 65536  # an SM's: a held row in registers takes at most a quarter of a thread's share
+# (__launch_bounds__(1024) leaves 64 a thread; ptxas spilled an fp32 forward holding 128 bytes there)
 PART = 64 * 1024  # a cluster's block's shared memory at most, where a cluster of MAX_CLUSTER allows: two
 # blocks an SM, one loading while the other computes
 RESERVED = 1024 + 512  # shared memory an SM keeps a block (sm_80 and later), and a row's reductions'
