@@ -404,6 +404,34 @@ def test_torch_func_and_export_as_with_the_triton_backend(modules, tmp_path, mon
 
 
 @needs_host_build
+@pytest.mark.parametrize("name", ["layernorm_dropout_add", "bias_dropout_add"])
+def test_torch_compile_calls_the_library_op_on_the_host(modules, name, tmp_path, monkeypatch):
+    """A CUDA-backend op inside torch.compile (aot_eager, fullgraph: the library op's fake
+    and autograd registrations traced; Inductor's GPU codegen is the GPU test's): values,
+    dropout's masks and every gradient as an eager call's, bit for bit."""
+    from tests.cuda_host import on_the_host
+
+    op = op_by_name(name)
+    fn = getattr(modules[name], f"{name}_cuda")
+    params = params_for(op, p=0.3)
+    tensors = make_inputs(op, ShapeCase("rows", (3, 5), 24), torch.float64, seed=11)
+    with on_the_host(tmp_path, monkeypatch) as launches:
+        results, counts = [], []
+        for call in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
+            leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+            first = len(launches)
+            y = call(*leaves.values(), **params, training=True, seed=99)
+            y.backward(torch.ones_like(y))
+            results.append((y.detach(), *(v.grad for v in leaves.values())))
+            counts.append(len(launches) - first)
+    eager, compiled = results
+    assert counts[1] == counts[0] == 2, counts  # the compiled graph launched the kernels: forward, backward
+    assert 0 < int((eager[0] == tensors["residual"]).sum()) < eager[0].numel()  # some elements dropped
+    for want, got in zip(eager, compiled):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@needs_host_build
 @pytest.mark.parametrize("held", ["registers", "shared"])
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm", "layernorm_dropout_add", "bias_layernorm"])
 def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp_path, monkeypatch):
