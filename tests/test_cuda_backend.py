@@ -432,8 +432,9 @@ def test_torch_compile_calls_the_library_op_on_the_host(modules, name, tmp_path,
 
 
 @needs_host_build
-@pytest.mark.parametrize("held", ["registers", "shared"])
-@pytest.mark.parametrize("name", ["softmax", "rmsnorm", "layernorm_dropout_add", "bias_layernorm"])
+@pytest.mark.parametrize(("name", "held"), [("softmax", "shared"), ("rmsnorm", "shared"), ("bias_layernorm", "shared"),
+                                            ("layernorm_dropout_add", "shared"), ("softmax", "registers"),
+                                            ("layernorm_dropout_add", "registers")])  # in registers: an op with masks, one without
 def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp_path, monkeypatch):
     """Row kernels whose blocks run 32-64 threads at once (host threads): the threads' columns,
     held rows across threads (in registers or in shared memory), the block's reductions; fewer
