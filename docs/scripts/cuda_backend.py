@@ -1,5 +1,6 @@
 """Issue 33: shipped pointwise and row ops built by the CUDA backend against the same op built by the
-Triton backend, in one run on the GPU: forward and forward+backward, ms by triton.testing.do_bench,
+Triton backend, in one run on the GPU: forward and forward+backward, ms (medians by `fusegen
+bench`'s do_bench timer; before the twenty-first session's end, do_bench's default, the mean),
 and each op's first use (NVRTC compiling its forward and backward with an empty cache, plus the
 first launches). `python docs/scripts/cuda_backend.py [--ops gelu,...] [--cells bf16:16384x8192,...]`
 (docs/benchmarks.md, "The CUDA backend")."""
@@ -11,10 +12,10 @@ import time
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from fusegen.bench.timing import time_fn  # noqa: E402
 from tests.helpers import ShapeCase, build_and_import, make_inputs, op_by_name, params_for, shipped_as  # noqa: E402
 
 OPS = ("add_relu", "bias_dropout_add", "bias_relu", "gelu", "gelu_tanh", "leaky_relu", "mish", "quick_gelu", "softcap",
@@ -57,13 +58,13 @@ def main() -> None:
             torch.cuda.synchronize()
             row = [f"{name:17s} {dtype_name:5s} first use {time.perf_counter() - start:5.2f}s"]
             for label, fn in (("cuda", cuda_fn), ("triton", op.fn)):
-                forward = do_bench(lambda: fn(*tensors.values(), **kwargs), rep=100)
+                forward = time_fn(lambda: fn(*tensors.values(), **kwargs)).median_ms
                 g = torch.ones_like(fn(*tensors.values(), **kwargs))
 
                 def step():
                     torch.autograd.backward(fn(*leaves.values(), **kwargs), g)
 
-                both = do_bench(step, rep=100, grad_to_none=list(leaves.values()))
+                both = time_fn(step, grad_to_none=list(leaves.values())).median_ms
                 row.append(f"{label} {forward:.4f}/{both:.4f}")
             print("  ".join(row), flush=True)
 
