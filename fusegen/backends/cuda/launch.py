@@ -139,15 +139,15 @@ class _BoundCuda:
         t = _NUMPY[call.problem.compute_dtype]
         return [(np.int64 if i in self._integer else t)(call.params[i]) for i in self._scalars[which]]
 
-    def dropout_arguments(self, call, which: int, seed) -> list:
-        """The seed tensor's address (0 without dropout), dropout's flag, a DTensor shard's six sizes'
-        address (0 for a whole tensor), each p's threshold and scale."""
+    def dropout_arguments(self, call, which: int, seed, shard) -> list:
+        """The seed tensor's address (0 without dropout), dropout's flag, the six sizes' address of
+        `shard` (mask_shard's, which the caller's pack took too; 0 for None), each p's threshold and
+        scale."""
         if not self._dropout[which]:
             return []
         t = _NUMPY[call.problem.compute_dtype]
         params = call.params
         values = [0 if seed is None or not call.has_dropout else seed.data_ptr(), np.bool_(call.has_dropout)]
-        shard = self.mask_shard(call, which)
         values.append(0 if shard is None else shard.buffer(call.problem.device).data_ptr())
         for i in self._dropout[which]:
             values += [np.int32(dropout_threshold(params[i])), t(dropout_scale(params[i]))]
@@ -384,9 +384,10 @@ class _Forward:
         views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
         if self._index is None:
             self._index = _index(problem, views, self._widest)
-        pack, index = _pack(problem, views, outputs, bound.mask_shard(call, 0)), self._index
+        shard = bound.mask_shard(call, 0)
+        pack, index = _pack(problem, views, outputs, shard), self._index
         arguments = view_arguments(views, index) + [o.data_ptr() for o in outputs]
-        arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
+        arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed, shard)
         arguments += [index(problem.m), index(problem.n)]
         launch = self._kernels.get((pack, index))
         if launch is None:
@@ -438,7 +439,8 @@ class _Backward:
         device = problem.device
         views = backward_views(bound, problem, tensors, grads) if problem.launches else []
         # The buffers are torch's (aligned, each row a multiple of the pack): only the reads decide.
-        pack = _pack(problem, views, [], bound.mask_shard(call, 1)) if views else 1
+        shard = bound.mask_shard(call, 1)
+        pack = _pack(problem, views, [], shard) if views else 1
         geometry = self._geometry.get(pack)
         if geometry is None:
             geometry = self._geometry[pack] = self.geometry(pack) if problem.launches else ((1, problem.m), 1)
@@ -449,7 +451,7 @@ class _Backward:
                 self._index = _index(problem, views, self._widest)
             index = self._index
             arguments = view_arguments(views, index) + bound.scalar_arguments(call, 1)
-            arguments += bound.dropout_arguments(call, 1, seed) + gradient_arguments(buffers, self._forms)
+            arguments += bound.dropout_arguments(call, 1, seed, shard) + gradient_arguments(buffers, self._forms)
             arguments += [index(problem.m), index(problem.n), index(rows)]
             launch = self._kernels.get((pack, index))
             if launch is None:

@@ -181,10 +181,11 @@ class _RowForward(_RowLaunch):
         tensors, rest = values[:self._count], values[self._count:]
         outputs, statistics, seed = rest[:-2], rest[-2], rest[-1]
         views = _views(tensors, bound._reads[0], bound.chunks, problem)  # a copied view lives until the launch is queued
-        pack, index = _pack(problem, views, outputs, bound.mask_shard(call, 0)), self.index(views)
+        shard = bound.mask_shard(call, 0)
+        pack, index = _pack(problem, views, outputs, shard), self.index(views)
         arguments = view_arguments(views, index) + [o.data_ptr() for o in outputs]
         arguments.append(0 if statistics is None else statistics.data_ptr())
-        arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed)
+        arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed, shard)
         self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
 
     def native_form(self) -> None:
@@ -215,16 +216,16 @@ class _RowBackward(_RowLaunch):
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
         bound, call = self._bound, self._call
         problem = call.problem
-        views, pack, index = [], 1, None
+        views, pack, index, shard = [], 1, None, bound.mask_shard(call, 1)
         if problem.launches:
             views = backward_views(bound, problem, tensors, grads)
-            pack = _pack(problem, views, [], bound.mask_shard(call, 1))  # the buffers are torch's: rows of whole packs
+            pack = _pack(problem, views, [], shard)  # the buffers are torch's: rows of whole packs
             index = self.index(views)
         blocks = self.prepared(pack, index)[2] if problem.launches else problem.m
         buffers = gradient_buffers(bound, problem, tensors, self._forms, blocks)
         if problem.launches:
             arguments = view_arguments(views, index) + [0 if statistics is None else statistics.data_ptr()]
-            arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed)
+            arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed, shard)
             arguments += gradient_arguments(buffers, self._forms)
             self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
         elif problem.m * problem.n == 0:

@@ -268,7 +268,7 @@ def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
     names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shard_ptr",
                                          "shared", "statistics_ptr", "first", "next", "item",
-                                         "rank", "rows_each", "first_row", "last_row", "begin", "end", "slots",
+                                         "rank", "ranks", "rows_each", "first_row", "last_row", "begin", "end", "slots",
                                          "phase")}
     return namer, names
 
@@ -355,11 +355,12 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
     lines = [
         *prologue,
         "#ifdef __CUDACC__",
-        "// A block of Threads a row at a time; each pass a loop along the row, Pack adjacent columns a",
-        "// thread Threads · Pack apart, its reductions then reduced across the block. Items > 0: the",
-        "// row held, each thread's Items packs loaded once a row, in its registers (Registers) or in",
-        "// shared memory; Cluster > 1: a cluster of blocks a row, each holding Threads · Items · Pack",
-        "// columns of it, their reductions combined through the cluster's shared memory (sm_90).",
+        "// A block of Threads a run of adjacent rows, one at a time; each pass a loop along the row,",
+        "// Pack adjacent columns a thread Threads · Pack apart, its reductions then reduced across the",
+        "// block. Items > 0: the row held, each thread's Items packs loaded once a row, in its",
+        "// registers (Registers) or in shared memory; Cluster > 1: a cluster of blocks a row, each",
+        "// holding Threads · Items · Pack columns of it, their reductions combined through the",
+        "// cluster's shared memory (sm_90).",
         f"template <{template}>",
         f"__global__ void __launch_bounds__(Threads) {name}(",
         *(f"    {p}" for p in parameters),
@@ -372,8 +373,9 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
         f"  __shared__ T {n['slots']}[2 * Cluster];  // a cluster's: a value a block, the last two reductions'",
         f"  unsigned {n['phase']} = 0;  // reductions so far",
         f"  const Index {n['rank']} = Index(blockIdx.x / Cluster);  // the block's (its cluster's) place: its row of sums",
-        f"  const Index {n['rows_each']} = {n['M']} / Index(gridDim.x / Cluster) + "
-        f"({n['M']} % Index(gridDim.x / Cluster) != 0);  // rounded up (M + blocks - 1 could pass Index)",
+        f"  const Index {n['ranks']} = Index(gridDim.x / Cluster);",
+        f"  const Index {n['rows_each']} = {n['M']} / {n['ranks']} + ({n['M']} % {n['ranks']} != 0);  // rounded up "
+        "(M + ranks - 1 could pass Index)",
         f"  const Index {n['first_row']} = {n['rank']} * {n['rows_each']};  // rows side by side, a block's a run of them",
         f"  const Index {n['last_row']} = {n['first_row']} + {n['rows_each']} < {n['M']} ? {n['first_row']} + "
         f"{n['rows_each']} : {n['M']};",

@@ -74,30 +74,32 @@ constexpr bool is_float = false;
 template <>
 constexpr bool is_float<float> = true;
 
-// The larger and smaller of a and b, NaN if either is (fmax and fmin drop a NaN), as torch; a float
-// on the GPU in one instruction (tl.maximum's PropagateNan.ALL).
-template <typename T>
-FUSEGEN_HD T maximum(T a, T b) {
+// The larger (Larger) or smaller of a and b, NaN if either is (fmax and fmin drop a NaN), as
+// torch; a float on the GPU in one instruction (tl.maximum's PropagateNan.ALL).
+template <bool Larger, typename T>
+FUSEGEN_HD T extreme(T a, T b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (is_float<T>) {
-    float larger;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(larger) : "f"(a), "f"(b));
-    return larger;
+    float chosen;
+    if constexpr (Larger) {
+      asm("max.NaN.f32 %0, %1, %2;" : "=f"(chosen) : "f"(a), "f"(b));
+    } else {
+      asm("min.NaN.f32 %0, %1, %2;" : "=f"(chosen) : "f"(a), "f"(b));
+    }
+    return chosen;
   }
 #endif
-  return (a != a || b != b) ? a + b : (a > b ? a : b);
+  return (a != a || b != b) ? a + b : (Larger ? (a > b ? a : b) : (a < b ? a : b));
+}
+
+template <typename T>
+FUSEGEN_HD T maximum(T a, T b) {
+  return extreme<true>(a, b);
 }
 
 template <typename T>
 FUSEGEN_HD T minimum(T a, T b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (is_float<T>) {
-    float smaller;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(smaller) : "f"(a), "f"(b));
-    return smaller;
-  }
-#endif
-  return (a != a || b != b) ? a + b : (a < b ? a : b);
+  return extreme<false>(a, b);
 }
 
 // exp(x) in a kernel whose results are all 16-bit or narrower (Narrow: `narrow`): in float on the
