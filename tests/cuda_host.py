@@ -124,7 +124,8 @@ class HostKernels:
 class _Properties:  # an H100's: the backward's blocks of rows and the rows held as there
     multi_processor_count = 132
     shared_memory_per_multiprocessor = 233472
-    major = 9
+    major, minor = 9, 0  # on a GPU machine torch's lazy CUDA init asks these (Dynamo saves the RNG state)
+    name = "NVIDIA H100 80GB HBM3"
 
 
 @contextlib.contextmanager

@@ -151,8 +151,14 @@ class _RowLaunch:
         raise NotImplementedError
 
     def launch(self, pack: int, index: type, arguments: list) -> None:
-        kernel, config, _ = self.prepared(pack, index)
-        pointwise._launch(kernel, self._call.problem.device, config, arguments)
+        """The kernel at `pack` and `index` on `arguments`, then M, N and a block's run of rows
+        (the host divides: an integer division is dozens of instructions a thread, where a
+        16-bit row's thread has a few hundred)."""
+        kernel, config, blocks = self.prepared(pack, index)
+        m = self._call.problem.m
+        rows_each = -(-m // blocks)
+        pointwise._launch(kernel, self._call.problem.device, config,
+                          arguments + [index(m), index(self._call.problem.n), index(rows_each)])
 
     def index(self, views) -> type:
         """As the pointwise kind's, the [M, statistics] buffer's offsets too (once: the call key's)."""
@@ -186,7 +192,7 @@ class _RowForward(_RowLaunch):
         arguments = view_arguments(views, index) + [o.data_ptr() for o in outputs]
         arguments.append(0 if statistics is None else statistics.data_ptr())
         arguments += bound.scalar_arguments(call, 0) + bound.dropout_arguments(call, 0, seed, shard)
-        self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
+        self.launch(pack, index, arguments)
 
     def native_form(self) -> None:
         return None  # calls stay in Python
@@ -210,7 +216,7 @@ class _RowBackward(_RowLaunch):
         resident = pointwise._resident(kernel, problem.device, threads, shared, cluster)
         if cluster == 1:
             resident *= torch.cuda.get_device_properties(problem.device).multi_processor_count
-        each = -(-problem.m // max(1, resident))  # a block's run of rows (the kernel's rows_each)
+        each = -(-problem.m // max(1, resident))  # a block's run of rows (launch: rows_each)
         return max(1, -(-problem.m // each))  # no block without a row: each writes its row of sums
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:
@@ -227,7 +233,7 @@ class _RowBackward(_RowLaunch):
             arguments = view_arguments(views, index) + [0 if statistics is None else statistics.data_ptr()]
             arguments += bound.scalar_arguments(call, 1) + bound.dropout_arguments(call, 1, seed, shard)
             arguments += gradient_arguments(buffers, self._forms)
-            self.launch(pack, index, arguments + [index(problem.m), index(problem.n)])
+            self.launch(pack, index, arguments)
         elif problem.m * problem.n == 0:
             buffers = [None if b is None else b.zero_() for b in buffers]
         return gradients_of(bound, problem, tensors, self._needs, self._forms, buffers)

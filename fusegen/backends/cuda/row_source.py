@@ -268,7 +268,7 @@ def _namer(plan: OpPlan, kernel: KernelPlan) -> tuple[Namer, dict]:
     namer = Namer(frozenset(locals_) | OWN_NAMES | CPP_KEYWORDS | {f"{plan.op}_forward", f"{plan.op}_backward"})
     names = {w: namer.claim(w) for w in ("row", "col", "k", "N", "M", "seed", "has_dropout", "seed_ptr", "shard_ptr",
                                          "shared", "statistics_ptr", "first", "next", "item",
-                                         "rank", "ranks", "rows_each", "first_row", "last_row", "begin", "end", "slots",
+                                         "rank", "rows_each", "first_row", "last_row", "begin", "end", "slots",
                                          "phase")}
     return namer, names
 
@@ -364,7 +364,8 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
         f"template <{template}>",
         f"__global__ void __launch_bounds__(Threads) {name}(",
         *(f"    {p}" for p in parameters),
-        f"    Index {n['M']}, Index {n['N']}) {{",
+        f"    Index {n['M']}, Index {n['N']},",
+        f"    Index {n['rows_each']}) {{  // a block's run of rows: M over the grid's blocks (clusters), rounded up",
         "  constexpr bool Whole = Items > 0;",
         *([f"  constexpr bool Narrow = {narrow};  // results 16-bit or narrower: a faster exp"]
           if any("<Narrow>" in line for line in body) else []),
@@ -373,12 +374,9 @@ def _kernel_text(rows: _Rows, name: str, types, parameters, body, results, prolo
         f"  __shared__ T {n['slots']}[2 * Cluster];  // a cluster's: a value a block, the last two reductions'",
         f"  unsigned {n['phase']} = 0;  // reductions so far",
         f"  const Index {n['rank']} = Index(blockIdx.x / Cluster);  // the block's (its cluster's) place: its row of sums",
-        f"  const Index {n['ranks']} = Index(gridDim.x / Cluster);",
-        f"  const Index {n['rows_each']} = {n['M']} / {n['ranks']} + ({n['M']} % {n['ranks']} != 0);  // rounded up "
-        "(M + ranks - 1 could pass Index)",
         f"  const Index {n['first_row']} = {n['rank']} * {n['rows_each']};  // rows side by side, a block's a run of them",
-        f"  const Index {n['last_row']} = {n['first_row']} + {n['rows_each']} < {n['M']} ? {n['first_row']} + "
-        f"{n['rows_each']} : {n['M']};",
+        f"  const Index {n['last_row']} = {n['rows_each']} < {n['M']} - {n['first_row']} ? {n['first_row']} + "
+        f"{n['rows_each']} : {n['M']};  // (first_row + rows_each could pass Index)",
         f"  const Index {n['begin']} = Index(blockIdx.x % Cluster) * (Threads * Items * Pack);  // the block's columns",
         f"  const Index {n['end']} = Cluster > 1 && {n['begin']} + Threads * Items * Pack < {n['N']} ? "
         f"{n['begin']} + Threads * Items * Pack : {n['N']};",
