@@ -8,7 +8,8 @@ pass's online sums (softmax's Σ exp(x - max)) take a loop of their own after th
 known. With Items > 0 the row is held: at each row's start every thread loads its Items packs of
 each value with rows (inputs, incoming gradients, dropout's masks), all loads in flight at once,
 and every pass reads them back (each thread only its own columns: no barrier), the loops unrolled
-by item; [N] inputs are read where used (cached). Held in registers (Registers: fewer instructions,
+by item; the forward holds the [N] inputs its passes read too, and the rows only its results read
+(_Rows.held); other [N] inputs are read where used (cached). Held in registers (Registers: fewer instructions,
 more registers a thread) or in shared memory (fewer registers, more rows an SM at once): the
 launcher picks by dtype (row_launch.LAYOUTS). With Items 0 each pass reads the row again. The
 forward keeps each row's reductions ([M, statistics], in T) for the backward, which reads
@@ -148,9 +149,18 @@ class _Rows:
     def held(self) -> list[tuple[str, str]]:
         """What a kernel holds where the row is held, (value, element type): each value with rows
         that its passes read (inputs, incoming gradients, as stored) and the masks they read (a
-        byte an element: kept or not). What only the results read is read once, from memory."""
+        byte an element: kept or not). The forward also holds the [N] inputs its passes read (read
+        once a row, not once a pass) and the rows only its results read (their loads in flight
+        with the row's, where a results loop that draws masks goes item by item): H100, bf16
+        (16384, 8192), bias_layernorm's forward 0.2285 -> 0.2188 ms, layernorm_dropout_add's
+        0.4570 -> 0.4068. The backward reads those from memory where used (cached)."""
         _, inputs, masks, incoming = self._needed([r.value for p in self.body.passes for r in p.reductions])
-        reads = [(v.local, self.types[i.name]) for i in inputs if _has_rows(i) for v in i.values]
+        forward = self.kernel is self.plan.forward
+        reads = [(v.local, self.types[i.name]) for i in inputs if forward or _has_rows(i) for v in i.values]
+        if forward:
+            _, results, _, _ = self._needed([e for _, e in (*self.body.final_temps, *self.body.results)])
+            reads += [(v.local, self.types[i.name]) for i in results if _has_rows(i) and i not in inputs
+                      for v in i.values]
         reads += [(g, self.types[g]) for g in incoming]
         return [r for r in reads if r[0] not in self.per_row] + [(m.local, "unsigned char") for m in masks]
 
