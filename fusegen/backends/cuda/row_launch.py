@@ -11,12 +11,15 @@ from .launch import (_C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _
                      gradient_arguments, gradient_buffers, gradient_forms, gradients_of, view_arguments)
 
 MAX_THREADS, MIN_THREADS = 1024, 32
-LAYOUTS = {2: ((32, False), (16, False)), 4: ((16, True), (16, False))}  # by the size of a row's widest held
+LAYOUTS = {2: ((32, False), (8, False)), 4: ((16, True), (8, False))}  # by the size of a row's widest held
 # elements (2: 16-bit or narrower; 4: wider), the forward's and the backward's values of a row a thread takes and
 # whether a row one block holds is kept in registers (else in shared memory). H100, rows of 8192 bf16 and 4096
 # fp32 (twenty-first session): 16-bit forwards ran best from shared memory at 32 values a thread (in registers
 # 0.44-0.99x as fast, from more registers a thread), fp32 forwards from registers at 16 (0.91-1.00x the Triton
-# kernels; shared memory 0.80-0.98x); the backwards from shared memory at 16 (at 32, or in registers: mixed)
+# kernels; shared memory 0.80-0.98x). The backwards from shared memory at 8 (twenty-second session, GPU time,
+# forward+backward against 16: bf16 layernorm 0.661 -> 0.586 ms, bias_layernorm 0.748 -> 0.690, fp32
+# add_rmsnorm 1.108 -> 1.021, layernorm_dropout_add 0.980 -> 0.898; bf16 layernorm_dropout_add 1.303 -> 1.331):
+# twice the threads, half the [N] sums a thread in registers
 REGISTER_BYTES = 128  # a thread's held row at most in registers (more: shared memory)
 SM_REGISTERS = 65536  # an SM's: a held row in registers takes at most a quarter of a thread's share
 # (__launch_bounds__(1024) leaves 64 a thread; ptxas spilled an fp32 forward holding 128 bytes there)
