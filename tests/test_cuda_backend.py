@@ -443,7 +443,7 @@ def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp
 
     op = op_by_name(name)
     in_registers = held == "registers"
-    monkeypatch.setattr(row_launch, "LAYOUTS", {size: ((32, in_registers), (16, in_registers)) for size in (2, 4)})
+    monkeypatch.setattr(row_launch, "LAYOUTS", {size: (((32,), in_registers), ((16,), in_registers)) for size in (2, 4)})
     monkeypatch.setattr(row_launch, "REGISTER_BYTES", 1 << 20)
     monkeypatch.setattr(row_launch, "SM_REGISTERS", 1 << 30)
     monkeypatch.setattr(modules[name]._OP, "_prepared", {})  # layouts are kept by call key: none from another test
@@ -458,6 +458,25 @@ def test_row_kernels_with_blocks_of_threads_on_the_host(modules, name, held, tmp
     assert all(int(threads) > 1 for _, threads, _, _, _ in layouts), layouts
     assert all((registers == "true") == (held == "registers" and items != "0") for _, _, items, _, registers in layouts), \
         layouts
+
+
+@needs_host_build
+@pytest.mark.parametrize(("resident", "threads"), [({32: 1, 64: 1}, 64), ({32: 2, 64: 1}, 32), ({32: 3, 64: 1}, 32)])
+def test_backward_values_a_thread_by_the_threads_resident_on_the_host(modules, resident, threads, tmp_path,
+                                                                      monkeypatch):
+    """Of the backward's values a thread (LAYOUTS: 16 and 8; fp64 rows of 512 in 16-byte packs:
+    32 or 64 threads), the one whose kernel the GPU runs more threads of at once (the driver's
+    blocks an SM, here given), the first on a tie; values and gradients as the reference's."""
+    from tests.cuda_host import on_the_host
+
+    op = op_by_name("rmsnorm")
+    monkeypatch.setattr(modules["rmsnorm"]._OP, "_prepared", {})  # layouts are kept by call key: none from another test
+    with on_the_host(tmp_path, monkeypatch, row_threads=64) as launches:
+        monkeypatch.setattr(cuda_launch, "_resident", lambda kernel, device, threads, shared, cluster=1: resident[threads])
+        _against_the_reference(modules["rmsnorm"], "rmsnorm_cuda", op, ShapeCase("held", (3,), 512), torch.float64,
+                               params_for(op))
+    backward = [e.split("<")[1].split(", ")[3] for e, _ in launches if "_backward<" in e]
+    assert backward == [str(threads)], (backward, launches)
 
 
 @needs_host_build

@@ -50,7 +50,7 @@ def recorded(taken: list):
         new = (pack, index) not in self._kernels
         found = prepare(self, pack, index)
         if new:
-            taken.append(f"{self._name}{self.layout(pack)[:4]}x{found[2]}")
+            taken.append(f"{self._name}{self.layout(pack, index)[:4]}x{found[2]}")
         return found
 
     return prepared
@@ -77,7 +77,7 @@ def main() -> None:
                 row_launch.LAYOUTS, row_launch.PART, row_launch.CLUSTER_THREADS = launcher
                 if layout != "auto":
                     forward, backward, part, *threads = layout.split("/")
-                    shares = tuple((int(share.rstrip("r")), share.endswith("r")) for share in (forward, backward))
+                    shares = tuple(((int(share.rstrip("r")),), share.endswith("r")) for share in (forward, backward))
                     row_launch.LAYOUTS = {size: shares for size in launcher[0]}
                     row_launch.PART = int(part) * 1024
                     row_launch.CLUSTER_THREADS = int(threads[0]) if threads else launcher[2]

@@ -11,15 +11,16 @@ from .launch import (_C_TYPES, _INDEX, CudaKernels, _BoundCuda, _index, _pack, _
                      gradient_arguments, gradient_buffers, gradient_forms, gradients_of, view_arguments)
 
 MAX_THREADS, MIN_THREADS = 1024, 32
-LAYOUTS = {2: ((32, False), (8, False)), 4: ((16, True), (8, False))}  # by the size of a row's widest held
-# elements (2: 16-bit or narrower; 4: wider), the forward's and the backward's values of a row a thread takes and
-# whether a row one block holds is kept in registers (else in shared memory). H100, rows of 8192 bf16 and 4096
+LAYOUTS = {2: (((32,), False), ((16, 8), False)), 4: (((16,), True), ((16, 8), False))}  # by the size of a row's
+# widest held elements (2: 16-bit or narrower; 4: wider), the forward's and the backward's values of a row a thread
+# takes (of several, the one whose compiled kernel the GPU runs the most threads of at once; on a tie the first)
+# and whether a row one block holds is kept in registers (else in shared memory). H100, rows of 8192 bf16 and 4096
 # fp32 (twenty-first session): 16-bit forwards ran best from shared memory at 32 values a thread (in registers
 # 0.44-0.99x as fast, from more registers a thread), fp32 forwards from registers at 16 (0.91-1.00x the Triton
-# kernels; shared memory 0.80-0.98x). The backwards from shared memory at 8 (twenty-second session, GPU time,
-# forward+backward against 16: bf16 layernorm 0.661 -> 0.586 ms, bias_layernorm 0.748 -> 0.690, fp32
-# add_rmsnorm 1.108 -> 1.021, layernorm_dropout_add 0.980 -> 0.898; bf16 layernorm_dropout_add 1.303 -> 1.331):
-# twice the threads, half the [N] sums a thread in registers
+# kernels; shared memory 0.80-0.98x); the backwards from shared memory (at 32, or in registers: mixed). Backwards
+# at 8 against 16 (twenty-second session, forward+backward, GPU time): faster in each of the 9 cells where 8 let
+# the GPU run more threads at once (bf16 layernorm 0.656 -> 0.586 ms, fp32 add_rmsnorm 1.106 -> 1.028), slower or
+# level in the 5 where it did not (bf16 rmsnorm 0.515 -> 0.546, fp32 bias_layernorm 0.555 -> 0.619)
 REGISTER_BYTES = 128  # a thread's held row at most in registers (more: shared memory)
 SM_REGISTERS = 65536  # an SM's: a held row in registers takes at most a quarter of a thread's share
 # (__launch_bounds__(1024) leaves 64 a thread; ptxas spilled an fp32 forward holding 128 bytes there)
@@ -118,20 +119,39 @@ class _RowLaunch:
                             for p in held)
         self._layouts: dict[int, tuple] = {}  # pack → (threads, items, cluster, registers, shared bytes)
 
-    def layout(self, pack: int) -> tuple[int, int, int, bool, int]:
+    def layout(self, pack: int, index: type) -> tuple[int, int, int, bool, int]:
         """Threads, Items, the blocks a row, whether a held row is in registers and the dynamic
-        shared memory of a block at `pack` (kept by pack)."""
-        found = self._layouts.get(pack)
+        shared memory of a block at `pack` (kept by pack and index type). Of several values a
+        thread (LAYOUTS), the one whose kernel the GPU runs the most threads of at once."""
+        found = self._layouts.get((pack, index))
         if found is None:
             problem = self._call.problem
             most, clusters = shared_limit(problem.device)
-            backward = self._name == "backward"
-            share, registers = LAYOUTS[2 if max(self._sizes, default=2) <= 2 else 4][backward]
-            threads, items, cluster = layout(problem, pack, self._sizes, most, clusters, share)
-            registers = registers and in_registers(threads, items, cluster, pack, self._sizes)
-            shared = 0 if registers else shared_bytes(threads * items * pack, self._sizes)
-            found = self._layouts[pack] = (threads, items, cluster, registers, shared)
+            shares, registers = LAYOUTS[2 if max(self._sizes, default=2) <= 2 else 4][self._name == "backward"]
+            best = None
+            for share in shares:
+                threads, items, cluster = layout(problem, pack, self._sizes, most, clusters, share)
+                held = registers and in_registers(threads, items, cluster, pack, self._sizes)
+                candidate = (threads, items, cluster, held, 0 if held else shared_bytes(threads * items * pack, self._sizes))
+                if len(shares) > 1:
+                    kernel = self.compiled(pack, index, candidate)
+                    pointwise._allow(kernel, problem.device, candidate[4], cluster)
+                    count = pointwise._resident(kernel, problem.device, threads, candidate[4], cluster) * threads
+                    count *= cluster if cluster > 1 else torch.cuda.get_device_properties(problem.device).multi_processor_count
+                    if best is None or count > best[0]:
+                        best = (count, candidate)
+                else:
+                    best = (0, candidate)
+            found = self._layouts[(pack, index)] = best[1]
         return found
+
+    def compiled(self, pack: int, index: type, layout: tuple):
+        """The kernel at `pack`, `index` and `layout` (compiled once a machine: compiler's cache)."""
+        t, *types = self._types
+        threads, items, cluster, registers, _ = layout
+        arguments = [str(pack), str(threads), str(items), str(cluster), "true" if registers else "false"]
+        expression = f"{self._bound.kernels.op}_{self._name}<{', '.join([t, _INDEX[index], *arguments, *types])}>"
+        return self._bound.kernel(self._call.problem.device, expression)
 
     def prepared(self, pack: int, index: type) -> tuple:
         """The kernel at `pack` and `index`, its launch config and its grid's blocks (kept: the
@@ -139,18 +159,16 @@ class _RowLaunch:
         found = self._kernels.get((pack, index))
         if found is None:
             problem = self._call.problem
-            t, *types = self._types
-            threads, items, cluster, registers, shared = self.layout(pack)
-            layout = [str(pack), str(threads), str(items), str(cluster), "true" if registers else "false"]
-            expression = f"{self._bound.kernels.op}_{self._name}<{', '.join([t, _INDEX[index], *layout, *types])}>"
-            compiled = self._bound.kernel(problem.device, expression)
+            layout = self.layout(pack, index)
+            threads, _, cluster, _, shared = layout
+            compiled = self.compiled(pack, index, layout)
             pointwise._allow(compiled, problem.device, shared, cluster)
-            blocks = self.count_blocks(pack, compiled)
+            blocks = self.count_blocks(layout, compiled)
             found = self._kernels[(pack, index)] = (compiled, pointwise._config((blocks, 1), threads, shared, cluster),
                                                     blocks)
         return found
 
-    def count_blocks(self, pack: int, kernel) -> int:
+    def count_blocks(self, layout: tuple, kernel) -> int:
         raise NotImplementedError
 
     def launch(self, pack: int, index: type, arguments: list) -> None:
@@ -180,9 +198,9 @@ class _RowForward(_RowLaunch):
         super().__init__(bound, call, "forward", reads + outputs)
         self._count = len(tensors)
 
-    def count_blocks(self, pack: int, kernel) -> int:
+    def count_blocks(self, layout: tuple, kernel) -> int:
         """Clusters of blocks (one block where the row takes one): one a row."""
-        return min(self._call.problem.m, (2**31 - 1) // self.layout(pack)[2])
+        return min(self._call.problem.m, (2**31 - 1) // layout[2])
 
     def __call__(self, values: tuple) -> None:
         bound, call = self._bound, self._call
@@ -208,14 +226,14 @@ class _RowBackward(_RowLaunch):
         self._forms = gradient_forms(bound, problem, tensors, needs)
         super().__init__(bound, call, "backward", backward_types(bound, problem, tensors, grads, self._forms))
 
-    def count_blocks(self, pack: int, kernel) -> int:
+    def count_blocks(self, layout: tuple, kernel) -> int:
         """As many blocks, or clusters of blocks, as the GPU runs at once (a second wave would
         leave the GPU half idle at the end): the driver's counts for the compiled kernel
         (launch._resident: its registers, threads and shared memory, and for clusters how the SMs
         group), each taking a run of adjacent rows, none without one.
         Where a gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
-        threads, _, cluster, _, shared = self.layout(pack)
+        threads, _, cluster, _, shared = layout
         resident = pointwise._resident(kernel, problem.device, threads, shared, cluster)
         if cluster == 1:
             resident *= torch.cuda.get_device_properties(problem.device).multi_processor_count

@@ -71,8 +71,7 @@ class _Rows:
                         for i in kernel.inputs if not i.layout.differentiable for v in i.values}
         self.per_row.update({g: (self.incoming_pointer[g], self.incoming_stride[g][0], "T")
                              for (name, _), g in zip(plan.outputs, kernel.incoming) if name in plan.row_outputs})
-        self.held_temps = self._held_temps()
-        self.pack = {v: namer.claim(f"{v}_pack") for v in sorted(self.element | set(kernel.outputs) | self.held_temps
+        self.pack = {v: namer.claim(f"{v}_pack") for v in sorted(self.element | set(kernel.outputs)
                                                                  | {v for g in kernel.gradients for v in g.values})}
         self.held_at = {v: namer.claim(f"{v}_held") for v, _ in self.held()}
         self.threshold = {m.p.name: namer.claim(f"{m.p.local}_threshold") for m in kernel.masks}
@@ -87,18 +86,16 @@ class _Rows:
     def row_values(self, items) -> list[str]:
         return [f"const T {t.name} = {self.text(e)};" for t, e in items]
 
-    def _needed(self, exprs, leaves: frozenset = frozenset()) -> tuple[list, list, list, list]:
+    def _needed(self, exprs) -> tuple[list, list, list, list]:
         """The element temporaries these expressions read (in order), and the inputs, masks and
-        incoming gradients they reach; temporaries in `leaves` (held) are read, not computed."""
+        incoming gradients they reach."""
         wanted, pending = set(), [s for e in exprs for s in e.free_symbols]
         while pending:
             symbol = pending.pop()
             if symbol in self.temps and symbol not in wanted:
                 wanted.add(symbol)
-                if symbol.name not in leaves:
-                    pending.extend(self.temps[symbol].free_symbols)
-        reached = {s.name for e in [*exprs, *(self.temps[t] for t in wanted if t.name not in leaves)]
-                   for s in e.free_symbols}
+                pending.extend(self.temps[symbol].free_symbols)
+        reached = {s.name for e in [*exprs, *(self.temps[t] for t in wanted)] for s in e.free_symbols}
         temps = [(t, e) for t, e in self.temps.items() if t in wanted]
         inputs = [i for i in self.kernel.inputs if any(v.local in reached for v in i.values)]
         masks = [m for m in self.kernel.masks if m.local in reached]
@@ -149,40 +146,6 @@ class _Rows:
                 f"  if ({col} < {n['end']}) {{", *(f"    {line}" if not line.startswith("#") else line for line in inner),
                 "  }", "}"]
 
-    def _loops(self) -> list[list]:
-        """The expressions of each loop along the row: each pass's (an online sum's loop apart),
-        then the results'."""
-        loops = [[r.value for r in group] for p in self.body.passes
-                 for group in ([r for r in p.reductions if r.running is None],
-                               [r for r in p.reductions if r.running is not None]) if group]
-        return loops + [[e for _, e in self.body.results]]
-
-    def _held_temps(self) -> frozenset:
-        """The forward's element temporaries computed once a row where the row is held and then read
-        by every loop, instead of their inputs (x + bias: one float, not two loads, two conversions
-        and an add a pass): those computed from inputs alone (no row value, mask or column), of two
-        inputs or more, that a loop reads where all such are read, not computed."""
-        if self.kernel is not self.plan.forward:
-            return frozenset()
-        inputs = {v.local for i in self.kernel.inputs for v in i.values}
-
-        def sources(t) -> set:  # the symbols t is computed from, through other temporaries
-            exprs = [self.temps[t], *(e for _, e in self._needed([self.temps[t]])[0])]
-            return {s.name for e in exprs for s in e.free_symbols if s not in self.temps}
-
-        of = {t.name: sources(t) for t in self.temps}
-        leaves = frozenset(t for t, found in of.items() if found <= inputs and len(found) >= 2)
-        while True:  # drop those whose inputs a loop still reads: held too, they would cost more than they save
-            reached, direct = set(), set()
-            for exprs in self._loops():
-                temps, read, _, _ = self._needed(exprs, leaves)
-                reached |= {t.name for t, _ in temps if t.name in leaves}
-                direct |= {v.local for i in read for v in i.values}
-            kept = frozenset(t for t in reached if not of[t] & direct)
-            if kept == leaves:
-                return kept
-            leaves = kept
-
     def held(self) -> list[tuple[str, str]]:
         """What a kernel holds where the row is held, (value, element type): each value with rows
         that its passes read (inputs, incoming gradients, as stored) and the masks they read (a
@@ -191,33 +154,15 @@ class _Rows:
         with the row's, where a results loop that draws masks goes item by item): H100, bf16
         (16384, 8192), bias_layernorm's forward 0.2285 -> 0.2188 ms, layernorm_dropout_add's
         0.4570 -> 0.4068. The backward reads those from memory where used (cached)."""
-        leaves = self.held_temps
-        _, inputs, masks, incoming = self._needed([r.value for p in self.body.passes for r in p.reductions], leaves)
+        _, inputs, masks, incoming = self._needed([r.value for p in self.body.passes for r in p.reductions])
         forward = self.kernel is self.plan.forward
         reads = [(v.local, self.types[i.name]) for i in inputs if forward or _has_rows(i) for v in i.values]
         if forward:
-            _, results, _, _ = self._needed([e for _, e in self.body.results], leaves)
+            _, results, _, _ = self._needed([e for _, e in (*self.body.final_temps, *self.body.results)])
             reads += [(v.local, self.types[i.name]) for i in results if _has_rows(i) and i not in inputs
                       for v in i.values]
         reads += [(g, self.types[g]) for g in incoming]
-        temps = [(t.name, "T") for t in self.temps if t.name in leaves]
-        return [r for r in reads if r[0] not in self.per_row] + temps + [(m.local, "unsigned char") for m in masks]
-
-    def _computed(self, temps: list[str], declared: set = frozenset()) -> list[str]:
-        """Each held temporary's pack (`temps`) computed from the inputs, read from memory: at the
-        row's start where the row is held, or in each loop where it is read again. `declared`:
-        packs the enclosing loop declares."""
-        needed, inputs, _, _ = self._needed([self.temps[t] for t in self.temps if t.name in temps])
-        reads = self._reads(inputs, [])
-        fresh = [v for v, *_ in reads if v not in declared]
-        k = self.names["k"]
-        return [*([f"T {', '.join(f'{self.pack[v]}[Pack]' for v in fresh)};"] if fresh else []),
-                *self._load_lines(reads, [], self.names["row"]),
-                "#pragma unroll", f"for (int {k} = 0; {k} < Pack; ++{k}) {{",
-                *(f"  const T {v} = {self.pack[v]}[{k}];" for v, *_ in reads),
-                *(f"  const T {t.name} = {self.text(e)};" for t, e in needed if t.name not in temps),
-                *(f"  {self.pack[t.name]}[{k}] = {self.text(self.temps[t])};" for t in self.temps if t.name in temps),
-                "}"]
+        return [r for r in reads if r[0] not in self.per_row] + [(m.local, "unsigned char") for m in masks]
 
     def held_arrays(self) -> list[str]:
         """The held rows: in registers, or their places in shared memory, in order."""
@@ -241,10 +186,6 @@ class _Rows:
         lines = [f"fusegen::copy<Pack>({self.here(self.held_at[v])}, {pointer} + {n['row']} * {stride[0]} + "
                  f"{_column(n['col'], c, n['N'])} * {stride[1]}, {stride[1]});"
                  for v, pointer, stride, c in self._reads(self.kernel.inputs, self.kernel.incoming) if v in held]
-        temps = [t.name for t in self.temps if t.name in self.held_temps]
-        if temps:  # each computed once, from its inputs
-            lines += [f"T {', '.join(f'{self.pack[t]}[Pack]' for t in temps)};", *self._computed(temps),
-                      *(f"fusegen::store<Pack>({self.here(self.held_at[t])}, {self.pack[t]});" for t in temps)]
         for m in (m for m in self.kernel.masks if m.local in held):
             lines += [f"T {self.pack[m.local]}[Pack];", *self._load_lines((), [m], n["row"]),
                       f"fusegen::store_kept<Pack>({self.here(self.held_at[m.local])}, {self.pack[m.local]});"]
@@ -262,18 +203,13 @@ class _Rows:
         bf16 layernorm_dropout_add's forward to 80 registers a thread (H100: 3 blocks an SM)."""
         n = self.names
         k = n["k"]
-        temps, inputs, masks, incoming = self._needed(exprs, self.held_temps)
-        computed = [t.name for t, _ in temps if t.name in self.held_temps]  # held: read, or computed again
-        temps = [(t, e) for t, e in temps if t.name not in self.held_temps]
+        temps, inputs, masks, incoming = self._needed(exprs)
         reads = self._reads(inputs, incoming)
-        values = [v for v, *_ in reads] + computed + [m.local for m in masks]
+        values = [v for v, *_ in reads] + [m.local for m in masks]
         held = [v for v in values if v in self.held_at]
         body = [*declared, f"T {', '.join(f'{self.pack[v]}[Pack]' for v in values)};"] if values else list(declared)
         held_reads = [r for r in reads if r[0] in self.held_at]
         loads = self._load_lines(held_reads, [m for m in masks if m.local in self.held_at], n["row"])
-        if computed:  # the row read again (not Whole): each computed from its inputs
-            again = self._computed(computed, set(values))
-            loads = [*loads, "{", *_indent(again), "}"] if loads else again  # its own scope: its packs
         if held:
             scale = {m.local: self.scale[m.p.name] for m in masks}
             body += ["if (Whole) {", *(f"  fusegen::load<Pack>({self.pack[v]}, {self.here(self.held_at[v])}, Index(1));"
