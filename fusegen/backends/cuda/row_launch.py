@@ -18,9 +18,9 @@ LAYOUTS = {2: (((32,), False), ((16, 8), False)), 4: (((16,), True), ((16, 8), F
 # fp32 (twenty-first session): 16-bit forwards ran best from shared memory at 32 values a thread (in registers
 # 0.44-0.99x as fast, from more registers a thread), fp32 forwards from registers at 16 (0.91-1.00x the Triton
 # kernels; shared memory 0.80-0.98x); the backwards from shared memory (at 32, or in registers: mixed). Backwards
-# at 8 against 16 (twenty-second session, forward+backward, GPU time): faster in each of the 9 cells where 8 let
-# the GPU run more threads at once (bf16 layernorm 0.656 -> 0.586 ms, fp32 add_rmsnorm 1.106 -> 1.028), slower or
-# level in the 5 where it did not (bf16 rmsnorm 0.515 -> 0.546, fp32 bias_layernorm 0.555 -> 0.619)
+# at 8 against 16 (twenty-second session, forward+backward, GPU time): faster or level in 8 of the 9 cells where 8
+# let the GPU run more threads at once (bf16 layernorm 0.661 -> 0.586 ms, fp32 add_rmsnorm 1.108 -> 1.021; bf16
+# layernorm_dropout_add 2 % slower), never faster in the 5 where it did not (bf16 rmsnorm 0.515 -> 0.546)
 REGISTER_BYTES = 128  # a thread's held row at most in registers (more: shared memory)
 SM_REGISTERS = 65536  # an SM's: a held row in registers takes at most a quarter of a thread's share
 # (__launch_bounds__(1024) leaves 64 a thread; ptxas spilled an fp32 forward holding 128 bytes there)
