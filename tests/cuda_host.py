@@ -150,6 +150,7 @@ def on_the_host(folder: Path, monkeypatch, row_threads: int = 1):
             raise AssertionError(f"{expression}: the launcher's {len(arguments)} arguments are not the kernel's")
 
     monkeypatch.setattr(cuda_launch._BoundCuda, "kernel", kernel)
+    monkeypatch.setattr(cuda_launch._BoundCuda, "compile_together", lambda self, device, expressions: None)  # kernel's
     monkeypatch.setattr(cuda_launch, "_launch", launch)
     monkeypatch.setattr(cuda_launch, "_config", lambda grid, block=cuda_launch.BLOCK, shared=0, cluster=1: (grid, block, shared))
     monkeypatch.setattr(cuda_launch, "_allow", lambda kernel, device, shared, cluster=1: None)

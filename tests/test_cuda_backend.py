@@ -675,6 +675,56 @@ def test_rows_wide_and_odd_as_the_triton_backend(modules, name, dtype, n):
         torch.testing.assert_close(ours[key].grad, theirs[key].grad, **TOLERANCE[dtype], msg=f"{name}: {key}")
 
 
+@pytest.mark.parametrize(("n", "resident", "want"), [
+    (8192, {512: 1, 1024: 1}, (1024, 1, 1)),  # 8 values a thread: 1024 threads resident, against 512
+    (8192, {512: 2, 1024: 1}, (512, 2, 1)),  # a tie: the first of LAYOUTS' (16 values a thread)
+    (131072, {512: 1}, (512, 4, 8)),  # a cluster's blocks capped at 512 threads: one layout, none weighed
+])
+def test_backward_layouts_weighed_by_the_threads_resident(n, resident, want, monkeypatch):
+    """Of the backward's layouts at 16 and 8 values a thread (bf16, x and grad_y held), the one
+    whose kernel the driver says the GPU runs the most threads of at once: the candidates compiled
+    in one program, an identical one once; a cluster's count is its blocks' threads."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    compiled = []
+    bound = SimpleNamespace(kernels=SimpleNamespace(op="op"), kernel=lambda device, expression: expression,
+                            compile_together=lambda device, expressions: compiled.append(list(expressions)))
+    launch = object.__new__(row_launch._RowLaunch)
+    launch._bound, launch._name, launch._layouts = bound, "backward", {}
+    launch._types, launch._sizes = ["float", "__nv_bfloat16", "__nv_bfloat16"], (2, 2)
+    launch._call = SimpleNamespace(problem=SimpleNamespace(n=n, device=torch.device("cuda", 0)))
+    monkeypatch.setattr(row_launch, "shared_limit", lambda device: (233472 - row_launch.RESERVED, 16))
+    monkeypatch.setattr(cuda_launch, "_allow", lambda kernel, device, shared, cluster=1: None)
+    monkeypatch.setattr(cuda_launch, "_resident",
+                        lambda kernel, device, threads, shared, cluster=1: resident[threads] if cluster == 1 else 7)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132))
+    assert launch.layout(8, np.int32)[:3] == want
+    assert len(compiled) == (n == 8192) and all(len(e) == 2 for e in compiled), compiled
+    if n != 8192:  # a cluster: 7 resident (the driver's count of clusters), each of 8 blocks of 512 threads
+        assert launch.threads_resident(8, np.int32, launch.layout(8, np.int32)) == 7 * 8 * 512
+
+
+def test_what_a_row_forward_holds():
+    """The forward holds what its passes read, the [N] inputs too, and the rows only its results
+    read; the backward what its passes read with rows (its [N] inputs from memory, cached)."""
+    from fusegen import ir, planning, simplify, spec
+    from fusegen.backends.cuda import row_source
+    from fusegen.backends.triton.codegen import RESERVED_NAMES
+
+    def held(name):  # each kernel's held arrays, by input name (or the element type's name)
+        plan = planning.plan(simplify.simplify(ir.build_ir(spec.load_spec(ROOT / "specs" / f"{name}.yaml"))),
+                             RESERVED_NAMES)
+        found = row_source.held_arrays(plan)
+        return tuple(tuple([*(i.name for i in kernel.inputs), *kernel.incoming][p] if isinstance(p, int) else p
+                           for p in places) for kernel, places in zip((plan.forward, plan.backward), found))
+
+    assert held("bias_layernorm") == (("x", "bias"), ("x", "grad_y"))
+    assert held("layernorm_dropout_add") == (("x", "bias", "residual"), ("x", "grad_y", "unsigned char"))
+    assert held("softmax") == (("x",), ("x", "grad_y"))
+
+
 def test_cluster_layouts():
     """A row too wide for a block goes to the smallest cluster whose parts fit PART; its blocks
     take at most CLUSTER_THREADS threads where two fit an SM's shared memory, else up to

@@ -115,14 +115,19 @@ class _BoundCuda:
     def kernel(self, device: torch.device, expression: str):
         """The kernel of `expression` for `device`'s arch, compiled on first use (each prepared
         launch asks once, then keeps it)."""
-        major, minor = torch.cuda.get_device_capability(device)
-        key = (f"sm_{major}{minor}", expression)
+        self.compile_together(device, (expression,))
+        return self._modules[(_arch(device), expression)]
+
+    def compile_together(self, device: torch.device, expressions) -> None:
+        """Those of `expressions` not yet compiled for `device`'s arch, in one NVRTC program: one
+        compile where a launcher weighs several layouts (row_launch)."""
+        arch = _arch(device)
         with self._lock:
-            kernel = self._modules.get(key)
-            if kernel is None:
-                binary = compiler.compile_source(self.kernels.source, f"{self.kernels.op}.cu", (expression,), key[0])
-                kernel = self._modules[key] = _load(binary)[expression]
-        return kernel
+            missing = [e for e in dict.fromkeys(expressions) if (arch, e) not in self._modules]
+            if missing:
+                binary = compiler.compile_source(self.kernels.source, f"{self.kernels.op}.cu", tuple(missing), arch)
+                for expression, kernel in _load(binary).items():
+                    self._modules[(arch, expression)] = kernel
 
     def template_choices(self, call, which: int) -> list[str]:
         """Each choice param's template argument: the call's choice, by its index among the choices."""
@@ -152,6 +157,11 @@ class _BoundCuda:
         for i in self._dropout[which]:
             values += [np.int32(dropout_threshold(params[i])), t(dropout_scale(params[i]))]
         return values
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
 
 
 def _load(binary: compiler.Binary) -> dict:

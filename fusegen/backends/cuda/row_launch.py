@@ -56,7 +56,7 @@ class _BoundRows(_BoundCuda):
 
 
 def layout(problem, pack: int, sizes: tuple[int, ...] = (), shared: int = 0, clusters: int = 1,
-           share: int = LAYOUTS[2][0][0]) -> tuple[int, int, int]:
+           share: int = LAYOUTS[2][0][0][0]) -> tuple[int, int, int]:
     """A block's threads (`share` of its part of the row's values each, a power of two from
     MIN_THREADS to MAX_THREADS), the packs each holds and the blocks a row: one block where the
     row's held arrays (elements of `sizes`) fit its `shared` bytes of shared memory, else the
@@ -117,7 +117,7 @@ class _RowLaunch:
         held = bound.kernels.held[name == "backward"]
         self._sizes = tuple(_SIZES[self._types[0] if p == "T" else p if isinstance(p, str) else self._types[1 + p]]
                             for p in held)
-        self._layouts: dict[int, tuple] = {}  # pack → (threads, items, cluster, registers, shared bytes)
+        self._layouts: dict[tuple, tuple] = {}  # (pack, index) → (threads, items, cluster, registers, shared bytes)
 
     def layout(self, pack: int, index: type) -> tuple[int, int, int, bool, int]:
         """Threads, Items, the blocks a row, whether a held row is in registers and the dynamic
@@ -128,30 +128,41 @@ class _RowLaunch:
             problem = self._call.problem
             most, clusters = shared_limit(problem.device)
             shares, registers = LAYOUTS[2 if max(self._sizes, default=2) <= 2 else 4][self._name == "backward"]
-            best = None
+            candidates = []
             for share in shares:
                 threads, items, cluster = layout(problem, pack, self._sizes, most, clusters, share)
                 held = registers and in_registers(threads, items, cluster, pack, self._sizes)
                 candidate = (threads, items, cluster, held, 0 if held else shared_bytes(threads * items * pack, self._sizes))
-                if len(shares) > 1:
-                    kernel = self.compiled(pack, index, candidate)
-                    pointwise._allow(kernel, problem.device, candidate[4], cluster)
-                    count = pointwise._resident(kernel, problem.device, threads, candidate[4], cluster) * threads
-                    count *= cluster if cluster > 1 else torch.cuda.get_device_properties(problem.device).multi_processor_count
-                    if best is None or count > best[0]:
-                        best = (count, candidate)
-                else:
-                    best = (0, candidate)
-            found = self._layouts[(pack, index)] = best[1]
+                if candidate not in candidates:  # narrow or wide rows: shares may give the same layout
+                    candidates.append(candidate)
+            if len(candidates) > 1:
+                self._bound.compile_together(problem.device, [self.expression(pack, index, c) for c in candidates])
+                found = max(candidates, key=lambda c: self.threads_resident(pack, index, c))  # the first on a tie
+            else:
+                found = candidates[0]
+            self._layouts[(pack, index)] = found
         return found
 
-    def compiled(self, pack: int, index: type, layout: tuple):
-        """The kernel at `pack`, `index` and `layout` (compiled once a machine: compiler's cache)."""
+    def threads_resident(self, pack: int, index: type, layout: tuple) -> int:
+        """Threads of the kernel at `layout` the whole GPU runs at once (the driver's count)."""
+        device = self._call.problem.device
+        threads, _, cluster, _, shared = layout
+        kernel = self.compiled(pack, index, layout)
+        pointwise._allow(kernel, device, shared, cluster)
+        resident = pointwise._resident(kernel, device, threads, shared, cluster)  # blocks an SM, or clusters
+        return resident * threads * (cluster if cluster > 1 else torch.cuda.get_device_properties(device).multi_processor_count)
+
+    def expression(self, pack: int, index: type, layout: tuple) -> str:
+        """The name expression of the kernel at `pack`, `index` and `layout`."""
         t, *types = self._types
         threads, items, cluster, registers, _ = layout
         arguments = [str(pack), str(threads), str(items), str(cluster), "true" if registers else "false"]
-        expression = f"{self._bound.kernels.op}_{self._name}<{', '.join([t, _INDEX[index], *arguments, *types])}>"
-        return self._bound.kernel(self._call.problem.device, expression)
+        return f"{self._bound.kernels.op}_{self._name}<{', '.join([t, _INDEX[index], *arguments, *types])}>"
+
+    def compiled(self, pack: int, index: type, layout: tuple):
+        """The kernel at `pack`, `index` and `layout` (compiled once a process; the cubin cached on
+        disk once a machine: compiler.py)."""
+        return self._bound.kernel(self._call.problem.device, self.expression(pack, index, layout))
 
     def prepared(self, pack: int, index: type) -> tuple:
         """The kernel at `pack` and `index`, its launch config and its grid's blocks (kept: the
