@@ -709,13 +709,10 @@ def test_backward_layouts_weighed_by_the_threads_resident(n, resident, want, mon
 def test_what_a_row_forward_holds():
     """The forward holds what its passes read, the [N] inputs too, and the rows only its results
     read; the backward what its passes read with rows (its [N] inputs from memory, cached)."""
-    from fusegen import ir, planning, simplify, spec
     from fusegen.backends.cuda import row_source
-    from fusegen.backends.triton.codegen import RESERVED_NAMES
 
     def held(name):  # each kernel's held arrays, by input name (or the element type's name)
-        plan = planning.plan(simplify.simplify(ir.build_ir(spec.load_spec(ROOT / "specs" / f"{name}.yaml"))),
-                             RESERVED_NAMES)
+        plan = cli.build_op(ROOT / "specs" / f"{name}.yaml", "cuda").plan
         found = row_source.held_arrays(plan)
         return tuple(tuple([*(i.name for i in kernel.inputs), *kernel.incoming][p] if isinstance(p, int) else p
                            for p in places) for kernel, places in zip((plan.forward, plan.backward), found))

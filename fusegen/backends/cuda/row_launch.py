@@ -145,12 +145,18 @@ class _RowLaunch:
 
     def threads_resident(self, pack: int, index: type, layout: tuple) -> int:
         """Threads of the kernel at `layout` the whole GPU runs at once (the driver's count)."""
-        device = self._call.problem.device
         threads, _, cluster, _, shared = layout
         kernel = self.compiled(pack, index, layout)
-        pointwise._allow(kernel, device, shared, cluster)
-        resident = pointwise._resident(kernel, device, threads, shared, cluster)  # blocks an SM, or clusters
-        return resident * threads * (cluster if cluster > 1 else torch.cuda.get_device_properties(device).multi_processor_count)
+        pointwise._allow(kernel, self._call.problem.device, shared, cluster)
+        return self.resident(layout, kernel) * cluster * threads
+
+    def resident(self, layout: tuple, kernel) -> int:
+        """Blocks of `kernel` at `layout` (clusters, where a row takes several) the whole GPU runs
+        at once: the driver's counts (launch._resident: an SM's blocks, or the GPU's clusters)."""
+        device = self._call.problem.device
+        threads, _, cluster, _, shared = layout
+        found = pointwise._resident(kernel, device, threads, shared, cluster)
+        return found * torch.cuda.get_device_properties(device).multi_processor_count if cluster == 1 else found
 
     def expression(self, pack: int, index: type, layout: tuple) -> str:
         """The name expression of the kernel at `pack`, `index` and `layout`."""
@@ -165,8 +171,10 @@ class _RowLaunch:
         return self._bound.kernel(self._call.problem.device, self.expression(pack, index, layout))
 
     def prepared(self, pack: int, index: type) -> tuple:
-        """The kernel at `pack` and `index`, its launch config and its grid's blocks (kept: the
-        backward's blocks size its buffer of sums, every call)."""
+        """The kernel at `pack` and `index`, its launch config, its grid's blocks (the backward's
+        size its buffer of sums, every call) and a block's run of rows, rows_each (the host divides:
+        an integer division is dozens of instructions a thread, where a 16-bit row's thread has a
+        few hundred); kept by call key."""
         found = self._kernels.get((pack, index))
         if found is None:
             problem = self._call.problem
@@ -176,21 +184,17 @@ class _RowLaunch:
             pointwise._allow(compiled, problem.device, shared, cluster)
             blocks = self.count_blocks(layout, compiled)
             found = self._kernels[(pack, index)] = (compiled, pointwise._config((blocks, 1), threads, shared, cluster),
-                                                    blocks)
+                                                    blocks, index(-(-problem.m // blocks)))
         return found
 
     def count_blocks(self, layout: tuple, kernel) -> int:
         raise NotImplementedError
 
     def launch(self, pack: int, index: type, arguments: list) -> None:
-        """The kernel at `pack` and `index` on `arguments`, then M, N and a block's run of rows
-        (the host divides: an integer division is dozens of instructions a thread, where a
-        16-bit row's thread has a few hundred)."""
-        kernel, config, blocks = self.prepared(pack, index)
-        m = self._call.problem.m
-        rows_each = -(-m // blocks)
-        pointwise._launch(kernel, self._call.problem.device, config,
-                          arguments + [index(m), index(self._call.problem.n), index(rows_each)])
+        """The kernel at `pack` and `index` on `arguments`, then M, N and a block's run of rows."""
+        kernel, config, _, rows_each = self.prepared(pack, index)
+        problem = self._call.problem
+        pointwise._launch(kernel, problem.device, config, arguments + [index(problem.m), index(problem.n), rows_each])
 
     def index(self, views) -> type:
         """As the pointwise kind's, the [M, statistics] buffer's offsets too (once: the call key's)."""
@@ -244,11 +248,7 @@ class _RowBackward(_RowLaunch):
         group), each taking a run of adjacent rows, none without one.
         Where a gradient is summed over rows, a row of partial sums each."""
         problem = self._call.problem
-        threads, _, cluster, _, shared = layout
-        resident = pointwise._resident(kernel, problem.device, threads, shared, cluster)
-        if cluster == 1:
-            resident *= torch.cuda.get_device_properties(problem.device).multi_processor_count
-        each = -(-problem.m // max(1, resident))  # a block's run of rows (launch: rows_each)
+        each = -(-problem.m // max(1, self.resident(layout, kernel)))  # a block's run of rows (rows_each)
         return max(1, -(-problem.m // each))  # no block without a row: each writes its row of sums
 
     def __call__(self, tensors, grads, seed, statistics, in_place: bool = False) -> list[torch.Tensor]:

@@ -158,7 +158,7 @@ class _Rows:
         forward = self.kernel is self.plan.forward
         reads = [(v.local, self.types[i.name]) for i in inputs if forward or _has_rows(i) for v in i.values]
         if forward:
-            _, results, _, _ = self._needed([e for _, e in (*self.body.final_temps, *self.body.results)])
+            _, results, _, _ = self._needed([e for _, e in self.body.results])  # the results loop's reads
             reads += [(v.local, self.types[i.name]) for i in results if _has_rows(i) and i not in inputs
                       for v in i.values]
         reads += [(g, self.types[g]) for g in incoming]
